@@ -1,0 +1,137 @@
+"""The dwell gate: pure arithmetic that picks free, defer or reserved for one attempt.
+
+SPEC section 1. No Redis, no Celery, no clock, no logging: the drill, the CLI and the
+publish hook all call :func:`decide` with numbers they gathered elsewhere.
+
+    dwell_s = queue_age_s + expected_service_s + retry_tax_s
+
+The rules, first match wins:
+
+1. any input not finite, ``expected_service_s <= 0``, ``deadline_slack_s <= 0`` (or a negative
+   queue age, retry tax or cap, which would under-count dwell the same way) -> ``defer``;
+2. ``queue_age_s > max_queue_age_s`` -> ``defer`` (the age cap is a veto, not the whole vote);
+3. ``dwell_s > deadline_slack_s`` -> ``reserved``;
+4. otherwise -> ``admit_free``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = [
+    "DEFAULT_MAX_QUEUE_AGE_S",
+    "Decision",
+    "GateInputs",
+    "GateResult",
+    "Reason",
+    "decide",
+    "retry_tax_s",
+]
+
+DEFAULT_MAX_QUEUE_AGE_S = 30.0
+"""The queue-age cap of the source's declared workload, in seconds."""
+
+
+class Decision(str, Enum):
+    """Where a gated attempt goes."""
+
+    ADMIT_FREE = "admit_free"
+    DEFER = "defer"
+    RESERVED = "reserved"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Reason(str, Enum):
+    """Why the gate (or the pipeline around it) chose what it chose; machine-readable."""
+
+    NON_FINITE_INPUT = "non_finite_input"
+    BAD_SERVICE_GUESS = "bad_service_guess"
+    DEADLINE_PASSED = "deadline_passed"
+    NEGATIVE_INPUT = "negative_input"
+    QUEUE_AGE_CAP = "queue_age_cap"
+    DWELL_OVER_SLACK = "dwell_over_slack"
+    FITS = "fits"
+    RETRY_TAX_BUDGET = "retry_tax_budget"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class GateInputs:
+    """Everything one decision looks at, in seconds."""
+
+    queue_age_s: float
+    expected_service_s: float
+    retry_tax_s: float
+    deadline_slack_s: float
+    max_queue_age_s: float = DEFAULT_MAX_QUEUE_AGE_S
+
+    @property
+    def dwell_s(self) -> float:
+        """Wall-clock seconds a task published now can expect to spend on the free path."""
+        return self.queue_age_s + self.expected_service_s + self.retry_tax_s
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """A decision with its reason and the dwell it was computed from."""
+
+    decision: Decision
+    reason: Reason
+    dwell_s: float
+    field: str | None = None
+    """The input that failed a guard, when a guard fired (for the log line)."""
+
+
+def retry_tax_s(retries_left: int, expected_service_s: float) -> float:
+    """Wall-clock price of the retries a task may still use: one service interval each."""
+    return max(retries_left, 0) * expected_service_s
+
+
+def _first_non_finite(inputs: GateInputs) -> str | None:
+    for name in (
+        "queue_age_s",
+        "expected_service_s",
+        "retry_tax_s",
+        "deadline_slack_s",
+        "max_queue_age_s",
+    ):
+        value = getattr(inputs, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return name
+        if not math.isfinite(value):
+            return name
+    return None
+
+
+def decide(inputs: GateInputs) -> GateResult:
+    """Score one attempt: SPEC section 1's decision order, failing closed on bad input."""
+    bad = _first_non_finite(inputs)
+    if bad is not None:
+        try:
+            dwell = float(inputs.dwell_s)
+        except (TypeError, ValueError):
+            dwell = math.nan
+        return GateResult(Decision.DEFER, Reason.NON_FINITE_INPUT, dwell, field=bad)
+    dwell = inputs.dwell_s
+    if inputs.expected_service_s <= 0:
+        return GateResult(
+            Decision.DEFER, Reason.BAD_SERVICE_GUESS, dwell, field="expected_service_s"
+        )
+    if inputs.deadline_slack_s <= 0:
+        return GateResult(Decision.DEFER, Reason.DEADLINE_PASSED, dwell, field="deadline_slack_s")
+    # A negative age, tax or cap can only come from a skewed clock or a typo; each would make
+    # the free path look closer than it is, so it fails closed like a bad service guess.
+    for name in ("queue_age_s", "retry_tax_s", "max_queue_age_s"):
+        if getattr(inputs, name) < 0:
+            return GateResult(Decision.DEFER, Reason.NEGATIVE_INPUT, dwell, field=name)
+    if inputs.queue_age_s > inputs.max_queue_age_s:
+        return GateResult(Decision.DEFER, Reason.QUEUE_AGE_CAP, dwell)
+    if dwell > inputs.deadline_slack_s:
+        return GateResult(Decision.RESERVED, Reason.DWELL_OVER_SLACK, dwell)
+    return GateResult(Decision.ADMIT_FREE, Reason.FITS, dwell)
