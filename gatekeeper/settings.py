@@ -1,0 +1,193 @@
+"""Gatekeeper's settings: one pydantic-settings model, read only at the edges.
+
+Sources, highest first: keyword arguments, ``GATEKEEPER_*`` environment variables, a ``.env``
+file in the working directory, the TOML file (``GATEKEEPER_CONFIG_FILE``, else
+``config/gatekeeper.toml`` when it exists), then the defaults below. Nested tables use ``__``
+in variable names: ``GATEKEEPER_DRILL__SEED=11``.
+
+Library objects take a settings object as an argument; only the CLI and ``workers/`` call
+:func:`load_settings`. A bad value raises :class:`~gatekeeper.errors.ConfigError` naming the
+variable and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from gatekeeper.errors import ConfigError
+from gatekeeper.ledger import BudgetMode
+
+__all__ = [
+    "CONFIG_FILE_ENV",
+    "DEFAULT_CONFIG_FILE",
+    "DrillSettings",
+    "GatekeeperSettings",
+    "load_settings",
+]
+
+ENV_PREFIX = "GATEKEEPER_"
+CONFIG_FILE_ENV = "GATEKEEPER_CONFIG_FILE"
+"""Environment variable naming the TOML settings file."""
+DEFAULT_CONFIG_FILE = Path("config/gatekeeper.toml")
+"""Read when it exists (relative to the working directory) and no other file is named."""
+
+_toml_file: ContextVar[Path | None] = ContextVar("gatekeeper_toml_file", default=None)
+
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Units = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+QueueName = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+
+
+class DrillSettings(BaseModel):
+    """The ledger drill's declared workload (SPEC section 5); the TOML's ``[drill]`` table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    jobs: int = Field(40, ge=1, le=100_000)
+    input_tokens_per_job: int = Field(1200, ge=0)
+    output_tokens_per_job: int = Field(300, ge=0)
+    window_seconds: int = Field(900, ge=1, le=86_400)
+    service_s: PositiveSeconds = 1.5
+    seed: int = 7
+    kill_fraction: float = Field(0.25, ge=0, le=1)
+    """Share of first free attempts the coin flip kills."""
+    kill_detect_s: Seconds = 6.0
+    """How long after a free slot dies mid-task its death is noticed (a heartbeat or visibility
+    timeout): the killed row is written then, and a retry that finds its deadline gone is
+    abandoned."""
+    max_retries: int = Field(1, ge=0, le=100)
+    deadline_slack_s: PositiveSeconds = 10.0
+    """Slack each job is granted at its first publish."""
+    queue_wait_max_s: Seconds = 4.0
+    """Queue waits are drawn uniformly from [0, this] under the seed."""
+    max_queue_age_s: Seconds = 30.0
+    queue_wait_unit_per_second: Units = 200.0
+    budget_units: Units = 12_000.0
+    """jobs x input tokens x kill_fraction = 40 x 1200 x 0.25: the source's rule (start from
+    tokens times jobs, cut by the fail fraction). Under the default seed the first jobs fit and
+    the later ones are rejected once their queue-wait charge has used the window up."""
+    budget_mode: BudgetMode = BudgetMode.EXPOSURE
+
+
+class GatekeeperSettings(BaseSettings):
+    """Every knob SPEC names, with its default."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_file=".env",
+        env_file_encoding="utf-8",
+        env_nested_delimiter="__",
+        extra="ignore",
+        frozen=True,
+    )
+
+    redis_url: str | None = None
+    """The gate's Redis (state, ledger, flags); unset, ``gatekeeper demo`` embeds one."""
+    broker_url: str | None = None
+    """Celery's broker for ``workers/`` and the demo; unset means ``redis_url``."""
+    key_prefix: QueueName = "gatekeeper"
+    namespace: QueueName = "default"
+    """Hash tag of every key: ``{key_prefix}:{{{namespace}}}:...`` (one slot in Redis Cluster)."""
+
+    free_queue: QueueName = "free"
+    defer_queue: QueueName = "defer"
+    reserved_queue: QueueName = "reserved"
+    dead_letter_queue: QueueName = "dead_letter"
+
+    max_queue_age_s: Seconds = 30.0
+    window_seconds: int = Field(900, ge=1, le=86_400)
+    budget_units: Units = 12_000.0
+    """Per window, in declared units; same derivation as the drill's (40 x 1200 x 0.25)."""
+    queue_wait_unit_per_second: Units = 200.0
+    budget_mode: BudgetMode = BudgetMode.EXPOSURE
+
+    dwell_gate_enabled: bool = False
+    free_path_enabled: bool = True
+    canary_percent: float = Field(5.0, ge=0, le=100, allow_inf_nan=False)
+    flag_cache_s: float = Field(5.0, ge=0, le=60, allow_inf_nan=False)
+    """How stale a live flag read from Redis may be."""
+    miss_error_budget: float = Field(0.01, ge=0, le=1, allow_inf_nan=False)
+
+    log_format: Literal["kv", "json", "stdlib"] = "kv"
+    """``kv``: one key=value line per event on stderr; ``json``: one JSON object per line;
+    ``stdlib``: hand the event dict to the ``gatekeeper`` stdlib logger."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    drill: DrillSettings = DrillSettings()
+
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @property
+    def effective_broker_url(self) -> str | None:
+        """The broker Celery should use."""
+        return self.broker_url or self.redis_url
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings, dotenv_settings]
+        toml_file = _toml_file.get()
+        if toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+
+def _resolve_config_file(config_file: str | os.PathLike[str] | None) -> Path | None:
+    named = config_file if config_file is not None else os.environ.get(CONFIG_FILE_ENV)
+    if named:
+        path = Path(named)
+        if not path.is_file():
+            raise ConfigError(
+                f"{CONFIG_FILE_ENV}: expected an existing TOML file, got {str(path)!r}"
+            )
+        return path
+    return DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.is_file() else None
+
+
+def _describe(error: dict[str, Any], config_file: Path | None) -> str:
+    loc = [str(part) for part in error["loc"]]
+    env_name = ENV_PREFIX + "__".join(part.upper() for part in loc)
+    where = env_name
+    if config_file is not None:
+        where += f" (or {'.'.join(loc)} in {config_file})"
+    value = error.get("input")
+    shown = "" if isinstance(value, dict) else f", got {value!r}"
+    return f"{where}: {error['msg'].lower()}{shown}"
+
+
+def load_settings(
+    config_file: str | os.PathLike[str] | None = None, **overrides: Any
+) -> GatekeeperSettings:
+    """Build settings from the environment, ``.env`` and the TOML file; fail with named fields."""
+    path = _resolve_config_file(config_file)
+    token = _toml_file.set(path)
+    try:
+        return GatekeeperSettings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(_describe(dict(err), path) for err in exc.errors())
+        raise ConfigError(f"invalid settings: {problems}") from exc
+    except ValueError as exc:  # a TOML syntax error, an unreadable .env
+        raise ConfigError(f"invalid settings file: {exc}") from exc
+    finally:
+        _toml_file.reset(token)

@@ -1,0 +1,108 @@
+"""Settings: defaults, the three sources and their precedence, and errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gatekeeper.errors import ConfigError
+from gatekeeper.ledger import BudgetMode
+from gatekeeper.settings import load_settings
+
+REPO_CONFIG = Path(__file__).resolve().parents[1] / "config" / "gatekeeper.toml"
+
+
+def test_defaults_match_the_spec() -> None:
+    settings = load_settings()
+    assert (settings.dwell_gate_enabled, settings.free_path_enabled, settings.canary_percent) == (
+        False,
+        True,
+        5.0,
+    )
+    assert settings.max_queue_age_s == 30
+    assert settings.window_seconds == 900
+    assert settings.queue_wait_unit_per_second == 200
+    assert settings.budget_mode is BudgetMode.EXPOSURE
+    assert settings.miss_error_budget == 0.01
+    assert (settings.free_queue, settings.defer_queue, settings.reserved_queue) == (
+        "free",
+        "defer",
+        "reserved",
+    )
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("GATEKEEPER_MAX_QUEUE_AGE_S", "-1", "greater than or equal to 0"),
+        ("GATEKEEPER_BUDGET_MODE", "maybe", "'exposure' or 'optimistic'"),
+        ("GATEKEEPER_CANARY_PERCENT", "150", "less than or equal to 100"),
+        ("GATEKEEPER_WINDOW_SECONDS", "0", "greater than or equal to 1"),
+        ("GATEKEEPER_FREE_PATH_ENABLED", "perhaps", "valid boolean"),
+        ("GATEKEEPER_MAX_QUEUE_AGE_S", "nan", "finite number"),
+        ("GATEKEEPER_DRILL__SEED", "x", "valid integer"),
+    ],
+)
+def test_a_bad_value_names_the_variable_and_what_was_expected(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, expected: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    assert variable in str(caught.value)
+    assert expected in str(caught.value)
+
+
+def test_environment_beats_dotenv_which_beats_toml(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("config").mkdir()
+    Path("config/gatekeeper.toml").write_text(
+        "max_queue_age_s = 11\nbudget_units = 111\ncanary_percent = 11\n"
+    )
+    Path(".env").write_text("GATEKEEPER_BUDGET_UNITS=222\nGATEKEEPER_CANARY_PERCENT=22\n")
+    monkeypatch.setenv("GATEKEEPER_CANARY_PERCENT", "33")
+    settings = load_settings()
+    assert (settings.max_queue_age_s, settings.budget_units, settings.canary_percent) == (
+        11,
+        222,
+        33,
+    )
+
+
+def test_a_bad_toml_value_names_the_key_and_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text('budget_mode = "maybe"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_settings(config)
+    assert "budget_mode" in str(caught.value) and str(config) in str(caught.value)
+
+
+def test_a_named_config_file_that_is_missing_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEKEEPER_CONFIG_FILE", "/nonexistent/gatekeeper.toml")
+    with pytest.raises(ConfigError, match="GATEKEEPER_CONFIG_FILE"):
+        load_settings()
+
+
+def test_a_toml_syntax_error_is_a_config_error(tmp_path: Path) -> None:
+    config = tmp_path / "broken.toml"
+    config.write_text("budget_units = = 3\n")
+    with pytest.raises(ConfigError):
+        load_settings(config)
+
+
+def test_the_shipped_toml_declares_the_source_workload() -> None:
+    drill = load_settings(REPO_CONFIG).drill
+    assert (drill.jobs, drill.input_tokens_per_job, drill.window_seconds, drill.service_s) == (
+        40,
+        1200,
+        900,
+        1.5,
+    )
+
+
+def test_nested_drill_variables_override_the_toml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEKEEPER_DRILL__SEED", "11")
+    assert load_settings(REPO_CONFIG).drill.seed == 11
