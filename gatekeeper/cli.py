@@ -1,0 +1,120 @@
+"""The ``gatekeeper`` command line: the drill, one-off decisions, and (later) operations.
+
+Settings are read here, at the edge, from the environment, ``.env`` and the TOML file
+(``--config`` or ``GATEKEEPER_CONFIG_FILE``). Exit codes: 0 success, 2 bad usage or settings.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import click
+
+from gatekeeper.drill import dwell_table_lines, run_ledger_drill, write_ledger
+from gatekeeper.dwell import GateInputs, decide
+from gatekeeper.errors import ConfigError
+from gatekeeper.settings import GatekeeperSettings, load_settings
+
+__all__ = ["main"]
+
+DEFAULT_LEDGER_FILE = Path(tempfile.gettempdir()) / "retry-tax-ledger.json"
+"""Where ``gatekeeper drill`` writes its JSON ledger unless ``--out`` says otherwise."""
+
+
+def _settings(ctx: click.Context) -> GatekeeperSettings:
+    """Load settings once per invocation; a bad value is a usage error naming the variable."""
+    obj = ctx.ensure_object(dict)
+    if "settings" not in obj:
+        try:
+            obj["settings"] = load_settings(obj.get("config"))
+        except ConfigError as exc:
+            raise click.UsageError(str(exc), ctx=ctx) from exc
+    settings: GatekeeperSettings = obj["settings"]
+    return settings
+
+
+def format_number(value: float) -> str:
+    """Whole numbers without a decimal point (``28``), others to the millisecond (``28.5``)."""
+    if not math.isfinite(value):
+        return str(value)
+    if float(value).is_integer():
+        return str(int(value))
+    return str(round(value, 3))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="TOML settings file (default: $GATEKEEPER_CONFIG_FILE, else config/gatekeeper.toml).",
+)
+@click.pass_context
+def main(ctx: click.Context, config: Path | None) -> None:
+    """Deadline-aware admission control for Celery."""
+    ctx.ensure_object(dict)["config"] = config
+
+
+@main.command()
+@click.option(
+    "--seed", type=int, default=None, help="Seed of the ledger drill (default: [drill].seed)."
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=DEFAULT_LEDGER_FILE,
+    show_default=True,
+    help="Where to write the JSON ledger.",
+)
+@click.pass_context
+def drill(ctx: click.Context, seed: int | None, out: Path) -> None:
+    """Run both local drills: the dwell-gate table, then the retry-tax ledger."""
+    cfg = _settings(ctx).drill
+    if seed is not None:
+        cfg = cfg.model_copy(update={"seed": seed})
+    for line in dwell_table_lines():
+        click.echo(line)
+    result = run_ledger_drill(cfg)
+    for _, summary in result.summaries:
+        click.echo(summary.line())
+    try:
+        written = write_ledger(result, out)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write {out}: {exc.strerror}", param_hint="--out") from exc
+    click.echo(f"wrote {written}")
+
+
+@main.command(name="decide")
+@click.option(
+    "--queue-age-s", type=float, required=True, help="Age of the free queue's oldest task."
+)
+@click.option("--expected-service-s", type=float, required=True, help="Declared service time.")
+@click.option(
+    "--retry-tax-s", type=float, default=0.0, show_default=True, help="retries_left x service."
+)
+@click.option("--deadline-slack-s", type=float, required=True, help="Deadline minus now.")
+@click.option(
+    "--max-queue-age-s", type=float, default=None, help="Queue-age cap (default: from settings)."
+)
+@click.pass_context
+def decide_command(
+    ctx: click.Context,
+    queue_age_s: float,
+    expected_service_s: float,
+    retry_tax_s: float,
+    deadline_slack_s: float,
+    max_queue_age_s: float | None,
+) -> None:
+    """Print what the dwell gate would decide for these inputs."""
+    cap = _settings(ctx).max_queue_age_s if max_queue_age_s is None else max_queue_age_s
+    inputs = GateInputs(queue_age_s, expected_service_s, retry_tax_s, deadline_slack_s, cap)
+    result = decide(inputs)
+    line = (
+        f"dwell={format_number(result.dwell_s)} slack={format_number(deadline_slack_s)} "
+        f"decision={result.decision.value} reason={result.reason.value}"
+    )
+    if result.field is not None:
+        line += f" field={result.field}"
+    click.echo(line)
