@@ -1,0 +1,1 @@
+"""A runnable Celery app for gatekeeper: its worker entry points and the demo tasks."""
