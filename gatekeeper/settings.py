@@ -120,6 +120,12 @@ class GatekeeperSettings(BaseSettings):
     """How stale a live flag read from Redis may be."""
     miss_error_budget: float = Field(0.01, ge=0, le=1, allow_inf_nan=False)
 
+    redis_timeout_s: float = Field(0.5, gt=0, le=30, allow_inf_nan=False)
+    """Connect and read timeout of the gate's Redis client: past it a publish fails closed."""
+    queue_age_horizon_s: float = Field(3600.0, gt=0, allow_inf_nan=False)
+    """A free attempt published longer ago than this no longer holds the queue's age up
+    (so a purged free queue cannot pin the age forever)."""
+
     log_format: Literal["kv", "json", "stdlib"] = "kv"
     """``kv``: one key=value line per event on stderr; ``json``: one JSON object per line;
     ``stdlib``: hand the event dict to the ``gatekeeper`` stdlib logger."""

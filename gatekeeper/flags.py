@@ -1,0 +1,198 @@
+"""Live flags: settings defaults, overridden in Redis, read at most ``flag_cache_s`` stale.
+
+Precedence (SPEC section 4), so a rollback works whichever way an operator does it:
+
+- ``free_path_enabled`` is false when it is false in the settings **or** in Redis; turning it
+  back on needs both.
+- ``dwell_gate_enabled`` and ``canary_percent``: a value in Redis overrides the settings until
+  it is cleared (``gatekeeper flags unset NAME``).
+
+Every change is appended to the flag log with its reason, actor and time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from gatekeeper.errors import ConfigError, LedgerUnavailable
+from gatekeeper.keys import Keys
+from gatekeeper.settings import GatekeeperSettings
+
+__all__ = ["FLAG_NAMES", "FlagChange", "FlagStore", "Flags", "in_canary", "parse_flag"]
+
+FLAG_NAMES = ("dwell_gate_enabled", "free_path_enabled", "canary_percent")
+FLAG_LOG_LENGTH = 1000
+"""How many flag changes the log keeps."""
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The flags in force for one decision."""
+
+    dwell_gate_enabled: bool
+    free_path_enabled: bool
+    canary_percent: float
+
+
+@dataclass(frozen=True)
+class FlagChange:
+    """One entry of the flag log."""
+
+    name: str
+    value: str | None
+    reason: str
+    actor: str
+    at: float
+
+
+def parse_flag(name: str, value: str) -> bool | float:
+    """Validate a flag value given as text; raises ConfigError naming the flag."""
+    if name not in FLAG_NAMES:
+        raise ConfigError(f"flag name: expected one of {', '.join(FLAG_NAMES)}, got {name!r}")
+    text = value.strip().lower()
+    if name == "canary_percent":
+        try:
+            number = float(text)
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and 0 <= number <= 100):
+            raise ConfigError(f"canary_percent: expected a number from 0 to 100, got {value!r}")
+        return number
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{name}: expected true or false, got {value!r}")
+
+
+def in_canary(job_id: str, percent: float) -> bool:
+    """Whether a job is in the canary slice: a stable hash of its id, not a coin flip."""
+    if percent >= 100:
+        return True
+    if percent <= 0:
+        return False
+    digest = hashlib.blake2b(job_id.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 10_000 < percent * 100
+
+
+def combine(settings: GatekeeperSettings, stored: dict[str, str]) -> Flags:
+    """Apply SPEC's precedence to the settings and the values stored in Redis."""
+    values: dict[str, Any] = {}
+    for name in FLAG_NAMES:
+        raw = stored.get(name)
+        try:
+            values[name] = None if raw is None else parse_flag(name, raw)
+        except ConfigError:
+            # A corrupt stored value must not open the free path: treat it as "off".
+            values[name] = False if name == "free_path_enabled" else None
+    gate = values["dwell_gate_enabled"]
+    canary = values["canary_percent"]
+    return Flags(
+        dwell_gate_enabled=settings.dwell_gate_enabled if gate is None else bool(gate),
+        free_path_enabled=settings.free_path_enabled and values["free_path_enabled"] is not False,
+        canary_percent=settings.canary_percent if canary is None else float(canary),
+    )
+
+
+class FlagStore:
+    """Reads and changes the live flags of one namespace."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        settings: GatekeeperSettings,
+        keys: Keys | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self.keys = keys or Keys(settings.key_prefix, settings.namespace)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._cached: Flags | None = None
+        self._read_at = -math.inf
+
+    def stored(self) -> dict[str, str]:
+        """The overrides in Redis, as text."""
+        try:
+            raw = self.client.hgetall(self.keys.flags)
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot read flags: {exc}") from exc
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+    def current(self) -> Flags:
+        """The flags in force, at most ``flag_cache_s`` old.
+
+        When Redis cannot be read the last flags read stay in force (stale beats absent);
+        before any read has succeeded the settings alone decide.
+        """
+        now = self._clock()
+        with self._lock:
+            if self._cached is not None and now - self._read_at < self.settings.flag_cache_s:
+                return self._cached
+            try:
+                flags = combine(self.settings, self.stored())
+            except LedgerUnavailable:
+                flags = self._cached or combine(self.settings, {})
+                # Retry after one cache interval, not on every publish.
+            self._cached, self._read_at = flags, now
+            return flags
+
+    def invalidate(self) -> None:
+        """Forget the cached flags (the next decision reads Redis)."""
+        with self._lock:
+            self._cached, self._read_at = None, -math.inf
+
+    def set(self, name: str, value: str, reason: str, actor: str, now: float) -> FlagChange:
+        """Store an override and log it; returns the change."""
+        parsed = parse_flag(name, value)
+        text = str(parsed).lower() if isinstance(parsed, bool) else repr(parsed)
+        return self._write(name, text, reason, actor, now)
+
+    def unset(self, name: str, reason: str, actor: str, now: float) -> FlagChange:
+        """Remove an override: the settings decide again."""
+        parse_flag(name, "0")  # validates the name
+        return self._write(name, None, reason, actor, now)
+
+    def _write(
+        self, name: str, value: str | None, reason: str, actor: str, now: float
+    ) -> FlagChange:
+        change = FlagChange(name=name, value=value, reason=reason, actor=actor, at=now)
+        entry = json.dumps(change.__dict__)
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            if value is None:
+                pipe.hdel(self.keys.flags, name)
+            else:
+                pipe.hset(self.keys.flags, name, value)
+            pipe.lpush(self.keys.flags_log, entry)
+            pipe.ltrim(self.keys.flags_log, 0, FLAG_LOG_LENGTH - 1)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot write flag {name}: {exc}") from exc
+        self.invalidate()
+        return change
+
+    def history(self, limit: int = 20) -> list[FlagChange]:
+        """The newest flag changes first."""
+        try:
+            raw = self.client.lrange(self.keys.flags_log, 0, limit - 1)
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot read the flag log: {exc}") from exc
+        return [FlagChange(**json.loads(_text(item))) for item in raw]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value

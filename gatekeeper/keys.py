@@ -1,0 +1,62 @@
+"""Every Redis key gatekeeper uses, built in one place.
+
+All keys share one prefix and one hash tag, ``{prefix}:{{{namespace}}}:``, so that in Redis
+Cluster they live in one slot and a Lua script may touch any of them. With the defaults an
+operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
+
+``gatekeeper:{default}:flags`` - hash, no TTL
+    Live flag overrides (``dwell_gate_enabled``, ``free_path_enabled``, ``canary_percent``):
+    a field present overrides the settings (``free_path_enabled`` can only turn the path off).
+``gatekeeper:{default}:flags:log`` - list, no TTL, newest first, capped at 1000 entries
+    One JSON object per flag change: ``name``, ``value``, ``reason``, ``actor``, ``at``.
+``gatekeeper:{default}:free:waiting`` - sorted set, no TTL (members expire by score)
+    Gated attempts published to the free queue and not yet started: member
+    ``<job_id>:<attempt>``, score = publish time in ms. The oldest score gives the free queue's
+    age; members older than the horizon are dropped, so a purged queue cannot pin the age.
+``gatekeeper:{default}:window:<id>`` - hash, TTL = window retention
+    One ledger window (``id`` = epoch seconds // ``window_seconds``): ``tax_units``
+    (free rows' retry tax), ``exposure`` (tokens of free attempts admitted and not finished),
+    ``admitted_free``, ``rejected`` and per-decision counters.
+``gatekeeper:{default}:window:<id>:rows`` - list, TTL = window retention
+    The window's ledger rows, one JSON object each, oldest first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_WINDOW_RETENTION_S", "Keys"]
+
+DEFAULT_WINDOW_RETENTION_S = 8 * 24 * 3600
+"""Windows are kept eight days: a week of review (``gatekeeper report``) plus a day's margin."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names for one prefix and namespace."""
+
+    prefix: str = "gatekeeper"
+    namespace: str = "default"
+
+    @property
+    def base(self) -> str:
+        """``prefix:{namespace}``: the hash tag keeps every key in one cluster slot."""
+        return f"{self.prefix}:{{{self.namespace}}}"
+
+    @property
+    def flags(self) -> str:
+        return f"{self.base}:flags"
+
+    @property
+    def flags_log(self) -> str:
+        return f"{self.base}:flags:log"
+
+    @property
+    def free_waiting(self) -> str:
+        return f"{self.base}:free:waiting"
+
+    def window(self, window_id: int) -> str:
+        return f"{self.base}:window:{window_id}"
+
+    def window_rows(self, window_id: int) -> str:
+        return f"{self.base}:window:{window_id}:rows"

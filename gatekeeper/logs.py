@@ -1,0 +1,95 @@
+"""Gatekeeper's own structlog loggers; the application's logging is never reconfigured.
+
+Each logger is built with :func:`structlog.wrap_logger` and a processor chain of its own, so
+``key=value`` lines (the default) can be grepped during a page::
+
+    ts=2026-11-30T02:14:03.120Z level=info event=gate_decision task=embed ... decision=admit_free
+
+``log_format = "json"`` writes one JSON object per line instead; ``"stdlib"`` renders the same
+key=value text and hands it to the stdlib logger ``gatekeeper.<name>`` for apps that route logs
+centrally. :func:`configure_logging` is for the CLI and ``workers/`` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import MutableMapping
+from typing import Any, TextIO
+
+import structlog
+from structlog.typing import Processor
+
+from gatekeeper.settings import GatekeeperSettings
+
+__all__ = ["DECISION_FIELDS", "configure_logging", "make_logger"]
+
+DECISION_FIELDS = (
+    "event",
+    "task",
+    "job_id",
+    "attempt",
+    "queue_age_s",
+    "expected_service_s",
+    "retry_tax_s",
+    "dwell_s",
+    "deadline_slack_s",
+    "decision",
+    "reason",
+    "retries",
+    "tokens",
+    "token_pressure",
+)
+"""The fields SPEC section 3 requires on every decision line, in the order they are written."""
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+_LEVELS["error"] = logging.ERROR
+
+
+def _round_floats(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Floats to the millisecond: ``dwell_s=28.004`` reads better than 17 digits."""
+    for key, value in event.items():
+        if isinstance(value, float):
+            event[key] = round(value, 3)
+    return event
+
+
+def _renderer(fmt: str) -> Processor:
+    if fmt == "json":
+        return structlog.processors.JSONRenderer(sort_keys=False)
+    return structlog.processors.LogfmtRenderer(
+        key_order=["ts", "level", "logger", *DECISION_FIELDS], bool_as_flag=False
+    )
+
+
+def make_logger(
+    settings: GatekeeperSettings, name: str = "decision", stream: TextIO | None = None
+) -> Any:
+    """A bound logger for ``gatekeeper.<name>`` with the format and level from settings."""
+    processors: list[Processor] = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+        _round_floats,
+        _renderer("kv" if settings.log_format == "stdlib" else settings.log_format),
+    ]
+    level = _LEVELS[settings.log_level]
+    target: Any
+    if settings.log_format == "stdlib":
+        target = logging.getLogger(f"gatekeeper.{name}")
+    else:
+        target = structlog.PrintLogger(file=stream or sys.stderr)
+    return structlog.wrap_logger(
+        target,
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+    ).bind(logger=f"gatekeeper.{name}")
+
+
+def configure_logging(settings: GatekeeperSettings) -> None:
+    """For the CLI and workers: send the ``gatekeeper`` stdlib logger's records to stderr."""
+    logger = logging.getLogger("gatekeeper")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(_LEVELS[settings.log_level])

@@ -1,0 +1,88 @@
+-- gate.lua: one publish-time decision for a gated attempt, in one atomic step.
+--
+-- Repeats the dwell gate's rules 2-4 (gatekeeper/dwell.py) and the admission inequality
+-- (gatekeeper/ledger.py) so that reading the free queue's age, checking the budget and
+-- reserving the attempt's exposure cannot interleave with another publisher's.
+-- tests/test_gate_script.py holds this script and the Python core to the same answers.
+--
+-- KEYS[1] free:waiting      sorted set: member <job_id>:<attempt>, score = publish time (ms)
+-- KEYS[2] window:<id>       hash: tax_units, exposure, admitted_free, rejected, decided:<d>
+-- KEYS[3] window:<id>:rows  list: ledger rows (JSON), oldest first
+--
+-- ARGV[1]  now_ms            the caller's clock (scripts never read the time)
+-- ARGV[2]  member            <job_id>:<attempt>
+-- ARGV[3]  expected_service_s
+-- ARGV[4]  retry_tax_s
+-- ARGV[5]  deadline_slack_s
+-- ARGV[6]  max_queue_age_s
+-- ARGV[7]  tokens_in
+-- ARGV[8]  budget_units
+-- ARGV[9]  queue_wait_unit_per_second
+-- ARGV[10] budget_mode       "exposure" or "optimistic"
+-- ARGV[11] horizon_ms        waiting members older than this are dropped
+-- ARGV[12] retention_s       TTL of the window's keys
+-- ARGV[13] rejected_row      the JSON row to append if the budget refuses
+--
+-- Returns {decision, reason, queue_age_s, dwell_s, projected_tax}, numbers as strings
+-- (Redis would truncate a Lua float reply to an integer).
+
+local function finite(x)
+  return x ~= nil and x == x and x ~= math.huge and x ~= -math.huge
+end
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+local now = tonumber(ARGV[1])
+local service = tonumber(ARGV[3])
+local tax = tonumber(ARGV[4])
+local slack = tonumber(ARGV[5])
+local cap = tonumber(ARGV[6])
+local tokens = tonumber(ARGV[7])
+local budget = tonumber(ARGV[8])
+local unit = tonumber(ARGV[9])
+local horizon = tonumber(ARGV[11])
+local retention = tonumber(ARGV[12])
+
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. fmt(now - horizon))
+local age = 0
+local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if oldest[2] then
+  age = math.max(0, now - tonumber(oldest[2])) / 1000
+end
+
+local function decided(decision, reason, dwell, projected)
+  redis.call('HINCRBY', KEYS[2], 'decided:' .. decision, 1)
+  redis.call('EXPIRE', KEYS[2], retention)
+  return {decision, reason, fmt(age), fmt(dwell), fmt(projected)}
+end
+
+if not (finite(service) and finite(tax) and finite(slack) and finite(cap)) then
+  return decided('defer', 'non_finite_input', 0 / 0, 0)
+end
+local dwell = age + service + tax
+if service <= 0 then return decided('defer', 'bad_service_guess', dwell, 0) end
+if slack <= 0 then return decided('defer', 'deadline_passed', dwell, 0) end
+if tax < 0 or cap < 0 then return decided('defer', 'negative_input', dwell, 0) end
+if age > cap then return decided('defer', 'queue_age_cap', dwell, 0) end
+if dwell > slack then return decided('reserved', 'dwell_over_slack', dwell, 0) end
+
+local tax_units = tonumber(redis.call('HGET', KEYS[2], 'tax_units') or '0')
+local exposure = 0
+if ARGV[10] == 'exposure' then
+  exposure = tonumber(redis.call('HGET', KEYS[2], 'exposure') or '0')
+end
+local projected = tax_units + exposure + age * unit
+local total = projected + tokens
+if not (finite(total) and finite(budget)) or total > budget then
+  redis.call('HINCRBY', KEYS[2], 'rejected', 1)
+  redis.call('RPUSH', KEYS[3], ARGV[13])
+  redis.call('EXPIRE', KEYS[3], retention)
+  return decided('reserved', 'retry_tax_budget', dwell, projected)
+end
+
+redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', tokens)
+redis.call('HINCRBY', KEYS[2], 'admitted_free', 1)
+redis.call('ZADD', KEYS[1], now, ARGV[2])
+return decided('admit_free', 'fits', dwell, projected)

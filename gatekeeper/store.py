@@ -1,0 +1,138 @@
+"""The Redis adapter: gatekeeper's scripts, registered once per client, and what they return.
+
+Every redis-py error is wrapped at this boundary in :class:`~gatekeeper.errors.LedgerUnavailable`,
+which the publish hook turns into a fail-closed route to reserved.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+import redis
+from redis.commands.core import Script
+
+from gatekeeper.dwell import Decision, Reason
+from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, Keys
+from gatekeeper.ledger import BudgetMode, LedgerRow
+
+__all__ = ["DEFAULT_QUEUE_AGE_HORIZON_S", "GateStore", "ScoredAttempt", "load_lua"]
+
+DEFAULT_QUEUE_AGE_HORIZON_S = 3600.0
+"""A waiting entry older than this no longer counts toward the free queue's age (purged queues)."""
+
+
+@cache
+def load_lua(name: str) -> str:
+    """The text of ``gatekeeper/lua/<name>``."""
+    return resources.files("gatekeeper").joinpath("lua").joinpath(name).read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class ScoredAttempt:
+    """What the gate script decided for one attempt."""
+
+    decision: Decision
+    reason: Reason
+    queue_age_s: float
+    dwell_s: float
+    projected_tax: float
+
+
+class GateStore:
+    """Gatekeeper's state in one Redis: the free queue's waiting set and the ledger windows."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        horizon_s: float = DEFAULT_QUEUE_AGE_HORIZON_S,
+        retention_s: int = DEFAULT_WINDOW_RETENTION_S,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.horizon_s = horizon_s
+        self.retention_s = retention_s
+        self._gate: Script = client.register_script(load_lua("gate.lua"))
+
+    def score(
+        self,
+        *,
+        now_s: float,
+        window_id: int,
+        job_id: str,
+        attempt: int,
+        expected_service_s: float,
+        retry_tax_s: float,
+        deadline_slack_s: float,
+        max_queue_age_s: float,
+        tokens_in: int,
+        budget_units: float,
+        queue_wait_unit_per_second: float,
+        budget_mode: BudgetMode,
+        rejected_row: LedgerRow,
+    ) -> ScoredAttempt:
+        """Run the gate script: age cap, dwell against slack, then the budget, atomically."""
+        keys = [
+            self.keys.free_waiting,
+            self.keys.window(window_id),
+            self.keys.window_rows(window_id),
+        ]
+        args = [
+            repr(now_s * 1000),
+            f"{job_id}:{attempt}",
+            repr(float(expected_service_s)),
+            repr(float(retry_tax_s)),
+            repr(float(deadline_slack_s)),
+            repr(float(max_queue_age_s)),
+            str(tokens_in),
+            repr(float(budget_units)),
+            repr(float(queue_wait_unit_per_second)),
+            budget_mode.value,
+            repr(self.horizon_s * 1000),
+            str(self.retention_s),
+            json.dumps(rejected_row.to_json()),
+        ]
+        try:
+            reply = self._gate(keys=keys, args=args)
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"gate script failed: {exc}") from exc
+        decision, reason, age, dwell, projected = (_text(part) for part in reply)
+        return ScoredAttempt(
+            decision=Decision(decision),
+            reason=Reason(reason),
+            queue_age_s=float(age),
+            dwell_s=float(dwell),
+            projected_tax=float(projected),
+        )
+
+    def attempt_started(self, job_id: str, attempt: int) -> None:
+        """A free attempt has started: it no longer holds the free queue's age up."""
+        try:
+            self.client.zrem(self.keys.free_waiting, f"{job_id}:{attempt}")
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot update the free queue's waiting set: {exc}") from exc
+
+    def window_rows(self, window_id: int) -> list[dict[str, object]]:
+        """The rows stored for one window, oldest first."""
+        try:
+            raw = self.client.lrange(self.keys.window_rows(window_id), 0, -1)
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot read window {window_id}: {exc}") from exc
+        return [json.loads(_text(item)) for item in raw]
+
+    def window_state(self, window_id: int) -> dict[str, str]:
+        """The window hash as text (``tax_units``, ``exposure``, counters)."""
+        try:
+            raw = self.client.hgetall(self.keys.window(window_id))
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot read window {window_id}: {exc}") from exc
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+
+def _text(value: bytes | str | int) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
