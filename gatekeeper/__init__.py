@@ -7,6 +7,7 @@ Importing this package does nothing: no Redis connection, no Celery hook, no log
 
 from __future__ import annotations
 
+from gatekeeper.celery_hook import Installed, install
 from gatekeeper.dwell import Decision, GateInputs, GateResult, Reason, decide, retry_tax_s
 from gatekeeper.errors import ConfigError, GatekeeperError, LedgerUnavailable
 from gatekeeper.ledger import (
@@ -23,6 +24,7 @@ from gatekeeper.ledger import (
     window_id,
 )
 from gatekeeper.settings import DrillSettings, GatekeeperSettings, load_settings
+from gatekeeper.spec import GatedSpec, gated
 
 __all__ = [
     "Admission",
@@ -32,8 +34,10 @@ __all__ = [
     "DrillSettings",
     "GateInputs",
     "GateResult",
+    "GatedSpec",
     "GatekeeperError",
     "GatekeeperSettings",
+    "Installed",
     "LedgerRow",
     "LedgerUnavailable",
     "Outcome",
@@ -42,6 +46,8 @@ __all__ = [
     "WindowSummary",
     "admit",
     "decide",
+    "gated",
+    "install",
     "load_settings",
     "make_row",
     "retry_tax_s",

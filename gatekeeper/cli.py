@@ -6,15 +6,22 @@ Settings are read here, at the edge, from the environment, ``.env`` and the TOML
 
 from __future__ import annotations
 
+import getpass
 import math
+import socket
 import tempfile
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import click
+import redis
 
 from gatekeeper.drill import dwell_table_lines, run_ledger_drill, write_ledger
 from gatekeeper.dwell import GateInputs, decide
-from gatekeeper.errors import ConfigError
+from gatekeeper.errors import ConfigError, LedgerUnavailable
+from gatekeeper.flags import FLAG_NAMES, FlagStore, combine
+from gatekeeper.logs import make_logger
 from gatekeeper.settings import GatekeeperSettings, load_settings
 
 __all__ = ["main"]
@@ -118,3 +125,89 @@ def decide_command(
     if result.field is not None:
         line += f" field={result.field}"
     click.echo(line)
+
+
+def _flag_store(ctx: click.Context) -> FlagStore:
+    settings = _settings(ctx)
+    url = settings.redis_url or settings.broker_url
+    if not url:
+        raise click.UsageError(
+            "GATEKEEPER_REDIS_URL: expected the gate's Redis URL (redis://host:port/db), got none",
+            ctx=ctx,
+        )
+    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    return FlagStore(client, settings)
+
+
+def _actor() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def flags(ctx: click.Context) -> None:
+    """Show the live flags: the settings, the Redis overrides, and what is in force."""
+    if ctx.invoked_subcommand is not None:
+        return
+    store = _flag_store(ctx)
+    try:
+        stored = store.stored()
+        history = store.history(limit=5)
+    except LedgerUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
+    effective = combine(store.settings, stored)
+    for name in FLAG_NAMES:
+        setting = getattr(store.settings, name)
+        click.echo(
+            f"{name}: effective={_show(getattr(effective, name))} settings={_show(setting)} "
+            f"redis={stored.get(name, '-')}"
+        )
+    for change in history:
+        when = datetime.fromtimestamp(change.at, tz=timezone.utc).isoformat(timespec="seconds")
+        value = "(unset)" if change.value is None else change.value
+        click.echo(f"changed {when} {change.name}={value} by {change.actor}: {change.reason}")
+
+
+def _show(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@flags.command(name="set")
+@click.argument("name", type=click.Choice(FLAG_NAMES))
+@click.argument("value")
+@click.option("--reason", default="", help="Why: written to the flag log and the log line.")
+@click.pass_context
+def flags_set(ctx: click.Context, name: str, value: str, reason: str) -> None:
+    """Override a flag in Redis; new decisions obey within flag_cache_s."""
+    store = _flag_store(ctx)
+    try:
+        change = store.set(name, value, reason or "(no reason given)", _actor(), time.time())
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="VALUE") from exc
+    except LedgerUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
+    make_logger(store.settings, "flags").info(
+        "flag_changed", name=name, value=change.value, reason=change.reason, actor=change.actor
+    )
+    click.echo(f"{name}={change.value} (reason: {change.reason})")
+
+
+@flags.command(name="unset")
+@click.argument("name", type=click.Choice(FLAG_NAMES))
+@click.option("--reason", default="", help="Why: written to the flag log and the log line.")
+@click.pass_context
+def flags_unset(ctx: click.Context, name: str, reason: str) -> None:
+    """Remove a flag's Redis override: the settings decide again."""
+    store = _flag_store(ctx)
+    try:
+        change = store.unset(name, reason or "(no reason given)", _actor(), time.time())
+    except LedgerUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
+    make_logger(store.settings, "flags").info(
+        "flag_changed", name=name, value=None, reason=change.reason, actor=change.actor
+    )
+    click.echo(f"{name} unset (reason: {change.reason})")

@@ -7,13 +7,21 @@ before each test that asks for ``redis_client``); otherwise the suite starts its
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterator
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from gatekeeper.embedded import EmbeddedRedis
+from gatekeeper.settings import GatekeeperSettings
 
 TEST_REDIS_URL_ENV = "GATEKEEPER_TEST_REDIS_URL"
 
@@ -49,3 +57,73 @@ def _isolated_settings_env(
         if name.startswith("GATEKEEPER_") and name != TEST_REDIS_URL_ENV:
             monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def gate_settings(redis_url: str, **overrides: Any) -> GatekeeperSettings:
+    """Settings for a test: the gate on for every job, a short flag cache, the given Redis."""
+    values: dict[str, Any] = {
+        "redis_url": redis_url,
+        "dwell_gate_enabled": True,
+        "canary_percent": 100,
+        "flag_cache_s": 0.2,
+    }
+    values.update(overrides)
+    return GatekeeperSettings(**values)
+
+
+def queue_messages(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
+    """The messages kombu's Redis transport holds in a queue's list, oldest first."""
+    return [json.loads(raw) for raw in reversed(client.lrange(queue, 0, -1))]
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 20.0, every_s: float = 0.05) -> bool:
+    """Poll ``check`` until it is true or the time is up; returns its last answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(every_s)
+    return check()
+
+
+@contextmanager
+def running_worker(
+    redis_url: str, log_path: Path, queues: str = "free", **env_overrides: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A real prefork Celery worker (tests.apps.gated_app) consuming ``queues``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
+    env.update(
+        GATEKEEPER_TEST_WORKER="1",
+        GATEKEEPER_BROKER_URL=redis_url,
+        GATEKEEPER_REDIS_URL=redis_url,
+        GATEKEEPER_DWELL_GATE_ENABLED="true",
+        GATEKEEPER_CANARY_PERCENT="100",
+        GATEKEEPER_FLAG_CACHE_S="0.2",
+        PYTHONPATH=str(REPO_ROOT),
+    )
+    env.update(env_overrides)
+    command = [
+        sys.executable, "-m", "celery", "-A", "tests.apps.gated_app", "worker",
+        "-Q", queues, "-P", "prefork", "-c", "1", "-l", "INFO",
+        "--without-heartbeat", "--without-gossip", "--without-mingle",
+        "-n", f"test-{os.getpid()}-{time.monotonic_ns()}@%h",
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
+        )
+    try:
+        ready = wait_until(lambda: b"ready." in log_path.read_bytes(), timeout_s=60)
+        if not ready:
+            raise RuntimeError(f"worker did not start:\n{log_path.read_text(errors='replace')}")
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -1,0 +1,200 @@
+"""The Celery adapter: :func:`install` wraps one app's task sender and connects worker signals.
+
+Why the sender and not a router or ``before_task_publish``: a ``before_task_publish`` handler
+cannot change the queue (Celery passes it by value), and routers see neither the task id nor
+``retries``. The function that ``app.amqp._create_task_sender()`` returns sees every publish,
+retries and canvas included, with the built headers (``id``, ``task``, ``retries``), and takes
+``queue=``; ``app.amqp.send_task_message`` caches it, so setting that attribute on one app's
+``amqp`` replaces it for that app alone. This is private API: :func:`check_celery_shape` fails
+loudly at install (and in the test suite) if its shape changes.
+
+To make the message really land in the chosen queue whatever the caller or a router chose, the
+wrapper publishes to the queue by name on the default exchange: ``exchange`` and
+``routing_key`` are cleared so that an explicit ``queue=``, a route, or a retry's previous
+``delivery_info`` cannot send it elsewhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import task_prerun
+
+from gatekeeper.errors import ConfigError, GatekeeperError
+from gatekeeper.flags import FlagStore
+from gatekeeper.keys import Keys
+from gatekeeper.logs import make_logger
+from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
+from gatekeeper.settings import GatekeeperSettings, load_settings
+from gatekeeper.spec import H_ATTEMPT, H_PATH, BadDeclaredInput, GatedSpec, spec_of
+from gatekeeper.store import GateStore
+
+__all__ = ["Installed", "check_celery_shape", "install"]
+
+SENDER_PARAMETERS = ("producer", "name", "message", "exchange", "routing_key", "queue", "headers")
+"""Parameters of Celery's task sender that the wrapper relies on, in this order."""
+
+_installed: weakref.WeakKeyDictionary[Any, Installed] = weakref.WeakKeyDictionary()
+_install_lock = threading.Lock()
+
+
+class CeleryShapeError(GatekeeperError):
+    """Celery's private task sender no longer looks the way gatekeeper relies on."""
+
+
+def check_celery_shape(app: Celery) -> Callable[..., Any]:
+    """Return the app's current task sender after checking the shape gatekeeper relies on."""
+    amqp = app.amqp
+    if not hasattr(type(amqp), "send_task_message") or not hasattr(amqp, "_create_task_sender"):
+        raise CeleryShapeError(
+            "celery's AMQP.send_task_message/_create_task_sender are gone; gatekeeper supports "
+            "celery 5.5 to 5.7"
+        )
+    sender: Callable[..., Any] = amqp.send_task_message
+    params = list(inspect.signature(sender).parameters)
+    if tuple(p for p in params if p in SENDER_PARAMETERS) != SENDER_PARAMETERS or params[
+        :3
+    ] != list(SENDER_PARAMETERS[:3]):
+        raise CeleryShapeError(f"celery's task sender changed shape: parameters {params}")
+    return sender
+
+
+def _client(settings: GatekeeperSettings) -> redis.Redis:
+    url = settings.redis_url or settings.broker_url
+    if not url:
+        raise ConfigError(
+            "GATEKEEPER_REDIS_URL: expected the gate's Redis URL (redis://host:port/db), got none"
+        )
+    # Short timeouts: an unreachable gate must cost a publish milliseconds, not seconds.
+    return redis.Redis.from_url(
+        url,
+        socket_connect_timeout=settings.redis_timeout_s,
+        socket_timeout=settings.redis_timeout_s,
+    )
+
+
+class Installed:
+    """Gatekeeper installed on one Celery app: the wrapped sender and the worker hooks."""
+
+    def __init__(
+        self,
+        app: Celery,
+        settings: GatekeeperSettings,
+        client: redis.Redis,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.client = client
+        self.keys = Keys(settings.key_prefix, settings.namespace)
+        self.store = GateStore(client, self.keys, horizon_s=settings.queue_age_horizon_s)
+        self.flags = FlagStore(client, settings, self.keys)
+        self.log = make_logger(settings, "decision")
+        self.pipeline = Pipeline(settings, self.store, self.flags, self.log, clock)
+        self.original_sender = check_celery_shape(app)
+        self._specs: dict[str, tuple[GatedSpec | None, BadDeclaredInput | None]] = {}
+
+    def _spec(self, name: str) -> tuple[GatedSpec | None, BadDeclaredInput | None] | None:
+        """The gated spec of a task by name; None when the task is not gated (or unknown)."""
+        if name not in self._specs:
+            task = self.app.tasks.get(name)
+            try:
+                spec = spec_of(task)
+            except BadDeclaredInput as exc:
+                self._specs[name] = (None, exc)
+            else:
+                if spec is None:
+                    return None
+                self._specs[name] = (spec, None)
+        return self._specs[name]
+
+    def send_task_message(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
+        """The wrapped sender: gated tasks are scored and re-addressed, others pass through."""
+        try:
+            found = self._spec(name)
+        except Exception:  # an app that cannot list its tasks must not break publishing
+            found = None
+        if found is None:
+            return self.original_sender(producer, name, message, **options)
+        spec, spec_error = found
+        extra = dict(options.get("headers") or {})
+        publish: Publish | None = None
+        try:
+            headers = message.headers
+            job_id = str(headers["id"])
+            retries = int(headers.get("retries") or 0)
+            task = self.app.tasks.get(name)
+            publish = Publish(
+                task=name,
+                job_id=job_id,
+                retries=retries,
+                max_retries=getattr(task, "max_retries", None),
+                spec=spec,
+                headers={**headers, **extra},
+                spec_error=spec_error,
+            )
+            routing = self.pipeline.route(publish)
+        except Exception as exc:  # never break the caller's publish; never route to free
+            stub = publish or Publish(name, "unknown", 0, None, spec, {})
+            routing = self.pipeline.fail_closed(stub, GATE_ERROR, f"{type(exc).__name__}: {exc}")
+        if routing.queue is not None:
+            options["queue"] = routing.queue
+            options["exchange"] = None
+            options["routing_key"] = None
+            options.pop("exchange_type", None)
+            options["headers"] = {**extra, **routing.headers}
+        return self.original_sender(producer, name, message, **options)
+
+    def on_task_prerun(self, sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+        """A gated free attempt has started: drop it from the free queue's waiting set."""
+        if sender is None or getattr(sender, "app", None) is not self.app:
+            return
+        request = getattr(sender, "request", None)
+        path = getattr(request, H_PATH, None)
+        attempt = getattr(request, H_ATTEMPT, None)
+        if path != self.settings.free_queue or attempt is None or task_id is None:
+            return
+        try:
+            self.store.attempt_started(task_id, int(attempt))
+        except GatekeeperError as exc:
+            self.log.warning("queue_age_untracked", job_id=task_id, error=str(exc))
+
+
+def install(
+    app: Celery,
+    settings: GatekeeperSettings | None = None,
+    *,
+    client: redis.Redis | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Installed:
+    """Install the gate on ``app`` and return it; installing twice returns the first install.
+
+    ``settings`` default to the environment (``load_settings()``); ``client`` to a Redis client
+    on ``settings.redis_url`` (else ``broker_url``).
+    """
+    with _install_lock:
+        existing = _installed.get(app)
+        if existing is not None:
+            return existing
+        settings = settings or load_settings()
+        if not app.conf.task_create_missing_queues:
+            declared = set(app.amqp.queues)
+            wanted = {settings.free_queue, settings.defer_queue, settings.reserved_queue}
+            missing = wanted - declared
+            if missing:
+                raise ConfigError(
+                    f"task_queues: expected gatekeeper's queues to be declared when "
+                    f"task_create_missing_queues is off, missing {sorted(missing)}"
+                )
+        gate = Installed(app, settings, client or _client(settings), clock)
+        app.amqp.send_task_message = gate.send_task_message
+        task_prerun.connect(gate.on_task_prerun, weak=False)
+        _installed[app] = gate
+        return gate

@@ -1,0 +1,240 @@
+"""The decision pipeline for one publish of a gated task, independent of Celery.
+
+SPEC's order: not gated -> untouched (the hook never calls this); ``dwell_gate_enabled`` off
+-> untouched; outside the canary slice -> untouched; ``free_path_enabled`` off -> reserved;
+the dwell gate's guards (in process); then, in one Redis script, the age cap, dwell against
+slack and the budget. Any fault on the way routes to reserved, never to free, and says why.
+Every routed decision writes exactly one log line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gatekeeper.dwell import Decision, GateInputs, Reason, decide, retry_tax_s
+from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.flags import FlagStore, in_canary
+from gatekeeper.ledger import Outcome, Path, make_row, window_id
+from gatekeeper.settings import GatekeeperSettings
+from gatekeeper.spec import (
+    H_ATTEMPT,
+    H_DEADLINE_AT,
+    H_DECISION,
+    H_DWELL_S,
+    H_EXPECTED_SERVICE_S,
+    H_FIRST_PUBLISHED_AT,
+    H_PATH,
+    H_PUBLISHED_AT,
+    H_REASON,
+    H_TOKENS_IN,
+    H_TOKENS_OUT,
+    H_WINDOW,
+    BadDeclaredInput,
+    GatedSpec,
+    resolve_inputs,
+)
+from gatekeeper.store import GateStore
+
+__all__ = ["GATE_UNAVAILABLE", "Pipeline", "Publish", "Routing"]
+
+GATE_UNAVAILABLE = "gate_unavailable"
+GATE_ERROR = "gate_error"
+BAD_INPUT = "bad_input"
+FREE_PATH_DISABLED = "free_path_disabled"
+GATE_DISABLED = "gate_disabled"
+OUTSIDE_CANARY = "outside_canary"
+
+
+@dataclass(frozen=True)
+class Publish:
+    """One publish of a gated task, as the hook saw it."""
+
+    task: str
+    job_id: str
+    retries: int
+    max_retries: int | None
+    spec: GatedSpec | None
+    headers: Mapping[str, Any]
+    """Headers the message carries (retries, replays) and the caller's overrides."""
+    spec_error: BadDeclaredInput | None = None
+
+    @property
+    def attempt(self) -> int:
+        return self.retries + 1
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where the publish goes: ``queue`` None means untouched (its normal route)."""
+
+    queue: str | None
+    decision: str
+    reason: str
+    headers: dict[str, Any] = field(default_factory=dict)
+
+
+class Pipeline:
+    """Scores publishes of gated tasks with the flags, the core and the gate's Redis."""
+
+    def __init__(
+        self,
+        settings: GatekeeperSettings,
+        store: GateStore,
+        flags: FlagStore,
+        logger: Any,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.flags = flags
+        self.log = logger
+        self.clock = clock
+        self._queues = {
+            Decision.ADMIT_FREE: settings.free_queue,
+            Decision.DEFER: settings.defer_queue,
+            Decision.RESERVED: settings.reserved_queue,
+        }
+
+    def route(self, publish: Publish) -> Routing:
+        """Decide one publish; never raises for a bad input or an unreachable Redis."""
+        flags = self.flags.current()
+        if not flags.dwell_gate_enabled:
+            self.log.debug(
+                "gate_skipped", task=publish.task, job_id=publish.job_id, reason=GATE_DISABLED
+            )
+            return Routing(None, "untouched", GATE_DISABLED)
+        if not in_canary(publish.job_id, flags.canary_percent):
+            self.log.debug(
+                "gate_skipped", task=publish.task, job_id=publish.job_id, reason=OUTSIDE_CANARY
+            )
+            return Routing(None, "untouched", OUTSIDE_CANARY)
+
+        now = self.clock()
+        fields: dict[str, Any] = {
+            "task": publish.task,
+            "job_id": publish.job_id,
+            "attempt": publish.attempt,
+            "retries": publish.retries,
+        }
+        try:
+            if publish.spec_error is not None:
+                raise publish.spec_error
+            assert publish.spec is not None
+            inputs = resolve_inputs(publish.spec, publish.headers, now)
+        except BadDeclaredInput as exc:
+            return self._finish(
+                Decision.RESERVED, BAD_INPUT, {}, fields, error=str(exc), field=exc.field
+            )
+
+        left = 0 if publish.max_retries is None else publish.max_retries - publish.retries
+        tax_s = retry_tax_s(left, inputs.expected_service_s)
+        slack = inputs.deadline_at - now
+        win = window_id(now, self.settings.window_seconds)
+        fields.update(
+            expected_service_s=inputs.expected_service_s,
+            retry_tax_s=tax_s,
+            deadline_slack_s=slack,
+            tokens=inputs.tokens_in,
+        )
+        headers = {
+            H_DEADLINE_AT: inputs.deadline_at,
+            H_FIRST_PUBLISHED_AT: inputs.first_published_at,
+            H_PUBLISHED_AT: now,
+            H_ATTEMPT: publish.attempt,
+            H_EXPECTED_SERVICE_S: inputs.expected_service_s,
+            H_TOKENS_IN: inputs.tokens_in,
+            H_TOKENS_OUT: inputs.tokens_out,
+            H_WINDOW: win,
+        }
+        if not flags.free_path_enabled:
+            return self._finish(Decision.RESERVED, FREE_PATH_DISABLED, headers, fields)
+
+        # Rule 1 needs no Redis: a guard that fires here never costs a round trip.
+        cap = self.settings.max_queue_age_s
+        guard = decide(GateInputs(0.0, inputs.expected_service_s, tax_s, slack, cap))
+        if guard.decision is Decision.DEFER:
+            fields.update(queue_age_s=0.0, dwell_s=guard.dwell_s, field=guard.field)
+            return self._finish(guard.decision, guard.reason.value, headers, fields)
+
+        rejected = make_row(
+            job_id=publish.job_id,
+            attempt=publish.attempt,
+            path=Path.FREE,
+            outcome=Outcome.REJECTED,
+            queue_wait_ms=0,
+            tokens_in=0,
+            tokens_out=0,
+            deadline_slack_ms=round(slack * 1000),
+        )
+        try:
+            scored = self.store.score(
+                now_s=now,
+                window_id=win,
+                job_id=publish.job_id,
+                attempt=publish.attempt,
+                expected_service_s=inputs.expected_service_s,
+                retry_tax_s=tax_s,
+                deadline_slack_s=slack,
+                max_queue_age_s=cap,
+                tokens_in=inputs.tokens_in,
+                budget_units=self.settings.budget_units,
+                queue_wait_unit_per_second=self.settings.queue_wait_unit_per_second,
+                budget_mode=self.settings.budget_mode,
+                rejected_row=rejected,
+            )
+        except LedgerUnavailable as exc:
+            return self._finish(
+                Decision.RESERVED, GATE_UNAVAILABLE, headers, fields, error=str(exc)
+            )
+        fields.update(queue_age_s=scored.queue_age_s, dwell_s=scored.dwell_s)
+        if scored.reason is Reason.RETRY_TAX_BUDGET:
+            fields.update(
+                projected_tax=scored.projected_tax, budget_units=self.settings.budget_units
+            )
+        return self._finish(scored.decision, scored.reason.value, headers, fields)
+
+    def fail_closed(self, publish: Publish, reason: str, error: str) -> Routing:
+        """The route for a publish the pipeline could not even start on (hook faults)."""
+        fields = {"task": publish.task, "job_id": publish.job_id, "attempt": publish.attempt,
+                  "retries": publish.retries}  # fmt: skip
+        return self._finish(Decision.RESERVED, reason, {}, fields, error=error)
+
+    def _finish(
+        self,
+        decision: Decision,
+        reason: str,
+        headers: dict[str, Any],
+        fields: dict[str, Any],
+        **extra: Any,
+    ) -> Routing:
+        queue = self._queues[decision]
+        dwell = fields.get("dwell_s")
+        tokens = fields.get("tokens")
+        pressure = (
+            tokens * dwell
+            if isinstance(dwell, float) and math.isfinite(dwell) and tokens is not None
+            else None
+        )
+        headers = {**headers, H_DECISION: decision.value, H_REASON: reason, H_PATH: queue}
+        if isinstance(dwell, float) and math.isfinite(dwell):
+            headers[H_DWELL_S] = dwell
+        line = {
+            "queue_age_s": None,
+            "expected_service_s": None,
+            "retry_tax_s": None,
+            "dwell_s": None,
+            "deadline_slack_s": None,
+            "tokens": None,
+            **fields,
+            "decision": decision.value,
+            "reason": reason,
+            "token_pressure": pressure,
+            "queue": queue,
+            **extra,
+        }
+        level = "warning" if reason in (GATE_UNAVAILABLE, GATE_ERROR, BAD_INPUT) else "info"
+        getattr(self.log, level)("gate_decision", **line)
+        return Routing(queue, decision.value, reason, headers)

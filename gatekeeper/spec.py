@@ -1,0 +1,191 @@
+"""What a gated task declares, and the message headers that carry it.
+
+A task is gated by ``@gatekeeper.gated(...)`` above ``@app.task`` or by the task option
+``gatekeeper={...}``; both set the task attribute ``gatekeeper`` to a :class:`GatedSpec`
+(or a dict of its fields). Per-call overrides travel in ``apply_async(headers={...})``:
+
+``gatekeeper_deadline_s``        deadline, seconds after the first publish
+``gatekeeper_deadline_at``       deadline, Unix seconds
+``gatekeeper_expected_service_s`` service time of one attempt
+``gatekeeper_tokens_in``         input tokens of one attempt
+
+The hook writes the other headers; they survive retries and deferral, and the deadline and
+first-publish time, once written, are never changed (a deadline is never extended).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from gatekeeper.errors import GatekeeperError
+
+__all__ = [
+    "GATED_ATTRIBUTE",
+    "H_ATTEMPT",
+    "H_DEADLINE_AT",
+    "H_DEADLINE_S",
+    "H_DECISION",
+    "H_EXPECTED_SERVICE_S",
+    "H_FIRST_PUBLISHED_AT",
+    "H_PATH",
+    "H_PUBLISHED_AT",
+    "H_REASON",
+    "H_TOKENS_IN",
+    "H_TOKENS_OUT",
+    "H_WINDOW",
+    "BadDeclaredInput",
+    "DeclaredInputs",
+    "GatedSpec",
+    "gated",
+    "resolve_inputs",
+    "spec_of",
+]
+
+GATED_ATTRIBUTE = "gatekeeper"
+"""The task attribute (and task option) that marks a task as gated."""
+
+H_DEADLINE_AT = "gatekeeper_deadline_at"
+H_DEADLINE_S = "gatekeeper_deadline_s"
+H_FIRST_PUBLISHED_AT = "gatekeeper_first_published_at"
+H_PUBLISHED_AT = "gatekeeper_published_at"
+H_ATTEMPT = "gatekeeper_attempt"
+H_EXPECTED_SERVICE_S = "gatekeeper_expected_service_s"
+H_TOKENS_IN = "gatekeeper_tokens_in"
+H_TOKENS_OUT = "gatekeeper_tokens_out"
+H_DECISION = "gatekeeper_decision"
+H_REASON = "gatekeeper_reason"
+H_PATH = "gatekeeper_path"
+H_WINDOW = "gatekeeper_window"
+H_DWELL_S = "gatekeeper_dwell_s"
+
+
+class BadDeclaredInput(GatekeeperError, ValueError):
+    """A declared input (decorator, task option or header) is not usable; names the field."""
+
+    def __init__(self, field: str, expected: str, got: object) -> None:
+        super().__init__(f"{field}: expected {expected}, got {got!r}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class GatedSpec:
+    """The declared inputs of a gated task; exactly one of the two deadline forms."""
+
+    expected_service_s: float
+    tokens_in: int = 0
+    tokens_out: int = 0
+    deadline_s: float | None = None
+    deadline_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.deadline_s is None) == (self.deadline_at is None):
+            raise BadDeclaredInput(
+                "deadline_s/deadline_at",
+                "exactly one of the two",
+                (self.deadline_s, self.deadline_at),
+            )
+
+
+T = TypeVar("T")
+
+
+def gated(
+    *,
+    expected_service_s: float,
+    tokens_in: int = 0,
+    tokens_out: int = 0,
+    deadline_s: float | None = None,
+    deadline_at: float | None = None,
+) -> Callable[[T], T]:
+    """Gate an existing task; place it above ``@app.task`` (it receives the task object).
+
+    The task keeps its name, signature and ``max_retries``; only the ``gatekeeper`` attribute
+    is set. Bad values are reported at publish time, where they fail closed, and here.
+    """
+    spec = GatedSpec(
+        expected_service_s=expected_service_s,
+        tokens_in=tokens_in,
+        tokens_out=tokens_out,
+        deadline_s=deadline_s,
+        deadline_at=deadline_at,
+    )
+
+    def mark(task: T) -> T:
+        setattr(task, GATED_ATTRIBUTE, spec)
+        return task
+
+    return mark
+
+
+def spec_of(task: object) -> GatedSpec | None:
+    """The task's spec, or None when it is not gated; raises BadDeclaredInput when malformed."""
+    raw = getattr(task, GATED_ATTRIBUTE, None)
+    if raw is None or isinstance(raw, GatedSpec):
+        return raw
+    if isinstance(raw, Mapping):
+        try:
+            return GatedSpec(**raw)
+        except TypeError as exc:
+            raise BadDeclaredInput("gatekeeper", "GatedSpec fields", dict(raw)) from exc
+    raise BadDeclaredInput("gatekeeper", "a GatedSpec or a dict", raw)
+
+
+@dataclass(frozen=True)
+class DeclaredInputs:
+    """The numbers one attempt is scored with, after overrides and carried headers."""
+
+    deadline_at: float
+    first_published_at: float
+    expected_service_s: float
+    tokens_in: int
+    tokens_out: int
+
+
+def _number(field: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise BadDeclaredInput(field, "a number", value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise BadDeclaredInput(field, "a number", value) from None
+    return number
+
+
+def _tokens(field: str, value: Any) -> int:
+    number = _number(field, value)
+    if not math.isfinite(number) or number < 0 or number != int(number):
+        raise BadDeclaredInput(field, "a non-negative whole number of tokens", value)
+    return int(number)
+
+
+def resolve_inputs(spec: GatedSpec, headers: Mapping[str, Any], now: float) -> DeclaredInputs:
+    """Merge the spec, per-call overrides and carried headers; never extend a deadline.
+
+    A deadline and first-publish time already in the headers (a retry, a replay) win over
+    everything. Non-finite service times pass through: the gate's guard defers them.
+    """
+    first = headers.get(H_FIRST_PUBLISHED_AT)
+    first_published_at = now if first is None else _number(H_FIRST_PUBLISHED_AT, first)
+    if headers.get(H_DEADLINE_AT) is not None:
+        deadline_at = _number(H_DEADLINE_AT, headers[H_DEADLINE_AT])
+    elif headers.get(H_DEADLINE_S) is not None:
+        deadline_at = first_published_at + _number(H_DEADLINE_S, headers[H_DEADLINE_S])
+    elif spec.deadline_at is not None:
+        deadline_at = _number("deadline_at", spec.deadline_at)
+    else:
+        deadline_at = first_published_at + _number("deadline_s", spec.deadline_s)
+    if math.isnan(deadline_at):
+        raise BadDeclaredInput("deadline", "a number", deadline_at)
+    service = headers.get(H_EXPECTED_SERVICE_S, spec.expected_service_s)
+    tokens_in = headers.get(H_TOKENS_IN, spec.tokens_in)
+    tokens_out = headers.get(H_TOKENS_OUT, spec.tokens_out)
+    return DeclaredInputs(
+        deadline_at=deadline_at,
+        first_published_at=first_published_at,
+        expected_service_s=_number(H_EXPECTED_SERVICE_S, service),
+        tokens_in=_tokens(H_TOKENS_IN, tokens_in),
+        tokens_out=_tokens(H_TOKENS_OUT, tokens_out),
+    )

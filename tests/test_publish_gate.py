@@ -1,0 +1,221 @@
+"""The publish-time gate against a real Redis broker: each rule puts the task in its queue."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from click.testing import CliRunner
+
+from gatekeeper.celery_hook import install
+from gatekeeper.cli import main
+from gatekeeper.flags import in_canary
+from gatekeeper.keys import Keys
+from gatekeeper.ledger import window_id
+from gatekeeper.logs import DECISION_FIELDS
+from tests.apps.gated_app import create_app
+from tests.conftest import gate_settings, queue_messages
+
+
+def make_app(redis_url: str, **overrides: Any) -> Celery:
+    return create_app(gate_settings(redis_url, **overrides), redis_url)
+
+
+def lengths(client: redis.Redis) -> dict[str, int]:
+    return {q: client.llen(q) for q in ("free", "defer", "reserved", "celery")}
+
+
+def only_message(client: redis.Redis, queue: str) -> dict[str, Any]:
+    (message,) = queue_messages(client, queue)
+    return message
+
+
+def test_admitted_task_lands_in_free_with_its_headers(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url)
+    before = time.time()
+    result = app.tasks["tests.embed"].apply_async((1,))
+    assert lengths(redis_client) == {"free": 1, "defer": 0, "reserved": 0, "celery": 0}
+    headers = only_message(redis_client, "free")["headers"]
+    assert headers["id"] == result.id
+    assert headers["gatekeeper_decision"] == "admit_free"
+    assert headers["gatekeeper_attempt"] == 1
+    assert headers["gatekeeper_tokens_in"] == 100
+    first = headers["gatekeeper_first_published_at"]
+    assert before <= first <= time.time()
+    assert headers["gatekeeper_deadline_at"] == pytest.approx(first + 60)
+
+
+def test_age_cap_defers_when_the_free_queue_is_old(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url, max_queue_age_s=0.2)
+    embed = app.tasks["tests.embed"]
+    embed.delay(1)  # admitted, and nobody consumes free
+    time.sleep(0.3)
+    embed.delay(2)
+    assert lengths(redis_client)["free"] == 1
+    assert only_message(redis_client, "defer")["headers"]["gatekeeper_reason"] == "queue_age_cap"
+
+
+def test_dwell_over_slack_goes_to_reserved(redis_url: str, redis_client: redis.Redis) -> None:
+    app = make_app(redis_url)
+    # service 1 + one retry 1 = dwell 2 against 1.5 s of slack
+    app.tasks["tests.embed"].apply_async((1,), headers={"gatekeeper_deadline_s": 1.5})
+    message = only_message(redis_client, "reserved")
+    assert message["headers"]["gatekeeper_reason"] == "dwell_over_slack"
+
+
+def test_bad_service_guess_defers(redis_url: str, redis_client: redis.Redis) -> None:
+    app = make_app(redis_url)
+    app.tasks["tests.embed"].apply_async((1,), headers={"gatekeeper_expected_service_s": 0})
+    assert only_message(redis_client, "defer")["headers"]["gatekeeper_reason"] == (
+        "bad_service_guess"
+    )
+
+
+def test_budget_refusal_goes_to_reserved_with_a_rejected_row(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url, budget_units=250, queue_wait_unit_per_second=0)
+    embed = app.tasks["tests.embed"]
+    ids = [embed.delay(n).id for n in range(3)]  # 100 tokens each: two fit in 250
+    assert lengths(redis_client)["free"] == 2
+    refused = only_message(redis_client, "reserved")["headers"]
+    assert (refused["id"], refused["gatekeeper_reason"]) == (ids[2], "retry_tax_budget")
+    rows_key = Keys().window_rows(window_id(time.time(), 900))
+    (row,) = [json.loads(raw) for raw in redis_client.lrange(rows_key, 0, -1)]
+    assert (row["job_id"], row["outcome"], row["path"], row["tokens_in"]) == (
+        ids[2],
+        "rejected",
+        "free",
+        0,
+    )
+
+
+def test_free_path_disabled_by_the_cli_is_obeyed_within_the_cache_time(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(redis_url, flag_cache_s=0.5)
+    embed = app.tasks["tests.embed"]
+    embed.delay(1)
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    result = CliRunner().invoke(
+        main, ["flags", "set", "free_path_enabled", "false", "--reason", "page 4411"]
+    )
+    assert result.exit_code == 0, result.output
+    time.sleep(0.6)
+    embed.delay(2)
+    assert lengths(redis_client)["free"] == 1
+    assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == (
+        "free_path_disabled"
+    )
+
+
+def test_gate_disabled_leaves_the_normal_route(redis_url: str, redis_client: redis.Redis) -> None:
+    app = make_app(redis_url, dwell_gate_enabled=False)
+    app.tasks["tests.embed"].delay(1)
+    message = only_message(redis_client, "celery")
+    assert not any(key.startswith("gatekeeper_") for key in message["headers"])
+
+
+def test_only_the_canary_slice_is_gated(redis_url: str, redis_client: redis.Redis) -> None:
+    app = make_app(redis_url, canary_percent=50)
+    ids = [app.tasks["tests.embed"].delay(n).id for n in range(40)]
+    gated = {m["headers"]["id"] for m in queue_messages(redis_client, "free")}
+    untouched = {m["headers"]["id"] for m in queue_messages(redis_client, "celery")}
+    assert gated == {job for job in ids if in_canary(job, 50)}
+    assert untouched == set(ids) - gated
+    assert gated and untouched
+
+
+def test_an_explicit_queue_is_overridden(redis_url: str, redis_client: redis.Redis) -> None:
+    app = make_app(redis_url)
+    app.tasks["tests.embed"].apply_async((1,), queue="celery", routing_key="celery")
+    assert lengths(redis_client) == {"free": 1, "defer": 0, "reserved": 0, "celery": 0}
+
+
+def test_a_task_router_is_overridden(redis_url: str, redis_client: redis.Redis) -> None:
+    app = make_app(redis_url)
+    app.conf.task_routes = {"tests.embed": {"queue": "celery"}}
+    app.tasks["tests.embed"].delay(1)
+    assert lengths(redis_client)["free"] == 1
+
+
+def test_ungated_tasks_are_never_touched(redis_url: str, redis_client: redis.Redis) -> None:
+    app = make_app(redis_url, free_path_enabled=False)
+    app.tasks["tests.plain"].apply_async(queue="celery")
+    message = only_message(redis_client, "celery")
+    assert not any(key.startswith("gatekeeper_") for key in message["headers"])
+
+
+@pytest.mark.parametrize(
+    ("headers", "field"),
+    [
+        ({"gatekeeper_tokens_in": -5}, "gatekeeper_tokens_in"),
+        ({"gatekeeper_deadline_s": "soon"}, "gatekeeper_deadline_s"),
+        ({"gatekeeper_deadline_at": "tomorrow"}, "gatekeeper_deadline_at"),
+        ({"gatekeeper_expected_service_s": [1]}, "gatekeeper_expected_service_s"),
+    ],
+)
+def test_bad_declared_inputs_reserve_and_name_the_field(
+    redis_url: str,
+    redis_client: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    headers: dict[str, Any],
+    field: str,
+) -> None:
+    app = make_app(redis_url)
+    app.tasks["tests.embed"].apply_async((1,), headers=headers)
+    assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == "bad_input"
+    assert f"field={field}" in capsys.readouterr().err
+
+
+def test_one_log_line_per_decision_with_every_field_and_no_arguments(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app = make_app(redis_url)
+    app.tasks["tests.embed"].apply_async(("PROMPT-SECRET",), headers={"gatekeeper_tokens_in": 7})
+    lines = [line for line in capsys.readouterr().err.splitlines() if "event=gate_decision" in line]
+    assert len(lines) == 1
+    (line,) = lines
+    for name in DECISION_FIELDS:
+        assert f" {name}=" in f" {line}", name
+    assert "decision=admit_free" in line and "reason=fits" in line
+    assert "tokens=7" in line and "token_pressure=" in line
+    assert "PROMPT-SECRET" not in line
+
+
+def test_json_log_format(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app = make_app(redis_url, log_format="json")
+    app.tasks["tests.embed"].delay(1)
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "gate_decision" in ln]
+    record = json.loads(line)
+    assert set(DECISION_FIELDS) <= set(record)
+    assert record["decision"] == "admit_free"
+
+
+def test_installing_twice_returns_the_same_gate(redis_url: str) -> None:
+    app = make_app(redis_url)
+    first = install(app)
+    assert install(app) is first
+    assert app.amqp.send_task_message == first.send_task_message
+
+
+def test_a_deadline_is_never_extended_by_a_later_override(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url)
+    deadline = time.time() + 30
+    app.tasks["tests.embed"].apply_async(
+        (1,), headers={"gatekeeper_deadline_at": deadline, "gatekeeper_deadline_s": 9999}
+    )
+    headers = only_message(redis_client, "free")["headers"]
+    assert headers["gatekeeper_deadline_at"] == deadline
