@@ -75,13 +75,14 @@ class EmbeddedRedis:
             raise EmbeddedRedisError("embedded redis is not running")
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> EmbeddedRedis:
-        """Start the server and wait until it answers PING."""
+    def start(self, port: int | None = None) -> EmbeddedRedis:
+        """Start the server (on ``port``, else a free one) and wait until it answers PING."""
         if self.process is not None:
             return self
-        self._dir = tempfile.TemporaryDirectory(prefix="gatekeeper-redis-")
-        for _ in range(3):  # another process may take the port between bind and listen
-            self.port = _free_port()
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="gatekeeper-redis-")
+        for _ in range(1 if port else 3):  # a free port may be taken between bind and listen
+            self.port = port or _free_port()
             self.process = subprocess.Popen(
                 [
                     self.binary,
@@ -115,6 +116,13 @@ class EmbeddedRedis:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+    def kill(self) -> None:
+        """Stop the server abruptly but remember its port, for :meth:`start` on the same one."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
 
     def stop(self) -> None:
         """Stop the server (idempotent) and remove its working folder."""

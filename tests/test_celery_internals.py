@@ -1,0 +1,62 @@
+"""The private Celery API the hook relies on: these fail loudly if its shape changes."""
+
+from __future__ import annotations
+
+import inspect
+
+import celery
+import pytest
+from celery import Celery
+from kombu.utils.objects import cached_property
+
+from gatekeeper.celery_hook import SENDER_PARAMETERS, CeleryShapeError, check_celery_shape
+
+
+def test_celery_is_in_the_supported_range() -> None:
+    major, minor = (int(part) for part in celery.__version__.split(".")[:2])
+    assert (5, 5) <= (major, minor) < (5, 8), celery.__version__
+
+
+def test_send_task_message_is_a_cached_property_settable_per_app() -> None:
+    first, second = Celery("a", broker="memory://"), Celery("b", broker="memory://")
+    assert isinstance(
+        inspect.getattr_static(type(first.amqp), "send_task_message"), cached_property
+    )
+    original = second.amqp.send_task_message
+
+    def replacement(*args: object, **kwargs: object) -> None:
+        return None
+
+    first.amqp.send_task_message = replacement
+    assert first.amqp.send_task_message is replacement
+    assert second.amqp.send_task_message is original
+
+
+def test_the_task_sender_takes_the_parameters_the_hook_passes() -> None:
+    sender = Celery("c", broker="memory://").amqp._create_task_sender()
+    params = list(inspect.signature(sender).parameters)
+    assert params[:3] == ["producer", "name", "message"]
+    assert set(SENDER_PARAMETERS) <= set(params)
+    assert check_celery_shape(Celery("d", broker="memory://"))
+
+
+def test_send_task_calls_the_sender_with_a_message_carrying_id_task_and_retries() -> None:
+    app = Celery("e", broker="memory://")
+    seen: dict[str, object] = {}
+
+    def spy(producer: object, name: str, message: object, **options: object) -> None:
+        seen.update(name=name, headers=message.headers, options=options)  # type: ignore[attr-defined]
+
+    app.amqp.send_task_message = spy
+    app.send_task("some.task", task_id="abc", retries=2, queue="q1")
+    headers = seen["headers"]
+    assert isinstance(headers, dict)
+    assert (headers["id"], headers["task"], headers["retries"]) == ("abc", "some.task", 2)
+    assert "queue" in seen["options"]  # type: ignore[operator]
+
+
+def test_a_changed_sender_is_refused() -> None:
+    app = Celery("f", broker="memory://")
+    app.amqp.send_task_message = lambda producer, message: None
+    with pytest.raises(CeleryShapeError, match="changed shape"):
+        check_celery_shape(app)

@@ -1,0 +1,70 @@
+"""Faults fail closed: an unreachable gate Redis reserves; concurrent publishers share a budget."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import redis
+
+from gatekeeper.embedded import EmbeddedRedis
+from gatekeeper.keys import Keys
+from gatekeeper.ledger import window_id
+from tests.apps.gated_app import create_app
+from tests.conftest import gate_settings, queue_messages
+
+
+def reasons(client: redis.Redis, queue: str) -> list[str]:
+    return [m["headers"]["gatekeeper_reason"] for m in queue_messages(client, queue)]
+
+
+def test_gate_redis_down_reserves_and_recovers_without_restart(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with EmbeddedRedis() as gate_server:
+        settings = gate_settings(gate_server.url, redis_timeout_s=0.2)
+        app = create_app(settings, redis_url)  # the broker stays up on redis_url
+        embed = app.tasks["tests.embed"]
+        embed.delay(1)
+        gate_server.kill()
+        result = embed.delay(2)  # the caller's publish still succeeds
+        assert result.id
+        gate_server.start(port=gate_server.port)
+        embed.delay(3)
+    assert reasons(redis_client, "free") == ["fits", "fits"]
+    assert reasons(redis_client, "reserved") == ["gate_unavailable"]
+    assert "reason=gate_unavailable" in capsys.readouterr().err
+
+
+def _publisher(redis_url: str, count: int, start: multiprocessing.synchronize.Event) -> None:
+    settings = gate_settings(redis_url, budget_units=1000, queue_wait_unit_per_second=0)
+    app = create_app(settings, redis_url)
+    embed = app.tasks["tests.embed"]
+    start.wait()
+    for n in range(count):
+        embed.delay(n)
+
+
+def test_concurrent_publishers_never_admit_past_the_exposure_budget(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    first_window = window_id(time.time(), 900)
+    context = multiprocessing.get_context("spawn")
+    start = context.Event()
+    workers = [context.Process(target=_publisher, args=(redis_url, 25, start)) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    time.sleep(1.0)  # let every publisher import and connect, then release them together
+    start.set()
+    for worker in workers:
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
+    windows = range(first_window, window_id(time.time(), 900) + 1)
+    exposures = [float(redis_client.hget(Keys().window(w), "exposure") or 0) for w in windows]
+    admitted = redis_client.llen("free")
+    assert all(exposure <= 1000 for exposure in exposures)
+    assert admitted * 100 == sum(exposures)
+    assert redis_client.llen("free") + redis_client.llen("reserved") == 100
+    if len(exposures) == 1:  # the run did not straddle a window boundary
+        assert admitted == 10  # 1000 units / 100 tokens, whoever got there first

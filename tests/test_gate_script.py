@@ -1,0 +1,210 @@
+"""gate.lua repeats the core's rules for atomicity: the script and the core must agree."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gatekeeper.dwell import Decision, GateInputs, decide
+from gatekeeper.keys import Keys
+from gatekeeper.ledger import BudgetMode, Outcome, Path, admit, make_row
+from gatekeeper.store import GateStore
+
+NOW_S = 1_800_000_000.0
+WINDOW = 2_000_000
+KEYS = Keys("gktest", "script")
+
+
+def core_answer(
+    age_ms: int | None,
+    service: float,
+    tax_s: float,
+    slack: float,
+    cap: float,
+    tax_units: float,
+    exposure: float,
+    tokens: int,
+    budget: float,
+    mode: BudgetMode,
+) -> tuple[str, str]:
+    age = 0.0 if age_ms is None else age_ms / 1000
+    gate = decide(GateInputs(age, service, tax_s, slack, cap))
+    if gate.decision is not Decision.ADMIT_FREE:
+        return gate.decision.value, gate.reason.value
+    answer = admit(
+        tax_units=tax_units,
+        exposure=exposure,
+        queue_age_s=age,
+        tokens_in=tokens,
+        budget_units=budget,
+        queue_wait_unit_per_second=200,
+        mode=mode,
+    )
+    return ("admit_free", "fits") if answer.admitted else ("reserved", "retry_tax_budget")
+
+
+def script_answer(
+    client: redis.Redis,
+    age_ms: int | None,
+    service: float,
+    tax_s: float,
+    slack: float,
+    cap: float,
+    tax_units: float,
+    exposure: float,
+    tokens: int,
+    budget: float,
+    mode: BudgetMode,
+) -> tuple[str, str]:
+    client.delete(KEYS.free_waiting, KEYS.window(WINDOW), KEYS.window_rows(WINDOW))
+    if age_ms is not None:
+        client.zadd(KEYS.free_waiting, {"older:1": NOW_S * 1000 - age_ms})
+    client.hset(KEYS.window(WINDOW), mapping={"tax_units": tax_units, "exposure": exposure})
+    store = GateStore(client, KEYS, horizon_s=1e9)
+    row = make_row(
+        job_id="j",
+        attempt=1,
+        path=Path.FREE,
+        outcome=Outcome.REJECTED,
+        queue_wait_ms=0,
+        tokens_in=0,
+        tokens_out=0,
+        deadline_slack_ms=0,
+    )
+    scored = store.score(
+        now_s=NOW_S,
+        window_id=WINDOW,
+        job_id="j",
+        attempt=1,
+        expected_service_s=service,
+        retry_tax_s=tax_s,
+        deadline_slack_s=slack,
+        max_queue_age_s=cap,
+        tokens_in=tokens,
+        budget_units=budget,
+        queue_wait_unit_per_second=200,
+        budget_mode=mode,
+        rejected_row=row,
+    )
+    return scored.decision.value, scored.reason.value
+
+
+# age_ms, service, tax_s, slack, cap, tax_units, exposure, tokens, budget, mode
+CASES = [
+    (12_000, 8, 8, 90, 30, 0, 0, 1200, 12_000, BudgetMode.EXPOSURE),
+    (41_000, 8, 8, 90, 30, 0, 0, 1200, 12_000, BudgetMode.EXPOSURE),
+    (20_000, 8, 8, 30, 30, 0, 0, 1200, 12_000, BudgetMode.EXPOSURE),
+    (20_000, 8, 0, 30, 30, 0, 0, 1200, 12_000, BudgetMode.EXPOSURE),
+    (10_000, 0, 8, 90, 30, 0, 0, 1200, 12_000, BudgetMode.EXPOSURE),
+    (10_000, 8, 8, -1, 30, 0, 0, 1200, 12_000, BudgetMode.EXPOSURE),
+    (50_000, 8, 8, 40, 30, 0, 0, 1200, 12_000, BudgetMode.EXPOSURE),
+    (None, 8, 8, 90, 30, 0, 0, 1200, 12_000, BudgetMode.EXPOSURE),
+    (30_000, 8, 8, 90, 30, 0, 0, 1200, 12_000, BudgetMode.EXPOSURE),
+    (2_000, 1, 0, 90, 30, 5000, 2400, 1200, 9000, BudgetMode.EXPOSURE),
+    (3_000, 1, 0, 90, 30, 5000, 2400, 1200, 9000, BudgetMode.EXPOSURE),
+    (3_000, 1, 0, 90, 30, 5000, 2400, 1200, 9000, BudgetMode.OPTIMISTIC),
+    (0, 1, 0, 90, 30, 0, 0, 1200, 1200, BudgetMode.EXPOSURE),
+    (0, 1, 0, 90, 30, 0, 0, 1201, 1200, BudgetMode.EXPOSURE),
+    (1, 1, -1, 90, 30, 0, 0, 1, 1200, BudgetMode.EXPOSURE),
+    (1, math.nan, 0, 90, 30, 0, 0, 1, 1200, BudgetMode.EXPOSURE),
+    (1, 1, 0, math.inf, 30, 0, 0, 1, 1200, BudgetMode.EXPOSURE),
+]
+
+
+@pytest.mark.parametrize(
+    (
+        "age_ms",
+        "service",
+        "tax_s",
+        "slack",
+        "cap",
+        "tax_units",
+        "exposure",
+        "tokens",
+        "budget",
+        "mode",
+    ),
+    CASES,
+)
+def test_script_and_core_agree_on_the_table(
+    redis_client: redis.Redis,
+    age_ms: int | None,
+    service: float,
+    tax_s: float,
+    slack: float,
+    cap: float,
+    tax_units: float,
+    exposure: float,
+    tokens: int,
+    budget: float,
+    mode: BudgetMode,
+) -> None:
+    args = (age_ms, service, tax_s, slack, cap, tax_units, exposure, tokens, budget, mode)
+    assert script_answer(redis_client, *args) == core_answer(*args)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    age_ms=st.one_of(st.none(), st.integers(min_value=0, max_value=120_000)),
+    service=st.floats(min_value=-5, max_value=60, allow_nan=False),
+    tax_s=st.floats(min_value=0, max_value=60),
+    slack=st.floats(min_value=-10, max_value=200),
+    cap=st.floats(min_value=0, max_value=60),
+    tax_units=st.floats(min_value=0, max_value=20_000),
+    exposure=st.floats(min_value=0, max_value=20_000),
+    tokens=st.integers(min_value=0, max_value=5000),
+    budget=st.floats(min_value=0, max_value=30_000),
+    mode=st.sampled_from(BudgetMode),
+)
+def test_script_and_core_agree_on_generated_inputs(
+    redis_client: redis.Redis,
+    age_ms: int | None,
+    service: float,
+    tax_s: float,
+    slack: float,
+    cap: float,
+    tax_units: float,
+    exposure: float,
+    tokens: int,
+    budget: float,
+    mode: BudgetMode,
+) -> None:
+    args = (age_ms, service, tax_s, slack, cap, tax_units, exposure, tokens, budget, mode)
+    assert script_answer(redis_client, *args) == core_answer(*args)
+
+
+def test_admission_reserves_exposure_and_marks_the_attempt_waiting(
+    redis_client: redis.Redis,
+) -> None:
+    answer = script_answer(redis_client, None, 1, 0, 90, 30, 0, 0, 700, 12_000, BudgetMode.EXPOSURE)
+    assert answer == ("admit_free", "fits")
+    assert float(redis_client.hget(KEYS.window(WINDOW), "exposure")) == 700
+    assert redis_client.zscore(KEYS.free_waiting, "j:1") == NOW_S * 1000
+
+
+def test_waiting_entries_past_the_horizon_stop_counting(redis_client: redis.Redis) -> None:
+    redis_client.zadd(KEYS.free_waiting, {"stale:1": NOW_S * 1000 - 10_000_000})
+    store = GateStore(redis_client, KEYS, horizon_s=60)
+    row = make_row(
+        job_id="j", attempt=1, path=Path.FREE, outcome=Outcome.REJECTED,
+        queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=0,
+    )  # fmt: skip
+    scored = store.score(
+        now_s=NOW_S, window_id=WINDOW, job_id="j", attempt=1, expected_service_s=1,
+        retry_tax_s=0, deadline_slack_s=90, max_queue_age_s=30, tokens_in=1,
+        budget_units=100, queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE,
+        rejected_row=row,
+    )  # fmt: skip
+    assert (scored.decision, scored.queue_age_s) == (Decision.ADMIT_FREE, 0)
+    assert redis_client.zscore(KEYS.free_waiting, "stale:1") is None
+
+
+def test_every_key_the_script_touches_shares_one_hash_tag() -> None:
+    names = [KEYS.free_waiting, KEYS.window(1), KEYS.window_rows(1), KEYS.flags, KEYS.flags_log]
+    assert {name.split("{")[1].split("}")[0] for name in names} == {"script"}
