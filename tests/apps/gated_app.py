@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import redis
@@ -59,8 +60,9 @@ def create_app(settings: GatekeeperSettings, broker_url: str) -> Celery:
 
     @gatekeeper.gated(expected_service_s=1, tokens_in=100, deadline_s=60)
     @app.task(bind=True, name="tests.embed", max_retries=1, shared=False)
-    def embed(self: Any, chunk: int) -> int:
+    def embed(self: Any, chunk: Any, sleep_s: float = 0.0) -> Any:
         record(self)
+        time.sleep(sleep_s)
         return chunk
 
     @gatekeeper.gated(expected_service_s=1, tokens_in=100, deadline_s=60)

@@ -1,0 +1,117 @@
+"""Declaring a gated task, and how declared inputs, overrides and carried headers combine."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import types
+
+import pytest
+from celery import Celery
+
+import gatekeeper
+from gatekeeper.spec import BadDeclaredInput, GatedSpec, resolve_inputs, spec_of
+
+
+def test_gated_keeps_the_tasks_name_signature_and_max_retries() -> None:
+    app = Celery("spec", broker="memory://")
+
+    @app.task(name="reports.build", max_retries=3, shared=False)
+    def build(report_id: int, *, draft: bool = False) -> int:
+        return report_id
+
+    plain_signature = inspect.signature(build.run)
+    gated_task = gatekeeper.gated(expected_service_s=8, tokens_in=1200, deadline_s=90)(build)
+    assert gated_task is build
+    assert (gated_task.name, gated_task.max_retries) == ("reports.build", 3)
+    assert inspect.signature(gated_task.run) == plain_signature
+    assert spec_of(gated_task) == GatedSpec(expected_service_s=8, tokens_in=1200, deadline_s=90)
+
+
+def test_the_task_option_form_gates_too() -> None:
+    app = Celery("spec2", broker="memory://")
+
+    @app.task(name="t.opt", shared=False, gatekeeper={"expected_service_s": 2, "deadline_s": 60})
+    def opt() -> None:
+        return None
+
+    assert spec_of(app.tasks["t.opt"]) == GatedSpec(expected_service_s=2, deadline_s=60)
+
+
+def test_ungated_tasks_have_no_spec() -> None:
+    app = Celery("spec3", broker="memory://")
+
+    @app.task(name="t.plain", shared=False)
+    def plain() -> None:
+        return None
+
+    assert spec_of(app.tasks["t.plain"]) is None
+
+
+def test_a_spec_needs_exactly_one_deadline() -> None:
+    with pytest.raises(BadDeclaredInput, match="exactly one"):
+        GatedSpec(expected_service_s=1)
+    with pytest.raises(BadDeclaredInput, match="exactly one"):
+        GatedSpec(expected_service_s=1, deadline_s=1, deadline_at=2)
+
+
+def test_a_malformed_task_option_names_the_field() -> None:
+    task = types.SimpleNamespace(gatekeeper={"expected_service": 1})
+    with pytest.raises(BadDeclaredInput, match="gatekeeper"):
+        spec_of(task)
+
+
+SPEC = GatedSpec(expected_service_s=8, tokens_in=1200, tokens_out=50, deadline_s=90)
+
+
+def test_first_publish_sets_the_deadline_relative_to_now() -> None:
+    inputs = resolve_inputs(SPEC, {}, now=1000.0)
+    assert (inputs.first_published_at, inputs.deadline_at, inputs.tokens_in) == (1000, 1090, 1200)
+
+
+def test_an_absolute_deadline_is_taken_as_is() -> None:
+    spec = GatedSpec(expected_service_s=8, deadline_at=5000.0)
+    assert resolve_inputs(spec, {}, now=1000.0).deadline_at == 5000
+
+
+def test_per_call_overrides_win_over_the_declaration() -> None:
+    headers = {
+        "gatekeeper_deadline_s": 30,
+        "gatekeeper_tokens_in": 10,
+        "gatekeeper_expected_service_s": 2,
+    }
+    inputs = resolve_inputs(SPEC, headers, now=1000.0)
+    assert (inputs.deadline_at, inputs.tokens_in, inputs.expected_service_s) == (1030, 10, 2)
+
+
+def test_a_carried_deadline_is_never_extended() -> None:
+    carried = {
+        "gatekeeper_deadline_at": 1090.0,
+        "gatekeeper_first_published_at": 1000.0,
+        "gatekeeper_deadline_s": 9999,
+    }
+    inputs = resolve_inputs(SPEC, carried, now=1500.0)
+    assert (inputs.deadline_at, inputs.first_published_at) == (1090, 1000)
+
+
+@pytest.mark.parametrize(
+    ("headers", "field"),
+    [
+        ({"gatekeeper_tokens_in": -1}, "gatekeeper_tokens_in"),
+        ({"gatekeeper_tokens_in": 1.5}, "gatekeeper_tokens_in"),
+        ({"gatekeeper_tokens_in": "many"}, "gatekeeper_tokens_in"),
+        ({"gatekeeper_deadline_s": "soon"}, "gatekeeper_deadline_s"),
+        ({"gatekeeper_deadline_at": None, "gatekeeper_deadline_s": True}, "gatekeeper_deadline_s"),
+        ({"gatekeeper_deadline_s": math.nan}, "deadline"),
+        ({"gatekeeper_expected_service_s": "8s"}, "gatekeeper_expected_service_s"),
+    ],
+)
+def test_bad_inputs_name_the_field(headers: dict[str, object], field: str) -> None:
+    with pytest.raises(BadDeclaredInput) as caught:
+        resolve_inputs(SPEC, headers, now=1000.0)
+    assert caught.value.field == field
+
+
+def test_a_non_finite_service_time_passes_through_for_the_guard_to_defer() -> None:
+    headers = {"gatekeeper_expected_service_s": math.inf}
+    assert resolve_inputs(SPEC, headers, now=1.0).expected_service_s == math.inf
