@@ -1,0 +1,403 @@
+"""Publish throughput and latency of plain Celery versus gated publishing, in one process.
+
+Run on demand (this is not a test)::
+
+    python bench/publish.py [--redis-url URL] [-n N] [--rounds R] [--profile]
+
+What it measures. One Celery app publishes ``N`` tasks of a plain task (to ``celery``) and ``N``
+of a ``@gatekeeper.gated`` task (admitted to ``free``) in ``R`` interleaved rounds: each round
+publishes ``N/R`` of one kind then ``N/R`` of the other, the order alternating every round, so
+that drift on the machine (CPU frequency, other load) hits both paths alike. Both paths are
+warmed up first. Between phases, outside the timed sections, the broker lists (``celery``,
+``free``) and the gate's waiting set are deleted so that nothing grows without bound.
+
+Without ``--redis-url`` two embedded ``redis-server`` processes are started: one is the broker,
+the other holds only the gate's state, so that the gate's server counts gate commands alone.
+With ``--redis-url`` that one Redis is both broker and gate. It must be a scratch Redis: the
+bench deletes the ``celery`` and ``free`` lists and the gate's waiting set.
+
+How to read the output:
+
+``plain:`` / ``gated:``
+    Throughput (tasks/s over the timed phases) and per-call latency of ``task.delay()``.
+``ratio=``
+    Gated throughput divided by plain throughput (1.0 = the gate costs nothing). ``per-round``
+    gives the spread of the same ratio over the rounds.
+``gate_route_us``
+    Time spent in ``Pipeline.route`` per gated publish (flags, inputs, the gate script's round
+    trip, the decision log line): the gate's added latency, p50/p99 in microseconds.
+``gate_hook_us``
+    Time spent in gatekeeper's wrapped sender minus the time in Celery's own sender: the whole
+    hook (task lookup, header merge, ``route``) for gated publishes, and the pass-through cost
+    the hook adds to plain ones.
+``redis_round_trips_per_decision=``
+    Measured on the gate's Redis server: the rise of ``total_reads_processed`` (one socket read
+    per request for a synchronous client) during the gated phases minus its rise during the
+    plain phases, divided by ``N``. ``redis_commands_per_decision`` uses
+    ``total_commands_processed`` the same way; it also counts the commands ``gate.lua`` runs
+    inside its one ``EVALSHA``. Both are corrected for the ``INFO`` calls that take the
+    readings (measured by two back-to-back readings at start-up).
+``broker per publish``
+    The same counters on the broker (two-server mode only): what one ``delay()`` costs Celery.
+``decisions``
+    The gate's reasons over the measured publishes; anything but ``fits`` means the numbers
+    are not those of the admit path.
+
+The gate writes one log line per decision to stderr; the bench points that stream at
+``os.devnull`` while installing the gate (the logger keeps the file it was built with), so the
+line is still rendered and written on every decision, only not to the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import datetime
+import io
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import celery
+import redis
+from celery import Celery
+
+import gatekeeper
+from gatekeeper.embedded import EmbeddedRedis
+from gatekeeper.settings import GatekeeperSettings
+
+COUNTERS = ("total_reads_processed", "total_commands_processed")
+"""Server counters read before and after each phase: round trips, then commands."""
+WARMUP = 200
+BROKER_QUEUES = ("celery", "free")
+
+
+class ServerCounters:
+    """Readings of one Redis server's ``INFO stats``, corrected for the reading itself."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        first = self.read()
+        second = self.read()
+        # What one reading costs in each counter (an INFO round trip): measured, not assumed.
+        self.overhead = {name: second[name] - first[name] for name in COUNTERS}
+
+    def read(self) -> dict[str, int]:
+        info = self.client.info("stats")
+        return {name: int(info[name]) for name in COUNTERS}
+
+    def delta(self, before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+        return {name: after[name] - before[name] - self.overhead[name] for name in COUNTERS}
+
+
+@dataclass
+class Phase:
+    """Everything measured for one kind of publish, summed over the rounds."""
+
+    name: str
+    seconds: float = 0.0
+    count: int = 0
+    call_ns: list[int] = field(default_factory=list)
+    hook_ns: list[int] = field(default_factory=list)
+    sender_ns: list[int] = field(default_factory=list)
+    gate_server: Counter[str] = field(default_factory=Counter)
+    broker_server: Counter[str] = field(default_factory=Counter)
+    round_rates: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds
+
+
+@dataclass
+class Probes:
+    """Timing wrappers around the gate: ``Pipeline.route`` and the whole hook."""
+
+    route_ns: list[int] = field(default_factory=list)
+    hook_ns: list[int] = field(default_factory=list)
+    sender_ns: list[int] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    def clear(self) -> None:
+        self.route_ns.clear()
+        self.hook_ns.clear()
+        self.sender_ns.clear()
+        self.reasons.clear()
+
+
+def percentiles_us(samples_ns: list[int]) -> tuple[float, float]:
+    """p50 and p99 of nanosecond samples, in microseconds."""
+    if len(samples_ns) < 2:
+        value = samples_ns[0] / 1000 if samples_ns else float("nan")
+        return value, value
+    cuts = statistics.quantiles(samples_ns, n=100, method="inclusive")
+    return cuts[49] / 1000, cuts[98] / 1000
+
+
+def install_probes(app: Celery, installed: gatekeeper.Installed) -> Probes:
+    """Time ``pipeline.route`` and the wrapped sender minus Celery's sender, per publish."""
+    probes = Probes()
+    clock = time.perf_counter_ns
+    route = installed.pipeline.route
+    inner = installed.original_sender
+    hook = app.amqp.send_task_message
+
+    def timed_route(publish: Any) -> Any:
+        start = clock()
+        routing = route(publish)
+        probes.route_ns.append(clock() - start)
+        probes.reasons[routing.reason] += 1
+        return routing
+
+    def timed_inner(*args: Any, **kwargs: Any) -> Any:
+        start = clock()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            probes.sender_ns.append(clock() - start)
+
+    def timed_hook(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        start = clock()
+        result = hook(producer, name, message, **options)
+        probes.hook_ns.append(clock() - start - probes.sender_ns[-1])
+        return result
+
+    installed.pipeline.route = timed_route  # type: ignore[method-assign]
+    installed.original_sender = timed_inner
+    app.amqp.send_task_message = timed_hook
+    return probes
+
+
+def round_sizes(n: int, rounds: int) -> list[int]:
+    return [n // rounds + (1 if i < n % rounds else 0) for i in range(rounds)]
+
+
+class Bench:
+    """One Celery app with a plain and a gated task, the gate installed and probed."""
+
+    def __init__(self, broker_url: str, gate_url: str, separate: bool) -> None:
+        self.separate = separate
+        self.app = Celery("bench", broker=broker_url)
+        self.app.conf.task_default_queue = "celery"
+
+        @self.app.task(name="bench.plain", shared=False)
+        def plain(x: int) -> int:
+            return x
+
+        @gatekeeper.gated(expected_service_s=1.0, tokens_in=10, deadline_s=3600)
+        @self.app.task(name="bench.gated", shared=False, max_retries=1)
+        def gated_task(x: int) -> int:
+            return x
+
+        self.tasks: dict[str, Any] = {"plain": plain, "gated": gated_task}
+        settings = GatekeeperSettings(
+            redis_url=gate_url,
+            dwell_gate_enabled=True,
+            canary_percent=100,
+            budget_units=1e12,
+            queue_wait_unit_per_second=0,
+            max_queue_age_s=1e9,
+            log_format="kv",
+        )
+        # The decision logger binds sys.stderr when it is built: build it on /dev/null.
+        self.devnull = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
+        saved, sys.stderr = sys.stderr, self.devnull
+        try:
+            self.installed = gatekeeper.install(self.app, settings)
+        finally:
+            sys.stderr = saved
+        self.probes = install_probes(self.app, self.installed)
+        self.broker = redis.Redis.from_url(broker_url)
+        self.gate = redis.Redis.from_url(gate_url)
+        self.waiting_key = self.installed.keys.free_waiting
+
+    def close(self) -> None:
+        self.trim()
+        self.broker.close()
+        self.gate.close()
+        self.app.close()
+        self.devnull.close()
+
+    def trim(self) -> None:
+        self.broker.delete(*BROKER_QUEUES)
+        self.gate.delete(self.waiting_key)
+
+    def publish(self, kind: str, count: int, call_ns: list[int] | None = None) -> float:
+        """Publish ``count`` tasks of one kind; returns the elapsed seconds."""
+        delay = self.tasks[kind].delay
+        clock = time.perf_counter_ns
+        start = time.perf_counter()
+        if call_ns is None:
+            for i in range(count):
+                delay(i)
+        else:
+            append = call_ns.append
+            for i in range(count):
+                t0 = clock()
+                delay(i)
+                append(clock() - t0)
+        return time.perf_counter() - start
+
+    def run(self, n: int, rounds: int) -> dict[str, Phase]:
+        for kind in self.tasks:
+            self.publish(kind, WARMUP)
+        self.trim()
+        self.probes.clear()
+        gate_counters = ServerCounters(self.gate)
+        broker_counters = ServerCounters(self.broker) if self.separate else None
+        phases = {kind: Phase(kind) for kind in self.tasks}
+        for index, size in enumerate(round_sizes(n, rounds)):
+            order = ("plain", "gated") if index % 2 == 0 else ("gated", "plain")
+            for kind in order:
+                phase = phases[kind]
+                self.trim()
+                gate_before = gate_counters.read()
+                broker_before = broker_counters.read() if broker_counters else None
+                seconds = self.publish(kind, size, phase.call_ns)
+                phase.gate_server.update(gate_counters.delta(gate_before, gate_counters.read()))
+                if broker_counters is not None and broker_before is not None:
+                    after = broker_counters.read()
+                    phase.broker_server.update(broker_counters.delta(broker_before, after))
+                phase.hook_ns.extend(self.probes.hook_ns)
+                phase.sender_ns.extend(self.probes.sender_ns)
+                self.probes.hook_ns.clear()
+                self.probes.sender_ns.clear()
+                phase.seconds += seconds
+                phase.count += size
+                phase.round_rates.append(size / seconds)
+        return phases
+
+    def profile(self, count: int, top: int) -> str:
+        """cProfile one extra gated phase (not part of the numbers above)."""
+        self.trim()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        self.publish("gated", count)
+        profiler.disable()
+        self.trim()
+        out = io.StringIO()
+        stats = pstats.Stats(profiler, stream=out).sort_stats("cumulative")
+        out.write(f"== cProfile of {count} gated publishes: gatekeeper's own functions ==\n")
+        stats.print_stats(r"/gatekeeper/", top)
+        out.write("== where route, the gate script call and the log line spend it (callees) ==\n")
+        stats.print_callees(r"pipeline.py:\d+\((route|_finish)\)|store.py:\d+\(score\)")
+        stats.print_callees(r"structlog/_base.py:\d+\(_process_event\)")
+        return out.getvalue()
+
+
+def report(bench: Bench, phases: dict[str, Phase], n: int) -> list[str]:
+    plain, gated = phases["plain"], phases["gated"]
+    lines = []
+    for phase in (plain, gated):
+        p50, p99 = percentiles_us(phase.call_ns)
+        lines.append(
+            f"{phase.name}: {phase.rate:.0f} tasks/s  delay() p50={p50:.1f}us p99={p99:.1f}us"
+        )
+    ratios = sorted(g / p for g, p in zip(gated.round_rates, plain.round_rates, strict=True))
+    lines.append(
+        f"ratio={gated.rate / plain.rate:.3f} (gated/plain tasks/s; per-round min="
+        f"{ratios[0]:.3f} median={statistics.median(ratios):.3f} max={ratios[-1]:.3f})"
+    )
+    p50, p99 = percentiles_us(bench.probes.route_ns)
+    lines.append(f"gate_route_us p50={p50:.1f} p99={p99:.1f} (Pipeline.route per gated publish)")
+    g50, g99 = percentiles_us(gated.hook_ns)
+    h50, h99 = percentiles_us(plain.hook_ns)
+    lines.append(
+        f"gate_hook_us gated p50={g50:.1f} p99={g99:.1f}; plain (pass-through) "
+        f"p50={h50:.1f} p99={h99:.1f}"
+    )
+    g50, g99 = percentiles_us(gated.sender_ns)
+    h50, h99 = percentiles_us(plain.sender_ns)
+    lines.append(
+        f"celery_sender_us gated p50={g50:.1f} p99={g99:.1f}; plain p50={h50:.1f} p99={h99:.1f}"
+        " (Celery's own send_task_message, after the hook)"
+    )
+    extra = {name: gated.gate_server[name] - plain.gate_server[name] for name in COUNTERS}
+    trips = extra["total_reads_processed"] / n
+    commands = extra["total_commands_processed"] / n
+    lines.append(
+        f"redis_round_trips_per_decision={trips:.3f} (redis_commands_per_decision="
+        f"{commands:.3f}, counting those inside gate.lua)"
+    )
+    if bench.separate:
+        parts = []
+        for phase in (plain, gated):
+            reads = phase.broker_server["total_reads_processed"] / phase.count
+            cmds = phase.broker_server["total_commands_processed"] / phase.count
+            parts.append(f"{phase.name} round_trips={reads:.3f} commands={cmds:.3f}")
+        lines.append("broker per publish: " + "; ".join(parts))
+    reasons = " ".join(f"{k}={v}" for k, v in sorted(bench.probes.reasons.items()))
+    lines.append(f"decisions: {reasons}")
+    return lines
+
+
+@contextlib.contextmanager
+def redis_urls(url: str | None) -> Iterator[tuple[str, str, str]]:
+    """(broker URL, gate URL, description): two embedded servers, or ``url`` for both."""
+    if url:
+        yield url, url, f"redis={url} (broker and gate)"
+        return
+    with EmbeddedRedis() as broker, EmbeddedRedis() as gate:
+        yield broker.url, gate.url, f"redis=embedded broker :{broker.port}, gate :{gate.port}"
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--redis-url",
+        help="a scratch Redis used as broker and gate (its celery/free lists are deleted); "
+        "default: two embedded redis-server processes",
+    )
+    parser.add_argument("-n", type=positive, default=5000, help="tasks per path (default 5000)")
+    parser.add_argument("--rounds", type=positive, default=10, help="rounds (default 10)")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=2000,
+        metavar="COUNT",
+        help="then cProfile COUNT extra gated publishes (default 2000) and print the top entries",
+    )
+    args = parser.parse_args(argv)
+    if args.rounds > args.n:
+        parser.error("--rounds must not exceed -n")
+
+    print(
+        f"bench/publish.py {datetime.datetime.now().isoformat(timespec='seconds')} "
+        f"N={args.n} rounds={args.rounds} python={platform.python_version()} "
+        f"celery={celery.__version__} gatekeeper={gatekeeper.__version__} cpus={os.cpu_count()}"
+    )
+    started = time.perf_counter()
+    with redis_urls(args.redis_url) as (broker_url, gate_url, where):
+        bench = Bench(broker_url, gate_url, separate=broker_url != gate_url)
+        try:
+            version = bench.gate.info("server")["redis_version"]
+            print(f"{where} redis_version={version}")
+            phases = bench.run(args.n, args.rounds)
+            for line in report(bench, phases, args.n):
+                print(line)
+            if args.profile:
+                print(bench.profile(args.profile, top=30))
+        finally:
+            bench.close()
+    print(f"elapsed={time.perf_counter() - started:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
