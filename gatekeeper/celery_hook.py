@@ -33,7 +33,7 @@ from gatekeeper.keys import Keys
 from gatekeeper.logs import make_logger
 from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
 from gatekeeper.settings import GatekeeperSettings, load_settings
-from gatekeeper.spec import H_ATTEMPT, H_PATH, BadDeclaredInput, GatedSpec, spec_of
+from gatekeeper.spec import H_ATTEMPT, H_DECISION, BadDeclaredInput, GatedSpec, spec_of
 from gatekeeper.store import GateStore
 
 __all__ = ["Installed", "check_celery_shape", "install"]
@@ -157,9 +157,9 @@ class Installed:
         if sender is None or getattr(sender, "app", None) is not self.app:
             return
         request = getattr(sender, "request", None)
-        path = getattr(request, H_PATH, None)
+        decision = getattr(request, H_DECISION, None)
         attempt = getattr(request, H_ATTEMPT, None)
-        if path != self.settings.free_queue or attempt is None or task_id is None:
+        if decision != "admit_free" or attempt is None or task_id is None:
             return
         try:
             self.store.attempt_started(task_id, int(attempt))

@@ -12,7 +12,9 @@ centrally. :func:`configure_logging` is for the CLI and ``workers/`` only.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import sys
 from collections.abc import MutableMapping
 from typing import Any, TextIO
@@ -22,7 +24,7 @@ from structlog.typing import Processor
 
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["DECISION_FIELDS", "configure_logging", "make_logger"]
+__all__ = ["DECISION_FIELDS", "KeyValueRenderer", "configure_logging", "make_logger"]
 
 DECISION_FIELDS = (
     "event",
@@ -54,24 +56,54 @@ def _round_floats(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMa
     return event
 
 
+_NEEDS_QUOTES = re.compile(r'[\s="\\]')
+
+
+def _kv_value(value: Any) -> str:
+    if value is None:
+        return ""
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    text = repr(round(value, 3)) if isinstance(value, float) else str(value)
+    return json.dumps(text) if not text or _NEEDS_QUOTES.search(text) else text
+
+
+class KeyValueRenderer:
+    """``key=value`` pairs, known keys first in a fixed order; quotes only where needed.
+
+    Written for the publish path: one pass, no per-key sorting, booleans as ``true``/``false``
+    (so ``grep slack_miss=true`` works), ``None`` as an empty value.
+    """
+
+    def __init__(self, key_order: tuple[str, ...]) -> None:
+        self.key_order = key_order
+
+    def __call__(self, _: Any, __: str, event: MutableMapping[str, Any]) -> str:
+        parts = [f"{key}={_kv_value(event.pop(key))}" for key in self.key_order if key in event]
+        parts.extend(f"{key}={_kv_value(value)}" for key, value in event.items())
+        return " ".join(parts)
+
+
 def _renderer(fmt: str) -> Processor:
     if fmt == "json":
         return structlog.processors.JSONRenderer(sort_keys=False)
-    return structlog.processors.LogfmtRenderer(
-        key_order=["ts", "level", "logger", *DECISION_FIELDS], bool_as_flag=False
-    )
+    return KeyValueRenderer(("ts", "level", "logger", *DECISION_FIELDS))
 
 
 def make_logger(
     settings: GatekeeperSettings, name: str = "decision", stream: TextIO | None = None
 ) -> Any:
     """A bound logger for ``gatekeeper.<name>`` with the format and level from settings."""
+    fmt = "kv" if settings.log_format == "stdlib" else settings.log_format
     processors: list[Processor] = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
-        _round_floats,
-        _renderer("kv" if settings.log_format == "stdlib" else settings.log_format),
     ]
+    if fmt == "json":
+        processors.append(_round_floats)
+    processors.append(_renderer(fmt))
     level = _LEVELS[settings.log_level]
     target: Any
     if settings.log_format == "stdlib":

@@ -17,7 +17,7 @@ from typing import Any
 from gatekeeper.dwell import Decision, GateInputs, Reason, decide, retry_tax_s
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.flags import FlagStore, in_canary
-from gatekeeper.ledger import Outcome, Path, make_row, window_id
+from gatekeeper.ledger import window_id
 from gatekeeper.settings import GatekeeperSettings
 from gatekeeper.spec import (
     H_ATTEMPT,
@@ -26,12 +26,9 @@ from gatekeeper.spec import (
     H_DWELL_S,
     H_EXPECTED_SERVICE_S,
     H_FIRST_PUBLISHED_AT,
-    H_PATH,
     H_PUBLISHED_AT,
     H_REASON,
     H_TOKENS_IN,
-    H_TOKENS_OUT,
-    H_WINDOW,
     BadDeclaredInput,
     GatedSpec,
     resolve_inputs,
@@ -146,8 +143,6 @@ class Pipeline:
             H_ATTEMPT: publish.attempt,
             H_EXPECTED_SERVICE_S: inputs.expected_service_s,
             H_TOKENS_IN: inputs.tokens_in,
-            H_TOKENS_OUT: inputs.tokens_out,
-            H_WINDOW: win,
         }
         if not flags.free_path_enabled:
             return self._finish(Decision.RESERVED, FREE_PATH_DISABLED, headers, fields)
@@ -159,16 +154,6 @@ class Pipeline:
             fields.update(queue_age_s=0.0, dwell_s=guard.dwell_s, field=guard.field)
             return self._finish(guard.decision, guard.reason.value, headers, fields)
 
-        rejected = make_row(
-            job_id=publish.job_id,
-            attempt=publish.attempt,
-            path=Path.FREE,
-            outcome=Outcome.REJECTED,
-            queue_wait_ms=0,
-            tokens_in=0,
-            tokens_out=0,
-            deadline_slack_ms=round(slack * 1000),
-        )
         try:
             scored = self.store.score(
                 now_s=now,
@@ -183,7 +168,7 @@ class Pipeline:
                 budget_units=self.settings.budget_units,
                 queue_wait_unit_per_second=self.settings.queue_wait_unit_per_second,
                 budget_mode=self.settings.budget_mode,
-                rejected_row=rejected,
+                deadline_slack_ms=round(slack * 1000),
             )
         except LedgerUnavailable as exc:
             return self._finish(
@@ -218,7 +203,7 @@ class Pipeline:
             if isinstance(dwell, float) and math.isfinite(dwell) and tokens is not None
             else None
         )
-        headers = {**headers, H_DECISION: decision.value, H_REASON: reason, H_PATH: queue}
+        headers = {**headers, H_DECISION: decision.value, H_REASON: reason}
         if isinstance(dwell, float) and math.isfinite(dwell):
             headers[H_DWELL_S] = dwell
         line = {

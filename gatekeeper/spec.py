@@ -30,12 +30,10 @@ __all__ = [
     "H_DECISION",
     "H_EXPECTED_SERVICE_S",
     "H_FIRST_PUBLISHED_AT",
-    "H_PATH",
     "H_PUBLISHED_AT",
     "H_REASON",
     "H_TOKENS_IN",
     "H_TOKENS_OUT",
-    "H_WINDOW",
     "BadDeclaredInput",
     "DeclaredInputs",
     "GatedSpec",
@@ -57,8 +55,6 @@ H_TOKENS_IN = "gatekeeper_tokens_in"
 H_TOKENS_OUT = "gatekeeper_tokens_out"
 H_DECISION = "gatekeeper_decision"
 H_REASON = "gatekeeper_reason"
-H_PATH = "gatekeeper_path"
-H_WINDOW = "gatekeeper_window"
 H_DWELL_S = "gatekeeper_dwell_s"
 
 

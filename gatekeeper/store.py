@@ -10,14 +10,16 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from typing import Any
 
 import redis
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from gatekeeper.dwell import Decision, Reason
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, Keys
-from gatekeeper.ledger import BudgetMode, LedgerRow
+from gatekeeper.ledger import BudgetMode
 
 __all__ = ["DEFAULT_QUEUE_AGE_HORIZON_S", "GateStore", "ScoredAttempt", "load_lua"]
 
@@ -74,7 +76,7 @@ class GateStore:
         budget_units: float,
         queue_wait_unit_per_second: float,
         budget_mode: BudgetMode,
-        rejected_row: LedgerRow,
+        deadline_slack_ms: int,
     ) -> ScoredAttempt:
         """Run the gate script: age cap, dwell against slack, then the budget, atomically."""
         keys = [
@@ -95,10 +97,12 @@ class GateStore:
             budget_mode.value,
             repr(self.horizon_s * 1000),
             str(self.retention_s),
-            json.dumps(rejected_row.to_json()),
+            job_id,
+            str(attempt),
+            str(deadline_slack_ms),
         ]
         try:
-            reply = self._gate(keys=keys, args=args)
+            reply = self._evalsha(self._gate, keys, args)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"gate script failed: {exc}") from exc
         decision, reason, age, dwell, projected = (_text(part) for part in reply)
@@ -109,6 +113,14 @@ class GateStore:
             dwell_s=float(dwell),
             projected_tax=float(projected),
         )
+
+    def _evalsha(self, script: Script, keys: list[str], args: list[str]) -> Any:
+        """EVALSHA without redis-py's per-call Script wrapper; loads the script when missing."""
+        try:
+            return self.client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self.client.script_load(script.script)
+            return self.client.evalsha(script.sha, len(keys), *keys, *args)
 
     def attempt_started(self, job_id: str, attempt: int) -> None:
         """A free attempt has started: it no longer holds the free queue's age up."""

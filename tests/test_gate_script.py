@@ -65,16 +65,6 @@ def script_answer(
         client.zadd(KEYS.free_waiting, {"older:1": NOW_S * 1000 - age_ms})
     client.hset(KEYS.window(WINDOW), mapping={"tax_units": tax_units, "exposure": exposure})
     store = GateStore(client, KEYS, horizon_s=1e9)
-    row = make_row(
-        job_id="j",
-        attempt=1,
-        path=Path.FREE,
-        outcome=Outcome.REJECTED,
-        queue_wait_ms=0,
-        tokens_in=0,
-        tokens_out=0,
-        deadline_slack_ms=0,
-    )
     scored = store.score(
         now_s=NOW_S,
         window_id=WINDOW,
@@ -88,7 +78,7 @@ def script_answer(
         budget_units=budget,
         queue_wait_unit_per_second=200,
         budget_mode=mode,
-        rejected_row=row,
+        deadline_slack_ms=0,
     )
     return scored.decision.value, scored.reason.value
 
@@ -191,15 +181,11 @@ def test_admission_reserves_exposure_and_marks_the_attempt_waiting(
 def test_waiting_entries_past_the_horizon_stop_counting(redis_client: redis.Redis) -> None:
     redis_client.zadd(KEYS.free_waiting, {"stale:1": NOW_S * 1000 - 10_000_000})
     store = GateStore(redis_client, KEYS, horizon_s=60)
-    row = make_row(
-        job_id="j", attempt=1, path=Path.FREE, outcome=Outcome.REJECTED,
-        queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=0,
-    )  # fmt: skip
     scored = store.score(
         now_s=NOW_S, window_id=WINDOW, job_id="j", attempt=1, expected_service_s=1,
         retry_tax_s=0, deadline_slack_s=90, max_queue_age_s=30, tokens_in=1,
         budget_units=100, queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE,
-        rejected_row=row,
+        deadline_slack_ms=0,
     )  # fmt: skip
     assert (scored.decision, scored.queue_age_s) == (Decision.ADMIT_FREE, 0)
     assert redis_client.zscore(KEYS.free_waiting, "stale:1") is None
@@ -208,3 +194,28 @@ def test_waiting_entries_past_the_horizon_stop_counting(redis_client: redis.Redi
 def test_every_key_the_script_touches_shares_one_hash_tag() -> None:
     names = [KEYS.free_waiting, KEYS.window(1), KEYS.window_rows(1), KEYS.flags, KEYS.flags_log]
     assert {name.split("{")[1].split("}")[0] for name in names} == {"script"}
+
+
+@pytest.mark.parametrize("job_id", ["plain-id", 'quote"and\\backslash', "ünïcode"])
+def test_the_scripts_rejected_row_is_the_cores_row(redis_client: redis.Redis, job_id: str) -> None:
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    store.score(
+        now_s=NOW_S, window_id=WINDOW, job_id=job_id, attempt=3, expected_service_s=1,
+        retry_tax_s=0, deadline_slack_s=90, max_queue_age_s=30, tokens_in=500,
+        budget_units=100, queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE,
+        deadline_slack_ms=-1234,
+    )  # fmt: skip
+    (stored,) = store.window_rows(WINDOW)
+    expected = make_row(
+        job_id=job_id, attempt=3, path=Path.FREE, outcome=Outcome.REJECTED, queue_wait_ms=0,
+        tokens_in=0, tokens_out=0, deadline_slack_ms=-1234,
+    )  # fmt: skip
+    assert stored == expected.to_json()
+
+
+def test_a_flushed_script_cache_is_reloaded(redis_client: redis.Redis) -> None:
+    redis_client.script_flush()
+    assert script_answer(redis_client, None, 1, 0, 90, 30, 0, 0, 1, 100, BudgetMode.EXPOSURE) == (
+        "admit_free",
+        "fits",
+    )

@@ -21,7 +21,12 @@
 -- ARGV[10] budget_mode       "exposure" or "optimistic"
 -- ARGV[11] horizon_ms        waiting members older than this are dropped
 -- ARGV[12] retention_s       TTL of the window's keys
--- ARGV[13] rejected_row      the JSON row to append if the budget refuses
+-- ARGV[13] job_id            for the rejected row
+-- ARGV[14] attempt
+-- ARGV[15] deadline_slack_ms
+--
+-- A refused attempt appends its `rejected` row (the same JSON as LedgerRow.to_json(): no
+-- tokens, no wait charge), built here so that admissions pay nothing for it.
 --
 -- Returns {decision, reason, queue_age_s, dwell_s, projected_tax}, numbers as strings
 -- (Redis would truncate a Lua float reply to an integer).
@@ -77,7 +82,10 @@ local projected = tax_units + exposure + age * unit
 local total = projected + tokens
 if not (finite(total) and finite(budget)) or total > budget then
   redis.call('HINCRBY', KEYS[2], 'rejected', 1)
-  redis.call('RPUSH', KEYS[3], ARGV[13])
+  local row = '{"job_id": ' .. cjson.encode(ARGV[13]) .. ', "attempt": ' .. ARGV[14]
+    .. ', "path": "free", "queue_wait_ms": 0, "tokens_in": 0, "tokens_out": 0'
+    .. ', "outcome": "rejected", "deadline_slack_ms": ' .. ARGV[15] .. ', "retry_tax": 0.0}'
+  redis.call('RPUSH', KEYS[3], row)
   redis.call('EXPIRE', KEYS[3], retention)
   return decided('reserved', 'retry_tax_budget', dwell, projected)
 end

@@ -41,7 +41,6 @@ def create_app(settings: GatekeeperSettings, broker_url: str) -> Celery:
                 "gatekeeper_first_published_at",
                 "gatekeeper_published_at",
                 "gatekeeper_decision",
-                "gatekeeper_path",
             )
             if getattr(request, key, None) is not None
         }
