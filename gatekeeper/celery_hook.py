@@ -1,5 +1,7 @@
 """The Celery adapter: :func:`install` wraps one app's task sender and connects worker signals.
 
+The worker signals live in :mod:`gatekeeper.worker`.
+
 Why the sender and not a router or ``before_task_publish``: a ``before_task_publish`` handler
 cannot change the queue (Celery passes it by value), and routers see neither the task id nor
 ``retries``. The function that ``app.amqp._create_task_sender()`` returns sees every publish,
@@ -25,7 +27,6 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_prerun
 
 from gatekeeper.errors import ConfigError, GatekeeperError
 from gatekeeper.flags import FlagStore
@@ -33,8 +34,9 @@ from gatekeeper.keys import Keys
 from gatekeeper.logs import make_logger
 from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
 from gatekeeper.settings import GatekeeperSettings, load_settings
-from gatekeeper.spec import H_ATTEMPT, H_DECISION, BadDeclaredInput, GatedSpec, spec_of
+from gatekeeper.spec import BadDeclaredInput, GatedSpec, spec_of
 from gatekeeper.store import GateStore
+from gatekeeper.worker import WorkerSide
 
 __all__ = ["Installed", "check_celery_shape", "install"]
 
@@ -98,6 +100,7 @@ class Installed:
         self.flags = FlagStore(client, settings, self.keys)
         self.log = make_logger(settings, "decision")
         self.pipeline = Pipeline(settings, self.store, self.flags, self.log, clock)
+        self.worker = WorkerSide(app, settings, client, self.flags, clock)
         self.original_sender = check_celery_shape(app)
         self._specs: dict[str, tuple[GatedSpec | None, BadDeclaredInput | None]] = {}
 
@@ -152,20 +155,6 @@ class Installed:
             options["headers"] = {**extra, **routing.headers}
         return self.original_sender(producer, name, message, **options)
 
-    def on_task_prerun(self, sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-        """A gated free attempt has started: drop it from the free queue's waiting set."""
-        if sender is None or getattr(sender, "app", None) is not self.app:
-            return
-        request = getattr(sender, "request", None)
-        decision = getattr(request, H_DECISION, None)
-        attempt = getattr(request, H_ATTEMPT, None)
-        if decision != "admit_free" or attempt is None or task_id is None:
-            return
-        try:
-            self.store.attempt_started(task_id, int(attempt))
-        except GatekeeperError as exc:
-            self.log.warning("queue_age_untracked", job_id=task_id, error=str(exc))
-
 
 def install(
     app: Celery,
@@ -195,6 +184,6 @@ def install(
                 )
         gate = Installed(app, settings, client or _client(settings), clock)
         app.amqp.send_task_message = gate.send_task_message
-        task_prerun.connect(gate.on_task_prerun, weak=False)
+        gate.worker.connect()
         _installed[app] = gate
         return gate

@@ -23,11 +23,26 @@ from typing import Any
 
 import redis
 
-from gatekeeper.errors import ConfigError, LedgerUnavailable
+from gatekeeper.errors import ConfigError, GatekeeperError, LedgerUnavailable
+from gatekeeper.health import CleanHour, WindowHealth, clean_hour, hour_windows
 from gatekeeper.keys import Keys
+from gatekeeper.ledger import window_id
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["FLAG_NAMES", "FlagChange", "FlagStore", "Flags", "in_canary", "parse_flag"]
+__all__ = [
+    "FLAG_NAMES",
+    "FlagChange",
+    "FlagStore",
+    "Flags",
+    "FreePathLocked",
+    "in_canary",
+    "parse_flag",
+]
+
+
+class FreePathLocked(GatekeeperError):
+    """Re-enabling the free path was refused: the last hour of windows is not clean."""
+
 
 FLAG_NAMES = ("dwell_gate_enabled", "free_path_enabled", "canary_percent")
 FLAG_LOG_LENGTH = 1000
@@ -155,16 +170,52 @@ class FlagStore:
         with self._lock:
             self._cached, self._read_at = None, -math.inf
 
-    def set(self, name: str, value: str, reason: str, actor: str, now: float) -> FlagChange:
-        """Store an override and log it; returns the change."""
+    def set(
+        self, name: str, value: str, reason: str, actor: str, now: float, force: bool = False
+    ) -> FlagChange:
+        """Store an override and log it; re-opening the free path needs a clean hour or force."""
         parsed = parse_flag(name, value)
         text = str(parsed).lower() if isinstance(parsed, bool) else repr(parsed)
+        if name == "free_path_enabled" and parsed is True:
+            reason = self._reopen_reason(reason, now, force)
         return self._write(name, text, reason, actor, now)
 
-    def unset(self, name: str, reason: str, actor: str, now: float) -> FlagChange:
-        """Remove an override: the settings decide again."""
+    def unset(
+        self, name: str, reason: str, actor: str, now: float, force: bool = False
+    ) -> FlagChange:
+        """Remove an override: the settings decide again (a clean hour to lift a freeze)."""
         parse_flag(name, "0")  # validates the name
+        if name == "free_path_enabled" and self.stored().get(name) == "false":
+            reason = self._reopen_reason(reason, now, force)
         return self._write(name, None, reason, actor, now)
+
+    def clean_hour(self, now: float) -> CleanHour:
+        """Whether the last hour of ledger windows (ending in the one ``now`` is in) is clean."""
+        current = window_id(now, self.settings.window_seconds)
+        ids = list(hour_windows(current, self.settings.window_seconds))
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for ident in ids:
+                pipe.hgetall(self.keys.window(ident))
+            raw = pipe.execute()
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot read the ledger windows: {exc}") from exc
+        windows = [
+            WindowHealth.from_hash(ident, {_text(k): _text(v) for k, v in fields.items()})
+            for ident, fields in zip(ids, raw, strict=True)
+        ]
+        return clean_hour(windows, self.settings.budget_units)
+
+    def _reopen_reason(self, reason: str, now: float, force: bool) -> str:
+        verdict = self.clean_hour(now)
+        if verdict.clean:
+            return f"{reason} ({verdict.reason})"
+        if not force:
+            raise FreePathLocked(
+                f"free_path_enabled stays false: {verdict.reason}; wait for a clean ledger hour "
+                "or pass --force"
+            )
+        return f"{reason} (forced: {verdict.reason})"
 
     def _write(
         self, name: str, value: str | None, reason: str, actor: str, now: float

@@ -13,10 +13,21 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     Gated attempts published to the free queue and not yet started: member
     ``<job_id>:<attempt>``, score = publish time in ms. The oldest score gives the free queue's
     age; members older than the horizon are dropped, so a purged queue cannot pin the age.
+``gatekeeper:{default}:inflight`` - hash, no TTL (fields removed when the attempt ends)
+    Free attempts admitted and not yet finished: field ``<job_id>:<attempt>``, value the
+    tokens it holds as exposure in the window of its publish.
+``gatekeeper:{default}:started`` - sorted set, no TTL (members removed when the run ends)
+    Runs of gated attempts that started and have no row yet: member ``<job_id>:<attempt>``,
+    score = start time in ms. ``gatekeeper sweep`` records the stale ones as killed.
+``gatekeeper:{default}:run:<job_id>:<attempt>`` - hash, TTL = 2 days
+    One attempt's runs: ``runs`` (how many times a worker started it: more than one after a
+    redelivery), ``rowed`` (the last run that has its row), and what the current run's row
+    needs (``started_ms``, ``published_ms``, ``deadline_ms``, ``path``, ``tokens_in``, ...).
 ``gatekeeper:{default}:window:<id>`` - hash, TTL = window retention
     One ledger window (``id`` = epoch seconds // ``window_seconds``): ``tax_units``
     (free rows' retry tax), ``exposure`` (tokens of free attempts admitted and not finished),
-    ``admitted_free``, ``rejected`` and per-decision counters.
+    ``admitted_free``, ``rejected``, ``rows:<outcome>`` (rows by outcome, both paths),
+    ``killed_free``, ``slack_misses`` and ``decided:<decision>`` counters.
 ``gatekeeper:{default}:window:<id>:rows`` - list, TTL = window retention
     The window's ledger rows, one JSON object each, oldest first.
 """
@@ -25,10 +36,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_WINDOW_RETENTION_S", "Keys"]
+__all__ = ["DEFAULT_WINDOW_RETENTION_S", "RUN_RETENTION_S", "Keys"]
 
 DEFAULT_WINDOW_RETENTION_S = 8 * 24 * 3600
 """Windows are kept eight days: a week of review (``gatekeeper report``) plus a day's margin."""
+RUN_RETENTION_S = 2 * 24 * 3600
+"""An attempt's run record outlives any sane visibility timeout and retry delay."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,17 @@ class Keys:
     @property
     def free_waiting(self) -> str:
         return f"{self.base}:free:waiting"
+
+    @property
+    def inflight(self) -> str:
+        return f"{self.base}:inflight"
+
+    @property
+    def started(self) -> str:
+        return f"{self.base}:started"
+
+    def run(self, job_id: str, attempt: int) -> str:
+        return f"{self.base}:run:{job_id}:{attempt}"
 
     def window(self, window_id: int) -> str:
         return f"{self.base}:window:{window_id}"

@@ -120,6 +120,21 @@ class LedgerRow:
     deadline_slack_ms: int
     retry_tax: float
 
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> LedgerRow:
+        """The inverse of :meth:`to_json` (extra keys such as ``window_id`` are ignored)."""
+        return cls(
+            job_id=str(row["job_id"]),
+            attempt=int(row["attempt"]),
+            path=Path(row["path"]),
+            queue_wait_ms=int(row["queue_wait_ms"]),
+            tokens_in=int(row["tokens_in"]),
+            tokens_out=int(row["tokens_out"]),
+            outcome=Outcome(row["outcome"]),
+            deadline_slack_ms=int(row["deadline_slack_ms"]),
+            retry_tax=float(row["retry_tax"]),
+        )
+
     def to_json(self) -> dict[str, Any]:
         """A plain dict in field order, enums as their values (the ledger file's row form)."""
         row = asdict(self)

@@ -21,6 +21,7 @@ from gatekeeper.ledger import window_id
 from gatekeeper.settings import GatekeeperSettings
 from gatekeeper.spec import (
     H_ATTEMPT,
+    H_ATTEMPT_PUBLISHED_AT,
     H_DEADLINE_AT,
     H_DECISION,
     H_DWELL_S,
@@ -136,10 +137,14 @@ class Pipeline:
             deadline_slack_s=slack,
             tokens=inputs.tokens_in,
         )
+        same_attempt = publish.headers.get(H_ATTEMPT) == publish.attempt
+        carried = publish.headers.get(H_ATTEMPT_PUBLISHED_AT) if same_attempt else None
         headers = {
             H_DEADLINE_AT: inputs.deadline_at,
             H_FIRST_PUBLISHED_AT: inputs.first_published_at,
             H_PUBLISHED_AT: now,
+            # A replayed (deferred) attempt keeps its first publish: its wait includes parking.
+            H_ATTEMPT_PUBLISHED_AT: now if carried is None else carried,
             H_ATTEMPT: publish.attempt,
             H_EXPECTED_SERVICE_S: inputs.expected_service_s,
             H_TOKENS_IN: inputs.tokens_in,

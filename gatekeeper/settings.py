@@ -119,6 +119,10 @@ class GatekeeperSettings(BaseSettings):
     flag_cache_s: float = Field(5.0, ge=0, le=60, allow_inf_nan=False)
     """How stale a live flag read from Redis may be."""
     miss_error_budget: float = Field(0.01, ge=0, le=1, allow_inf_nan=False)
+    miss_min_admissions: int = Field(20, ge=1)
+    """A window's miss rate can freeze the free path only after this many free admissions."""
+    stale_attempt_s: float = Field(1800.0, gt=0, allow_inf_nan=False)
+    """``gatekeeper sweep`` records a run started longer ago than this, with no row, as killed."""
 
     redis_timeout_s: float = Field(0.5, gt=0, le=30, allow_inf_nan=False)
     """Connect and read timeout of the gate's Redis client: past it a publish fails closed."""

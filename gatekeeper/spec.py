@@ -25,9 +25,11 @@ from gatekeeper.errors import GatekeeperError
 __all__ = [
     "GATED_ATTRIBUTE",
     "H_ATTEMPT",
+    "H_ATTEMPT_PUBLISHED_AT",
     "H_DEADLINE_AT",
     "H_DEADLINE_S",
     "H_DECISION",
+    "H_DWELL_S",
     "H_EXPECTED_SERVICE_S",
     "H_FIRST_PUBLISHED_AT",
     "H_PUBLISHED_AT",
@@ -49,6 +51,7 @@ H_DEADLINE_AT = "gatekeeper_deadline_at"
 H_DEADLINE_S = "gatekeeper_deadline_s"
 H_FIRST_PUBLISHED_AT = "gatekeeper_first_published_at"
 H_PUBLISHED_AT = "gatekeeper_published_at"
+H_ATTEMPT_PUBLISHED_AT = "gatekeeper_attempt_published_at"
 H_ATTEMPT = "gatekeeper_attempt"
 H_EXPECTED_SERVICE_S = "gatekeeper_expected_service_s"
 H_TOKENS_IN = "gatekeeper_tokens_in"

@@ -21,7 +21,7 @@ from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, Keys
 from gatekeeper.ledger import BudgetMode
 
-__all__ = ["DEFAULT_QUEUE_AGE_HORIZON_S", "GateStore", "ScoredAttempt", "load_lua"]
+__all__ = ["DEFAULT_QUEUE_AGE_HORIZON_S", "GateStore", "ScoredAttempt", "evalsha", "load_lua"]
 
 DEFAULT_QUEUE_AGE_HORIZON_S = 3600.0
 """A waiting entry older than this no longer counts toward the free queue's age (purged queues)."""
@@ -31,6 +31,15 @@ DEFAULT_QUEUE_AGE_HORIZON_S = 3600.0
 def load_lua(name: str) -> str:
     """The text of ``gatekeeper/lua/<name>``."""
     return resources.files("gatekeeper").joinpath("lua").joinpath(name).read_text(encoding="utf-8")
+
+
+def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str]) -> Any:
+    """EVALSHA without redis-py's per-call Script wrapper; loads the script when missing."""
+    try:
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        client.script_load(script.script)
+        return client.evalsha(script.sha, len(keys), *keys, *args)
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,7 @@ class GateStore:
             self.keys.free_waiting,
             self.keys.window(window_id),
             self.keys.window_rows(window_id),
+            self.keys.inflight,
         ]
         args = [
             repr(now_s * 1000),
@@ -102,7 +112,7 @@ class GateStore:
             str(deadline_slack_ms),
         ]
         try:
-            reply = self._evalsha(self._gate, keys, args)
+            reply = evalsha(self.client, self._gate, keys, args)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"gate script failed: {exc}") from exc
         decision, reason, age, dwell, projected = (_text(part) for part in reply)
@@ -113,14 +123,6 @@ class GateStore:
             dwell_s=float(dwell),
             projected_tax=float(projected),
         )
-
-    def _evalsha(self, script: Script, keys: list[str], args: list[str]) -> Any:
-        """EVALSHA without redis-py's per-call Script wrapper; loads the script when missing."""
-        try:
-            return self.client.evalsha(script.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            self.client.script_load(script.script)
-            return self.client.evalsha(script.sha, len(keys), *keys, *args)
 
     def attempt_started(self, job_id: str, attempt: int) -> None:
         """A free attempt has started: it no longer holds the free queue's age up."""

@@ -8,6 +8,7 @@
 -- KEYS[1] free:waiting      sorted set: member <job_id>:<attempt>, score = publish time (ms)
 -- KEYS[2] window:<id>       hash: tax_units, exposure, admitted_free, rejected, decided:<d>
 -- KEYS[3] window:<id>:rows  list: ledger rows (JSON), oldest first
+-- KEYS[4] inflight          hash: <job_id>:<attempt> -> tokens held as exposure
 --
 -- ARGV[1]  now_ms            the caller's clock (scripts never read the time)
 -- ARGV[2]  member            <job_id>:<attempt>
@@ -91,6 +92,7 @@ if not (finite(total) and finite(budget)) or total > budget then
 end
 
 redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', tokens)
+redis.call('HSET', KEYS[4], ARGV[2], ARGV[7])
 redis.call('HINCRBY', KEYS[2], 'admitted_free', 1)
 redis.call('ZADD', KEYS[1], now, ARGV[2])
 return decided('admit_free', 'fits', dwell, projected)

@@ -1,0 +1,231 @@
+"""The ledger's worker side in Redis: runs that start, the one row each run gets, the sweep.
+
+An attempt (``job_id``, ``attempt``) normally runs once. A message redelivered after its
+worker died (``acks_late``, a visibility timeout) is another *run* of the same attempt: it keeps
+the attempt number Celery gave it (``retries + 1``, unchanged by a redelivery) and gets its own
+row, after the dead run's ``killed`` row. Rows are built from the Python core
+(:func:`gatekeeper.ledger.make_row`) and applied by ``finish.lua``, once per run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+
+from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, RUN_RETENTION_S, Keys
+from gatekeeper.ledger import LedgerRow, Outcome, Path, make_row, window_id
+from gatekeeper.store import evalsha, load_lua
+
+__all__ = ["Finished", "RunLedger", "RunRecord", "Started", "sweep"]
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What a run's row needs, known when the run starts (from the message headers)."""
+
+    task: str
+    path: str
+    decision: str
+    published_ms: int
+    """This attempt's first publish (defer parking included in its wait)."""
+    admitted_ms: int
+    """This attempt's last publish: the window that holds its exposure."""
+    deadline_ms: int
+    tokens_in: int
+    tokens_out: int
+    dwell_s: float
+    retries: int
+    started_ms: int = 0
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> RunRecord:
+        return cls(
+            task=fields.get("task", ""),
+            path=fields.get("path", Path.RESERVED.value),
+            decision=fields.get("decision", ""),
+            published_ms=int(float(fields.get("published_ms", 0))),
+            admitted_ms=int(float(fields.get("admitted_ms", 0))),
+            deadline_ms=int(float(fields.get("deadline_ms", 0))),
+            tokens_in=int(fields.get("tokens_in", 0)),
+            tokens_out=int(fields.get("tokens_out", 0)),
+            dwell_s=float(fields.get("dwell_s", "nan")),
+            retries=int(fields.get("retries", 0)),
+            started_ms=int(float(fields.get("started_ms", 0))),
+        )
+
+
+@dataclass(frozen=True)
+class Started:
+    """A run that started; ``dead`` is an earlier run of the attempt that never got its row."""
+
+    run: int
+    dead_run: int
+    dead: RunRecord | None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Whether the row was written (False: a duplicate), and the admission window's misses."""
+
+    written: bool
+    slack_misses: int
+    admitted_free: int
+
+
+class RunLedger:
+    """Runs of gated attempts and their rows, in one namespace."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        window_seconds: int,
+        queue_wait_unit_per_second: float,
+        retention_s: int = DEFAULT_WINDOW_RETENTION_S,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.window_seconds = window_seconds
+        self.unit = queue_wait_unit_per_second
+        self.retention_s = retention_s
+        self._start = client.register_script(load_lua("start.lua"))
+        self._finish = client.register_script(load_lua("finish.lua"))
+
+    def start(self, job_id: str, attempt: int, record: RunRecord, now_ms: int) -> Started:
+        """Record that a run began; returns its run number and any dead run it reveals."""
+        member = f"{job_id}:{attempt}"
+        fields = {k: v for k, v in asdict(record).items() if k != "started_ms"}
+        args: list[Any] = [member, now_ms, RUN_RETENTION_S]
+        for name, value in fields.items():
+            args += [name, value]
+        keys = [self.keys.run(job_id, attempt), self.keys.started, self.keys.free_waiting]
+        try:
+            reply = evalsha(self.client, self._start, keys, [str(a) for a in args])
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot record the start of {member}: {exc}") from exc
+        run, dead_run = int(reply[0]), int(reply[1])
+        dead = None
+        if dead_run:
+            flat = [_text(part) for part in reply[2:]]
+            dead = RunRecord.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
+        return Started(run=run, dead_run=dead_run, dead=dead)
+
+    def record(self, job_id: str, attempt: int) -> tuple[int, RunRecord] | None:
+        """The attempt's latest run number and record, or None when it never started."""
+        try:
+            raw = self.client.hgetall(self.keys.run(job_id, attempt))
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot read run {job_id}:{attempt}: {exc}") from exc
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        if "runs" not in fields:
+            return None
+        return int(fields["runs"]), RunRecord.from_fields(fields)
+
+    def row_for(
+        self,
+        job_id: str,
+        attempt: int,
+        record: RunRecord,
+        outcome: Outcome,
+        now_ms: int,
+        tokens_in: int | None = None,
+        tokens_out: int | None = None,
+    ) -> LedgerRow:
+        """The core's row for a run that ended now (metered tokens win over declared ones)."""
+        default_out = 0 if outcome is Outcome.KILLED else record.tokens_out
+        return make_row(
+            job_id=job_id,
+            attempt=attempt,
+            path=Path(record.path),
+            outcome=outcome,
+            queue_wait_ms=max(0, record.started_ms - record.published_ms),
+            tokens_in=record.tokens_in if tokens_in is None else tokens_in,
+            tokens_out=default_out if tokens_out is None else tokens_out,
+            deadline_slack_ms=record.deadline_ms - now_ms,
+            queue_wait_unit_per_second=self.unit,
+        )
+
+    def finish(
+        self,
+        row: LedgerRow,
+        run: int,
+        record: RunRecord,
+        now_ms: int,
+        *,
+        slack_miss: bool = False,
+        current: bool = True,
+    ) -> Finished:
+        """Apply one run's row atomically; a second call for the same run writes nothing."""
+        member = f"{row.job_id}:{row.attempt}"
+        row_window = window_id(now_ms / 1000, self.window_seconds)
+        admission_window = window_id(record.admitted_ms / 1000, self.window_seconds)
+        keys = [
+            self.keys.run(row.job_id, row.attempt),
+            self.keys.window(row_window),
+            self.keys.window_rows(row_window),
+            self.keys.inflight,
+            self.keys.started,
+            self.keys.window(admission_window),
+        ]
+        args = [
+            member,
+            str(run),
+            json.dumps(row.to_json()),
+            row.outcome.value,
+            row.path.value,
+            repr(row.retry_tax),
+            "1" if slack_miss else "0",
+            str(self.retention_s),
+            "1" if current else "0",
+        ]
+        try:
+            written, misses, admitted = evalsha(self.client, self._finish, keys, args)
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot write the row of {member}: {exc}") from exc
+        return Finished(bool(written), int(misses), int(admitted))
+
+    def window_rows(self, window: int) -> list[dict[str, Any]]:
+        """A window's rows as stored, oldest first."""
+        try:
+            raw = self.client.lrange(self.keys.window_rows(window), 0, -1)
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot read window {window}: {exc}") from exc
+        return [json.loads(_text(item)) for item in raw]
+
+    def stale(self, now_ms: int, older_than_s: float) -> list[tuple[str, int]]:
+        """Attempts started more than ``older_than_s`` ago that still have no row."""
+        try:
+            members = self.client.zrangebyscore(
+                self.keys.started, "-inf", now_ms - older_than_s * 1000
+            )
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot read started runs: {exc}") from exc
+        found = []
+        for member in members:
+            job_id, _, attempt = _text(member).rpartition(":")  # type: ignore[arg-type]
+            found.append((job_id, int(attempt)))
+        return found
+
+
+def _text(value: bytes | str | int) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def sweep(ledger: RunLedger, now_ms: int, older_than_s: float) -> list[LedgerRow]:
+    """Record every run started more than ``older_than_s`` ago with no row as killed."""
+    rows = []
+    for job_id, attempt in ledger.stale(now_ms, older_than_s):
+        stored = ledger.record(job_id, attempt)
+        if stored is None:  # the run hash expired: nothing to price, just forget it
+            ledger.client.zrem(ledger.keys.started, f"{job_id}:{attempt}")
+            continue
+        run, record = stored
+        row = ledger.row_for(job_id, attempt, record, Outcome.KILLED, now_ms)
+        if ledger.finish(row, run, record, now_ms).written:
+            rows.append(row)
+    return rows
