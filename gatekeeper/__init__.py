@@ -23,6 +23,7 @@ from gatekeeper.ledger import (
     summarize,
     window_id,
 )
+from gatekeeper.metering import meter
 from gatekeeper.settings import DrillSettings, GatekeeperSettings, load_settings
 from gatekeeper.spec import GatedSpec, gated
 
@@ -50,6 +51,7 @@ __all__ = [
     "install",
     "load_settings",
     "make_row",
+    "meter",
     "retry_tax_s",
     "row_retry_tax",
     "summarize",

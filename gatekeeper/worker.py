@@ -47,7 +47,7 @@ from gatekeeper.health import WindowHealth, should_freeze
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import Outcome, Path, window_id
 from gatekeeper.logs import make_logger
-from gatekeeper.meter import take_metered
+from gatekeeper.metering import take_metered
 from gatekeeper.runs import RunLedger, RunRecord
 from gatekeeper.settings import GatekeeperSettings
 from gatekeeper.spec import (
@@ -181,8 +181,8 @@ class WorkerSide:
         self, sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
     ) -> None:
         """A run revoked while running (``terminate=True``) was killed."""
-        task = getattr(request, "task", None)
-        if not terminated or not self._ours(task):
+        task = sender if self._ours(sender) else getattr(request, "task", None)
+        if not terminated or not self._ours(task) or request is None:
             return
         self._guarded(
             "revoked", request.id, lambda: self._finish_elsewhere(task, request.id, "revoked")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -21,7 +22,9 @@ RUNS_KEY = "test:runs"
 """List of JSON records, one per task run: task, id, attempt, queue, gatekeeper headers."""
 
 
-def create_app(settings: GatekeeperSettings, broker_url: str) -> Celery:
+def create_app(
+    settings: GatekeeperSettings, broker_url: str, clock: Callable[[], float] = time.time
+) -> Celery:
     app = Celery("gated_app", broker=broker_url)
     app.conf.update(
         task_default_queue="celery",
@@ -52,10 +55,14 @@ def create_app(settings: GatekeeperSettings, broker_url: str) -> Celery:
                     "id": request.id,
                     "attempt": request.retries + 1,
                     "queue": (request.delivery_info or {}).get("routing_key"),
+                    "pid": os.getpid(),
                     **headers,
                 }
             ),
         )
+
+    def runs_of(job_id: str) -> int:
+        return sum(json.loads(raw)["id"] == job_id for raw in recorder.lrange(RUNS_KEY, 0, -1))
 
     @gatekeeper.gated(expected_service_s=1, tokens_in=100, deadline_s=60)
     @app.task(bind=True, name="tests.embed", max_retries=1, shared=False)
@@ -72,18 +79,74 @@ def create_app(settings: GatekeeperSettings, broker_url: str) -> Celery:
             raise self.retry(countdown=0)
         return "ok"
 
+    kill_spec = {"expected_service_s": 1, "tokens_in": 1200, "deadline_s": 60}
+
+    @app.task(bind=True, name="tests.boom", max_retries=0, shared=False, gatekeeper=kill_spec)
+    def boom(self: Any) -> None:
+        record(self)
+        raise ValueError("boom")
+
+    @app.task(
+        bind=True, name="tests.soft", max_retries=0, soft_time_limit=0.5, shared=False,
+        gatekeeper=kill_spec,
+    )  # fmt: skip
+    def soft(self: Any) -> None:
+        record(self)
+        time.sleep(5)
+
+    @app.task(
+        bind=True, name="tests.hard", max_retries=0, time_limit=1, shared=False,
+        gatekeeper=kill_spec,
+    )  # fmt: skip
+    def hard(self: Any) -> None:
+        record(self)
+        time.sleep(10)
+
+    @app.task(bind=True, name="tests.sleepy", max_retries=0, shared=False, gatekeeper=kill_spec)
+    def sleepy(self: Any, sleep_s: float = 30) -> str:
+        record(self)
+        time.sleep(sleep_s)
+        return "slept"
+
+    @app.task(
+        bind=True, name="tests.lost_late", max_retries=0, acks_late=True,
+        reject_on_worker_lost=True, shared=False, gatekeeper=kill_spec,
+    )  # fmt: skip
+    def lost_late(self: Any) -> str:
+        record(self)
+        if runs_of(self.request.id) == 1:
+            time.sleep(30)  # the test kills this run's process
+        return "second run"
+
+    @app.task(bind=True, name="tests.metered", max_retries=0, shared=False, gatekeeper=kill_spec)
+    def metered(self: Any, fail: bool = False) -> None:
+        record(self)
+        gatekeeper.meter(tokens_in=777, tokens_out=5)
+        if fail:
+            raise RuntimeError("after metering")
+
+    @gatekeeper.gated(expected_service_s=0.1, tokens_in=10, deadline_s=60)
+    @app.task(bind=True, name="tests.coinflip", max_retries=2, shared=False)
+    def coinflip(self: Any, chunk: int) -> int:
+        record(self)
+        if self.request.retries == 0 and chunk % 3 == 0:
+            raise self.retry(countdown=0, exc=RuntimeError("injected kill"))
+        return chunk
+
     @app.task(bind=True, name="tests.plain", shared=False)
     def plain(self: Any) -> str:
         record(self)
         return "plain"
 
-    gatekeeper.install(app, settings)
+    gatekeeper.install(app, settings, clock=clock)
     return app
 
 
 def _from_environment() -> Celery:
     settings = load_settings()
-    return create_app(settings, os.environ["GATEKEEPER_BROKER_URL"])
+    fixed = os.environ.get("GATEKEEPER_TEST_CLOCK")
+    clock = (lambda: float(fixed)) if fixed else time.time
+    return create_app(settings, os.environ["GATEKEEPER_BROKER_URL"], clock)
 
 
 if os.environ.get("GATEKEEPER_TEST_WORKER") == "1":

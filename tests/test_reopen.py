@@ -1,0 +1,107 @@
+"""Re-opening the free path: a clean ledger hour, or an explicit force (SPEC section 4)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from gatekeeper.cli import main
+from gatekeeper.flags import FlagStore, FreePathLocked
+from gatekeeper.health import WindowHealth, clean_hour, hour_windows, should_freeze
+from gatekeeper.keys import Keys
+from gatekeeper.ledger import window_id
+from gatekeeper.settings import GatekeeperSettings
+
+KEYS = Keys()
+W = 2_000_000  # a window id; "now" is its start, so time moves by window ids, not by sleeping
+
+
+def at(window: int) -> float:
+    return window * 900.0
+
+
+def frozen_store(client: redis.Redis) -> FlagStore:
+    store = FlagStore(client, GatekeeperSettings(budget_units=1000))
+    store.set("free_path_enabled", "false", "slack misses", "auto", at(W))
+    return store
+
+
+def test_the_last_hour_is_four_windows_of_900_s() -> None:
+    assert list(hour_windows(W, 900)) == [W - 3, W - 2, W - 1, W]
+    assert len(hour_windows(W, 1000)) == 4 and len(hour_windows(W, 3600)) == 1
+
+
+@pytest.mark.parametrize(
+    ("windows", "clean"),
+    [
+        ([WindowHealth(1), WindowHealth(2)], True),
+        ([WindowHealth(1, killed_rows=1), WindowHealth(2)], False),
+        ([WindowHealth(1, tax_units=1000.5), WindowHealth(2)], False),
+        ([WindowHealth(1, tax_units=1000), WindowHealth(2)], True),
+    ],
+)
+def test_clean_hour_needs_no_kills_and_tax_within_budget(
+    windows: list[WindowHealth], clean: bool
+) -> None:
+    assert clean_hour(windows, budget_units=1000).clean is clean
+
+
+@pytest.mark.parametrize(
+    ("admitted", "misses", "freeze"),
+    [(19, 19, False), (20, 0, False), (100, 1, False), (100, 2, True), (20, 1, True)],
+)
+def test_freeze_rule_needs_enough_admissions_and_a_rate_over_budget(
+    admitted: int, misses: int, freeze: bool
+) -> None:
+    health = WindowHealth(1, admitted_free=admitted, slack_misses=misses)
+    assert should_freeze(health, miss_error_budget=0.01, min_admissions=20) is freeze
+
+
+def test_reopening_is_refused_while_the_hour_has_killed_rows(redis_client: redis.Redis) -> None:
+    store = frozen_store(redis_client)
+    redis_client.hset(KEYS.window(W - 2), "rows:killed", 1)
+    with pytest.raises(FreePathLocked, match=f"window {W - 2} has 1 killed rows"):
+        store.set("free_path_enabled", "true", "try", "oncall", at(W))
+    assert not store.current().free_path_enabled
+
+
+def test_reopening_is_refused_while_a_window_is_over_budget(redis_client: redis.Redis) -> None:
+    store = frozen_store(redis_client)
+    redis_client.hset(KEYS.window(W), "tax_units", 1500)
+    with pytest.raises(FreePathLocked, match="over the budget"):
+        store.unset("free_path_enabled", "try", "oncall", at(W))
+
+
+def test_reopening_succeeds_after_a_clean_hour(redis_client: redis.Redis) -> None:
+    store = frozen_store(redis_client)
+    redis_client.hset(KEYS.window(W), "rows:killed", 2)
+    later = W + 4  # windows W+1..W+4: an hour with no killed rows
+    change = store.set("free_path_enabled", "true", "clean hour", "oncall", at(later))
+    assert f"windows {W + 1}..{W + 4}" in change.reason
+    assert store.current().free_path_enabled
+
+
+def test_force_reopens_and_says_so(redis_client: redis.Redis) -> None:
+    store = frozen_store(redis_client)
+    redis_client.hset(KEYS.window(W), "rows:killed", 2)
+    change = store.set("free_path_enabled", "true", "vendor fixed", "oncall", at(W), force=True)
+    assert change.reason.startswith("vendor fixed (forced: window")
+    assert store.current().free_path_enabled
+
+
+def test_cli_refuses_with_the_reason_and_accepts_force(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    runner = CliRunner()
+    assert runner.invoke(main, ["flags", "set", "free_path_enabled", "false"]).exit_code == 0
+    redis_client.hset(KEYS.window(window_id(time.time(), 900)), "rows:killed", 1)
+    refused = runner.invoke(main, ["flags", "set", "free_path_enabled", "true", "--reason", "r"])
+    assert refused.exit_code == 1
+    assert "killed rows" in refused.output and "--force" in refused.output
+    assert "event=flag_change_refused" in refused.output
+    forced = runner.invoke(main, ["flags", "set", "free_path_enabled", "true", "--force"])
+    assert forced.exit_code == 0 and "forced" in forced.stdout

@@ -1,0 +1,131 @@
+"""RunLedger against a real Redis: one row per run, exposure released once, sweeps, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from gatekeeper.cli import main
+from gatekeeper.keys import Keys
+from gatekeeper.ledger import Outcome, window_id
+from gatekeeper.runs import RunLedger, RunRecord, sweep
+
+KEYS = Keys()
+T0_MS = 1_800_000_000_000
+
+
+def ledger(client: redis.Redis) -> RunLedger:
+    return RunLedger(client, KEYS, window_seconds=900, queue_wait_unit_per_second=200)
+
+
+def record(**changes: object) -> RunRecord:
+    values: dict[str, object] = {
+        "task": "t", "path": "free", "decision": "admit_free", "published_ms": T0_MS,
+        "admitted_ms": T0_MS, "deadline_ms": T0_MS + 90_000, "tokens_in": 1200,
+        "tokens_out": 50, "dwell_s": 28.0, "retries": 0,
+    }  # fmt: skip
+    values.update(changes)
+    return RunRecord(**values)  # type: ignore[arg-type]
+
+
+def admit(client: redis.Redis, member: str, tokens: int) -> None:
+    """What gate.lua leaves behind for an admitted free attempt."""
+    client.hset(KEYS.inflight, member, tokens)
+    client.hincrbyfloat(KEYS.window(window_id(T0_MS / 1000, 900)), "exposure", tokens)
+
+
+def window_hash(client: redis.Redis, at_ms: int) -> dict[bytes, bytes]:
+    return client.hgetall(KEYS.window(window_id(at_ms / 1000, 900)))
+
+
+def test_the_worked_vector_through_the_run_ledger(redis_client: redis.Redis) -> None:
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    started = runs.start("job", 1, record(), T0_MS + 2100)
+    assert (started.run, started.dead) == (1, None)
+    stored = runs.record("job", 1)
+    assert stored is not None
+    run, rec = stored
+    row = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 3000)
+    assert (row.queue_wait_ms, row.tokens_in, row.retry_tax) == (2100, 1200, 1620)
+    assert runs.finish(row, run, rec, T0_MS + 3000).written
+    state = window_hash(redis_client, T0_MS)
+    assert float(state[b"tax_units"]) == 1620 and float(state[b"exposure"]) == 0
+    assert int(state[b"rows:killed"]) == 1
+
+
+def test_a_second_finish_of_the_same_run_writes_nothing(redis_client: redis.Redis) -> None:
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    runs.start("job", 1, record(), T0_MS + 100)
+    _, rec = runs.record("job", 1) or (0, record())
+    row = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200)
+    assert runs.finish(row, 1, rec, T0_MS + 200).written
+    assert not runs.finish(row, 1, rec, T0_MS + 300).written
+    assert len(runs.window_rows(window_id(T0_MS / 1000, 900))) == 1
+    state = window_hash(redis_client, T0_MS)
+    assert float(state[b"exposure"]) == 0 and float(state[b"tax_units"]) == 1220
+
+
+def test_a_second_start_without_a_row_reveals_the_dead_run(redis_client: redis.Redis) -> None:
+    runs = ledger(redis_client)
+    runs.start("job", 1, record(), T0_MS + 100)
+    again = runs.start("job", 1, record(), T0_MS + 60_000)
+    assert (again.run, again.dead_run) == (2, 1)
+    assert again.dead is not None and again.dead.started_ms == T0_MS + 100
+
+
+def test_a_second_start_after_a_row_is_just_another_run(redis_client: redis.Redis) -> None:
+    runs = ledger(redis_client)
+    runs.start("job", 1, record(), T0_MS + 100)
+    _, rec = runs.record("job", 1) or (0, record())
+    runs.finish(runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200), 1, rec, T0_MS + 200)
+    again = runs.start("job", 1, record(), T0_MS + 300)
+    assert (again.run, again.dead) == (2, None)
+
+
+def test_reserved_rows_are_recorded_but_not_charged(redis_client: redis.Redis) -> None:
+    runs = ledger(redis_client)
+    rec = record(path="reserved", decision="reserved", started_ms=T0_MS + 100)
+    row = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200)
+    assert runs.finish(row, 1, rec, T0_MS + 200).written
+    assert b"tax_units" not in window_hash(redis_client, T0_MS)
+
+
+def test_sweep_records_only_stale_runs(redis_client: redis.Redis) -> None:
+    runs = ledger(redis_client)
+    runs.start("old", 1, record(), T0_MS)
+    runs.start("new", 1, record(), T0_MS + 50_000)
+    swept = sweep(runs, T0_MS + 60_000, older_than_s=30)
+    assert [(row.job_id, row.outcome) for row in swept] == [("old", Outcome.KILLED)]
+    assert sweep(runs, T0_MS + 60_000, older_than_s=30) == []
+
+
+def test_ledger_command_prints_the_summary_and_writes_the_rows(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = ledger(redis_client)
+    runs.start("job", 1, record(), T0_MS + 2100)
+    _, rec = runs.record("job", 1) or (0, record())
+    runs.finish(runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 3000), 1, rec, T0_MS + 3000)
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    out = tmp_path / "ledger.json"
+    ident = str(window_id(T0_MS / 1000, 900))
+    result = CliRunner().invoke(main, ["ledger", "--window", ident, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        "finished=0 killed_rows=1 rejected=0 abandoned=0 budget_left=10380",
+        f"wrote {out}",
+    ]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["job_id"], row["retry_tax"]) == ("job", 1620)
+
+
+def test_ledger_command_names_a_bad_window(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    result = CliRunner().invoke(main, ["ledger", "--window", "yesterday"])
+    assert result.exit_code == 2 and "--window" in result.output

@@ -1,0 +1,211 @@
+"""The worker side against a real prefork worker: one row per run, for every way a run ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from gatekeeper.cli import main
+from gatekeeper.keys import Keys
+from tests.apps.gated_app import RUNS_KEY, create_app
+from tests.conftest import gate_settings, running_worker, wait_until
+
+pytestmark = pytest.mark.celery
+KEYS = Keys()
+
+
+def rows(client: redis.Redis) -> list[dict[str, Any]]:
+    found = []
+    for key in sorted(client.scan_iter(match=KEYS.window_rows(0).replace(":0:", ":*:"))):
+        found += [json.loads(raw) for raw in client.lrange(key, 0, -1)]
+    return found
+
+
+def window_totals(client: redis.Redis, field: str) -> float:
+    total = 0.0
+    for key in client.scan_iter(match=KEYS.window(0)[:-1] + "*"):
+        if client.type(key) == b"hash":
+            total += float(client.hget(key, field) or 0)
+    return total
+
+
+def runs(client: redis.Redis) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in client.lrange(RUNS_KEY, 0, -1)]
+
+
+def wait_rows(client: redis.Redis, count: int, timeout_s: float = 30) -> list[dict[str, Any]]:
+    assert wait_until(lambda: len(rows(client)) >= count, timeout_s), rows(client)
+    time.sleep(0.5)  # a duplicate signal, if any, would land now
+    return rows(client)
+
+
+def app_for(redis_url: str, **overrides: Any) -> Any:
+    return create_app(gate_settings(redis_url, **overrides), redis_url)
+
+
+def the_killed_row(client: redis.Redis) -> dict[str, Any]:
+    (row,) = wait_rows(client, 1)
+    assert (row["outcome"], row["path"], row["attempt"]) == ("killed", "free", 1)
+    assert row["tokens_in"] == 1200
+    assert row["retry_tax"] == 1200 + row["queue_wait_ms"] * 200 / 1000
+    assert window_totals(client, "tax_units") == row["retry_tax"]
+    assert window_totals(client, "exposure") == 0
+    return row
+
+
+def test_an_exception_is_one_killed_row_priced_as_the_worked_vector(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    published = float(int(time.time()))
+    app = create_app(gate_settings(redis_url), redis_url, clock=lambda: published)
+    started = published + 2.1  # the worker's clock: 2100 ms of queue wait
+    with running_worker(redis_url, tmp_path / "w.log", GATEKEEPER_TEST_CLOCK=repr(started)):
+        job = app.tasks["tests.boom"].delay().id
+        row = the_killed_row(redis_client)
+    assert (row["job_id"], row["queue_wait_ms"], row["retry_tax"]) == (job, 2100, 1620)
+    assert "reason=ValueError" in (tmp_path / "w.log").read_text()
+
+
+def test_a_soft_time_limit_is_one_killed_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    with running_worker(redis_url, tmp_path / "w.log"):
+        app_for(redis_url).tasks["tests.soft"].delay()
+        the_killed_row(redis_client)
+    assert "reason=SoftTimeLimitExceeded" in (tmp_path / "w.log").read_text()
+
+
+def test_a_hard_time_limit_is_one_killed_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    with running_worker(redis_url, tmp_path / "w.log"):
+        app_for(redis_url).tasks["tests.hard"].delay()
+        time.sleep(1.5)  # on Celery 5.7 the failure signal fires twice: still one row
+        the_killed_row(redis_client)
+    assert "reason=TimeLimitExceeded" in (tmp_path / "w.log").read_text()
+
+
+def test_a_sigkilled_child_is_one_killed_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    with running_worker(redis_url, tmp_path / "w.log"):
+        app_for(redis_url).tasks["tests.sleepy"].delay()
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
+        the_killed_row(redis_client)
+    assert "reason=WorkerLostError" in (tmp_path / "w.log").read_text()
+
+
+def test_a_task_revoked_with_terminate_is_one_killed_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    app = app_for(redis_url)
+    with running_worker(redis_url, tmp_path / "w.log"):
+        job = app.tasks["tests.sleepy"].delay().id
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        app.control.revoke(job, terminate=True, signal="SIGKILL")
+        the_killed_row(redis_client)
+    assert "reason=revoked" in (tmp_path / "w.log").read_text()
+
+
+def test_a_redelivered_message_reveals_the_run_that_died(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    with running_worker(redis_url, tmp_path / "w.log"):
+        job = app_for(redis_url).tasks["tests.lost_late"].delay().id
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
+        first, second = wait_rows(redis_client, 2)
+    assert [r["id"] for r in runs(redis_client)] == [job, job]
+    assert (first["outcome"], first["attempt"], first["tokens_in"]) == ("killed", 1, 1200)
+    assert (second["outcome"], second["attempt"]) == ("ok", 1)
+    assert "reason=worker_lost_redelivered" in (tmp_path / "w.log").read_text()
+
+
+def test_a_worker_that_vanishes_without_a_signal_is_swept(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with running_worker(redis_url, tmp_path / "w.log") as worker:
+        app_for(redis_url).tasks["tests.sleepy"].delay()
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
+        worker.kill()  # the main process goes too, before it can notice
+        worker.wait()
+    assert rows(redis_client) == []
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    result = CliRunner().invoke(main, ["sweep", "--older-than-s", "0"])
+    assert result.stdout.strip() == "swept=1"
+    the_killed_row(redis_client)
+    assert CliRunner().invoke(main, ["sweep", "--older-than-s", "0"]).stdout.strip() == "swept=0"
+
+
+@pytest.mark.parametrize(("fail", "outcome", "tokens_out"), [(False, "ok", 5), (True, "killed", 5)])
+def test_metered_tokens_replace_the_declared_ones(
+    redis_url: str,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+    fail: bool,
+    outcome: str,
+    tokens_out: int,
+) -> None:
+    with running_worker(redis_url, tmp_path / "w.log"):
+        app_for(redis_url).tasks["tests.metered"].delay(fail=fail)
+        (row,) = wait_rows(redis_client, 1)
+    assert (row["outcome"], row["tokens_in"], row["tokens_out"]) == (outcome, 777, tokens_out)
+
+
+def test_a_batch_with_injected_kills_has_one_row_per_attempt_and_releases_exposure(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    app = app_for(redis_url)
+    with running_worker(redis_url, tmp_path / "w.log"):
+        for chunk in range(12):
+            app.tasks["tests.coinflip"].delay(chunk)
+        found = wait_rows(redis_client, 16, timeout_s=60)  # 12 first attempts, 4 killed + retried
+    attempts = Counter((r["job_id"], r["attempt"]) for r in found)
+    assert len(found) == 16 and set(attempts.values()) == {1}
+    assert Counter(r["outcome"] for r in found) == {"ok": 12, "killed": 4}
+    free_tax = sum(r["retry_tax"] for r in found if r["path"] == "free")
+    assert window_totals(redis_client, "tax_units") == pytest.approx(free_tax)
+    assert window_totals(redis_client, "exposure") == 0
+    assert redis_client.hlen(KEYS.inflight) == 0 and redis_client.zcard(KEYS.started) == 0
+
+
+def test_slack_misses_alert_and_freeze_the_free_path(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    app = app_for(redis_url)
+    log = tmp_path / "w.log"
+    late = {"headers": {"gatekeeper_deadline_s": 1.3}}  # admitted (dwell 1 s), runs 1.5 s
+    with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="3"):
+        for _ in range(3):
+            app.tasks["tests.sleepy"].apply_async(kwargs={"sleep_s": 1.5}, **late)
+        wait_rows(redis_client, 3)
+    assert redis_client.hget(KEYS.flags, "free_path_enabled") == b"false"
+    time.sleep(0.3)  # the publisher's flag cache
+    job = app.tasks["tests.sleepy"].apply_async(kwargs={"sleep_s": 0}).id
+    (message,) = [json.loads(raw) for raw in redis_client.lrange("reserved", 0, -1)]
+    assert (message["headers"]["id"], message["headers"]["gatekeeper_reason"]) == (
+        job,
+        "free_path_disabled",
+    )
+    grep = subprocess.run(
+        f"grep 'decision=admit_free' {log} | grep 'slack_miss=true'",
+        shell=True, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    alerts = grep.stdout.splitlines()
+    assert len(alerts) == 3
+    assert all("dwell_s=" in a and "deadline_slack_s=-" in a and "retries=0" in a for a in alerts)
+    assert "event=free_path_frozen" in log.read_text()
+    (change,) = [json.loads(raw) for raw in redis_client.lrange(KEYS.flags_log, 0, -1)]
+    assert change["actor"] == "gatekeeper:auto-freeze" and "slack misses" in change["reason"]
