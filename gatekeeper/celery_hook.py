@@ -29,13 +29,9 @@ import redis
 from celery import Celery
 
 from gatekeeper.errors import ConfigError, GatekeeperError
-from gatekeeper.flags import FlagStore
-from gatekeeper.keys import Keys
-from gatekeeper.logs import make_logger
 from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
 from gatekeeper.settings import GatekeeperSettings, load_settings
 from gatekeeper.spec import BadDeclaredInput, GatedSpec, spec_of
-from gatekeeper.store import GateStore
 from gatekeeper.worker import WorkerSide
 
 __all__ = ["Installed", "check_celery_shape", "install"]
@@ -95,11 +91,13 @@ class Installed:
         self.app = app
         self.settings = settings
         self.client = client
-        self.keys = Keys(settings.key_prefix, settings.namespace)
-        self.store = GateStore(client, self.keys, horizon_s=settings.queue_age_horizon_s)
-        self.flags = FlagStore(client, settings, self.keys)
-        self.log = make_logger(settings, "decision")
-        self.pipeline = Pipeline(settings, self.store, self.flags, self.log, clock)
+        self.pipeline = Pipeline.create(settings, client, clock)
+        self.keys, self.store, self.flags = (
+            self.pipeline.store.keys,
+            self.pipeline.store,
+            self.pipeline.flags,
+        )
+        self.log = self.pipeline.log
         self.worker = WorkerSide(app, settings, client, self.flags, clock)
         self.original_sender = check_celery_shape(app)
         self._specs: dict[str, tuple[GatedSpec | None, BadDeclaredInput | None]] = {}

@@ -30,6 +30,16 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     ``killed_free``, ``slack_misses`` and ``decided:<decision>`` counters.
 ``gatekeeper:{default}:window:<id>:rows`` - list, TTL = window retention
     The window's ledger rows, one JSON object each, oldest first.
+``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
+    Marks an attempt whose ``abandoned`` row is written (the replayer writes it once).
+``gatekeeper:{default}:replayer:lock`` - string, TTL 30 s, refreshed by the live replayer
+    Only one replayer works a namespace at a time; a dead one's lock simply expires.
+
+On the broker's Redis (kombu's names, not prefixed): the queue lists ``free``, ``defer``,
+``reserved``, ``dead_letter`` (and their priority sub-lists ``<queue>\x06\x16<n>``), and
+``defer:replaying``, the replayer's processing list: a message claimed from ``defer`` sits
+there until it is moved on atomically (``move.lua``), and goes back to ``defer`` when a new
+replayer takes the lock.
 """
 
 from __future__ import annotations
@@ -78,6 +88,13 @@ class Keys:
 
     def run(self, job_id: str, attempt: int) -> str:
         return f"{self.base}:run:{job_id}:{attempt}"
+
+    def abandoned(self, job_id: str, attempt: int) -> str:
+        return f"{self.base}:abandoned:{job_id}:{attempt}"
+
+    @property
+    def replayer_lock(self) -> str:
+        return f"{self.base}:replayer:lock"
 
     def window(self, window_id: int) -> str:
         return f"{self.base}:window:{window_id}"

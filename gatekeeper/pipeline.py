@@ -14,10 +14,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from gatekeeper.dwell import Decision, GateInputs, Reason, decide, retry_tax_s
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.flags import FlagStore, in_canary
+from gatekeeper.keys import Keys
 from gatekeeper.ledger import window_id
+from gatekeeper.logs import make_logger
+from gatekeeper.review import review_marks
 from gatekeeper.settings import GatekeeperSettings
 from gatekeeper.spec import (
     H_ATTEMPT,
@@ -27,6 +32,8 @@ from gatekeeper.spec import (
     H_DWELL_S,
     H_EXPECTED_SERVICE_S,
     H_FIRST_PUBLISHED_AT,
+    H_FREE_ADMITTED,
+    H_MAX_RETRIES,
     H_PUBLISHED_AT,
     H_REASON,
     H_TOKENS_IN,
@@ -58,6 +65,8 @@ class Publish:
     headers: Mapping[str, Any]
     """Headers the message carries (retries, replays) and the caller's overrides."""
     spec_error: BadDeclaredInput | None = None
+    origin: str = "publish"
+    """``publish`` (the hook) or ``replay`` (the replayer re-scoring a deferred task)."""
 
     @property
     def attempt(self) -> int:
@@ -96,6 +105,16 @@ class Pipeline:
             Decision.RESERVED: settings.reserved_queue,
         }
 
+    @classmethod
+    def create(
+        cls, settings: GatekeeperSettings, client: redis.Redis, clock: Callable[[], float]
+    ) -> Pipeline:
+        """A pipeline on one Redis client with gatekeeper's own decision logger."""
+        keys = Keys(settings.key_prefix, settings.namespace)
+        store = GateStore(client, keys, horizon_s=settings.queue_age_horizon_s)
+        flags = FlagStore(client, settings, keys)
+        return cls(settings, store, flags, make_logger(settings, "decision"), clock)
+
     def route(self, publish: Publish) -> Routing:
         """Decide one publish; never raises for a bad input or an unreachable Redis."""
         flags = self.flags.current()
@@ -117,6 +136,8 @@ class Pipeline:
             "attempt": publish.attempt,
             "retries": publish.retries,
         }
+        if publish.origin != "publish":
+            fields["origin"] = publish.origin
         try:
             if publish.spec_error is not None:
                 raise publish.spec_error
@@ -149,7 +170,12 @@ class Pipeline:
             H_EXPECTED_SERVICE_S: inputs.expected_service_s,
             H_TOKENS_IN: inputs.tokens_in,
         }
+        if publish.max_retries is not None:
+            headers[H_MAX_RETRIES] = publish.max_retries
+        if publish.headers.get(H_FREE_ADMITTED):
+            headers[H_FREE_ADMITTED] = True
         if not flags.free_path_enabled:
+            self._count(win, Decision.RESERVED, FREE_PATH_DISABLED, fields)
             return self._finish(Decision.RESERVED, FREE_PATH_DISABLED, headers, fields)
 
         # Rule 1 needs no Redis: a guard that fires here never costs a round trip.
@@ -157,6 +183,7 @@ class Pipeline:
         guard = decide(GateInputs(0.0, inputs.expected_service_s, tax_s, slack, cap))
         if guard.decision is Decision.DEFER:
             fields.update(queue_age_s=0.0, dwell_s=guard.dwell_s, field=guard.field)
+            self._count(win, guard.decision, guard.reason.value, fields)
             return self._finish(guard.decision, guard.reason.value, headers, fields)
 
         try:
@@ -180,11 +207,28 @@ class Pipeline:
                 Decision.RESERVED, GATE_UNAVAILABLE, headers, fields, error=str(exc)
             )
         fields.update(queue_age_s=scored.queue_age_s, dwell_s=scored.dwell_s)
+        if scored.decision is Decision.ADMIT_FREE:
+            headers[H_FREE_ADMITTED] = True
         if scored.reason is Reason.RETRY_TAX_BUDGET:
             fields.update(
                 projected_tax=scored.projected_tax, budget_units=self.settings.budget_units
             )
         return self._finish(scored.decision, scored.reason.value, headers, fields)
+
+    def _count(self, win: int, decision: Decision, reason: str, fields: dict[str, Any]) -> None:
+        """Count a decision made without the gate script (the script counts its own).
+
+        One extra round trip, only on these paths; a failure to count never blocks routing.
+        """
+        marks = review_marks(
+            decision.value,
+            reason,
+            _number(fields.get("dwell_s")),
+            _number(fields.get("deadline_slack_s")),
+            _number(fields.get("expected_service_s")),
+            _number(fields.get("retry_tax_s")),
+        )
+        self.store.count_decision(win, decision.value, reason, marks)
 
     def fail_closed(self, publish: Publish, reason: str, error: str) -> Routing:
         """The route for a publish the pipeline could not even start on (hook faults)."""
@@ -228,3 +272,7 @@ class Pipeline:
         level = "warning" if reason in (GATE_UNAVAILABLE, GATE_ERROR, BAD_INPUT) else "info"
         getattr(self.log, level)("gate_decision", **line)
         return Routing(queue, decision.value, reason, headers)
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else math.nan

@@ -95,6 +95,7 @@ class RunLedger:
         self.retention_s = retention_s
         self._start = client.register_script(load_lua("start.lua"))
         self._finish = client.register_script(load_lua("finish.lua"))
+        self._abandon = client.register_script(load_lua("abandon.lua"))
 
     def start(self, job_id: str, attempt: int, record: RunRecord, now_ms: int) -> Started:
         """Record that a run began; returns its run number and any dead run it reveals."""
@@ -187,6 +188,21 @@ class RunLedger:
             written, misses, admitted = evalsha(self.client, self._finish, keys, args)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot write the row of {member}: {exc}") from exc
+        return Finished(bool(written), int(misses), int(admitted))
+
+    def abandon(self, row: LedgerRow, now_ms: int, slack_miss: bool) -> Finished:
+        """Write an attempt's ``abandoned`` row once (a replayer crash cannot write two)."""
+        window = window_id(now_ms / 1000, self.window_seconds)
+        keys = [
+            self.keys.abandoned(row.job_id, row.attempt),
+            self.keys.window(window),
+            self.keys.window_rows(window),
+        ]
+        args = [json.dumps(row.to_json()), str(self.retention_s), "1" if slack_miss else "0"]
+        try:
+            written, misses, admitted = evalsha(self.client, self._abandon, keys, args)
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot write the abandoned row: {exc}") from exc
         return Finished(bool(written), int(misses), int(admitted))
 
     def window_rows(self, window: int) -> list[dict[str, Any]]:

@@ -124,6 +124,12 @@ class GatekeeperSettings(BaseSettings):
     stale_attempt_s: float = Field(1800.0, gt=0, allow_inf_nan=False)
     """``gatekeeper sweep`` records a run started longer ago than this, with no row, as killed."""
 
+    replay_backoff_s: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """A task deferred again waits this long before its next replay, doubling each time."""
+    replay_backoff_max_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    replay_poll_s: float = Field(0.5, gt=0, allow_inf_nan=False)
+    """How long the replayer sleeps when nothing in ``defer`` is due."""
+
     redis_timeout_s: float = Field(0.5, gt=0, le=30, allow_inf_nan=False)
     """Connect and read timeout of the gate's Redis client: past it a publish fails closed."""
     queue_age_horizon_s: float = Field(3600.0, gt=0, allow_inf_nan=False)

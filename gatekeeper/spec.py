@@ -32,8 +32,12 @@ __all__ = [
     "H_DWELL_S",
     "H_EXPECTED_SERVICE_S",
     "H_FIRST_PUBLISHED_AT",
+    "H_FREE_ADMITTED",
+    "H_MAX_RETRIES",
     "H_PUBLISHED_AT",
     "H_REASON",
+    "H_REPLAYS",
+    "H_REPLAY_AFTER",
     "H_TOKENS_IN",
     "H_TOKENS_OUT",
     "BadDeclaredInput",
@@ -52,6 +56,11 @@ H_DEADLINE_S = "gatekeeper_deadline_s"
 H_FIRST_PUBLISHED_AT = "gatekeeper_first_published_at"
 H_PUBLISHED_AT = "gatekeeper_published_at"
 H_ATTEMPT_PUBLISHED_AT = "gatekeeper_attempt_published_at"
+H_MAX_RETRIES = "gatekeeper_max_retries"
+H_FREE_ADMITTED = "gatekeeper_free_admitted"
+"""True once any attempt of the job was admitted to the free path (for abandoned slack misses)."""
+H_REPLAYS = "gatekeeper_replays"
+H_REPLAY_AFTER = "gatekeeper_replay_after"
 H_ATTEMPT = "gatekeeper_attempt"
 H_EXPECTED_SERVICE_S = "gatekeeper_expected_service_s"
 H_TOKENS_IN = "gatekeeper_tokens_in"

@@ -7,6 +7,7 @@ which the publish hook turns into a fail-closed route to reserved.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -20,6 +21,7 @@ from gatekeeper.dwell import Decision, Reason
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, Keys
 from gatekeeper.ledger import BudgetMode
+from gatekeeper.review import DEFER_FIT, RESERVED_AGE_SHIFT
 
 __all__ = ["DEFAULT_QUEUE_AGE_HORIZON_S", "GateStore", "ScoredAttempt", "evalsha", "load_lua"]
 
@@ -33,7 +35,9 @@ def load_lua(name: str) -> str:
     return resources.files("gatekeeper").joinpath("lua").joinpath(name).read_text(encoding="utf-8")
 
 
-def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str]) -> Any:
+def evalsha(
+    client: redis.Redis, script: Script, keys: list[str], args: Sequence[str | bytes]
+) -> Any:
     """EVALSHA without redis-py's per-call Script wrapper; loads the script when missing."""
     try:
         return client.evalsha(script.sha, len(keys), *keys, *args)
@@ -123,6 +127,23 @@ class GateStore:
             dwell_s=float(dwell),
             projected_tax=float(projected),
         )
+
+    def count_decision(
+        self, window_id: int, decision: str, reason: str, marks: tuple[bool, bool]
+    ) -> None:
+        """Count a decision made in process (the gate script counts the ones it makes)."""
+        key = self.keys.window(window_id)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hincrby(key, f"decided:{decision}:{reason}", 1)
+            if marks[0]:
+                pipe.hincrby(key, DEFER_FIT, 1)
+            if marks[1]:
+                pipe.hincrby(key, RESERVED_AGE_SHIFT, 1)
+            pipe.expire(key, self.retention_s)
+            pipe.execute()
+        except redis.RedisError:
+            pass  # the decision stands; only the review loses one count
 
     def attempt_started(self, job_id: str, attempt: int) -> None:
         """A free attempt has started: it no longer holds the free queue's age up."""

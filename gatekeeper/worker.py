@@ -62,7 +62,7 @@ from gatekeeper.spec import (
     spec_of,
 )
 
-__all__ = ["WorkerSide", "record_from_headers"]
+__all__ = ["WorkerSide", "maybe_freeze", "record_from_headers"]
 
 RECEIVED_CACHE_SIZE = 10_000
 """Headers kept per task id in the worker's main process, for signals that lose the request."""
@@ -313,24 +313,33 @@ class WorkerSide:
                 retries=record.retries,
             )
             admission = window_id(record.admitted_ms / 1000, self.settings.window_seconds)
-            self._maybe_freeze(admission, done.slack_misses, done.admitted_free)
+            maybe_freeze(
+                self.flags, self.alerts, admission, done.slack_misses, done.admitted_free,
+                self.clock(),
+            )  # fmt: skip
 
-    def _maybe_freeze(self, window: int, misses: int, admitted: int) -> None:
-        health = WindowHealth(window_id=window, admitted_free=admitted, slack_misses=misses)
-        budget = self.settings.miss_error_budget
-        if not should_freeze(health, budget, self.settings.miss_min_admissions):
-            return
-        if self.flags.stored().get("free_path_enabled") == "false":
-            return
-        reason = (
-            f"slack misses {misses}/{admitted} = {misses / admitted:.1%} of free admissions in "
-            f"window {window} exceed miss_error_budget {budget:.1%}"
-        )
-        self.flags.set("free_path_enabled", "false", reason, "gatekeeper:auto-freeze", self.clock())
-        self.alerts.error(
-            "free_path_frozen", window=window, slack_misses=misses, admitted_free=admitted,
-            miss_error_budget=budget, reason=reason,
-        )  # fmt: skip
+
+def maybe_freeze(
+    flags: FlagStore, alerts: Any, window: int, misses: int, admitted: int, now: float
+) -> bool:
+    """Freeze the free path when a window's misses exceed the error budget; True if frozen."""
+    settings = flags.settings
+    health = WindowHealth(window_id=window, admitted_free=admitted, slack_misses=misses)
+    budget = settings.miss_error_budget
+    if not should_freeze(health, budget, settings.miss_min_admissions):
+        return False
+    if flags.stored().get("free_path_enabled") == "false":
+        return False
+    reason = (
+        f"slack misses {misses}/{admitted} = {misses / admitted:.1%} of free admissions in "
+        f"window {window} exceed miss_error_budget {budget:.1%}"
+    )
+    flags.set("free_path_enabled", "false", reason, "gatekeeper:auto-freeze", now)
+    alerts.error(
+        "free_path_frozen", window=window, slack_misses=misses, admitted_free=admitted,
+        miss_error_budget=budget, reason=reason,
+    )  # fmt: skip
+    return True
 
 
 def _with_start(record: RunRecord, started_ms: int) -> RunRecord:

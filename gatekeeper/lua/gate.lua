@@ -6,7 +6,8 @@
 -- tests/test_gate_script.py holds this script and the Python core to the same answers.
 --
 -- KEYS[1] free:waiting      sorted set: member <job_id>:<attempt>, score = publish time (ms)
--- KEYS[2] window:<id>       hash: tax_units, exposure, admitted_free, rejected, decided:<d>
+-- KEYS[2] window:<id>       hash: tax_units, exposure, admitted_free, rejected,
+--                           decided:<decision>:<reason>, review:defer_fit, review:reserved_age_shift
 -- KEYS[3] window:<id>:rows  list: ledger rows (JSON), oldest first
 -- KEYS[4] inflight          hash: <job_id>:<attempt> -> tokens held as exposure
 --
@@ -59,7 +60,15 @@ if oldest[2] then
 end
 
 local function decided(decision, reason, dwell, projected)
-  redis.call('HINCRBY', KEYS[2], 'decided:' .. decision, 1)
+  redis.call('HINCRBY', KEYS[2], 'decided:' .. decision .. ':' .. reason, 1)
+  -- The review's marks (gatekeeper/review.py review_marks): only finite inputs get here.
+  if finite(dwell) and finite(slack) and finite(service) and finite(tax) then
+    if decision == 'defer' and slack > 0 and dwell <= slack then
+      redis.call('HINCRBY', KEYS[2], 'review:defer_fit', 1)
+    elseif decision == 'reserved' and reason == 'dwell_over_slack' and service + tax <= slack then
+      redis.call('HINCRBY', KEYS[2], 'review:reserved_age_shift', 1)
+    end
+  end
   redis.call('EXPIRE', KEYS[2], retention)
   return {decision, reason, fmt(age), fmt(dwell), fmt(projected)}
 end
@@ -91,8 +100,10 @@ if not (finite(total) and finite(budget)) or total > budget then
   return decided('reserved', 'retry_tax_budget', dwell, projected)
 end
 
-redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', tokens)
-redis.call('HSET', KEYS[4], ARGV[2], ARGV[7])
+-- Idempotent per attempt: a replay re-scored after a crash does not hold its tokens twice.
+if redis.call('HSETNX', KEYS[4], ARGV[2], ARGV[7]) == 1 then
+  redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', tokens)
+end
 redis.call('HINCRBY', KEYS[2], 'admitted_free', 1)
 redis.call('ZADD', KEYS[1], now, ARGV[2])
 return decided('admit_free', 'fits', dwell, projected)

@@ -1,0 +1,25 @@
+-- abandon.lua: the `abandoned` row of a deferred attempt whose deadline passed, written once.
+--
+-- KEYS[1] abandoned:<job_id>:<attempt>  string marker: this attempt already has its row
+-- KEYS[2] window:<id>                   hash: rows:abandoned, slack_misses, admitted_free
+-- KEYS[3] window:<id>:rows              list: ledger rows (JSON)
+--
+-- ARGV[1] row           JSON (built by the Python core: no tokens, no wait charge)
+-- ARGV[2] retention_s
+-- ARGV[3] slack_miss    1 when an earlier attempt of the job was admitted to the free path
+--
+-- Returns {written (0|1), slack_misses, admitted_free} of the window.
+
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[2])) then
+  return {0, 0, 0}
+end
+redis.call('RPUSH', KEYS[3], ARGV[1])
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))
+redis.call('HINCRBY', KEYS[2], 'rows:abandoned', 1)
+if ARGV[3] == '1' then
+  redis.call('HINCRBY', KEYS[2], 'slack_misses', 1)
+end
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
+local misses = tonumber(redis.call('HGET', KEYS[2], 'slack_misses') or '0')
+local admitted = tonumber(redis.call('HGET', KEYS[2], 'admitted_free') or '0')
+return {1, misses, admitted}

@@ -1,0 +1,364 @@
+"""The on-call's commands: flags, ledger, sweep, status, report and the replayer.
+
+Registered on the ``gatekeeper`` group by :mod:`gatekeeper.cli`. Each reads settings at the edge
+and talks to the gate's Redis (``GATEKEEPER_REDIS_URL``) and, for queue lengths and the
+replayer, the broker (``GATEKEEPER_BROKER_URL``, else the same Redis).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import re
+import signal
+import socket
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import click
+import redis
+
+from gatekeeper.cli import main, settings_of
+from gatekeeper.errors import ConfigError, LedgerUnavailable
+from gatekeeper.flags import FLAG_NAMES, FlagStore, FreePathLocked, combine
+from gatekeeper.keys import Keys
+from gatekeeper.ledger import LedgerRow, summarize, window_id
+from gatekeeper.logs import make_logger
+from gatekeeper.replay import PRIORITY_STEPS, Replayer, queue_list
+from gatekeeper.review import summarize_review
+from gatekeeper.runs import RunLedger
+from gatekeeper.runs import sweep as sweep_runs
+
+__all__ = ["flags", "ledger", "replay", "report", "status", "sweep"]
+
+
+def _redis(ctx: click.Context, broker: bool = False) -> redis.Redis:
+    settings = settings_of(ctx)
+    url = settings.redis_url or settings.broker_url
+    if broker:
+        url = settings.effective_broker_url
+    if not url:
+        raise click.UsageError(
+            "GATEKEEPER_REDIS_URL: expected the gate's Redis URL (redis://host:port/db), got none",
+            ctx=ctx,
+        )
+    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+
+
+def _flag_store(ctx: click.Context) -> FlagStore:
+    return FlagStore(_redis(ctx), settings_of(ctx))
+
+
+def _actor() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def flags(ctx: click.Context) -> None:
+    """Show the live flags: the settings, the Redis overrides, and what is in force."""
+    if ctx.invoked_subcommand is not None:
+        return
+    store = _flag_store(ctx)
+    try:
+        stored = store.stored()
+        history = store.history(limit=5)
+    except LedgerUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
+    effective = combine(store.settings, stored)
+    for name in FLAG_NAMES:
+        setting = getattr(store.settings, name)
+        click.echo(
+            f"{name}: effective={_show(getattr(effective, name))} settings={_show(setting)} "
+            f"redis={stored.get(name, '-')}"
+        )
+    for change in history:
+        when = datetime.fromtimestamp(change.at, tz=timezone.utc).isoformat(timespec="seconds")
+        value = "(unset)" if change.value is None else change.value
+        click.echo(f"changed {when} {change.name}={value} by {change.actor}: {change.reason}")
+
+
+def _show(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+FORCE = click.option(
+    "--force", is_flag=True, help="Re-open the free path without a clean ledger hour."
+)
+
+
+@flags.command(name="set")
+@click.argument("name", type=click.Choice(FLAG_NAMES))
+@click.argument("value")
+@click.option("--reason", default="", help="Why: written to the flag log and the log line.")
+@FORCE
+@click.pass_context
+def flags_set(ctx: click.Context, name: str, value: str, reason: str, force: bool) -> None:
+    """Override a flag in Redis; new decisions obey within flag_cache_s.
+
+    Setting free_path_enabled to true is refused unless the last hour of ledger windows is
+    clean (no killed rows, every window's tax within budget), or --force is given.
+    """
+    store = _flag_store(ctx)
+    why = reason or "(no reason given)"
+    try:
+        change = store.set(name, value, why, _actor(), time.time(), force=force)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="VALUE") from exc
+    except (LedgerUnavailable, FreePathLocked) as exc:
+        make_logger(store.settings, "flags").warning(
+            "flag_change_refused", name=name, value=value, reason=why, refusal=str(exc)
+        )
+        raise click.ClickException(str(exc)) from exc
+    make_logger(store.settings, "flags").info(
+        "flag_changed", name=name, value=change.value, reason=change.reason, actor=change.actor
+    )
+    click.echo(f"{name}={change.value} (reason: {change.reason})")
+
+
+@flags.command(name="unset")
+@click.argument("name", type=click.Choice(FLAG_NAMES))
+@click.option("--reason", default="", help="Why: written to the flag log and the log line.")
+@FORCE
+@click.pass_context
+def flags_unset(ctx: click.Context, name: str, reason: str, force: bool) -> None:
+    """Remove a flag's Redis override: the settings decide again."""
+    store = _flag_store(ctx)
+    why = reason or "(no reason given)"
+    try:
+        change = store.unset(name, why, _actor(), time.time(), force=force)
+    except (LedgerUnavailable, FreePathLocked) as exc:
+        make_logger(store.settings, "flags").warning(
+            "flag_change_refused", name=name, value=None, reason=why, refusal=str(exc)
+        )
+        raise click.ClickException(str(exc)) from exc
+    make_logger(store.settings, "flags").info(
+        "flag_changed", name=name, value=None, reason=change.reason, actor=change.actor
+    )
+    click.echo(f"{name} unset (reason: {change.reason})")
+
+
+def _window_option(value: str, now: float, window_seconds: int) -> int:
+    current = window_id(now, window_seconds)
+    if value == "current":
+        return current
+    if value == "previous":
+        return current - 1
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"expected current, previous or a window id, got {value!r}", param_hint="--window"
+        ) from None
+
+
+@main.command()
+@click.option(
+    "--window",
+    "window",
+    default="current",
+    show_default=True,
+    help="current, previous, or a window id (Unix seconds // window_seconds).",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the window's rows (default: the temp dir).",
+)
+@click.pass_context
+def ledger(ctx: click.Context, window: str, json_path: Path | None) -> None:  # fmt: skip
+    """Print a window's summary line and write its rows as JSON."""
+    settings = settings_of(ctx)
+    ident = _window_option(window, time.time(), settings.window_seconds)
+    store = RunLedger(
+        _redis(ctx), Keys(settings.key_prefix, settings.namespace),
+        window_seconds=settings.window_seconds,
+        queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
+    )  # fmt: skip
+    try:
+        rows = store.window_rows(ident)
+    except LedgerUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
+    summary = summarize([LedgerRow.from_json(row) for row in rows], settings.budget_units)
+    click.echo(summary.line())
+    out = json_path or Path(tempfile.gettempdir()) / f"gatekeeper-ledger-{ident}.json"
+    document = {
+        "window_id": ident,
+        "window_seconds": settings.window_seconds,
+        "budget_units": settings.budget_units,
+        "summary": summary.line(),
+        "tax_units": summary.tax_units,
+        "rows": rows,
+    }
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot write {out}: {exc.strerror}", param_hint="--json"
+        ) from exc
+    click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.option(
+    "--older-than-s",
+    type=float,
+    default=None,
+    help="Runs started longer ago with no row (default: stale_attempt_s).",
+)
+@click.pass_context
+def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
+    """Record runs whose worker vanished without any signal as killed."""
+    settings = settings_of(ctx)
+    store = RunLedger(
+        _redis(ctx), Keys(settings.key_prefix, settings.namespace),
+        window_seconds=settings.window_seconds,
+        queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
+    )  # fmt: skip
+    limit = settings.stale_attempt_s if older_than_s is None else older_than_s
+    try:
+        rows = sweep_runs(store, round(time.time() * 1000), limit)
+    except LedgerUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
+    log = make_logger(settings, "worker")
+    for row in rows:
+        log.warning(
+            "ledger_row", job_id=row.job_id, attempt=row.attempt, path=row.path.value,
+            outcome=row.outcome.value, reason="vanished", retry_tax=row.retry_tax,
+        )  # fmt: skip
+    click.echo(f"swept={len(rows)}")
+
+
+def _since(value: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw]?)", value.strip())
+    if not match:
+        raise click.BadParameter(f"expected a duration like 7d, 24h or 900s, got {value!r}")
+    unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match.group(2)]
+    return float(match.group(1)) * unit
+
+
+def _windows(client: redis.Redis, keys: Keys, ids: range) -> list[dict[str, str]]:
+    found: list[dict[str, str]] = []
+    pipe = client.pipeline(transaction=False)
+    for ident in ids:
+        pipe.hgetall(keys.window(ident))
+    for raw in pipe.execute():
+        found.append({_text(k): _text(v) for k, v in raw.items()})
+    return found
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+@main.command()
+@click.option(
+    "--since", "since", default="7d", show_default=True, help="How far back: 7d, 24h, 90m, 900s."
+)
+@click.pass_context
+def report(ctx: click.Context, since: str) -> None:  # fmt: skip
+    """The review's three ratios over a fixed window, and decisions by kind and reason."""
+    settings = settings_of(ctx)
+    seconds = _since(since)
+    now = time.time()
+    first, last = (
+        window_id(now - seconds, settings.window_seconds),
+        window_id(now, settings.window_seconds),
+    )
+    keys = Keys(settings.key_prefix, settings.namespace)
+    try:
+        windows = _windows(_redis(ctx), keys, range(first, last + 1))
+    except redis.RedisError as exc:
+        raise click.ClickException(f"cannot read the ledger windows: {exc}") from exc
+    review = summarize_review(windows)
+    start = datetime.fromtimestamp(first * settings.window_seconds, tz=timezone.utc)
+    click.echo(
+        f"since={since} from={start.isoformat(timespec='minutes')} windows={len(windows)} "
+        f"window_seconds={settings.window_seconds}"
+    )
+    for line in review.lines():
+        click.echo(line)
+
+
+@main.command()
+@click.pass_context
+def status(ctx: click.Context) -> None:
+    """Flags (who changed them, when, why), queue age and lengths, this window's budget."""
+    settings = settings_of(ctx)
+    gate, broker = _redis(ctx), _redis(ctx, broker=True)
+    keys = Keys(settings.key_prefix, settings.namespace)
+    store = FlagStore(gate, settings, keys)
+    now = time.time()
+    try:
+        stored = store.stored()
+        history = store.history(limit=50)
+        oldest = gate.zrange(keys.free_waiting, 0, 0, withscores=True)
+        waiting = gate.zcard(keys.free_waiting)
+        current = window_id(now, settings.window_seconds)
+        (window,) = _windows(gate, keys, range(current, current + 1))
+    except (redis.RedisError, LedgerUnavailable) as exc:
+        raise click.ClickException(f"cannot read the gate's Redis: {exc}") from exc
+    effective = combine(settings, stored)
+    for name in FLAG_NAMES:
+        source = "redis" if name in stored else "settings"
+        line = f"flag {name}={_show(getattr(effective, name))} ({source})"
+        last = next((c for c in history if c.name == name), None)
+        if last is not None:
+            when = datetime.fromtimestamp(last.at, tz=timezone.utc).isoformat(timespec="seconds")
+            line += f" changed {when} by {last.actor}: {last.reason}"
+        click.echo(line)
+    age = max(0.0, now - float(oldest[0][1]) / 1000) if oldest else 0.0
+    click.echo(f"free_queue_age_s={age:.3f} waiting_free={waiting}")
+    lengths = []
+    for queue in (settings.free_queue, settings.defer_queue, settings.reserved_queue,
+                  settings.dead_letter_queue):  # fmt: skip
+        try:
+            count = sum(broker.llen(queue_list(queue, p)) for p in PRIORITY_STEPS)
+        except redis.RedisError as exc:
+            raise click.ClickException(f"cannot read the broker: {exc}") from exc
+        lengths.append(f"{queue}={count}")
+    lengths.append(
+        f"{settings.defer_queue}:replaying={broker.llen(settings.defer_queue + ':replaying')}"
+    )
+    click.echo("queues " + " ".join(lengths))
+    tax = float(window.get("tax_units", 0))
+    exposure = float(window.get("exposure", 0))
+    admitted = int(window.get("admitted_free", 0))
+    misses = int(window.get("slack_misses", 0))
+    rate = f"{misses / admitted:.4f}" if admitted else "n/a"
+    click.echo(
+        f"window={window_id(now, settings.window_seconds)} tax_units={tax:.1f} "
+        f"exposure={exposure:.0f} budget_units={settings.budget_units:.0f} "
+        f"budget_left={settings.budget_units - tax:.0f} admitted_free={admitted} "
+        f"slack_misses={misses} miss_rate={rate}"
+    )
+
+
+@main.command()
+@click.option("--once", is_flag=True, help="One pass over defer, then exit.")
+@click.pass_context
+def replay(ctx: click.Context, once: bool) -> None:
+    """Score deferred tasks again and hand them to free, reserved, defer or the dead letters."""
+    settings = settings_of(ctx)
+    replayer = Replayer(settings, _redis(ctx, broker=True), _redis(ctx))
+    stop = threading.Event()
+
+    def on_signal(signum: int, _: Any) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    replayer.log.info("replay_started", queue=settings.defer_queue, replayer=replayer.ident)
+    totals = replayer.run(stop, once=once)
+    click.echo(" ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "nothing to replay")

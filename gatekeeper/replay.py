@@ -1,0 +1,281 @@
+"""The replayer: scores deferred tasks again, without running them, and hands each one on.
+
+``defer`` is a parking queue that no ordinary worker consumes. The replayer reads it straight
+from the broker's Redis (kombu's Redis transport keeps each queue as a list; the replayer
+needs a Redis broker) and, for each message that is due:
+
+- deadline passed -> the ``dead_letter`` queue, an ``abandoned`` row and an alert line (with
+  ``decision=admit_free slack_miss=true`` when an earlier attempt of the job ran free);
+- otherwise the same pipeline as at publish (same task id, deadline and attempt) -> ``free``
+  or ``reserved``, or back to ``defer`` with a backoff in its headers (never as an ETA
+  message: an ETA past the visibility timeout would run twice). While the free path is off,
+  the pipeline never answers ``free``.
+
+Nothing is lost when the replayer is killed at any moment: a message is claimed into
+``defer:replaying`` (RPOPLPUSH) and leaves it only by ``move.lua``, which removes the claimed
+copy and pushes the rewritten one in one atomic step, so a message is never in two places and
+never published twice. A replayer that takes the lock first puts back what a dead one left
+claimed. Gate state is written before the move; a crash between the two re-scores the message
+later, and ``gate.lua`` holds an attempt's exposure once (``abandon.lua`` writes one row).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from bisect import bisect
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from gatekeeper.errors import GatekeeperError
+from gatekeeper.ledger import Outcome, Path, make_row, window_id
+from gatekeeper.logs import make_logger
+from gatekeeper.pipeline import Pipeline, Publish
+from gatekeeper.runs import RunLedger, sweep
+from gatekeeper.settings import GatekeeperSettings
+from gatekeeper.spec import (
+    H_ATTEMPT,
+    H_DEADLINE_AT,
+    H_DECISION,
+    H_DWELL_S,
+    H_EXPECTED_SERVICE_S,
+    H_FREE_ADMITTED,
+    H_MAX_RETRIES,
+    H_REASON,
+    H_REPLAY_AFTER,
+    H_REPLAYS,
+    H_TOKENS_IN,
+    BadDeclaredInput,
+    GatedSpec,
+)
+from gatekeeper.store import evalsha, load_lua
+from gatekeeper.worker import maybe_freeze
+
+__all__ = ["PRIORITY_SEP", "PRIORITY_STEPS", "Replayer", "queue_list"]
+
+PRIORITY_SEP = "\x06\x16"
+PRIORITY_STEPS = (0, 3, 6, 9)
+"""kombu's Redis transport: a message of priority n > 0 waits in ``<queue>\\x06\\x16<step>``."""
+LOCK_TTL_MS = 30_000
+SWEEP_EVERY_S = 60.0
+
+
+def queue_list(queue: str, priority: int) -> str:
+    """The Redis list kombu keeps a queue's messages of this priority in."""
+    step = PRIORITY_STEPS[bisect(PRIORITY_STEPS, max(0, min(priority, 9))) - 1]
+    return f"{queue}{PRIORITY_SEP}{step}" if step else queue
+
+
+class Replayer:
+    """Works the defer queue of one namespace (one live replayer at a time, by lock)."""
+
+    def __init__(
+        self,
+        settings: GatekeeperSettings,
+        broker: redis.Redis,
+        gate: redis.Redis,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.broker = broker
+        self.clock = clock
+        self.pipeline = Pipeline.create(settings, gate, clock)
+        self.runs = RunLedger(
+            gate,
+            self.pipeline.store.keys,
+            window_seconds=settings.window_seconds,
+            queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
+        )
+        self.log = make_logger(settings, "replay")
+        self.alerts = make_logger(settings, "alert")
+        self.defer = settings.defer_queue
+        self.processing = f"{self.defer}:replaying"
+        self.sources = [queue_list(self.defer, p) for p in PRIORITY_STEPS]
+        self.ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._move = broker.register_script(load_lua("move.lua"))
+        self._last_sweep = -math.inf
+        self.counts: Counter[str] = Counter()
+
+    # -- the lock and recovery ----------------------------------------------------------
+
+    def acquire(self) -> bool:
+        """Take (or keep) the namespace's replayer lock."""
+        gate = self.pipeline.store.client
+        key = self.pipeline.store.keys.replayer_lock
+        if gate.set(key, self.ident, nx=True, px=LOCK_TTL_MS):
+            self.recover()
+            return True
+        if gate.get(key) == self.ident.encode():
+            gate.pexpire(key, LOCK_TTL_MS)
+            return True
+        return False
+
+    def release(self) -> None:
+        gate = self.pipeline.store.client
+        key = self.pipeline.store.keys.replayer_lock
+        if gate.get(key) == self.ident.encode():
+            gate.delete(key)
+
+    def recover(self) -> int:
+        """Put back what a dead replayer left claimed; returns how many messages."""
+        moved = 0
+        while self.broker.rpoplpush(self.processing, self.defer) is not None:
+            moved += 1
+        if moved:
+            self.log.warning("replay_recovered", messages=moved, queue=self.defer)
+        return moved
+
+    # -- one pass -----------------------------------------------------------------------
+
+    def pass_once(self) -> Counter[str]:
+        """Look at every message in defer once; returns what happened to them."""
+        counts: Counter[str] = Counter()
+        for source in self.sources:
+            for _ in range(self.broker.llen(source)):
+                raw = self.broker.rpoplpush(source, self.processing)
+                if not isinstance(raw, bytes):
+                    break
+                counts[self._handle(source, raw)] += 1
+        self.counts.update(counts)
+        now = self.clock()
+        if now - self._last_sweep >= SWEEP_EVERY_S:
+            self._last_sweep = now
+            for row in sweep(self.runs, round(now * 1000), self.settings.stale_attempt_s):
+                self.log.warning("ledger_row", job_id=row.job_id, attempt=row.attempt,
+                                 outcome=row.outcome.value, reason="vanished")  # fmt: skip
+        return counts
+
+    def _push(self, raw: bytes, target: str, message: dict[str, Any] | None = None) -> bool:
+        new = raw if message is None else json.dumps(message).encode()
+        return bool(evalsha(self.broker, self._move, [self.processing, target], [raw, new]))
+
+    def _handle(self, source: str, raw: bytes) -> str:
+        now = self.clock()
+        try:
+            message = json.loads(raw)
+            headers: dict[str, Any] = message["headers"]
+            if not isinstance(message["properties"], dict):
+                raise TypeError("properties is not an object")
+        except (ValueError, KeyError, TypeError) as exc:
+            self._push(raw, self.settings.dead_letter_queue)
+            self.alerts.error("replay_malformed", queue=self.defer, error=repr(exc))
+            return "malformed"
+        job_id = str(headers.get("id"))
+        after = headers.get(H_REPLAY_AFTER)
+        if isinstance(after, (int, float)) and after > now:
+            self._push(raw, source)
+            return "not_due"
+        if H_ATTEMPT not in headers:
+            return self._send(raw, message, self.settings.reserved_queue, "not_gated")
+        deadline = headers.get(H_DEADLINE_AT)
+        if isinstance(deadline, (int, float)) and deadline <= now:
+            return self._abandon(raw, message, now)
+        try:
+            # Types are checked where the pipeline resolves these (bad ones fail closed there).
+            carried: dict[str, Any] = {
+                "expected_service_s": headers.get(H_EXPECTED_SERVICE_S),
+                "tokens_in": headers.get(H_TOKENS_IN) or 0,
+                "deadline_at": deadline,
+            }
+            spec: GatedSpec | None = GatedSpec(**carried)
+            spec_error = None
+        except BadDeclaredInput as exc:
+            spec, spec_error = None, exc
+        publish = Publish(
+            task=str(headers.get("task")),
+            job_id=job_id,
+            retries=int(headers.get("retries") or 0),
+            max_retries=headers.get(H_MAX_RETRIES),
+            spec=spec,
+            headers=headers,
+            spec_error=spec_error,
+            origin="replay",
+        )
+        try:
+            routing = self.pipeline.route(publish)
+        except Exception as exc:  # never lose the message: park it where it can run
+            self.log.warning("replay_route_failed", job_id=job_id, error=repr(exc))
+            return self._send(raw, message, self.settings.reserved_queue, "gate_error")
+        headers.update(routing.headers)
+        replays = int(headers.get(H_REPLAYS) or 0) + 1
+        headers[H_REPLAYS] = replays
+        queue = routing.queue or self.settings.reserved_queue
+        if queue == self.defer:
+            backoff = min(
+                self.settings.replay_backoff_s * 2 ** (replays - 1),
+                self.settings.replay_backoff_max_s,
+            )
+            headers[H_REPLAY_AFTER] = now + backoff
+            self._push(raw, source, message)
+            return "deferred_again"
+        headers.pop(H_REPLAY_AFTER, None)
+        return self._send(raw, message, queue, routing.reason)
+
+    def _send(self, raw: bytes, message: dict[str, Any], queue: str, why: str) -> str:
+        properties = message["properties"]
+        properties["delivery_info"] = {"exchange": "", "routing_key": queue}
+        properties["delivery_tag"] = str(uuid.uuid4())
+        target = queue_list(queue, int(properties.get("priority") or 0))
+        self._push(raw, target, message)
+        return f"to_{queue}" if why != "not_gated" else "not_gated"
+
+    def _abandon(self, raw: bytes, message: dict[str, Any], now: float) -> str:
+        headers = message["headers"]
+        job_id, attempt = str(headers.get("id")), int(headers.get(H_ATTEMPT) or 1)
+        slack_ms = round((float(headers[H_DEADLINE_AT]) - now) * 1000)
+        row = make_row(
+            job_id=job_id, attempt=attempt, path=Path.FREE, outcome=Outcome.ABANDONED,
+            queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=slack_ms,
+        )  # fmt: skip
+        was_free = bool(headers.get(H_FREE_ADMITTED))
+        done = self.runs.abandon(row, round(now * 1000), slack_miss=was_free)
+        headers.update({H_DECISION: "abandoned", H_REASON: "deadline_passed"})
+        self._send(raw, message, self.settings.dead_letter_queue, "deadline_passed")
+        fields = {
+            "task": headers.get("task"), "job_id": job_id, "attempt": attempt,
+            "deadline_slack_s": slack_ms / 1000, "retries": headers.get("retries"),
+            "queue": self.settings.dead_letter_queue,
+        }  # fmt: skip
+        self.alerts.error("task_abandoned", reason="deadline_passed", **fields)
+        if was_free:
+            self.alerts.error(
+                "slack_miss", decision="admit_free", slack_miss=True,
+                dwell_s=headers.get(H_DWELL_S), abandoned=True, **fields,
+            )  # fmt: skip
+            if done.written:
+                window = window_id(now, self.settings.window_seconds)
+                maybe_freeze(
+                    self.pipeline.flags, self.alerts, window, done.slack_misses,
+                    done.admitted_free, now,
+                )  # fmt: skip
+        return "dead_lettered"
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, once: bool = False) -> Counter[str]:
+        """Replay until ``stop`` is set (or one pass with ``once``); returns the totals."""
+        while not stop.is_set():
+            try:
+                if not self.acquire():
+                    self.log.info("replay_waiting_for_lock", holder="another replayer")
+                    stop.wait(self.settings.replay_poll_s * 4)
+                    continue
+                counts = self.pass_once()
+            except (redis.RedisError, GatekeeperError) as exc:
+                self.log.warning("replay_pass_failed", error=repr(exc))
+                counts = Counter()
+            if once:
+                break
+            moved = sum(v for k, v in counts.items() if k != "not_due")
+            if not moved:
+                stop.wait(self.settings.replay_poll_s)
+        self.release()
+        return self.counts
