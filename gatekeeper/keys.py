@@ -32,8 +32,9 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     The window's ledger rows, one JSON object each, oldest first.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
     Marks an attempt whose ``abandoned`` row is written (the replayer writes it once).
-``gatekeeper:{default}:replayer:lock`` - string, TTL 30 s, refreshed by the live replayer
-    Only one replayer works a namespace at a time; a dead one's lock simply expires.
+``gatekeeper:{default}:replayer:lock`` - string, TTL ``replay_lock_ttl_s`` (30 s)
+    Only one replayer works a namespace at a time; the live one refreshes the lock every
+    pass, and a dead one's lock simply expires.
 
 On the broker's Redis (kombu's names, not prefixed): the queue lists ``free``, ``defer``,
 ``reserved``, ``dead_letter`` (and their priority sub-lists ``<queue>\x06\x16<n>``), and

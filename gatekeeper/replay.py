@@ -64,7 +64,6 @@ __all__ = ["PRIORITY_SEP", "PRIORITY_STEPS", "Replayer", "queue_list"]
 PRIORITY_SEP = "\x06\x16"
 PRIORITY_STEPS = (0, 3, 6, 9)
 """kombu's Redis transport: a message of priority n > 0 waits in ``<queue>\\x06\\x16<step>``."""
-LOCK_TTL_MS = 30_000
 SWEEP_EVERY_S = 60.0
 
 
@@ -102,6 +101,7 @@ class Replayer:
         self.ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._move = broker.register_script(load_lua("move.lua"))
         self._last_sweep = -math.inf
+        self._lock_ttl_ms = round(settings.replay_lock_ttl_s * 1000)
         self.counts: Counter[str] = Counter()
 
     # -- the lock and recovery ----------------------------------------------------------
@@ -110,11 +110,11 @@ class Replayer:
         """Take (or keep) the namespace's replayer lock."""
         gate = self.pipeline.store.client
         key = self.pipeline.store.keys.replayer_lock
-        if gate.set(key, self.ident, nx=True, px=LOCK_TTL_MS):
+        if gate.set(key, self.ident, nx=True, px=self._lock_ttl_ms):
             self.recover()
             return True
         if gate.get(key) == self.ident.encode():
-            gate.pexpire(key, LOCK_TTL_MS)
+            gate.pexpire(key, self._lock_ttl_ms)
             return True
         return False
 

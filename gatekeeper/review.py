@@ -4,8 +4,9 @@ Over a fixed window (a week by default), from the per-window decision counters:
 
 1. ``free_missed``: free admissions that later missed their slack / free admissions.
    High: the service-time guesses are too kind.
-2. ``defer_savable``: defers whose dwell fit the slack (reserved capacity could have run them
-   at once) / defers. High: work was deferred that a reserved worker could have saved.
+2. ``defer_savable``: defers by the age cap whose dwell still fit the slack (reserved capacity
+   could have run them at once) / defers. High: work was deferred that a reserved worker
+   could have saved. (A guard's defer, such as a bad service guess, is never "savable".)
 3. ``reserved_age_shift``: shifts to reserved for dwell over slack where the task's own
    service and retry tax fit the slack (the free queue's age, not the deadline, sent it away)
    / shifts to reserved. High: the age cap is stricter than the deadline.
@@ -34,7 +35,13 @@ def review_marks(
 ) -> tuple[bool, bool]:
     """(defer whose dwell fit the slack, reserved shift that the queue's age caused)."""
     finite = all(math.isfinite(v) for v in (dwell_s, slack_s, service_s, tax_s))
-    defer_fit = decision == Decision.DEFER.value and finite and slack_s > 0 and dwell_s <= slack_s
+    defer_fit = (
+        decision == Decision.DEFER.value
+        and reason == Reason.QUEUE_AGE_CAP.value
+        and finite
+        and slack_s > 0
+        and dwell_s <= slack_s
+    )
     age_shift = (
         decision == Decision.RESERVED.value
         and reason == Reason.DWELL_OVER_SLACK.value

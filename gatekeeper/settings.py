@@ -127,6 +127,8 @@ class GatekeeperSettings(BaseSettings):
     replay_backoff_s: float = Field(1.0, gt=0, allow_inf_nan=False)
     """A task deferred again waits this long before its next replay, doubling each time."""
     replay_backoff_max_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    replay_lock_ttl_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    """A dead replayer's lock expires after this; the next one then recovers its claims."""
     replay_poll_s: float = Field(0.5, gt=0, allow_inf_nan=False)
     """How long the replayer sleeps when nothing in ``defer`` is due."""
 

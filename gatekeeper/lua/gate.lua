@@ -63,7 +63,7 @@ local function decided(decision, reason, dwell, projected)
   redis.call('HINCRBY', KEYS[2], 'decided:' .. decision .. ':' .. reason, 1)
   -- The review's marks (gatekeeper/review.py review_marks): only finite inputs get here.
   if finite(dwell) and finite(slack) and finite(service) and finite(tax) then
-    if decision == 'defer' and slack > 0 and dwell <= slack then
+    if reason == 'queue_age_cap' and slack > 0 and dwell <= slack then
       redis.call('HINCRBY', KEYS[2], 'review:defer_fit', 1)
     elseif decision == 'reserved' and reason == 'dwell_over_slack' and service + tax <= slack then
       redis.call('HINCRBY', KEYS[2], 'review:reserved_age_shift', 1)

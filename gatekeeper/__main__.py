@@ -1,0 +1,7 @@
+"""``python -m gatekeeper``: the same command line as the ``gatekeeper`` script."""
+
+from __future__ import annotations
+
+from gatekeeper.cli import main
+
+main()

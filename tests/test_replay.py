@@ -1,0 +1,171 @@
+"""The replayer: deferred tasks scored again, handed on, never lost, never doubled."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from gatekeeper.keys import Keys
+from gatekeeper.replay import Replayer
+from tests.apps.gated_app import RUNS_KEY, create_app
+from tests.conftest import REPO_ROOT, gate_settings, queue_messages, running_worker, wait_until
+
+KEYS = Keys()
+QUEUES = ("free", "defer", "reserved", "dead_letter", "defer:replaying")
+
+
+def defer_tasks(redis_url: str, client: redis.Redis, count: int, **options: Any) -> list[str]:
+    """Publish gated tasks that the age cap defers (a stale entry makes the free queue old)."""
+    app = create_app(gate_settings(redis_url, max_queue_age_s=1.0), redis_url)
+    client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
+    ids = [app.tasks["tests.embed"].apply_async((n,), **options).id for n in range(count)]
+    client.zrem(KEYS.free_waiting, "stale:1")
+    assert client.llen("defer") == count
+    return ids
+
+
+def replay_once(redis_url: str, client: redis.Redis, **overrides: Any) -> dict[str, int]:
+    replayer = Replayer(gate_settings(redis_url, **overrides), broker=client, gate=client)
+    return dict(replayer.run(threading.Event(), once=True))
+
+
+def ids_in(client: redis.Redis, queue: str) -> list[str]:
+    return [m["headers"]["id"] for m in queue_messages(client, queue)]
+
+
+def test_a_deferred_task_is_scored_again_and_sent_to_free(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    (parked,) = queue_messages(redis_client, "defer")
+    counts = replay_once(redis_url, redis_client)
+    assert counts == {"to_free": 1}
+    (sent,) = queue_messages(redis_client, "free")
+    before, after = parked["headers"], sent["headers"]
+    assert after["id"] == job and after["gatekeeper_decision"] == "admit_free"
+    assert after["gatekeeper_attempt"] == before["gatekeeper_attempt"] == 1
+    assert after["gatekeeper_deadline_at"] == before["gatekeeper_deadline_at"]
+    assert after["gatekeeper_attempt_published_at"] == before["gatekeeper_attempt_published_at"]
+    assert after["gatekeeper_replays"] == 1
+    assert sent["properties"]["delivery_info"] == {"exchange": "", "routing_key": "free"}
+    assert sent["properties"]["delivery_tag"] != parked["properties"]["delivery_tag"]
+    assert sent["body"] == parked["body"]
+
+
+def test_a_task_deferred_again_waits_out_its_backoff(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    defer_tasks(redis_url, redis_client, 1)
+    redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # still old
+    assert replay_once(redis_url, redis_client, max_queue_age_s=1.0) == {"deferred_again": 1}
+    (parked,) = queue_messages(redis_client, "defer")
+    assert parked["headers"]["gatekeeper_replay_after"] > time.time()
+    assert replay_once(redis_url, redis_client, max_queue_age_s=1.0) == {"not_due": 1}
+
+
+def test_a_passed_deadline_goes_to_dead_letter_with_an_abandoned_row_and_an_alert(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    headers = {"gatekeeper_deadline_s": 2.5, "gatekeeper_free_admitted": True}
+    (job,) = defer_tasks(redis_url, redis_client, 1, headers=headers)
+    time.sleep(2.6)
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    assert ids_in(redis_client, "dead_letter") == [job]
+    rows_key = next(iter(redis_client.scan_iter(match="gatekeeper:*:rows")))
+    (row,) = [json.loads(raw) for raw in redis_client.lrange(rows_key, 0, -1)]
+    assert (row["job_id"], row["outcome"], row["retry_tax"]) == (job, "abandoned", 0)
+    assert row["deadline_slack_ms"] <= 0
+    err = capsys.readouterr().err
+    assert "event=task_abandoned" in err
+    (miss,) = [line for line in err.splitlines() if "slack_miss=true" in line]
+    assert "decision=admit_free" in miss and f"job_id={job}" in miss
+
+
+def test_nothing_goes_to_free_while_the_free_path_is_disabled(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 5)
+    redis_client.hset(KEYS.flags, "free_path_enabled", "false")
+    assert replay_once(redis_url, redis_client) == {"to_reserved": 5}
+    assert redis_client.llen("free") == 0
+    assert sorted(ids_in(redis_client, "reserved")) == sorted(jobs)
+    reasons = {m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "reserved")}
+    assert reasons == {"free_path_disabled"}
+
+
+def test_a_malformed_message_is_dead_lettered_not_dropped(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    redis_client.lpush("defer", b"not json")
+    assert replay_once(redis_url, redis_client) == {"malformed": 1}
+    assert redis_client.lrange("dead_letter", 0, -1) == [b"not json"]
+
+
+def test_a_message_left_claimed_by_a_dead_replayer_is_put_back(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    redis_client.rpoplpush("defer", "defer:replaying")  # claimed, then the replayer died
+    assert replay_once(redis_url, redis_client) == {"to_free": 1}
+    assert ids_in(redis_client, "free") == [job]
+    assert redis_client.llen("defer:replaying") == 0
+
+
+def _start_replayer(redis_url: str, log: Path) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
+    env.update(
+        GATEKEEPER_REDIS_URL=redis_url,
+        GATEKEEPER_DWELL_GATE_ENABLED="true",
+        GATEKEEPER_CANARY_PERCENT="100",
+        GATEKEEPER_REPLAY_LOCK_TTL_S="1",
+        GATEKEEPER_BUDGET_UNITS="5000",  # 50 of the 300 fit: the rest go to reserved
+        PYTHONPATH=str(REPO_ROOT),
+    )
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gatekeeper", "replay"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+        )  # fmt: skip
+
+
+@pytest.mark.celery
+def test_a_replayer_killed_mid_batch_loses_nothing_and_runs_nothing_twice(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 300)
+    log = tmp_path / "replay.log"
+    first = _start_replayer(redis_url, log)
+    try:
+        assert wait_until(lambda: redis_client.llen("defer") < 250, timeout_s=30, every_s=0.005)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    finally:
+        first.kill()
+    assert redis_client.llen("defer") > 0, "the kill came too late to be mid-batch"
+    second = _start_replayer(redis_url, log)
+    try:
+        assert wait_until(
+            lambda: redis_client.llen("defer") + redis_client.llen("defer:replaying") == 0,
+            timeout_s=30,
+        ), log.read_text()
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=10)
+    placed = ids_in(redis_client, "free") + ids_in(redis_client, "reserved")
+    assert sorted(placed) == sorted(jobs)  # every task once: none lost, none doubled
+    free = ids_in(redis_client, "free")
+    with running_worker(redis_url, tmp_path / "worker.log"):
+        assert wait_until(lambda: redis_client.llen(RUNS_KEY) >= len(free), timeout_s=60)
+        time.sleep(1.0)
+    ran = [json.loads(raw)["id"] for raw in redis_client.lrange(RUNS_KEY, 0, -1)]
+    assert sorted(ran) == sorted(free)
