@@ -35,6 +35,7 @@ from gatekeeper.keys import Keys
 from gatekeeper.ledger import LedgerRow, Outcome, summarize, window_id
 from gatekeeper.review import summarize_review
 from gatekeeper.settings import GatekeeperSettings
+from gatekeeper.store import text_of
 
 __all__ = ["demo"]
 
@@ -98,7 +99,7 @@ def _decisions(client: redis.Redis, keys: Keys, windows: range) -> Counter[str]:
     counts: Counter[str] = Counter()
     for ident in windows:
         for key, value in client.hgetall(keys.window(ident)).items():
-            name = _text(key)
+            name = text_of(key)
             if name.startswith("decided:"):
                 counts[name.split(":")[1]] += int(value)
     return counts
@@ -106,10 +107,6 @@ def _decisions(client: redis.Redis, keys: Keys, windows: range) -> Counter[str]:
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _finished(rows: list[dict[str, Any]], max_retries: int) -> set[str]:
@@ -238,7 +235,8 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt
             time.sleep(0.3)
         click.echo("\r" + line if tty else line)
         review = summarize_review(
-            {_text(k): _text(v) for k, v in client.hgetall(keys.window(w)).items()} for w in windows
+            {text_of(k): text_of(v) for k, v in client.hgetall(keys.window(w)).items()}
+            for w in windows
         )
         summary = summarize([LedgerRow.from_json(row) for row in rows], settings.budget_units)
         out = out or Path(tempfile.gettempdir()) / f"gatekeeper-demo-ledger-{run_id}.json"

@@ -28,6 +28,7 @@ from gatekeeper.health import CleanHour, WindowHealth, clean_hour, hour_windows
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import window_id
 from gatekeeper.settings import GatekeeperSettings
+from gatekeeper.store import text_of
 
 __all__ = [
     "FLAG_NAMES",
@@ -145,7 +146,7 @@ class FlagStore:
             raw = self.client.hgetall(self.keys.flags)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read flags: {exc}") from exc
-        return {_text(k): _text(v) for k, v in raw.items()}
+        return {text_of(k): text_of(v) for k, v in raw.items()}
 
     def current(self) -> Flags:
         """The flags in force, at most ``flag_cache_s`` old.
@@ -201,7 +202,7 @@ class FlagStore:
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read the ledger windows: {exc}") from exc
         windows = [
-            WindowHealth.from_hash(ident, {_text(k): _text(v) for k, v in fields.items()})
+            WindowHealth.from_hash(ident, {text_of(k): text_of(v) for k, v in fields.items()})
             for ident, fields in zip(ids, raw, strict=True)
         ]
         return clean_hour(windows, self.settings.budget_units)
@@ -242,8 +243,4 @@ class FlagStore:
             raw = self.client.lrange(self.keys.flags_log, 0, limit - 1)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read the flag log: {exc}") from exc
-        return [FlagChange(**json.loads(_text(item))) for item in raw]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
+        return [FlagChange(**json.loads(text_of(item))) for item in raw]

@@ -32,6 +32,7 @@ from gatekeeper.replay import PRIORITY_STEPS, Replayer, queue_list
 from gatekeeper.review import summarize_review
 from gatekeeper.runs import RunLedger
 from gatekeeper.runs import sweep as sweep_runs
+from gatekeeper.store import text_of
 
 __all__ = ["flags", "ledger", "replay", "report", "status", "sweep"]
 
@@ -254,12 +255,8 @@ def _windows(client: redis.Redis, keys: Keys, ids: range) -> list[dict[str, str]
     for ident in ids:
         pipe.hgetall(keys.window(ident))
     for raw in pipe.execute():
-        found.append({_text(k): _text(v) for k, v in raw.items()})
+        found.append({text_of(k): text_of(v) for k, v in raw.items()})
     return found
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
 @main.command()

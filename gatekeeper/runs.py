@@ -18,7 +18,7 @@ import redis
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, RUN_RETENTION_S, Keys
 from gatekeeper.ledger import LedgerRow, Outcome, Path, make_row, window_id
-from gatekeeper.store import evalsha, load_lua
+from gatekeeper.store import evalsha, load_lua, text_of
 
 __all__ = ["Finished", "RunLedger", "RunRecord", "Started", "sweep"]
 
@@ -112,7 +112,7 @@ class RunLedger:
         run, dead_run = int(reply[0]), int(reply[1])
         dead = None
         if dead_run:
-            flat = [_text(part) for part in reply[2:]]
+            flat = [text_of(part) for part in reply[2:]]
             dead = RunRecord.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
         return Started(run=run, dead_run=dead_run, dead=dead)
 
@@ -122,7 +122,7 @@ class RunLedger:
             raw = self.client.hgetall(self.keys.run(job_id, attempt))
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read run {job_id}:{attempt}: {exc}") from exc
-        fields = {_text(k): _text(v) for k, v in raw.items()}
+        fields = {text_of(k): text_of(v) for k, v in raw.items()}
         if "runs" not in fields:
             return None
         return int(fields["runs"]), RunRecord.from_fields(fields)
@@ -211,7 +211,7 @@ class RunLedger:
             raw = self.client.lrange(self.keys.window_rows(window), 0, -1)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read window {window}: {exc}") from exc
-        return [json.loads(_text(item)) for item in raw]
+        return [json.loads(text_of(item)) for item in raw]
 
     def stale(self, now_ms: int, older_than_s: float) -> list[tuple[str, int]]:
         """Attempts started more than ``older_than_s`` ago that still have no row."""
@@ -223,13 +223,9 @@ class RunLedger:
             raise LedgerUnavailable(f"cannot read started runs: {exc}") from exc
         found = []
         for member in members:
-            job_id, _, attempt = _text(member).rpartition(":")  # type: ignore[arg-type]
+            job_id, _, attempt = text_of(member).rpartition(":")  # type: ignore[arg-type]
             found.append((job_id, int(attempt)))
         return found
-
-
-def _text(value: bytes | str | int) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 def sweep(ledger: RunLedger, now_ms: int, older_than_s: float) -> list[LedgerRow]:

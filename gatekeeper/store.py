@@ -23,7 +23,14 @@ from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, Keys
 from gatekeeper.ledger import BudgetMode
 from gatekeeper.review import DEFER_FIT, RESERVED_AGE_SHIFT
 
-__all__ = ["DEFAULT_QUEUE_AGE_HORIZON_S", "GateStore", "ScoredAttempt", "evalsha", "load_lua"]
+__all__ = [
+    "DEFAULT_QUEUE_AGE_HORIZON_S",
+    "GateStore",
+    "ScoredAttempt",
+    "evalsha",
+    "load_lua",
+    "text_of",
+]
 
 DEFAULT_QUEUE_AGE_HORIZON_S = 3600.0
 """A waiting entry older than this no longer counts toward the free queue's age (purged queues)."""
@@ -119,7 +126,7 @@ class GateStore:
             reply = evalsha(self.client, self._gate, keys, args)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"gate script failed: {exc}") from exc
-        decision, reason, age, dwell, projected = (_text(part) for part in reply)
+        decision, reason, age, dwell, projected = (text_of(part) for part in reply)
         return ScoredAttempt(
             decision=Decision(decision),
             reason=Reason(reason),
@@ -158,7 +165,7 @@ class GateStore:
             raw = self.client.lrange(self.keys.window_rows(window_id), 0, -1)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read window {window_id}: {exc}") from exc
-        return [json.loads(_text(item)) for item in raw]
+        return [json.loads(text_of(item)) for item in raw]
 
     def window_state(self, window_id: int) -> dict[str, str]:
         """The window hash as text (``tax_units``, ``exposure``, counters)."""
@@ -166,8 +173,9 @@ class GateStore:
             raw = self.client.hgetall(self.keys.window(window_id))
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read window {window_id}: {exc}") from exc
-        return {_text(k): _text(v) for k, v in raw.items()}
+        return {text_of(k): text_of(v) for k, v in raw.items()}
 
 
-def _text(value: bytes | str | int) -> str:
+def text_of(value: bytes | str | int | float) -> str:
+    """A Redis reply as text (replies are bytes unless the client decodes them)."""
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
