@@ -31,7 +31,7 @@ from celery import Celery
 from gatekeeper.errors import ConfigError, GatekeeperError
 from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
 from gatekeeper.settings import GatekeeperSettings, load_settings
-from gatekeeper.spec import BadDeclaredInput, GatedSpec, spec_of
+from gatekeeper.spec import H_WINDOW, BadDeclaredInput, GatedSpec, spec_of
 from gatekeeper.worker import WorkerSide
 
 __all__ = ["Installed", "check_celery_shape", "install"]
@@ -151,7 +151,18 @@ class Installed:
             options["routing_key"] = None
             options.pop("exchange_type", None)
             options["headers"] = {**extra, **routing.headers}
-        return self.original_sender(producer, name, message, **options)
+        try:
+            return self.original_sender(producer, name, message, **options)
+        except Exception:
+            # The broker refused the message after the gate admitted it: give back the exposure
+            # and the waiting-set entry it took, then let the caller see the broker's error.
+            if publish is not None and routing.decision == "admit_free":
+                window = routing.headers.get(H_WINDOW, 0)
+                try:
+                    self.store.release(publish.job_id, publish.attempt, int(window))
+                except (GatekeeperError, TypeError, ValueError) as exc:
+                    self.log.warning("release_failed", job_id=publish.job_id, error=str(exc))
+            raise
 
 
 def install(

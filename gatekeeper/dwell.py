@@ -3,7 +3,11 @@
 SPEC section 1. No Redis, no Celery, no clock, no logging: the drill, the CLI and the
 publish hook all call :func:`decide` with numbers they gathered elsewhere.
 
-    dwell_s = queue_age_s + expected_service_s + retry_tax_s
+    dwell_s = queue_age_s + expected_service_s + retry_tax_s (+ delay_s)
+
+``delay_s`` is gatekeeper's one addition to the source's formula: the seconds until a delayed
+task (an ETA or a retry countdown) is due, 0 for an ordinary publish. Such a task cannot start
+before then, so its dwell carries the delay; the age cap still looks at the queue alone.
 
 The rules, first match wins:
 
@@ -56,6 +60,8 @@ class Reason(str, Enum):
     DWELL_OVER_SLACK = "dwell_over_slack"
     FITS = "fits"
     RETRY_TAX_BUDGET = "retry_tax_budget"
+    FREE_PATH_DISABLED = "free_path_disabled"
+    """Not the dwell gate's: the pipeline's (and gate.lua's) flag check, before the gate."""
 
     def __str__(self) -> str:
         return self.value
@@ -70,11 +76,12 @@ class GateInputs:
     retry_tax_s: float
     deadline_slack_s: float
     max_queue_age_s: float = DEFAULT_MAX_QUEUE_AGE_S
+    delay_s: float = 0.0
 
     @property
     def dwell_s(self) -> float:
         """Wall-clock seconds a task published now can expect to spend on the free path."""
-        return self.queue_age_s + self.expected_service_s + self.retry_tax_s
+        return self.queue_age_s + self.expected_service_s + self.retry_tax_s + self.delay_s
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,7 @@ def _first_non_finite(inputs: GateInputs) -> str | None:
         "retry_tax_s",
         "deadline_slack_s",
         "max_queue_age_s",
+        "delay_s",
     ):
         value = getattr(inputs, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -127,7 +135,7 @@ def decide(inputs: GateInputs) -> GateResult:
         return GateResult(Decision.DEFER, Reason.DEADLINE_PASSED, dwell, field="deadline_slack_s")
     # A negative age, tax or cap can only come from a skewed clock or a typo; each would make
     # the free path look closer than it is, so it fails closed like a bad service guess.
-    for name in ("queue_age_s", "retry_tax_s", "max_queue_age_s"):
+    for name in ("queue_age_s", "retry_tax_s", "max_queue_age_s", "delay_s"):
         if getattr(inputs, name) < 0:
             return GateResult(Decision.DEFER, Reason.NEGATIVE_INPUT, dwell, field=name)
     if inputs.queue_age_s > inputs.max_queue_age_s:

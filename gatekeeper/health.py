@@ -3,9 +3,10 @@
 - **Freeze**: slack misses of a window's free admissions over ``miss_error_budget`` (after at
   least ``miss_min_admissions`` admissions, so that one early miss out of three cannot freeze
   a batch) set ``free_path_enabled`` false in Redis.
-- **Clean ledger hour**: the last ``ceil(3600 / window_seconds)`` windows, the current one
-  included, have zero killed rows and every window's tax within its budget. Re-enabling the
-  free path needs one, or an explicit force.
+- **Clean ledger hour**: the current window and the ``ceil(3600 / window_seconds)`` complete
+  windows before it (so at least a full hour, however far into the current window we are)
+  have zero killed rows and every window's tax within its budget. Re-enabling the free path
+  needs one, or an explicit force.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ def should_freeze(
 
 
 def hour_windows(current_window: int, window_seconds: int) -> range:
-    """The window ids that make up the last hour, oldest first, the current one included."""
+    """The window ids that cover the last full hour, oldest first, the current one included."""
     count = math.ceil(3600 / window_seconds)
-    return range(current_window - count + 1, current_window + 1)
+    return range(current_window - count, current_window + 1)
 
 
 @dataclass(frozen=True)

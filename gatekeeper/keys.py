@@ -11,11 +11,12 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     One JSON object per flag change: ``name``, ``value``, ``reason``, ``actor``, ``at``.
 ``gatekeeper:{default}:free:waiting`` - sorted set, no TTL (members expire by score)
     Gated attempts published to the free queue and not yet started: member
-    ``<job_id>:<attempt>``, score = publish time in ms. The oldest score gives the free queue's
-    age; members older than the horizon are dropped, so a purged queue cannot pin the age.
+    ``<job_id>:<attempt>``, score = when it is due in ms (its publish, or its ETA). The
+    oldest score gives the free queue's age; members older than the horizon are dropped, so
+    a purged queue cannot pin the age for long.
 ``gatekeeper:{default}:inflight`` - hash, no TTL (fields removed when the attempt ends)
-    Free attempts admitted and not yet finished: field ``<job_id>:<attempt>``, value the
-    tokens it holds as exposure in the window of its publish.
+    Free attempts admitted and not yet finished: field ``<job_id>:<attempt>``, value
+    ``<tokens>|<window id>|<admitted ms>``: the exposure it holds, and where and since when.
 ``gatekeeper:{default}:started`` - sorted set, no TTL (members removed when the run ends)
     Runs of gated attempts that started and have no row yet: member ``<job_id>:<attempt>``,
     score = start time in ms. ``gatekeeper sweep`` records the stale ones as killed.

@@ -32,7 +32,7 @@ from gatekeeper.replay import PRIORITY_STEPS, Replayer, queue_list
 from gatekeeper.review import summarize_review
 from gatekeeper.runs import RunLedger
 from gatekeeper.runs import sweep as sweep_runs
-from gatekeeper.store import text_of
+from gatekeeper.store import GateStore, text_of
 
 __all__ = ["flags", "ledger", "replay", "report", "status", "sweep"]
 
@@ -229,7 +229,8 @@ def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
     )  # fmt: skip
     limit = settings.stale_attempt_s if older_than_s is None else older_than_s
     try:
-        rows = sweep_runs(store, round(time.time() * 1000), limit)
+        gate_store = GateStore(store.client, store.keys)
+        rows = sweep_runs(store, round(time.time() * 1000), limit, gate_store)
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     log = make_logger(settings, "worker")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import redis
@@ -37,6 +38,7 @@ from gatekeeper.spec import (
     H_PUBLISHED_AT,
     H_REASON,
     H_TOKENS_IN,
+    H_WINDOW,
     BadDeclaredInput,
     GatedSpec,
     resolve_inputs,
@@ -148,10 +150,13 @@ class Pipeline:
                 Decision.RESERVED, BAD_INPUT, {}, fields, error=str(exc), field=exc.field
             )
 
+        delay = _delay_s(publish.headers.get("eta"), now)
         left = 0 if publish.max_retries is None else publish.max_retries - publish.retries
         tax_s = retry_tax_s(left, inputs.expected_service_s)
         slack = inputs.deadline_at - now
         win = window_id(now, self.settings.window_seconds)
+        if delay:
+            fields["delay_s"] = delay
         fields.update(
             expected_service_s=inputs.expected_service_s,
             retry_tax_s=tax_s,
@@ -165,7 +170,8 @@ class Pipeline:
             H_FIRST_PUBLISHED_AT: inputs.first_published_at,
             H_PUBLISHED_AT: now,
             # A replayed (deferred) attempt keeps its first publish: its wait includes parking.
-            H_ATTEMPT_PUBLISHED_AT: now if carried is None else carried,
+            # A delayed one starts waiting when it is due: the delay asked for is not a wait.
+            H_ATTEMPT_PUBLISHED_AT: now + delay if carried is None else carried,
             H_ATTEMPT: publish.attempt,
             H_EXPECTED_SERVICE_S: inputs.expected_service_s,
             H_TOKENS_IN: inputs.tokens_in,
@@ -180,7 +186,7 @@ class Pipeline:
 
         # Rule 1 needs no Redis: a guard that fires here never costs a round trip.
         cap = self.settings.max_queue_age_s
-        guard = decide(GateInputs(0.0, inputs.expected_service_s, tax_s, slack, cap))
+        guard = decide(GateInputs(0.0, inputs.expected_service_s, tax_s, slack, cap, delay))
         if guard.decision is Decision.DEFER:
             fields.update(queue_age_s=0.0, dwell_s=guard.dwell_s, field=guard.field)
             self._count(win, guard.decision, guard.reason.value, fields)
@@ -201,6 +207,7 @@ class Pipeline:
                 queue_wait_unit_per_second=self.settings.queue_wait_unit_per_second,
                 budget_mode=self.settings.budget_mode,
                 deadline_slack_ms=round(slack * 1000),
+                delay_s=delay,
             )
         except LedgerUnavailable as exc:
             return self._finish(
@@ -209,6 +216,7 @@ class Pipeline:
         fields.update(queue_age_s=scored.queue_age_s, dwell_s=scored.dwell_s)
         if scored.decision is Decision.ADMIT_FREE:
             headers[H_FREE_ADMITTED] = True
+            headers[H_WINDOW] = win
         if scored.reason is Reason.RETRY_TAX_BUDGET:
             fields.update(
                 projected_tax=scored.projected_tax, budget_units=self.settings.budget_units
@@ -272,6 +280,23 @@ class Pipeline:
         level = "warning" if reason in (GATE_UNAVAILABLE, GATE_ERROR, BAD_INPUT) else "info"
         getattr(self.log, level)("gate_decision", **line)
         return Routing(queue, decision.value, reason, headers)
+
+
+def _delay_s(eta: Any, now: float) -> float:
+    """Seconds until a delayed task is due (Celery's ``eta`` header, ISO 8601); 0 if none.
+
+    An ``eta`` that cannot be read counts as no delay (Celery itself writes this header, and
+    would not have built the message with a bad one).
+    """
+    if not eta:
+        return 0.0
+    try:
+        due = datetime.fromisoformat(str(eta))
+    except ValueError:
+        return 0.0
+    if due.tzinfo is None:
+        due = due.replace(tzinfo=timezone.utc)
+    return max(0.0, due.timestamp() - now)
 
 
 def _number(value: Any) -> float:

@@ -35,7 +35,6 @@ from typing import Any
 
 import redis
 
-from gatekeeper.errors import GatekeeperError
 from gatekeeper.ledger import Outcome, Path, make_row, window_id
 from gatekeeper.logs import make_logger
 from gatekeeper.pipeline import Pipeline, Publish
@@ -65,6 +64,9 @@ PRIORITY_SEP = "\x06\x16"
 PRIORITY_STEPS = (0, 3, 6, 9)
 """kombu's Redis transport: a message of priority n > 0 waits in ``<queue>\\x06\\x16<step>``."""
 SWEEP_EVERY_S = 60.0
+MAX_REPLAY_ERRORS = 5
+"""A message that fails this many replays in a row goes to the dead letters, with an alert."""
+H_REPLAY_ERRORS = "gatekeeper_replay_errors"
 
 
 def queue_list(queue: str, priority: int) -> str:
@@ -138,20 +140,46 @@ class Replayer:
     def pass_once(self) -> Counter[str]:
         """Look at every message in defer once; returns what happened to them."""
         counts: Counter[str] = Counter()
+        self.recover()  # we hold the lock: anything still claimed is from a failed pass
         for source in self.sources:
             for _ in range(self.broker.llen(source)):
                 raw = self.broker.rpoplpush(source, self.processing)
                 if not isinstance(raw, bytes):
                     break
-                counts[self._handle(source, raw)] += 1
+                try:
+                    counts[self._handle(source, raw)] += 1
+                except Exception as exc:  # one bad message must not stop the others
+                    counts[self._set_aside(source, raw, exc)] += 1
         self.counts.update(counts)
         now = self.clock()
         if now - self._last_sweep >= SWEEP_EVERY_S:
             self._last_sweep = now
-            for row in sweep(self.runs, round(now * 1000), self.settings.stale_attempt_s):
+            stale = self.settings.stale_attempt_s
+            for row in sweep(self.runs, round(now * 1000), stale, self.pipeline.store):
                 self.log.warning("ledger_row", job_id=row.job_id, attempt=row.attempt,
                                  outcome=row.outcome.value, reason="vanished")  # fmt: skip
         return counts
+
+    def _set_aside(self, source: str, raw: bytes, exc: Exception) -> str:
+        """A message that failed to replay: back to defer with a backoff, or, after
+        ``MAX_REPLAY_ERRORS`` failures, to the dead letters with an alert. Never lost."""
+        self.log.warning("replay_failed", queue=self.defer, error=repr(exc))
+        try:
+            message = json.loads(raw)
+            headers = message["headers"]
+            errors = int(headers.get(H_REPLAY_ERRORS) or 0) + 1
+            headers[H_REPLAY_ERRORS] = errors
+            headers[H_REPLAY_AFTER] = self.clock() + self.settings.replay_backoff_max_s
+        except Exception:  # not even readable: keep it as it is, where a person can see it
+            self._push(raw, self.settings.dead_letter_queue)
+            return "dead_lettered_unreadable"
+        if errors >= MAX_REPLAY_ERRORS:
+            self._push(raw, self.settings.dead_letter_queue, message)
+            self.alerts.error("replay_gave_up", job_id=headers.get("id"), errors=errors,
+                              error=repr(exc), queue=self.settings.dead_letter_queue)  # fmt: skip
+            return "dead_lettered_after_errors"
+        self._push(raw, source, message)
+        return "replay_error"
 
     def _push(self, raw: bytes, target: str, message: dict[str, Any] | None = None) -> bool:
         new = raw if message is None else json.dumps(message).encode()
@@ -269,7 +297,7 @@ class Replayer:
                     stop.wait(self.settings.replay_poll_s * 4)
                     continue
                 counts = self.pass_once()
-            except (redis.RedisError, GatekeeperError) as exc:
+            except Exception as exc:  # Redis down, a bug: log, wait, try again; never exit
                 self.log.warning("replay_pass_failed", error=repr(exc))
                 counts = Counter()
             if once:

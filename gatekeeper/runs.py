@@ -18,7 +18,7 @@ import redis
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, RUN_RETENTION_S, Keys
 from gatekeeper.ledger import LedgerRow, Outcome, Path, make_row, window_id
-from gatekeeper.store import evalsha, load_lua, text_of
+from gatekeeper.store import GateStore, evalsha, load_lua, text_of
 
 __all__ = ["Finished", "RunLedger", "RunRecord", "Started", "sweep"]
 
@@ -33,12 +33,20 @@ class RunRecord:
     published_ms: int
     """This attempt's first publish (defer parking included in its wait)."""
     admitted_ms: int
-    """This attempt's last publish: the window that holds its exposure."""
+    """This attempt's last publish."""
+    window: int
+    """The ledger window that holds the attempt's exposure (its admission's window)."""
     deadline_ms: int
     tokens_in: int
     tokens_out: int
     dwell_s: float
     retries: int
+    free_admitted: bool = False
+    """An attempt of this job (this one or an earlier one) was admitted to the free path."""
+    max_retries: int = -1
+    """The task's max_retries (-1: unknown or unlimited)."""
+    time_limit_s: float = 0.0
+    """The task's hard time limit (0: none); the sweep waits at least this long."""
     started_ms: int = 0
 
     @classmethod
@@ -49,11 +57,15 @@ class RunRecord:
             decision=fields.get("decision", ""),
             published_ms=int(float(fields.get("published_ms", 0))),
             admitted_ms=int(float(fields.get("admitted_ms", 0))),
+            window=int(fields.get("window", 0)),
             deadline_ms=int(float(fields.get("deadline_ms", 0))),
             tokens_in=int(fields.get("tokens_in", 0)),
             tokens_out=int(fields.get("tokens_out", 0)),
             dwell_s=float(fields.get("dwell_s", "nan")),
             retries=int(fields.get("retries", 0)),
+            free_admitted=fields.get("free_admitted") == "True",
+            max_retries=int(fields.get("max_retries", -1)),
+            time_limit_s=float(fields.get("time_limit_s", 0)),
             started_ms=int(float(fields.get("started_ms", 0))),
         )
 
@@ -164,7 +176,7 @@ class RunLedger:
         """Apply one run's row atomically; a second call for the same run writes nothing."""
         member = f"{row.job_id}:{row.attempt}"
         row_window = window_id(now_ms / 1000, self.window_seconds)
-        admission_window = window_id(record.admitted_ms / 1000, self.window_seconds)
+        admission_window = record.window
         keys = [
             self.keys.run(row.job_id, row.attempt),
             self.keys.window(row_window),
@@ -228,8 +240,15 @@ class RunLedger:
         return found
 
 
-def sweep(ledger: RunLedger, now_ms: int, older_than_s: float) -> list[LedgerRow]:
-    """Record every run started more than ``older_than_s`` ago with no row as killed."""
+def sweep(
+    ledger: RunLedger, now_ms: int, older_than_s: float, store: GateStore | None = None
+) -> list[LedgerRow]:
+    """Record runs started more than ``older_than_s`` ago with no row as killed.
+
+    A run of a task with a hard time limit is given at least that limit (plus a minute)
+    before it counts as vanished. With ``store``, also give back the exposure of attempts
+    admitted more than ``older_than_s`` ago that never started (a purged or lost message).
+    """
     rows = []
     for job_id, attempt in ledger.stale(now_ms, older_than_s):
         stored = ledger.record(job_id, attempt)
@@ -237,7 +256,17 @@ def sweep(ledger: RunLedger, now_ms: int, older_than_s: float) -> list[LedgerRow
             ledger.client.zrem(ledger.keys.started, f"{job_id}:{attempt}")
             continue
         run, record = stored
+        if record.time_limit_s and now_ms - record.started_ms < (record.time_limit_s + 60) * 1000:
+            continue
         row = ledger.row_for(job_id, attempt, record, Outcome.KILLED, now_ms)
         if ledger.finish(row, run, record, now_ms).written:
             rows.append(row)
+    if store is not None:
+        for member, held in ledger.client.hgetall(ledger.keys.inflight).items():
+            job_id, _, number = text_of(member).rpartition(":")
+            _, window, admitted_ms = [*text_of(held).split("|"), "0", "0"][:3]
+            if now_ms - float(admitted_ms) < older_than_s * 1000:
+                continue
+            if ledger.record(job_id, int(number)) is None:  # admitted, never started
+                store.release(job_id, int(number), int(window))
     return rows

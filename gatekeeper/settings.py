@@ -134,9 +134,10 @@ class GatekeeperSettings(BaseSettings):
 
     redis_timeout_s: float = Field(0.5, gt=0, le=30, allow_inf_nan=False)
     """Connect and read timeout of the gate's Redis client: past it a publish fails closed."""
-    queue_age_horizon_s: float = Field(3600.0, gt=0, allow_inf_nan=False)
-    """A free attempt published longer ago than this no longer holds the queue's age up
-    (so a purged free queue cannot pin the age forever)."""
+    queue_age_horizon_s: float = Field(300.0, gt=0, allow_inf_nan=False)
+    """A free attempt published longer ago than this no longer holds the queue's age up, so a
+    purged or lost message defers new work for at most this long (ten times the default age
+    cap: a queue that is really stuck is seen again as soon as new admissions age)."""
 
     log_format: Literal["kv", "json", "stdlib"] = "kv"
     """``kv``: one key=value line per event on stderr; ``json``: one JSON object per line;

@@ -40,6 +40,7 @@ __all__ = [
     "H_REPLAY_AFTER",
     "H_TOKENS_IN",
     "H_TOKENS_OUT",
+    "H_WINDOW",
     "BadDeclaredInput",
     "DeclaredInputs",
     "GatedSpec",
@@ -60,6 +61,8 @@ H_MAX_RETRIES = "gatekeeper_max_retries"
 H_FREE_ADMITTED = "gatekeeper_free_admitted"
 """True once any attempt of the job was admitted to the free path (for abandoned slack misses)."""
 H_REPLAYS = "gatekeeper_replays"
+H_WINDOW = "gatekeeper_window"
+"""The ledger window whose budget holds an admitted attempt's exposure."""
 H_REPLAY_AFTER = "gatekeeper_replay_after"
 H_ATTEMPT = "gatekeeper_attempt"
 H_EXPECTED_SERVICE_S = "gatekeeper_expected_service_s"

@@ -32,7 +32,7 @@ __all__ = [
     "text_of",
 ]
 
-DEFAULT_QUEUE_AGE_HORIZON_S = 3600.0
+DEFAULT_QUEUE_AGE_HORIZON_S = 300.0
 """A waiting entry older than this no longer counts toward the free queue's age (purged queues)."""
 
 
@@ -80,6 +80,7 @@ class GateStore:
         self.horizon_s = horizon_s
         self.retention_s = retention_s
         self._gate: Script = client.register_script(load_lua("gate.lua"))
+        self._release: Script = client.register_script(load_lua("release.lua"))
 
     def score(
         self,
@@ -97,6 +98,7 @@ class GateStore:
         queue_wait_unit_per_second: float,
         budget_mode: BudgetMode,
         deadline_slack_ms: int,
+        delay_s: float = 0.0,
     ) -> ScoredAttempt:
         """Run the gate script: age cap, dwell against slack, then the budget, atomically."""
         keys = [
@@ -104,6 +106,7 @@ class GateStore:
             self.keys.window(window_id),
             self.keys.window_rows(window_id),
             self.keys.inflight,
+            self.keys.flags,
         ]
         args = [
             repr(now_s * 1000),
@@ -121,6 +124,8 @@ class GateStore:
             job_id,
             str(attempt),
             str(deadline_slack_ms),
+            repr(float(delay_s)),
+            str(window_id),
         ]
         try:
             reply = evalsha(self.client, self._gate, keys, args)
@@ -151,6 +156,15 @@ class GateStore:
             pipe.execute()
         except redis.RedisError:
             pass  # the decision stands; only the review loses one count
+
+    def release(self, job_id: str, attempt: int, window_id: int) -> int:
+        """Give back an admitted attempt's exposure (it will not run); returns the tokens."""
+        member = f"{job_id}:{attempt}"
+        keys = [self.keys.inflight, self.keys.free_waiting, self.keys.window(window_id)]
+        try:
+            return int(float(evalsha(self.client, self._release, keys, [member])))
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot release {member}: {exc}") from exc
 
     def attempt_started(self, job_id: str, attempt: int) -> None:
         """A free attempt has started: it no longer holds the free queue's age up."""

@@ -45,7 +45,7 @@ from gatekeeper.errors import GatekeeperError
 from gatekeeper.flags import FlagStore
 from gatekeeper.health import WindowHealth, should_freeze
 from gatekeeper.keys import Keys
-from gatekeeper.ledger import Outcome, Path, window_id
+from gatekeeper.ledger import Outcome, Path
 from gatekeeper.logs import make_logger
 from gatekeeper.metering import take_metered
 from gatekeeper.runs import RunLedger, RunRecord
@@ -56,11 +56,15 @@ from gatekeeper.spec import (
     H_DEADLINE_AT,
     H_DECISION,
     H_DWELL_S,
+    H_FREE_ADMITTED,
+    H_MAX_RETRIES,
     H_PUBLISHED_AT,
     H_TOKENS_IN,
     H_TOKENS_OUT,
+    H_WINDOW,
     spec_of,
 )
+from gatekeeper.store import GateStore
 
 __all__ = ["WorkerSide", "maybe_freeze", "record_from_headers"]
 
@@ -68,6 +72,9 @@ RECEIVED_CACHE_SIZE = 10_000
 """Headers kept per task id in the worker's main process, for signals that lose the request."""
 HEADERS = (
     H_ATTEMPT,
+    H_FREE_ADMITTED,
+    H_MAX_RETRIES,
+    H_WINDOW,
     H_ATTEMPT_PUBLISHED_AT,
     H_DEADLINE_AT,
     H_DECISION,
@@ -91,17 +98,26 @@ def record_from_headers(task: Any, headers: Mapping[str, Any]) -> tuple[int, Run
         spec = None
     tokens_out = headers.get(H_TOKENS_OUT, spec.tokens_out if spec else 0)
     dwell = headers.get(H_DWELL_S)
+    admitted_ms = round(float(headers.get(H_PUBLISHED_AT) or published) * 1000)
+    max_retries = headers.get(H_MAX_RETRIES)
+    time_limit = getattr(task, "time_limit", None) or getattr(
+        getattr(getattr(task, "app", None), "conf", None), "task_time_limit", None
+    )
     record = RunRecord(
         task=getattr(task, "name", "") or "",
         path=(Path.FREE if decision == "admit_free" else Path.RESERVED).value,
         decision=str(decision),
         published_ms=round(float(published) * 1000),
-        admitted_ms=round(float(headers.get(H_PUBLISHED_AT) or published) * 1000),
+        admitted_ms=admitted_ms,
+        window=int(headers.get(H_WINDOW) or 0),
         deadline_ms=round(float(headers.get(H_DEADLINE_AT) or 0) * 1000),
         tokens_in=int(headers.get(H_TOKENS_IN) or 0),
         tokens_out=int(tokens_out or 0),
         dwell_s=math.nan if dwell is None else float(dwell),
         retries=int(headers.get("retries") or 0),
+        free_admitted=bool(headers.get(H_FREE_ADMITTED)) or decision == "admit_free",
+        max_retries=-1 if max_retries is None else int(max_retries),
+        time_limit_s=float(time_limit or 0),
     )
     return int(attempt), record
 
@@ -136,6 +152,7 @@ class WorkerSide:
             window_seconds=settings.window_seconds,
             queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
         )
+        self.store = GateStore(client, Keys(settings.key_prefix, settings.namespace))
         self.log = make_logger(settings, "worker")
         self.alerts = make_logger(settings, "alert")
         self._running: dict[str, tuple[int, int, RunRecord]] = {}
@@ -180,13 +197,26 @@ class WorkerSide:
     def on_revoked(
         self, sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
     ) -> None:
-        """A run revoked while running (``terminate=True``) was killed."""
+        """Revoked while running (``terminate=True``): killed. Before it ran: no row, and
+        the exposure it held is given back."""
         task = sender if self._ours(sender) else getattr(request, "task", None)
-        if not terminated or not self._ours(task) or request is None:
+        if not self._ours(task) or request is None:
             return
-        self._guarded(
-            "revoked", request.id, lambda: self._finish_elsewhere(task, request.id, "revoked")
-        )
+        if terminated:
+            self._guarded(
+                "revoked", request.id, lambda: self._finish_elsewhere(task, request.id, "revoked")
+            )
+            return
+        self._guarded("revoked", request.id, lambda: self._release(task, request))
+
+    def _release(self, task: Any, request: Any) -> None:
+        headers = self._received.pop(request.id, None) or _request_headers(request)
+        found = record_from_headers(task, headers)
+        if found is None or found[1].path != Path.FREE.value:
+            return
+        attempt, record = found
+        if self.runs.record(request.id, attempt) is None:  # it never started
+            self.store.release(request.id, attempt, record.window)
 
     def _finish_elsewhere(self, task: Any, job_id: str, reason: str) -> None:
         """End the latest run of an attempt from the main process, where no run is in memory."""
@@ -312,9 +342,8 @@ class WorkerSide:
                 deadline_slack_s=row.deadline_slack_ms / 1000,
                 retries=record.retries,
             )
-            admission = window_id(record.admitted_ms / 1000, self.settings.window_seconds)
             maybe_freeze(
-                self.flags, self.alerts, admission, done.slack_misses, done.admitted_free,
+                self.flags, self.alerts, record.window, done.slack_misses, done.admitted_free,
                 self.clock(),
             )  # fmt: skip
 

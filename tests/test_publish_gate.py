@@ -10,6 +10,7 @@ import pytest
 import redis
 from celery import Celery
 from click.testing import CliRunner
+from kombu.exceptions import OperationalError
 
 from gatekeeper.celery_hook import install
 from gatekeeper.cli import main
@@ -219,3 +220,60 @@ def test_a_deadline_is_never_extended_by_a_later_override(
     )
     headers = only_message(redis_client, "free")["headers"]
     assert headers["gatekeeper_deadline_at"] == deadline
+
+
+def test_a_countdown_counts_in_the_dwell(redis_url: str, redis_client: redis.Redis) -> None:
+    app = make_app(redis_url)
+    # 180 s of countdown can never fit 60 s of slack: the free path would be a sure miss.
+    app.tasks["tests.embed"].apply_async((1,), countdown=180)
+    assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == (
+        "dwell_over_slack"
+    )
+
+
+def test_a_delayed_task_joins_the_free_queues_wait_when_it_is_due(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url, max_queue_age_s=1.0)
+    before = time.time()
+    job = app.tasks["tests.embed"].apply_async((1,), countdown=5).id
+    due_ms = redis_client.zscore(Keys().free_waiting, f"{job}:1")
+    assert due_ms is not None and due_ms >= (before + 5) * 1000
+    headers = only_message(redis_client, "free")["headers"]
+    assert headers["gatekeeper_attempt_published_at"] >= before + 5  # its wait starts then
+    time.sleep(1.2)  # older than the cap since its publish, but not yet due: no veto
+    app.tasks["tests.embed"].delay(2)
+    assert lengths(redis_client)["free"] == 2
+
+
+def test_a_freeze_in_redis_holds_for_a_publisher_with_a_cached_flag(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url, flag_cache_s=60)
+    embed = app.tasks["tests.embed"]
+    embed.delay(1)  # flags read and cached: free path on
+    redis_client.hset(Keys().flags, "free_path_enabled", "false")
+    embed.delay(2)  # the cache says on; the script reads the freeze itself
+    assert lengths(redis_client)["free"] == 1
+    assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == (
+        "free_path_disabled"
+    )
+
+
+def test_a_publish_the_broker_refuses_gives_back_what_the_gate_took(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url)
+    gate = install(app)
+
+    def broker_down(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("broker down")
+
+    gate.original_sender = broker_down
+    with pytest.raises(OperationalError):  # Celery wraps the connection error
+        app.tasks["tests.embed"].delay(1)
+    keys = Keys()
+    assert redis_client.hlen(keys.inflight) == 0
+    assert redis_client.zcard(keys.free_waiting) == 0
+    exposure = redis_client.hget(keys.window(window_id(time.time(), 900)), "exposure")
+    assert float(exposure or 0) == 0

@@ -30,8 +30,9 @@ def frozen_store(client: redis.Redis) -> FlagStore:
 
 
 def test_the_last_hour_is_four_windows_of_900_s() -> None:
-    assert list(hour_windows(W, 900)) == [W - 3, W - 2, W - 1, W]
-    assert len(hour_windows(W, 1000)) == 4 and len(hour_windows(W, 3600)) == 1
+    # The current window and four complete ones: a full hour however far into W we are.
+    assert list(hour_windows(W, 900)) == [W - 4, W - 3, W - 2, W - 1, W]
+    assert len(hour_windows(W, 1000)) == 5 and len(hour_windows(W, 3600)) == 2
 
 
 @pytest.mark.parametrize(
@@ -78,9 +79,11 @@ def test_reopening_is_refused_while_a_window_is_over_budget(redis_client: redis.
 def test_reopening_succeeds_after_a_clean_hour(redis_client: redis.Redis) -> None:
     store = frozen_store(redis_client)
     redis_client.hset(KEYS.window(W), "rows:killed", 2)
-    later = W + 4  # windows W+1..W+4: an hour with no killed rows
+    later = W + 5  # windows W+1..W+5: a full hour with no killed rows
+    with pytest.raises(FreePathLocked):
+        store.set("free_path_enabled", "true", "too soon", "oncall", at(W + 4))
     change = store.set("free_path_enabled", "true", "clean hour", "oncall", at(later))
-    assert f"windows {W + 1}..{W + 4}" in change.reason
+    assert f"windows {W + 1}..{W + 5}" in change.reason
     assert store.current().free_path_enabled
 
 

@@ -169,3 +169,18 @@ def test_a_replayer_killed_mid_batch_loses_nothing_and_runs_nothing_twice(
         time.sleep(1.0)
     ran = [json.loads(raw)["id"] for raw in redis_client.lrange(RUNS_KEY, 0, -1)]
     assert sorted(ran) == sorted(free)
+
+
+def test_a_message_that_keeps_failing_is_dead_lettered_after_five_tries(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    raw = redis_client.rpop("defer")
+    message = json.loads(raw)
+    message["headers"]["retries"] = "not a number"  # makes scoring raise
+    redis_client.lpush("defer", json.dumps(message))
+    outcomes = [replay_once(redis_url, redis_client, replay_backoff_max_s=0.001) for _ in range(5)]
+    assert outcomes[:4] == [{"replay_error": 1}] * 4
+    assert outcomes[4] == {"dead_lettered_after_errors": 1}
+    assert ids_in(redis_client, "dead_letter") == [job]
+    assert "event=replay_gave_up" in capsys.readouterr().err

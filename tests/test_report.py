@@ -46,7 +46,8 @@ def test_report_gives_the_hand_computed_ratios(
     runs = RunLedger(redis_client, KEYS, window_seconds=900, queue_wait_unit_per_second=0)
     now_ms = round(time.time() * 1000)
     late = RunRecord(task="t", path="free", decision="admit_free", published_ms=now_ms - 9000,
-                     admitted_ms=now_ms - 9000, deadline_ms=now_ms - 1000, tokens_in=10,
+                     admitted_ms=now_ms - 9000, window=window_id(now_ms / 1000 - 9, 900),
+                     deadline_ms=now_ms - 1000, tokens_in=10,
                      tokens_out=0, dwell_s=2.0, retries=0, started_ms=now_ms - 5000)  # fmt: skip
     row = runs.row_for("a0", 1, late, Outcome.OK, now_ms)
     assert runs.finish(row, 1, late, now_ms, slack_miss=True).written

@@ -25,8 +25,9 @@ def ledger(client: redis.Redis) -> RunLedger:
 def record(**changes: object) -> RunRecord:
     values: dict[str, object] = {
         "task": "t", "path": "free", "decision": "admit_free", "published_ms": T0_MS,
-        "admitted_ms": T0_MS, "deadline_ms": T0_MS + 90_000, "tokens_in": 1200,
-        "tokens_out": 50, "dwell_s": 28.0, "retries": 0,
+        "admitted_ms": T0_MS, "window": window_id(T0_MS / 1000, 900),
+        "deadline_ms": T0_MS + 90_000, "tokens_in": 1200, "tokens_out": 50, "dwell_s": 28.0,
+        "retries": 0,
     }  # fmt: skip
     values.update(changes)
     return RunRecord(**values)  # type: ignore[arg-type]
@@ -129,3 +130,19 @@ def test_ledger_command_names_a_bad_window(redis_url: str, monkeypatch: pytest.M
     monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
     result = CliRunner().invoke(main, ["ledger", "--window", "yesterday"])
     assert result.exit_code == 2 and "--window" in result.output
+
+
+def test_sweep_gives_back_the_exposure_of_an_admission_that_never_started(
+    redis_client: redis.Redis,
+) -> None:
+    from gatekeeper.store import GateStore
+
+    window = window_id(T0_MS / 1000, 900)
+    redis_client.hset(KEYS.inflight, "lost:1", f"1200|{window}|{T0_MS}")
+    redis_client.hset(KEYS.window(window), "exposure", 1200)
+    redis_client.hset(KEYS.inflight, "fresh:1", f"500|{window}|{T0_MS + 50_000}")
+    sweep(
+        ledger(redis_client), T0_MS + 60_000, older_than_s=30, store=GateStore(redis_client, KEYS)
+    )
+    assert redis_client.hkeys(KEYS.inflight) == [b"fresh:1"]
+    assert float(redis_client.hget(KEYS.window(window), "exposure") or 0) == 0

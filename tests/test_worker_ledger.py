@@ -209,3 +209,21 @@ def test_slack_misses_alert_and_freeze_the_free_path(
     assert "event=free_path_frozen" in log.read_text()
     (change,) = [json.loads(raw) for raw in redis_client.lrange(KEYS.flags_log, 0, -1)]
     assert change["actor"] == "gatekeeper:auto-freeze" and "slack misses" in change["reason"]
+
+
+def test_a_task_revoked_before_it_starts_gives_back_its_exposure_and_has_no_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    app = app_for(redis_url)
+    sleepy = app.tasks["tests.sleepy"]
+    with running_worker(redis_url, tmp_path / "w.log"):
+        busy = sleepy.apply_async(kwargs={"sleep_s": 2}).id
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        waiting = sleepy.apply_async(kwargs={"sleep_s": 0}).id
+        assert redis_client.hexists(KEYS.inflight, f"{waiting}:1")
+        app.control.revoke(waiting)
+        (row,) = wait_rows(redis_client, 1)  # the busy one's
+        assert wait_until(lambda: not redis_client.hexists(KEYS.inflight, f"{waiting}:1"))
+    assert row["job_id"] == busy
+    assert [r["id"] for r in runs(redis_client)] == [busy]
+    assert window_totals(redis_client, "exposure") == 0

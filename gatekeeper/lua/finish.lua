@@ -7,7 +7,7 @@
 -- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row
 -- KEYS[2] window:<row window>       hash: tax_units, rows:<outcome>, killed_free
 -- KEYS[3] window:<row window>:rows  list: ledger rows (JSON)
--- KEYS[4] inflight                  hash: <job_id>:<attempt> -> tokens held as exposure
+-- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<tokens>|<window>|<ms>"
 -- KEYS[5] started                   sorted set: runs started without a row
 -- KEYS[6] window:<admission window> hash: exposure, admitted_free, slack_misses
 --
@@ -42,7 +42,7 @@ redis.call('EXPIRE', KEYS[2], tonumber(ARGV[8]))
 local held = redis.call('HGET', KEYS[4], ARGV[1])
 if held then
   redis.call('HDEL', KEYS[4], ARGV[1])
-  redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -tonumber(held))
+  redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -tonumber(string.match(held, '^[^|]+')))
 end
 if ARGV[7] == '1' then
   redis.call('HINCRBY', KEYS[6], 'slack_misses', 1)

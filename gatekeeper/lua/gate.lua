@@ -5,11 +5,13 @@
 -- reserving the attempt's exposure cannot interleave with another publisher's.
 -- tests/test_gate_script.py holds this script and the Python core to the same answers.
 --
--- KEYS[1] free:waiting      sorted set: member <job_id>:<attempt>, score = publish time (ms)
+-- KEYS[1] free:waiting      sorted set: member <job_id>:<attempt>, score = when it is due (ms)
 -- KEYS[2] window:<id>       hash: tax_units, exposure, admitted_free, rejected,
 --                           decided:<decision>:<reason>, review:defer_fit, review:reserved_age_shift
 -- KEYS[3] window:<id>:rows  list: ledger rows (JSON), oldest first
--- KEYS[4] inflight          hash: <job_id>:<attempt> -> tokens held as exposure
+-- KEYS[4] inflight          hash: <job_id>:<attempt> -> "<tokens>|<window id>|<admitted ms>"
+-- KEYS[5] flags             hash: live flag overrides (free_path_enabled read here, so a
+--                           freeze in Redis holds for every publisher at once, cache or not)
 --
 -- ARGV[1]  now_ms            the caller's clock (scripts never read the time)
 -- ARGV[2]  member            <job_id>:<attempt>
@@ -26,6 +28,8 @@
 -- ARGV[13] job_id            for the rejected row
 -- ARGV[14] attempt
 -- ARGV[15] deadline_slack_ms
+-- ARGV[16] delay_s           seconds until a delayed (ETA/countdown) task is due; 0 if not
+-- ARGV[17] window_id         this window's id, kept with the attempt's exposure
 --
 -- A refused attempt appends its `rejected` row (the same JSON as LedgerRow.to_json(): no
 -- tokens, no wait charge), built here so that admissions pay nothing for it.
@@ -51,6 +55,7 @@ local budget = tonumber(ARGV[8])
 local unit = tonumber(ARGV[9])
 local horizon = tonumber(ARGV[11])
 local retention = tonumber(ARGV[12])
+local delay = tonumber(ARGV[16])
 
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. fmt(now - horizon))
 local age = 0
@@ -73,13 +78,16 @@ local function decided(decision, reason, dwell, projected)
   return {decision, reason, fmt(age), fmt(dwell), fmt(projected)}
 end
 
-if not (finite(service) and finite(tax) and finite(slack) and finite(cap)) then
+if redis.call('HGET', KEYS[5], 'free_path_enabled') == 'false' then
+  return decided('reserved', 'free_path_disabled', 0 / 0, 0)
+end
+if not (finite(service) and finite(tax) and finite(slack) and finite(cap) and finite(delay)) then
   return decided('defer', 'non_finite_input', 0 / 0, 0)
 end
-local dwell = age + service + tax
+local dwell = age + service + tax + delay
 if service <= 0 then return decided('defer', 'bad_service_guess', dwell, 0) end
 if slack <= 0 then return decided('defer', 'deadline_passed', dwell, 0) end
-if tax < 0 or cap < 0 then return decided('defer', 'negative_input', dwell, 0) end
+if tax < 0 or cap < 0 or delay < 0 then return decided('defer', 'negative_input', dwell, 0) end
 if age > cap then return decided('defer', 'queue_age_cap', dwell, 0) end
 if dwell > slack then return decided('reserved', 'dwell_over_slack', dwell, 0) end
 
@@ -101,9 +109,11 @@ if not (finite(total) and finite(budget)) or total > budget then
 end
 
 -- Idempotent per attempt: a replay re-scored after a crash does not hold its tokens twice.
-if redis.call('HSETNX', KEYS[4], ARGV[2], ARGV[7]) == 1 then
+local held = ARGV[7] .. '|' .. ARGV[17] .. '|' .. ARGV[1]
+if redis.call('HSETNX', KEYS[4], ARGV[2], held) == 1 then
   redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', tokens)
 end
 redis.call('HINCRBY', KEYS[2], 'admitted_free', 1)
-redis.call('ZADD', KEYS[1], now, ARGV[2])
+-- A delayed task joins the free queue's wait when it is due, not before.
+redis.call('ZADD', KEYS[1], now + delay * 1000, ARGV[2])
 return decided('admit_free', 'fits', dwell, projected)

@@ -1,0 +1,23 @@
+-- release.lua: give back the exposure of an admitted free attempt that will never run here.
+--
+-- For an attempt whose publish failed after the gate admitted it, one revoked or expired
+-- before it started, or one the sweep finds admitted long ago and never started. No row:
+-- the attempt did not run. Idempotent: the second call finds nothing to release.
+--
+-- KEYS[1] inflight                  hash: <job_id>:<attempt> -> "<tokens>|<window>|<ms>"
+-- KEYS[2] free:waiting              sorted set: admitted free attempts not yet started
+-- KEYS[3] window:<admission window> hash: exposure
+--
+-- ARGV[1] member   <job_id>:<attempt>
+--
+-- Returns the tokens released (0 when the attempt held none).
+
+redis.call('ZREM', KEYS[2], ARGV[1])
+local held = redis.call('HGET', KEYS[1], ARGV[1])
+if not held then
+  return 0
+end
+redis.call('HDEL', KEYS[1], ARGV[1])
+local tokens = tonumber(string.match(held, '^[^|]+'))
+redis.call('HINCRBYFLOAT', KEYS[3], 'exposure', -tokens)
+return tokens
