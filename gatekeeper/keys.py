@@ -33,6 +33,11 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     The window's ledger rows, one JSON object each, oldest first.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
     Marks an attempt whose ``abandoned`` row is written (the replayer writes it once).
+``gatekeeper:{default}:stats`` - hash, no TTL
+    Counters an operator should see in ``gatekeeper status``: ``reruns_after_row``, runs of
+    an attempt that already had its row (a message the broker delivered again after it
+    finished, e.g. an ack lost with ``acks_late``): Celery can run such a task twice, and
+    gatekeeper counts it rather than hide it.
 ``gatekeeper:{default}:replayer:lock`` - string, TTL ``replay_lock_ttl_s`` (30 s)
     Only one replayer works a namespace at a time; the live one refreshes the lock every
     pass, and a dead one's lock simply expires.
@@ -83,6 +88,10 @@ class Keys:
     @property
     def inflight(self) -> str:
         return f"{self.base}:inflight"
+
+    @property
+    def stats(self) -> str:
+        return f"{self.base}:stats"
 
     @property
     def started(self) -> str:

@@ -330,6 +330,10 @@ def status(ctx: click.Context) -> None:
         f"{settings.defer_queue}:replaying={broker.llen(settings.defer_queue + ':replaying')}"
     )
     click.echo("queues " + " ".join(lengths))
+    try:
+        stats = {text_of(k): text_of(v) for k, v in gate.hgetall(keys.stats).items()}
+    except redis.RedisError as exc:
+        raise click.ClickException(f"cannot read the gate's Redis: {exc}") from exc
     tax = float(window.get("tax_units", 0))
     exposure = float(window.get("exposure", 0))
     admitted = int(window.get("admitted_free", 0))
@@ -341,6 +345,7 @@ def status(ctx: click.Context) -> None:
         f"budget_left={settings.budget_units - tax:.0f} admitted_free={admitted} "
         f"slack_misses={misses} miss_rate={rate}"
     )
+    click.echo(f"reruns_after_row={stats.get('reruns_after_row', 0)}")
 
 
 @main.command()

@@ -146,8 +146,21 @@ class Pipeline:
             assert publish.spec is not None
             inputs = resolve_inputs(publish.spec, publish.headers, now)
         except BadDeclaredInput as exc:
+            # What can be known is stamped, so the attempt still gets its ledger row and a
+            # retry cannot start a new deadline; the bad input itself is left as it was.
+            carried_first = publish.headers.get(H_FIRST_PUBLISHED_AT)
+            stamp: dict[str, Any] = {
+                H_FIRST_PUBLISHED_AT: now if carried_first is None else carried_first,
+                H_PUBLISHED_AT: now,
+                H_ATTEMPT_PUBLISHED_AT: now,
+                H_ATTEMPT: publish.attempt,
+            }
+            if isinstance(publish.headers.get(H_DEADLINE_AT), (int, float)):
+                stamp[H_DEADLINE_AT] = publish.headers[H_DEADLINE_AT]
+            self._count(window_id(now, self.settings.window_seconds), Decision.RESERVED,
+                        BAD_INPUT, fields)  # fmt: skip
             return self._finish(
-                Decision.RESERVED, BAD_INPUT, {}, fields, error=str(exc), field=exc.field
+                Decision.RESERVED, BAD_INPUT, stamp, fields, error=str(exc), field=exc.field
             )
 
         delay = _delay_s(publish.headers.get("eta"), now)

@@ -116,7 +116,12 @@ class RunLedger:
         args: list[Any] = [member, now_ms, RUN_RETENTION_S]
         for name, value in fields.items():
             args += [name, value]
-        keys = [self.keys.run(job_id, attempt), self.keys.started, self.keys.free_waiting]
+        keys = [
+            self.keys.run(job_id, attempt),
+            self.keys.started,
+            self.keys.free_waiting,
+            self.keys.stats,
+        ]
         try:
             reply = evalsha(self.client, self._start, keys, [str(a) for a in args])
         except redis.RedisError as exc:
@@ -159,7 +164,8 @@ class RunLedger:
             queue_wait_ms=max(0, record.started_ms - record.published_ms),
             tokens_in=record.tokens_in if tokens_in is None else tokens_in,
             tokens_out=default_out if tokens_out is None else tokens_out,
-            deadline_slack_ms=record.deadline_ms - now_ms,
+            # A deadline that could not be read (a bad-input route) is written as slack 0.
+            deadline_slack_ms=record.deadline_ms - now_ms if record.deadline_ms else 0,
             queue_wait_unit_per_second=self.unit,
         )
 

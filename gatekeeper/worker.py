@@ -86,6 +86,15 @@ HEADERS = (
 )
 
 
+def _whole(value: Any) -> int:
+    """A token count from a header; a bad one (the publish was routed for it) counts 0."""
+    try:
+        number = int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+    return max(number, 0)
+
+
 def record_from_headers(task: Any, headers: Mapping[str, Any]) -> tuple[int, RunRecord] | None:
     """(attempt, record) for a message the gate routed; None for untouched messages."""
     attempt, decision = headers.get(H_ATTEMPT), headers.get(H_DECISION)
@@ -111,8 +120,8 @@ def record_from_headers(task: Any, headers: Mapping[str, Any]) -> tuple[int, Run
         admitted_ms=admitted_ms,
         window=int(headers.get(H_WINDOW) or 0),
         deadline_ms=round(float(headers.get(H_DEADLINE_AT) or 0) * 1000),
-        tokens_in=int(headers.get(H_TOKENS_IN) or 0),
-        tokens_out=int(tokens_out or 0),
+        tokens_in=_whole(headers.get(H_TOKENS_IN)),
+        tokens_out=_whole(tokens_out),
         dwell_s=math.nan if dwell is None else float(dwell),
         retries=int(headers.get("retries") or 0),
         free_admitted=bool(headers.get(H_FREE_ADMITTED)) or decision == "admit_free",

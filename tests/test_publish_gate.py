@@ -173,7 +173,10 @@ def test_bad_declared_inputs_reserve_and_name_the_field(
 ) -> None:
     app = make_app(redis_url)
     app.tasks["tests.embed"].apply_async((1,), headers=headers)
-    assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == "bad_input"
+    routed = only_message(redis_client, "reserved")["headers"]
+    assert routed["gatekeeper_reason"] == "bad_input"
+    # Still an attempt with a first publish: it gets its row, and a retry keeps the clock.
+    assert routed["gatekeeper_attempt"] == 1 and routed["gatekeeper_first_published_at"] > 0
     assert f"field={field}" in capsys.readouterr().err
 
 

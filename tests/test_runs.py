@@ -146,3 +146,14 @@ def test_sweep_gives_back_the_exposure_of_an_admission_that_never_started(
     )
     assert redis_client.hkeys(KEYS.inflight) == [b"fresh:1"]
     assert float(redis_client.hget(KEYS.window(window), "exposure") or 0) == 0
+
+
+def test_a_run_after_the_attempt_has_its_row_is_counted_as_a_rerun(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    runs.start("job", 1, record(), T0_MS + 100)
+    _, rec = runs.record("job", 1) or (0, record())
+    runs.finish(runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 200), 1, rec, T0_MS + 200)
+    runs.start("job", 1, record(), T0_MS + 300)  # delivered again after it finished
+    assert redis_client.hget(KEYS.stats, "reruns_after_row") == b"1"

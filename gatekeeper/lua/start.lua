@@ -8,6 +8,8 @@
 -- KEYS[1] run:<job_id>:<attempt>   hash: runs, rowed, started_ms, and the fields below
 -- KEYS[2] started                   sorted set: <job_id>:<attempt> -> start time (ms)
 -- KEYS[3] free:waiting              sorted set: admitted free attempts not yet started
+-- KEYS[4] stats                     hash: reruns_after_row (a run of an attempt that already
+--                                   had its row: the broker delivered a finished message again)
 --
 -- ARGV[1] member          <job_id>:<attempt>
 -- ARGV[2] now_ms
@@ -20,6 +22,9 @@
 local run = redis.call('HINCRBY', KEYS[1], 'runs', 1)
 local rowed = tonumber(redis.call('HGET', KEYS[1], 'rowed') or '0')
 local reply = {run, 0}
+if run > 1 and rowed >= run - 1 then
+  redis.call('HINCRBY', KEYS[4], 'reruns_after_row', 1)
+end
 if run > 1 and rowed < run - 1 then
   reply[2] = run - 1
   local previous = redis.call('HGETALL', KEYS[1])

@@ -1,0 +1,41 @@
+"""gatekeeper status: what an on-call reads first."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from gatekeeper.cli import main
+from gatekeeper.ledger import window_id
+from tests.apps.gated_app import create_app
+from tests.conftest import gate_settings
+
+
+def test_status_shows_flags_with_who_when_why_queues_age_and_budget(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(gate_settings(redis_url, budget_units=1000), redis_url)
+    app.tasks["tests.embed"].delay(1)  # admitted: 100 tokens of exposure, one waiting
+    app.tasks["tests.embed"].apply_async((2,), headers={"gatekeeper_expected_service_s": 0})
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    monkeypatch.setenv("GATEKEEPER_BUDGET_UNITS", "1000")
+    runner = CliRunner()
+    args = ["flags", "set", "canary_percent", "50", "--reason", "widen the canary"]
+    assert runner.invoke(main, args).exit_code == 0
+    result = runner.invoke(main, ["status"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    canary = next(line for line in lines if line.startswith("flag canary_percent="))
+    assert canary.startswith("flag canary_percent=50.0 (redis) changed ")
+    assert canary.endswith(": widen the canary") and " by " in canary
+    assert "flag free_path_enabled=true (settings)" in lines
+    assert any(line.startswith("free_queue_age_s=") and "waiting_free=1" in line for line in lines)
+    queues = next(line for line in lines if line.startswith("queues "))
+    assert "free=1" in queues and "defer=1" in queues and "reserved=0" in queues
+    window = window_id(time.time(), 900)
+    budget = next(line for line in lines if line.startswith(f"window={window}"))
+    assert "exposure=100" in budget and "budget_left=1000" in budget and "admitted_free=1" in budget
+    assert "reruns_after_row=0" in lines
