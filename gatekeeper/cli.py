@@ -122,4 +122,5 @@ def decide_command(
 
 # The on-call's commands register themselves on ``main``; imported last (they import main).
 from gatekeeper import demo as _demo  # noqa: E402, F401
+from gatekeeper import flag_commands as _flag_commands  # noqa: E402, F401
 from gatekeeper import oncall as _oncall  # noqa: E402, F401

@@ -1,4 +1,6 @@
-"""The on-call's commands: flags, ledger, sweep, status, report and the replayer.
+"""The on-call's commands: ledger, sweep, status, report and the replayer.
+
+The flag commands are in :mod:`gatekeeper.flag_commands`.
 
 Registered on the ``gatekeeper`` group by :mod:`gatekeeper.cli`. Each reads settings at the edge
 and talks to the gate's Redis (``GATEKEEPER_REDIS_URL``) and, for queue lengths and the
@@ -7,11 +9,9 @@ replayer, the broker (``GATEKEEPER_BROKER_URL``, else the same Redis).
 
 from __future__ import annotations
 
-import getpass
 import json
 import re
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -23,8 +23,8 @@ import click
 import redis
 
 from gatekeeper.cli import main, settings_of
-from gatekeeper.errors import ConfigError, LedgerUnavailable
-from gatekeeper.flags import FLAG_NAMES, FlagStore, FreePathLocked, combine
+from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.flags import FLAG_NAMES, FlagStore, combine
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import LedgerRow, summarize, window_id
 from gatekeeper.logs import make_logger
@@ -34,10 +34,11 @@ from gatekeeper.runs import RunLedger
 from gatekeeper.runs import sweep as sweep_runs
 from gatekeeper.store import GateStore, text_of
 
-__all__ = ["flags", "ledger", "replay", "report", "status", "sweep"]
+__all__ = ["ledger", "redis_client", "replay", "report", "show_value", "status", "sweep"]
 
 
-def _redis(ctx: click.Context, broker: bool = False) -> redis.Redis:
+def redis_client(ctx: click.Context, broker: bool = False) -> redis.Redis:
+    """A client on the gate's Redis (or, with ``broker``, the broker's), from settings."""
     settings = settings_of(ctx)
     url = settings.redis_url or settings.broker_url
     if broker:
@@ -50,101 +51,9 @@ def _redis(ctx: click.Context, broker: bool = False) -> redis.Redis:
     return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
 
 
-def _flag_store(ctx: click.Context) -> FlagStore:
-    return FlagStore(_redis(ctx), settings_of(ctx))
-
-
-def _actor() -> str:
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "unknown"
-    return f"{user}@{socket.gethostname()}"
-
-
-@main.group(invoke_without_command=True)
-@click.pass_context
-def flags(ctx: click.Context) -> None:
-    """Show the live flags: the settings, the Redis overrides, and what is in force."""
-    if ctx.invoked_subcommand is not None:
-        return
-    store = _flag_store(ctx)
-    try:
-        stored = store.stored()
-        history = store.history(limit=5)
-    except LedgerUnavailable as exc:
-        raise click.ClickException(str(exc)) from exc
-    effective = combine(store.settings, stored)
-    for name in FLAG_NAMES:
-        setting = getattr(store.settings, name)
-        click.echo(
-            f"{name}: effective={_show(getattr(effective, name))} settings={_show(setting)} "
-            f"redis={stored.get(name, '-')}"
-        )
-    for change in history:
-        when = datetime.fromtimestamp(change.at, tz=timezone.utc).isoformat(timespec="seconds")
-        value = "(unset)" if change.value is None else change.value
-        click.echo(f"changed {when} {change.name}={value} by {change.actor}: {change.reason}")
-
-
-def _show(value: object) -> str:
+def show_value(value: object) -> str:
+    """A flag's value as the CLI prints it (booleans lower-case)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-FORCE = click.option(
-    "--force", is_flag=True, help="Re-open the free path without a clean ledger hour."
-)
-
-
-@flags.command(name="set")
-@click.argument("name", type=click.Choice(FLAG_NAMES))
-@click.argument("value")
-@click.option("--reason", default="", help="Why: written to the flag log and the log line.")
-@FORCE
-@click.pass_context
-def flags_set(ctx: click.Context, name: str, value: str, reason: str, force: bool) -> None:
-    """Override a flag in Redis; new decisions obey within flag_cache_s.
-
-    Setting free_path_enabled to true is refused unless the last hour of ledger windows is
-    clean (no killed rows, every window's tax within budget), or --force is given.
-    """
-    store = _flag_store(ctx)
-    why = reason or "(no reason given)"
-    try:
-        change = store.set(name, value, why, _actor(), time.time(), force=force)
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint="VALUE") from exc
-    except (LedgerUnavailable, FreePathLocked) as exc:
-        make_logger(store.settings, "flags").warning(
-            "flag_change_refused", name=name, value=value, reason=why, refusal=str(exc)
-        )
-        raise click.ClickException(str(exc)) from exc
-    make_logger(store.settings, "flags").info(
-        "flag_changed", name=name, value=change.value, reason=change.reason, actor=change.actor
-    )
-    click.echo(f"{name}={change.value} (reason: {change.reason})")
-
-
-@flags.command(name="unset")
-@click.argument("name", type=click.Choice(FLAG_NAMES))
-@click.option("--reason", default="", help="Why: written to the flag log and the log line.")
-@FORCE
-@click.pass_context
-def flags_unset(ctx: click.Context, name: str, reason: str, force: bool) -> None:
-    """Remove a flag's Redis override: the settings decide again."""
-    store = _flag_store(ctx)
-    why = reason or "(no reason given)"
-    try:
-        change = store.unset(name, why, _actor(), time.time(), force=force)
-    except (LedgerUnavailable, FreePathLocked) as exc:
-        make_logger(store.settings, "flags").warning(
-            "flag_change_refused", name=name, value=None, reason=why, refusal=str(exc)
-        )
-        raise click.ClickException(str(exc)) from exc
-    make_logger(store.settings, "flags").info(
-        "flag_changed", name=name, value=None, reason=change.reason, actor=change.actor
-    )
-    click.echo(f"{name} unset (reason: {change.reason})")
 
 
 def _window_option(value: str, now: float, window_seconds: int) -> int:
@@ -182,7 +91,7 @@ def ledger(ctx: click.Context, window: str, json_path: Path | None) -> None:  # 
     settings = settings_of(ctx)
     ident = _window_option(window, time.time(), settings.window_seconds)
     store = RunLedger(
-        _redis(ctx), Keys(settings.key_prefix, settings.namespace),
+        redis_client(ctx), Keys(settings.key_prefix, settings.namespace),
         window_seconds=settings.window_seconds,
         queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
     )  # fmt: skip
@@ -223,7 +132,7 @@ def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
     """Record runs whose worker vanished without any signal as killed."""
     settings = settings_of(ctx)
     store = RunLedger(
-        _redis(ctx), Keys(settings.key_prefix, settings.namespace),
+        redis_client(ctx), Keys(settings.key_prefix, settings.namespace),
         window_seconds=settings.window_seconds,
         queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
     )  # fmt: skip
@@ -276,7 +185,7 @@ def report(ctx: click.Context, since: str) -> None:  # fmt: skip
     )
     keys = Keys(settings.key_prefix, settings.namespace)
     try:
-        windows = _windows(_redis(ctx), keys, range(first, last + 1))
+        windows = _windows(redis_client(ctx), keys, range(first, last + 1))
     except redis.RedisError as exc:
         raise click.ClickException(f"cannot read the ledger windows: {exc}") from exc
     review = summarize_review(windows)
@@ -294,7 +203,7 @@ def report(ctx: click.Context, since: str) -> None:  # fmt: skip
 def status(ctx: click.Context) -> None:
     """Flags (who changed them, when, why), queue age and lengths, this window's budget."""
     settings = settings_of(ctx)
-    gate, broker = _redis(ctx), _redis(ctx, broker=True)
+    gate, broker = redis_client(ctx), redis_client(ctx, broker=True)
     keys = Keys(settings.key_prefix, settings.namespace)
     store = FlagStore(gate, settings, keys)
     now = time.time()
@@ -310,7 +219,7 @@ def status(ctx: click.Context) -> None:
     effective = combine(settings, stored)
     for name in FLAG_NAMES:
         source = "redis" if name in stored else "settings"
-        line = f"flag {name}={_show(getattr(effective, name))} ({source})"
+        line = f"flag {name}={show_value(getattr(effective, name))} ({source})"
         last = next((c for c in history if c.name == name), None)
         if last is not None:
             when = datetime.fromtimestamp(last.at, tz=timezone.utc).isoformat(timespec="seconds")
@@ -354,7 +263,7 @@ def status(ctx: click.Context) -> None:
 def replay(ctx: click.Context, once: bool) -> None:
     """Score deferred tasks again and hand them to free, reserved, defer or the dead letters."""
     settings = settings_of(ctx)
-    replayer = Replayer(settings, _redis(ctx, broker=True), _redis(ctx))
+    replayer = Replayer(settings, redis_client(ctx, broker=True), redis_client(ctx))
     stop = threading.Event()
 
     def on_signal(signum: int, _: Any) -> None:

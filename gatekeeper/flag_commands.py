@@ -1,0 +1,116 @@
+"""The on-call's flag commands: ``gatekeeper flags``, ``flags set``, ``flags unset``.
+
+Registered on the ``gatekeeper`` group by :mod:`gatekeeper.cli`. Every change is written to
+the flag log with its reason and actor, and logged; re-opening the free path needs a clean
+ledger hour or ``--force`` (:class:`gatekeeper.flags.FreePathLocked`).
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import time
+from datetime import datetime, timezone
+
+import click
+
+from gatekeeper.cli import main, settings_of
+from gatekeeper.errors import ConfigError, LedgerUnavailable
+from gatekeeper.flags import FLAG_NAMES, FlagStore, FreePathLocked, combine
+from gatekeeper.logs import make_logger
+from gatekeeper.oncall import redis_client, show_value
+
+__all__ = ["flags"]
+
+
+def _flag_store(ctx: click.Context) -> FlagStore:
+    return FlagStore(redis_client(ctx), settings_of(ctx))
+
+
+def _actor() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def flags(ctx: click.Context) -> None:
+    """Show the live flags: the settings, the Redis overrides, and what is in force."""
+    if ctx.invoked_subcommand is not None:
+        return
+    store = _flag_store(ctx)
+    try:
+        stored = store.stored()
+        history = store.history(limit=5)
+    except LedgerUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
+    effective = combine(store.settings, stored)
+    for name in FLAG_NAMES:
+        setting = getattr(store.settings, name)
+        now = show_value(getattr(effective, name))
+        click.echo(
+            f"{name}: effective={now} settings={show_value(setting)} redis={stored.get(name, '-')}"
+        )
+    for change in history:
+        when = datetime.fromtimestamp(change.at, tz=timezone.utc).isoformat(timespec="seconds")
+        value = "(unset)" if change.value is None else change.value
+        click.echo(f"changed {when} {change.name}={value} by {change.actor}: {change.reason}")
+
+
+FORCE = click.option(
+    "--force", is_flag=True, help="Re-open the free path without a clean ledger hour."
+)
+
+
+@flags.command(name="set")
+@click.argument("name", type=click.Choice(FLAG_NAMES))
+@click.argument("value")
+@click.option("--reason", default="", help="Why: written to the flag log and the log line.")
+@FORCE
+@click.pass_context
+def flags_set(ctx: click.Context, name: str, value: str, reason: str, force: bool) -> None:
+    """Override a flag in Redis; new decisions obey within flag_cache_s.
+
+    Setting free_path_enabled to true is refused unless the last hour of ledger windows is
+    clean (no killed rows, every window's tax within budget), or --force is given.
+    """
+    store = _flag_store(ctx)
+    why = reason or "(no reason given)"
+    try:
+        change = store.set(name, value, why, _actor(), time.time(), force=force)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="VALUE") from exc
+    except (LedgerUnavailable, FreePathLocked) as exc:
+        make_logger(store.settings, "flags").warning(
+            "flag_change_refused", name=name, value=value, reason=why, refusal=str(exc)
+        )
+        raise click.ClickException(str(exc)) from exc
+    make_logger(store.settings, "flags").info(
+        "flag_changed", name=name, value=change.value, reason=change.reason, actor=change.actor
+    )
+    click.echo(f"{name}={change.value} (reason: {change.reason})")
+
+
+@flags.command(name="unset")
+@click.argument("name", type=click.Choice(FLAG_NAMES))
+@click.option("--reason", default="", help="Why: written to the flag log and the log line.")
+@FORCE
+@click.pass_context
+def flags_unset(ctx: click.Context, name: str, reason: str, force: bool) -> None:
+    """Remove a flag's Redis override: the settings decide again."""
+    store = _flag_store(ctx)
+    why = reason or "(no reason given)"
+    try:
+        change = store.unset(name, why, _actor(), time.time(), force=force)
+    except (LedgerUnavailable, FreePathLocked) as exc:
+        make_logger(store.settings, "flags").warning(
+            "flag_change_refused", name=name, value=None, reason=why, refusal=str(exc)
+        )
+        raise click.ClickException(str(exc)) from exc
+    make_logger(store.settings, "flags").info(
+        "flag_changed", name=name, value=None, reason=change.reason, actor=change.actor
+    )
+    click.echo(f"{name} unset (reason: {change.reason})")
