@@ -30,9 +30,10 @@ def core_answer(
     tokens: int,
     budget: float,
     mode: BudgetMode,
+    delay: float = 0.0,
 ) -> tuple[str, str]:
     age = 0.0 if age_ms is None else age_ms / 1000
-    gate = decide(GateInputs(age, service, tax_s, slack, cap))
+    gate = decide(GateInputs(age, service, tax_s, slack, cap, delay))
     if gate.decision is not Decision.ADMIT_FREE:
         return gate.decision.value, gate.reason.value
     answer = admit(
@@ -59,6 +60,7 @@ def script_answer(
     tokens: int,
     budget: float,
     mode: BudgetMode,
+    delay: float = 0.0,
 ) -> tuple[str, str]:
     client.delete(KEYS.free_waiting, KEYS.window(WINDOW), KEYS.window_rows(WINDOW))
     if age_ms is not None:
@@ -79,6 +81,7 @@ def script_answer(
         queue_wait_unit_per_second=200,
         budget_mode=mode,
         deadline_slack_ms=0,
+        delay_s=delay,
     )
     return scored.decision.value, scored.reason.value
 
@@ -151,6 +154,7 @@ def test_script_and_core_agree_on_the_table(
     tokens=st.integers(min_value=0, max_value=5000),
     budget=st.floats(min_value=0, max_value=30_000),
     mode=st.sampled_from(BudgetMode),
+    delay=st.one_of(st.just(0.0), st.floats(min_value=0, max_value=120)),
 )
 def test_script_and_core_agree_on_generated_inputs(
     redis_client: redis.Redis,
@@ -164,8 +168,9 @@ def test_script_and_core_agree_on_generated_inputs(
     tokens: int,
     budget: float,
     mode: BudgetMode,
+    delay: float,
 ) -> None:
-    args = (age_ms, service, tax_s, slack, cap, tax_units, exposure, tokens, budget, mode)
+    args = (age_ms, service, tax_s, slack, cap, tax_units, exposure, tokens, budget, mode, delay)
     assert script_answer(redis_client, *args) == core_answer(*args)
 
 
