@@ -11,9 +11,10 @@ that drift on the machine (CPU frequency, other load) hits both paths alike. Bot
 warmed up first. Between phases, outside the timed sections, the broker lists (``celery``,
 ``free``) and the gate's waiting set are deleted so that nothing grows without bound.
 
-Without ``--redis-url`` two embedded ``redis-server`` processes are started: one is the broker,
-the other holds only the gate's state, so that the gate's server counts gate commands alone.
-With ``--redis-url`` that one Redis is both broker and gate. It must be a scratch Redis: the
+Without ``--redis-url`` one embedded ``redis-server`` is both broker and gate (the usual
+deployment, where fast publish decides and publishes in the one round trip); with
+``--separate-gate`` two are started, and the gate's server counts gate commands alone. With
+``--redis-url`` that one Redis is both broker and gate. It must be a scratch Redis: the
 bench deletes the ``celery`` and ``free`` lists and the gate's waiting set.
 
 How to read the output:
@@ -150,9 +151,9 @@ def install_probes(app: Celery, installed: gatekeeper.Installed) -> Probes:
     inner = installed.original_sender
     hook = app.amqp.send_task_message
 
-    def timed_route(publish: Any) -> Any:
+    def timed_route(publish: Any, render: Any = None) -> Any:
         start = clock()
-        routing = route(publish)
+        routing = route(publish, render)
         probes.route_ns.append(clock() - start)
         probes.reasons[routing.reason] += 1
         return routing
@@ -183,7 +184,7 @@ def round_sizes(n: int, rounds: int) -> list[int]:
 class Bench:
     """One Celery app with a plain and a gated task, the gate installed and probed."""
 
-    def __init__(self, broker_url: str, gate_url: str, separate: bool) -> None:
+    def __init__(self, broker_url: str, gate_url: str, separate: bool, fast: bool = True) -> None:
         self.separate = separate
         self.app = Celery("bench", broker=broker_url)
         self.app.conf.task_default_queue = "celery"
@@ -206,6 +207,7 @@ class Bench:
             queue_wait_unit_per_second=0,
             max_queue_age_s=1e9,
             log_format="kv",
+            fast_publish=fast,
         )
         # The decision logger binds sys.stderr when it is built: build it on /dev/null.
         self.devnull = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
@@ -340,10 +342,14 @@ def report(bench: Bench, phases: dict[str, Phase], n: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def redis_urls(url: str | None) -> Iterator[tuple[str, str, str]]:
-    """(broker URL, gate URL, description): two embedded servers, or ``url`` for both."""
+def redis_urls(url: str | None, separate: bool) -> Iterator[tuple[str, str, str]]:
+    """(broker URL, gate URL, description): ``url`` for both, else embedded server(s)."""
     if url:
         yield url, url, f"redis={url} (broker and gate)"
+        return
+    if not separate:
+        with EmbeddedRedis() as both:
+            yield both.url, both.url, f"redis=embedded :{both.port} (broker and gate)"
         return
     with EmbeddedRedis() as broker, EmbeddedRedis() as gate:
         yield broker.url, gate.url, f"redis=embedded broker :{broker.port}, gate :{gate.port}"
@@ -361,7 +367,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--redis-url",
         help="a scratch Redis used as broker and gate (its celery/free lists are deleted); "
-        "default: two embedded redis-server processes",
+        "default: one embedded redis-server for both",
+    )
+    parser.add_argument(
+        "--separate-gate",
+        action="store_true",
+        help="two embedded servers, broker and gate apart: the gate's round trip is then its "
+        "own (fast publish needs them on one server)",
+    )
+    parser.add_argument(
+        "--no-fast-publish",
+        action="store_true",
+        help="publish through Celery after the decision even when the broker is the gate's Redis",
     )
     parser.add_argument("-n", type=positive, default=5000, help="tasks per path (default 5000)")
     parser.add_argument("--rounds", type=positive, default=10, help="rounds (default 10)")
@@ -383,8 +400,10 @@ def main(argv: list[str] | None = None) -> int:
         f"celery={celery.__version__} gatekeeper={gatekeeper.__version__} cpus={os.cpu_count()}"
     )
     started = time.perf_counter()
-    with redis_urls(args.redis_url) as (broker_url, gate_url, where):
-        bench = Bench(broker_url, gate_url, separate=broker_url != gate_url)
+    with redis_urls(args.redis_url, args.separate_gate) as (broker_url, gate_url, where):
+        bench = Bench(
+            broker_url, gate_url, separate=broker_url != gate_url, fast=not args.no_fast_publish
+        )
         try:
             version = bench.gate.info("server")["redis_version"]
             print(f"{where} redis_version={version}")

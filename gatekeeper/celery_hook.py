@@ -29,9 +29,10 @@ import redis
 from celery import Celery
 
 from gatekeeper.errors import ConfigError, GatekeeperError
+from gatekeeper.fastpath import PLACEHOLDERS, Push, capture_message, same_server
 from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
 from gatekeeper.settings import GatekeeperSettings, load_settings
-from gatekeeper.spec import H_WINDOW, BadDeclaredInput, GatedSpec, spec_of
+from gatekeeper.spec import H_FREE_ADMITTED, H_WINDOW, BadDeclaredInput, GatedSpec, spec_of
 from gatekeeper.worker import WorkerSide
 
 __all__ = ["Installed", "check_celery_shape", "install"]
@@ -101,6 +102,7 @@ class Installed:
         self.worker = WorkerSide(app, settings, client, self.flags, clock)
         self.original_sender = check_celery_shape(app)
         self._specs: dict[str, tuple[GatedSpec | None, BadDeclaredInput | None]] = {}
+        self._fast: dict[int, bool] = {}
 
     def _spec(self, name: str) -> tuple[GatedSpec | None, BadDeclaredInput | None] | None:
         """The gated spec of a task by name; None when the task is not gated (or unknown)."""
@@ -115,6 +117,33 @@ class Installed:
                     return None
                 self._specs[name] = (spec, None)
         return self._specs[name]
+
+    def _renderer(
+        self, producer: Any, name: str, message: Any, options: dict[str, Any], extra: dict[str, Any]
+    ) -> Callable[[dict[str, Any]], Push | None] | None:
+        """The fast-publish renderer when the producer's broker is the gate's Redis, else None."""
+        if not self.settings.fast_publish:
+            return None
+        client = getattr(getattr(producer, "channel", None), "client", None)
+        if client is None:
+            return None
+        key = id(getattr(client, "connection_pool", client))
+        if key not in self._fast:
+            self._fast[key] = same_server(client, self.client)
+        if not self._fast[key]:
+            return None
+        queues = (self.settings.free_queue, self.settings.defer_queue, self.settings.reserved_queue)
+
+        def render(headers: dict[str, Any]) -> Push | None:
+            placeholders = dict(PLACEHOLDERS)
+            if headers.get(H_FREE_ADMITTED):
+                placeholders.pop(H_FREE_ADMITTED)  # an earlier attempt ran free: stays true
+            opts = {**options, "queue": queues[0], "exchange": None, "routing_key": None}
+            opts.pop("exchange_type", None)
+            opts["headers"] = {**extra, **headers, **placeholders}
+            return capture_message(self.original_sender, producer, (name, message), opts, queues)
+
+        return render
 
     def send_task_message(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
         """The wrapped sender: gated tasks are scored and re-addressed, others pass through."""
@@ -141,7 +170,10 @@ class Installed:
                 headers={**headers, **extra},
                 spec_error=spec_error,
             )
-            routing = self.pipeline.route(publish)
+            render = self._renderer(producer, name, message, options, extra)
+            routing = self.pipeline.route(publish, render)
+            if routing.published:
+                return None  # gate.lua pushed it with its decision (fast publish)
         except Exception as exc:  # never break the caller's publish; never route to free
             stub = publish or Publish(name, "unknown", 0, None, spec, {})
             routing = self.pipeline.fail_closed(stub, GATE_ERROR, f"{type(exc).__name__}: {exc}")

@@ -9,9 +9,10 @@ Every routed decision writes exactly one log line.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -19,6 +20,7 @@ import redis
 
 from gatekeeper.dwell import Decision, GateInputs, Reason, decide, retry_tax_s
 from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.fastpath import Push
 from gatekeeper.flags import FlagStore, in_canary
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import window_id
@@ -83,6 +85,8 @@ class Routing:
     decision: str
     reason: str
     headers: dict[str, Any] = field(default_factory=dict)
+    published: bool = False
+    """True when the gate script already pushed the message (fast publish)."""
 
 
 class Pipeline:
@@ -117,8 +121,14 @@ class Pipeline:
         flags = FlagStore(client, settings, keys)
         return cls(settings, store, flags, make_logger(settings, "decision"), clock)
 
-    def route(self, publish: Publish) -> Routing:
-        """Decide one publish; never raises for a bad input or an unreachable Redis."""
+    def route(
+        self, publish: Publish, render: Callable[[dict[str, Any]], Push | None] | None = None
+    ) -> Routing:
+        """Decide one publish; never raises for a bad input or an unreachable Redis.
+
+        ``render`` (fast publish) turns the headers into a message for the gate script to push
+        with its decision; it is called only when the decision needs the script.
+        """
         flags = self.flags.current()
         if not flags.dwell_gate_enabled:
             self.log.debug(
@@ -205,6 +215,7 @@ class Pipeline:
             self._count(win, guard.decision, guard.reason.value, fields)
             return self._finish(guard.decision, guard.reason.value, headers, fields)
 
+        push = render(headers) if render is not None else None
         try:
             scored = self.store.score(
                 now_s=now,
@@ -221,6 +232,7 @@ class Pipeline:
                 budget_mode=self.settings.budget_mode,
                 deadline_slack_ms=round(slack * 1000),
                 delay_s=delay,
+                push=push,
             )
         except LedgerUnavailable as exc:
             return self._finish(
@@ -234,7 +246,10 @@ class Pipeline:
             fields.update(
                 projected_tax=scored.projected_tax, budget_units=self.settings.budget_units
             )
-        return self._finish(scored.decision, scored.reason.value, headers, fields)
+        routing = self._finish(scored.decision, scored.reason.value, headers, fields)
+        if push is not None:
+            routing = replace(routing, published=True)
+        return routing
 
     def _count(self, win: int, decision: Decision, reason: str, fields: dict[str, Any]) -> None:
         """Count a decision made without the gate script (the script counts its own).
@@ -291,7 +306,9 @@ class Pipeline:
             **extra,
         }
         level = "warning" if reason in (GATE_UNAVAILABLE, GATE_ERROR, BAD_INPUT) else "info"
-        getattr(self.log, level)("gate_decision", **line)
+        # A closed or full log stream must not change where the task goes.
+        with contextlib.suppress(Exception):
+            getattr(self.log, level)("gate_decision", **line)
         return Routing(queue, decision.value, reason, headers)
 
 

@@ -19,6 +19,7 @@ from redis.exceptions import NoScriptError
 
 from gatekeeper.dwell import Decision, Reason
 from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.fastpath import Push
 from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, Keys
 from gatekeeper.ledger import BudgetMode
 from gatekeeper.review import DEFER_FIT, RESERVED_AGE_SHIFT
@@ -99,6 +100,7 @@ class GateStore:
         budget_mode: BudgetMode,
         deadline_slack_ms: int,
         delay_s: float = 0.0,
+        push: Push | None = None,
     ) -> ScoredAttempt:
         """Run the gate script: age cap, dwell against slack, then the budget, atomically."""
         keys = [
@@ -127,6 +129,9 @@ class GateStore:
             repr(float(delay_s)),
             str(window_id),
         ]
+        if push is not None:  # fast publish: the script pushes the decided message too
+            keys += list(push.lists)
+            args += [push.template, *push.queues]
         try:
             reply = evalsha(self.client, self._gate, keys, args)
         except redis.RedisError as exc:

@@ -60,3 +60,15 @@ def test_a_changed_sender_is_refused() -> None:
     app.amqp.send_task_message = lambda producer, message: None
     with pytest.raises(CeleryShapeError, match="changed shape"):
         check_celery_shape(app)
+
+
+def test_kombus_redis_channel_has_what_fast_publish_catches(redis_url: str) -> None:
+    app = Celery("g", broker=redis_url)
+    with app.producer_or_acquire() as producer:
+        channel = producer.channel
+        for name in ("_put", "_q_for_pri", "_get_message_priority"):
+            assert callable(getattr(channel, name)), name
+        params = list(inspect.signature(channel._put).parameters)
+        assert params[:2] == ["queue", "message"]
+        assert channel._q_for_pri("q", 0) == "q"
+        assert channel._q_for_pri("q", 5) == "q\x06\x163"

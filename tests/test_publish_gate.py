@@ -35,10 +35,11 @@ def only_message(client: redis.Redis, queue: str) -> dict[str, Any]:
     return message
 
 
+@pytest.mark.parametrize("fast_publish", [True, False])
 def test_admitted_task_lands_in_free_with_its_headers(
-    redis_url: str, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis, fast_publish: bool
 ) -> None:
-    app = make_app(redis_url)
+    app = make_app(redis_url, fast_publish=fast_publish)
     before = time.time()
     result = app.tasks["tests.embed"].apply_async((1,))
     assert lengths(redis_client) == {"free": 1, "defer": 0, "reserved": 0, "celery": 0}
@@ -80,10 +81,13 @@ def test_bad_service_guess_defers(redis_url: str, redis_client: redis.Redis) -> 
     )
 
 
+@pytest.mark.parametrize("fast_publish", [True, False])
 def test_budget_refusal_goes_to_reserved_with_a_rejected_row(
-    redis_url: str, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis, fast_publish: bool
 ) -> None:
-    app = make_app(redis_url, budget_units=250, queue_wait_unit_per_second=0)
+    app = make_app(
+        redis_url, budget_units=250, queue_wait_unit_per_second=0, fast_publish=fast_publish
+    )
     embed = app.tasks["tests.embed"]
     ids = [embed.delay(n).id for n in range(3)]  # 100 tokens each: two fit in 250
     assert lengths(redis_client)["free"] == 2
@@ -266,7 +270,8 @@ def test_a_freeze_in_redis_holds_for_a_publisher_with_a_cached_flag(
 def test_a_publish_the_broker_refuses_gives_back_what_the_gate_took(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
-    app = make_app(redis_url)
+    # The ordinary path: the gate admits, then Celery publishes (fast publish does both at once).
+    app = make_app(redis_url, fast_publish=False)
     gate = install(app)
 
     def broker_down(*args: Any, **kwargs: Any) -> None:
@@ -280,3 +285,35 @@ def test_a_publish_the_broker_refuses_gives_back_what_the_gate_took(
     assert redis_client.zcard(keys.free_waiting) == 0
     exposure = redis_client.hget(keys.window(window_id(time.time(), 900)), "exposure")
     assert float(exposure or 0) == 0
+
+
+def test_fast_publish_decides_and_publishes_in_one_round_trip(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    def reads() -> int:
+        return int(redis_client.info("stats")["total_reads_processed"])
+
+    plain, gated = make_app(redis_url), make_app(redis_url, flag_cache_s=60)
+    plain.tasks["tests.plain"].delay()  # connections, declarations and flags warm
+    gated.tasks["tests.embed"].delay(0)
+    base = reads()
+    plain.tasks["tests.plain"].delay()
+    plain_cost = reads() - base - 1  # the INFO that read the counter is one read
+    base = reads()
+    gated.tasks["tests.embed"].delay(1)
+    gated_cost = reads() - base - 1
+    assert gated_cost == plain_cost == 1
+    headers = queue_messages(redis_client, "free")[-1]["headers"]
+    assert (headers["gatekeeper_decision"], headers["gatekeeper_reason"]) == ("admit_free", "fits")
+    assert not any("__gk_" in str(value) for value in headers.values())
+
+
+def test_a_fast_publish_that_the_gate_defers_carries_no_placeholders(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url)
+    app.tasks["tests.embed"].apply_async((1,), headers={"gatekeeper_deadline_s": 1.5})
+    (message,) = queue_messages(redis_client, "reserved")
+    headers = message["headers"]
+    assert headers["gatekeeper_free_admitted"] is False and headers["gatekeeper_window"] is None
+    assert message["properties"]["delivery_info"]["routing_key"] == "reserved"

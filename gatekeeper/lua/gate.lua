@@ -12,6 +12,8 @@
 -- KEYS[4] inflight          hash: <job_id>:<attempt> -> "<tokens>|<window id>|<admitted ms>"
 -- KEYS[5] flags             hash: live flag overrides (free_path_enabled read here, so a
 --                           freeze in Redis holds for every publisher at once, cache or not)
+-- KEYS[6..8]                (fast publish only) the broker lists of the free, defer and
+--                           reserved queues: kombu's list names, on this same server
 --
 -- ARGV[1]  now_ms            the caller's clock (scripts never read the time)
 -- ARGV[2]  member            <job_id>:<attempt>
@@ -30,6 +32,12 @@
 -- ARGV[15] deadline_slack_ms
 -- ARGV[16] delay_s           seconds until a delayed (ETA/countdown) task is due; 0 if not
 -- ARGV[17] window_id         this window's id, kept with the attempt's exposure
+-- ARGV[18] message           (fast publish only) the kombu message, JSON, with placeholders
+--                            for what the decision decides (gatekeeper/fastpath.py)
+-- ARGV[19..21]               (fast publish only) the free, defer and reserved queue names
+--
+-- Fast publish: when the broker is this Redis, the decided message is pushed here, in the
+-- same step, so a gated publish costs the one round trip a plain publish costs.
 --
 -- A refused attempt appends its `rejected` row (the same JSON as LedgerRow.to_json(): no
 -- tokens, no wait charge), built here so that admissions pay nothing for it.
@@ -64,7 +72,26 @@ if oldest[2] then
   age = math.max(0, now - tonumber(oldest[2])) / 1000
 end
 
+local function push(decision, reason, dwell)
+  local index = ({admit_free = 0, defer = 1, reserved = 2})[decision]
+  local admitted = decision == 'admit_free'
+  local values = {
+    decision = '"' .. decision .. '"',
+    reason = '"' .. reason .. '"',
+    dwell = finite(dwell) and fmt(dwell) or 'null',
+    free = admitted and 'true' or 'false',
+    window = admitted and ARGV[17] or 'null',
+    queue = '"' .. ARGV[19 + index] .. '"',
+  }
+  -- One pass over the message: every "__gk_<name>__" placeholder gets its value.
+  local body = string.gsub(ARGV[18], '"__gk_(%a+)__"', values)
+  redis.call('LPUSH', KEYS[6 + index], body)
+end
+
 local function decided(decision, reason, dwell, projected)
+  if ARGV[18] and ARGV[18] ~= '' then
+    push(decision, reason, dwell)
+  end
   redis.call('HINCRBY', KEYS[2], 'decided:' .. decision .. ':' .. reason, 1)
   -- The review's marks (gatekeeper/review.py review_marks): only finite inputs get here.
   if finite(dwell) and finite(slack) and finite(service) and finite(tax) then
