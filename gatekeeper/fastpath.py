@@ -18,6 +18,7 @@ this path whatever the decision. ``fast_publish = false`` turns it off.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,9 @@ PLACEHOLDERS = {
 """Headers whose values ``gate.lua`` writes (placeholders are JSON strings it replaces)."""
 
 _SERVER_KEYS = ("host", "port", "db", "path", "username")
+_PLACEHOLDER = re.compile(r'"__gk_([a-z]+)__"')
+_ALLOWED = {"decision", "reason", "dwell", "free", "window", "queue"}
+_REQUIRED = _ALLOWED - {"free"}  # free is absent when an earlier attempt already ran free
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,11 @@ class Push:
     lists: tuple[str, str, str]
     """Broker lists for admit_free, defer, reserved (priority sub-lists where needed)."""
     queues: tuple[str, str, str]
+
+    @property
+    def pieces(self) -> list[str]:
+        """The template cut at its placeholders: text, name, text, ..., text (for gate.lua)."""
+        return _PLACEHOLDER.split(self.template)
 
 
 def same_server(broker: Any, gate: redis.Redis) -> bool:
@@ -101,4 +110,7 @@ def capture_message(
             headers.update(saved)
     if not caught:  # with the default exchange kombu always ends in _put
         raise RuntimeError("kombu published without its Redis channel's _put: fast path off")
+    names = caught[0].pieces[1::2]
+    if len(set(names)) != len(names) or not _REQUIRED <= set(names) <= _ALLOWED:
+        return None  # a header value that looks like a placeholder: take the ordinary path
     return caught[0]

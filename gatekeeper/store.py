@@ -131,7 +131,7 @@ class GateStore:
         ]
         if push is not None:  # fast publish: the script pushes the decided message too
             keys += list(push.lists)
-            args += [push.template, *push.queues]
+            args += [*push.queues, *push.pieces]
         try:
             reply = evalsha(self.client, self._gate, keys, args)
         except redis.RedisError as exc:

@@ -317,3 +317,12 @@ def test_a_fast_publish_that_the_gate_defers_carries_no_placeholders(
     headers = message["headers"]
     assert headers["gatekeeper_free_admitted"] is False and headers["gatekeeper_window"] is None
     assert message["properties"]["delivery_info"]["routing_key"] == "reserved"
+
+
+def test_a_header_that_looks_like_a_placeholder_takes_the_ordinary_path(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url)
+    app.tasks["tests.embed"].apply_async((1,), headers={"x_note": "__gk_queue__"})
+    headers = only_message(redis_client, "free")["headers"]
+    assert headers["x_note"] == "__gk_queue__" and headers["gatekeeper_decision"] == "admit_free"

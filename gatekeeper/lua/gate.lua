@@ -32,9 +32,11 @@
 -- ARGV[15] deadline_slack_ms
 -- ARGV[16] delay_s           seconds until a delayed (ETA/countdown) task is due; 0 if not
 -- ARGV[17] window_id         this window's id, kept with the attempt's exposure
--- ARGV[18] message           (fast publish only) the kombu message, JSON, with placeholders
---                            for what the decision decides (gatekeeper/fastpath.py)
--- ARGV[19..21]               (fast publish only) the free, defer and reserved queue names
+-- ARGV[18..20]              (fast publish only) the free, defer and reserved queue names
+-- ARGV[21..]                (fast publish only) the kombu message, JSON, cut at the values
+--                            the decision decides: text, name, text, name, ..., text
+--                            (gatekeeper/fastpath.py); the names are decision, reason,
+--                            dwell, free, window and queue
 --
 -- Fast publish: when the broker is this Redis, the decided message is pushed here, in the
 -- same step, so a gated publish costs the one round trip a plain publish costs.
@@ -81,15 +83,17 @@ local function push(decision, reason, dwell)
     dwell = finite(dwell) and fmt(dwell) or 'null',
     free = admitted and 'true' or 'false',
     window = admitted and ARGV[17] or 'null',
-    queue = '"' .. ARGV[19 + index] .. '"',
+    queue = '"' .. ARGV[18 + index] .. '"',
   }
-  -- One pass over the message: every "__gk_<name>__" placeholder gets its value.
-  local body = string.gsub(ARGV[18], '"__gk_(%a+)__"', values)
-  redis.call('LPUSH', KEYS[6 + index], body)
+  local out = {}
+  for i = 21, #ARGV do
+    if (i - 21) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
+  end
+  redis.call('LPUSH', KEYS[6 + index], table.concat(out))
 end
 
 local function decided(decision, reason, dwell, projected)
-  if ARGV[18] and ARGV[18] ~= '' then
+  if #ARGV >= 21 then
     push(decision, reason, dwell)
   end
   redis.call('HINCRBY', KEYS[2], 'decided:' .. decision .. ':' .. reason, 1)
