@@ -133,3 +133,9 @@ def test_drill_reads_the_workload_from_the_toml_file(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["--config", str(config), "drill", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[7].startswith("finished=3 killed_rows=0")
+
+
+def test_the_readme_shows_what_the_default_drill_prints() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    ((_, summary),) = run_ledger_drill(DrillSettings()).summaries
+    assert summary.line() in readme
