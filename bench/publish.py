@@ -12,7 +12,7 @@ warmed up first. Between phases, outside the timed sections, the broker lists (`
 ``free``) and the gate's waiting set are deleted so that nothing grows without bound.
 
 Without ``--redis-url`` one embedded ``redis-server`` is both broker and gate (the usual
-deployment, where fast publish decides and publishes in the one round trip); with
+deployment, where ``--fast-publish`` can decide and publish in the one round trip); with
 ``--separate-gate`` two are started, and the gate's server counts gate commands alone. With
 ``--redis-url`` that one Redis is both broker and gate. It must be a scratch Redis: the
 bench deletes the ``celery`` and ``free`` lists and the gate's waiting set.
@@ -376,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         "own (fast publish needs them on one server)",
     )
     parser.add_argument(
-        "--no-fast-publish",
+        "--fast-publish",
         action="store_true",
-        help="publish through Celery after the decision even when the broker is the gate's Redis",
+        help="turn on fast publish (experimental): the gate script pushes the message itself",
     )
     parser.add_argument("-n", type=positive, default=5000, help="tasks per path (default 5000)")
     parser.add_argument("--rounds", type=positive, default=10, help="rounds (default 10)")
@@ -401,9 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.perf_counter()
     with redis_urls(args.redis_url, args.separate_gate) as (broker_url, gate_url, where):
-        bench = Bench(
-            broker_url, gate_url, separate=broker_url != gate_url, fast=not args.no_fast_publish
-        )
+        bench = Bench(broker_url, gate_url, separate=broker_url != gate_url, fast=args.fast_publish)
         try:
             version = bench.gate.info("server")["redis_version"]
             print(f"{where} redis_version={version}")

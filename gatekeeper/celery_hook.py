@@ -29,7 +29,13 @@ import redis
 from celery import Celery
 
 from gatekeeper.errors import ConfigError, GatekeeperError
-from gatekeeper.fastpath import PLACEHOLDERS, Push, capture_message, same_server
+from gatekeeper.fastpath import (
+    PLACEHOLDERS,
+    Push,
+    capture_message,
+    fast_path_possible,
+    same_server,
+)
 from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
 from gatekeeper.settings import GatekeeperSettings, load_settings
 from gatekeeper.spec import H_FREE_ADMITTED, H_WINDOW, BadDeclaredInput, GatedSpec, spec_of
@@ -102,7 +108,7 @@ class Installed:
         self.worker = WorkerSide(app, settings, client, self.flags, clock)
         self.original_sender = check_celery_shape(app)
         self._specs: dict[str, tuple[GatedSpec | None, BadDeclaredInput | None]] = {}
-        self._fast: dict[int, bool] = {}
+        self._fast: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
     def _spec(self, name: str) -> tuple[GatedSpec | None, BadDeclaredInput | None] | None:
         """The gated spec of a task by name; None when the task is not gated (or unknown)."""
@@ -121,18 +127,22 @@ class Installed:
     def _renderer(
         self, producer: Any, name: str, message: Any, options: dict[str, Any], extra: dict[str, Any]
     ) -> Callable[[dict[str, Any]], Push | None] | None:
-        """The fast-publish renderer when the producer's broker is the gate's Redis, else None."""
+        """The fast-publish renderer when this publish can take it, else None."""
         if not self.settings.fast_publish:
             return None
-        client = getattr(getattr(producer, "channel", None), "client", None)
-        if client is None:
-            return None
-        key = id(getattr(client, "connection_pool", client))
-        if key not in self._fast:
-            self._fast[key] = same_server(client, self.client)
-        if not self._fast[key]:
-            return None
+        channel = getattr(producer, "channel", None)
         queues = (self.settings.free_queue, self.settings.defer_queue, self.settings.reserved_queue)
+        if not fast_path_possible(self.app, producer, channel, queues):
+            return None
+        client = getattr(channel, "client", None)
+        pool = getattr(client, "connection_pool", None)
+        if pool is None:
+            return None
+        if pool not in self._fast:
+            self._fast[pool] = same_server(client, self.client)
+        if not self._fast[pool]:
+            return None
+        job_id = str(message.headers.get("id"))
 
         def render(headers: dict[str, Any]) -> Push | None:
             placeholders = dict(PLACEHOLDERS)
@@ -141,7 +151,9 @@ class Installed:
             opts = {**options, "queue": queues[0], "exchange": None, "routing_key": None}
             opts.pop("exchange_type", None)
             opts["headers"] = {**extra, **headers, **placeholders}
-            return capture_message(self.original_sender, producer, (name, message), opts, queues)
+            return capture_message(
+                self.original_sender, producer, (name, message), opts, queues, job_id
+            )
 
         return render
 

@@ -9,11 +9,16 @@ queue's list in the same atomic step. What the decision decides (the queue in
 ``_free_admitted`` and ``_window`` headers) is left in the message as placeholders that the
 script fills in.
 
-This leans on kombu's virtual Redis channel (``_put``, ``_q_for_pri``,
-``_get_message_priority``): private API, covered by tests that fail if it changes. Anything
-unusual (another transport, another server, a fanout exchange) takes the ordinary path.
-Celery's ``before_task_publish`` and ``after_task_publish`` see the free queue's routing key on
-this path whatever the decision. ``fast_publish = false`` turns it off.
+Experimental and off by default (``fast_publish = true`` turns it on). It leans on kombu's
+virtual Redis channel (``_put``, ``_q_for_pri``, ``_get_message_priority``): private API,
+covered by tests that fail if it changes. It stands aside, and the ordinary path is taken,
+for: another transport or server (compared by the server's ``run_id`` and database), kombu's
+``global_keyprefix``, queues with an expiry or a non-direct exchange, and kombu publish
+batches. Known limits: Celery's ``before_task_publish``/``after_task_publish`` and the
+``task-sent`` event see the free queue whatever the decision, and fire twice when scoring
+fails and the task is then published the ordinary way; a script that ran but whose reply was
+lost is looked up (``fast:<job_id>:<attempt>``) before any fallback, so it is not published
+twice, unless Redis stays unreachable for that check too.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from kombu.utils.json import dumps
 
 from gatekeeper.spec import H_DECISION, H_DWELL_S, H_FREE_ADMITTED, H_REASON, H_WINDOW
 
-__all__ = ["PLACEHOLDERS", "Push", "capture_message", "same_server"]
+__all__ = ["PLACEHOLDERS", "Push", "capture_message", "fast_path_possible", "same_server"]
 
 QUEUE_PLACEHOLDER = "__gk_queue__"
 PLACEHOLDERS = {
@@ -40,7 +45,6 @@ PLACEHOLDERS = {
 }
 """Headers whose values ``gate.lua`` writes (placeholders are JSON strings it replaces)."""
 
-_SERVER_KEYS = ("host", "port", "db", "path", "username")
 _PLACEHOLDER = re.compile(r'"__gk_([a-z]+)__"')
 _ALLOWED = {"decision", "reason", "dwell", "free", "window", "queue"}
 _REQUIRED = _ALLOWED - {"free"}  # free is absent when an earlier attempt already ran free
@@ -62,13 +66,44 @@ class Push:
 
 
 def same_server(broker: Any, gate: redis.Redis) -> bool:
-    """Whether a kombu channel's Redis client talks to the gate's server and database."""
+    """Whether a kombu channel's Redis client talks to the gate's server and database.
+
+    Asked of the servers themselves (``run_id`` and the database number), once per pool:
+    host names, ports and Sentinel pools cannot fool it.
+    """
     try:
-        theirs = broker.connection_pool.connection_kwargs
-        ours = gate.connection_pool.connection_kwargs
-    except AttributeError:
+        theirs = broker.connection_pool.connection_kwargs.get("db", 0)
+        ours = gate.connection_pool.connection_kwargs.get("db", 0)
+        if int(theirs or 0) != int(ours or 0):
+            return False
+        return bool(broker.info("server")["run_id"] == gate.info("server")["run_id"])
+    except Exception:  # anything unexpected: the ordinary path
         return False
-    return all(theirs.get(key) == ours.get(key) for key in _SERVER_KEYS)
+
+
+def fast_path_possible(app: Any, producer: Any, channel: Any, queues: tuple[str, ...]) -> bool:
+    """The set-ups fast publish stands aside for (see the module docstring)."""
+    if channel is None or not all(
+        hasattr(channel, name) for name in ("_put", "_q_for_pri", "_get_message_priority")
+    ):
+        return False
+    if getattr(channel, "global_keyprefix", ""):
+        return False
+    expires = getattr(channel, "_expires", None) or {}
+    if any(queue in expires for queue in queues):
+        return False
+    batch = getattr(getattr(producer, "_batch_local", None), "current", None)
+    if batch is not None:
+        return False
+    declared = getattr(getattr(app, "amqp", None), "queues", {}) or {}
+    for queue in queues:
+        known = declared.get(queue) if hasattr(declared, "get") else None
+        exchange = getattr(known, "exchange", None)
+        if exchange is not None and getattr(exchange, "type", "direct") != "direct":
+            return False
+        if known is not None and getattr(known, "expires", None):
+            return False
+    return True
 
 
 def capture_message(
@@ -77,6 +112,7 @@ def capture_message(
     args: tuple[Any, ...],
     options: dict[str, Any],
     queues: tuple[str, str, str],
+    job_id: str,
 ) -> Push | None:
     """Run Celery's sender with kombu's final LPUSH caught; None if the channel is not one.
 
@@ -88,8 +124,14 @@ def capture_message(
     ):
         return None
     caught: list[Push] = []
+    previous = channel.__dict__.get("_put")
+    forward = previous or type(channel)._put.__get__(channel)
 
-    def catch(queue: str, message: dict[str, Any], **_: Any) -> None:
+    def catch(queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        if caught or str(message.get("headers", {}).get("id")) != job_id:
+            # Not ours (another publish on a shared channel): on its way, untouched.
+            forward(queue, message, **kwargs)
+            return
         # Serialized here, before the headers (shared with Celery's message) are put back.
         message["properties"]["delivery_info"]["routing_key"] = QUEUE_PLACEHOLDER
         priority = channel._get_message_priority(message, reverse=False)
@@ -102,7 +144,10 @@ def capture_message(
     try:
         sender(producer, *args, **options)
     finally:
-        del channel._put
+        if previous is None:
+            del channel._put
+        else:
+            channel._put = previous
         if saved is not None and isinstance(headers, dict):
             # Celery merged the placeholders into the message's own headers; put them back
             # so that a fallback publish carries none of them.

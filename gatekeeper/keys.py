@@ -33,6 +33,9 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     The window's ledger rows, one JSON object each, oldest first.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
     Marks an attempt whose ``abandoned`` row is written (the replayer writes it once).
+``gatekeeper:{default}:fast:<job_id>:<attempt>`` - string, TTL 1 day
+    (fast publish only) the decision of an attempt ``gate.lua`` pushed itself, so that a
+    retried or lost reply never publishes it twice.
 ``gatekeeper:{default}:stats`` - hash, no TTL
     Counters an operator should see in ``gatekeeper status``: ``reruns_after_row``, runs of
     an attempt that already had its row (a message the broker delivered again after it
@@ -88,6 +91,9 @@ class Keys:
     @property
     def inflight(self) -> str:
         return f"{self.base}:inflight"
+
+    def fast(self, job_id: str, attempt: int) -> str:
+        return f"{self.base}:fast:{job_id}:{attempt}"
 
     @property
     def stats(self) -> str:

@@ -235,6 +235,15 @@ class Pipeline:
                 push=push,
             )
         except LedgerUnavailable as exc:
+            if push is not None:  # the script may have run and pushed before the reply was lost
+                try:
+                    pushed = self.store.fast_decision(publish.job_id, publish.attempt)
+                except LedgerUnavailable:
+                    pushed = None
+                if pushed is not None:
+                    decided = Decision(pushed[0])
+                    routing = self._finish(decided, pushed[1], headers, fields, recovered=True)
+                    return replace(routing, published=True)
             return self._finish(
                 Decision.RESERVED, GATE_UNAVAILABLE, headers, fields, error=str(exc)
             )

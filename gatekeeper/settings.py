@@ -132,9 +132,10 @@ class GatekeeperSettings(BaseSettings):
     replay_poll_s: float = Field(0.5, gt=0, allow_inf_nan=False)
     """How long the replayer sleeps when nothing in ``defer`` is due."""
 
-    fast_publish: bool = True
-    """When the broker is the gate's Redis (same server and database), decide and publish in
-    one round trip (gatekeeper/fastpath.py); false: always publish through Celery."""
+    fast_publish: bool = False
+    """Experimental, off by default: when the broker is the gate's Redis (same server and
+    database), decide and publish in one round trip (gatekeeper/fastpath.py, which lists the
+    set-ups where it stands aside and its known limits)."""
 
     redis_timeout_s: float = Field(0.5, gt=0, le=30, allow_inf_nan=False)
     """Connect and read timeout of the gate's Redis client: past it a publish fails closed."""

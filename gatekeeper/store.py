@@ -130,7 +130,7 @@ class GateStore:
             str(window_id),
         ]
         if push is not None:  # fast publish: the script pushes the decided message too
-            keys += list(push.lists)
+            keys += [*push.lists, self.keys.fast(job_id, attempt)]
             args += [*push.queues, *push.pieces]
         try:
             reply = evalsha(self.client, self._gate, keys, args)
@@ -161,6 +161,17 @@ class GateStore:
             pipe.execute()
         except redis.RedisError:
             pass  # the decision stands; only the review loses one count
+
+    def fast_decision(self, job_id: str, attempt: int) -> tuple[str, str] | None:
+        """(decision, reason) of an attempt gate.lua already pushed itself, or None."""
+        try:
+            raw = self.client.get(self.keys.fast(job_id, attempt))
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot check the fast publish of {job_id}: {exc}") from exc
+        if raw is None:
+            return None
+        decision, _, reason = text_of(raw).partition("|")
+        return decision, reason
 
     def release(self, job_id: str, attempt: int, window_id: int) -> int:
         """Give back an admitted attempt's exposure (it will not run); returns the tokens."""

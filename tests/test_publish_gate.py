@@ -271,7 +271,7 @@ def test_a_publish_the_broker_refuses_gives_back_what_the_gate_took(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     # The ordinary path: the gate admits, then Celery publishes (fast publish does both at once).
-    app = make_app(redis_url, fast_publish=False)
+    app = make_app(redis_url)
     gate = install(app)
 
     def broker_down(*args: Any, **kwargs: Any) -> None:
@@ -293,7 +293,8 @@ def test_fast_publish_decides_and_publishes_in_one_round_trip(
     def reads() -> int:
         return int(redis_client.info("stats")["total_reads_processed"])
 
-    plain, gated = make_app(redis_url), make_app(redis_url, flag_cache_s=60)
+    plain = make_app(redis_url)
+    gated = make_app(redis_url, flag_cache_s=60, fast_publish=True)
     plain.tasks["tests.plain"].delay()  # connections, declarations and flags warm
     gated.tasks["tests.embed"].delay(0)
     base = reads()
@@ -311,7 +312,7 @@ def test_fast_publish_decides_and_publishes_in_one_round_trip(
 def test_a_fast_publish_that_the_gate_defers_carries_no_placeholders(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
-    app = make_app(redis_url)
+    app = make_app(redis_url, fast_publish=True)
     app.tasks["tests.embed"].apply_async((1,), headers={"gatekeeper_deadline_s": 1.5})
     (message,) = queue_messages(redis_client, "reserved")
     headers = message["headers"]
@@ -322,7 +323,7 @@ def test_a_fast_publish_that_the_gate_defers_carries_no_placeholders(
 def test_a_header_that_looks_like_a_placeholder_takes_the_ordinary_path(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
-    app = make_app(redis_url)
+    app = make_app(redis_url, fast_publish=True)
     app.tasks["tests.embed"].apply_async((1,), headers={"x_note": "__gk_queue__"})
     headers = only_message(redis_client, "free")["headers"]
     assert headers["x_note"] == "__gk_queue__" and headers["gatekeeper_decision"] == "admit_free"

@@ -14,6 +14,8 @@
 --                           freeze in Redis holds for every publisher at once, cache or not)
 -- KEYS[6..8]                (fast publish only) the broker lists of the free, defer and
 --                           reserved queues: kombu's list names, on this same server
+-- KEYS[9]                   (fast publish only) fast:<job_id>:<attempt>, the decision once
+--                           pushed: a re-run of this call (a retried request) pushes nothing
 --
 -- ARGV[1]  now_ms            the caller's clock (scripts never read the time)
 -- ARGV[2]  member            <job_id>:<attempt>
@@ -67,6 +69,14 @@ local horizon = tonumber(ARGV[11])
 local retention = tonumber(ARGV[12])
 local delay = tonumber(ARGV[16])
 
+if #ARGV >= 21 then
+  local done = redis.call('GET', KEYS[9])
+  if done then  -- this publish was already decided and pushed: say so, change nothing
+    local decision, reason = string.match(done, '^([^|]+)|(.+)$')
+    return {decision, reason, '0', 'nan', '0'}
+  end
+end
+
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. fmt(now - horizon))
 local age = 0
 local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
@@ -90,6 +100,7 @@ local function push(decision, reason, dwell)
     if (i - 21) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
   end
   redis.call('LPUSH', KEYS[6 + index], table.concat(out))
+  redis.call('SET', KEYS[9], decision .. '|' .. reason, 'EX', 86400)
 end
 
 local function decided(decision, reason, dwell, projected)

@@ -1,0 +1,93 @@
+"""Fast publish's guards: when it stands aside, and what it never does twice or swallows."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import redis
+from celery import Celery
+
+from gatekeeper.fastpath import Push, capture_message, fast_path_possible, same_server
+from gatekeeper.keys import Keys
+from gatekeeper.ledger import BudgetMode
+from gatekeeper.store import GateStore
+
+QUEUES = ("free", "defer", "reserved")
+
+
+def score(store: GateStore, push: Push | None) -> tuple[str, str]:
+    scored = store.score(
+        now_s=time.time(), window_id=1, job_id="job", attempt=1, expected_service_s=1,
+        retry_tax_s=0, deadline_slack_s=60, max_queue_age_s=30, tokens_in=1, budget_units=1e9,
+        queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE, deadline_slack_ms=0,
+        push=push,
+    )  # fmt: skip
+    return scored.decision.value, scored.reason.value
+
+
+def a_push() -> Push:
+    template = json.dumps(
+        {
+            "headers": {"id": "job", "d": "__gk_decision__", "r": "__gk_reason__",
+                        "w": "__gk_dwell__", "f": "__gk_free__", "n": "__gk_window__"},
+            "properties": {"delivery_info": {"routing_key": "__gk_queue__"}},
+        }
+    )  # fmt: skip
+    return Push(template, QUEUES, QUEUES)
+
+
+def test_a_retried_script_call_pushes_the_message_once(redis_client: redis.Redis) -> None:
+    store = GateStore(redis_client, Keys(), horizon_s=1e9)
+    push = a_push()
+    assert score(store, push) == ("admit_free", "fits")
+    assert score(store, push) == ("admit_free", "fits")  # the request, sent again
+    (raw,) = redis_client.lrange("free", 0, -1)
+    message = json.loads(raw)
+    assert message["headers"]["d"] == "admit_free" and message["headers"]["f"] is True
+    assert message["properties"]["delivery_info"]["routing_key"] == "free"
+    assert store.fast_decision("job", 1) == ("admit_free", "fits")
+    assert float(redis_client.hget(Keys().window(1), "exposure") or 0) == 1
+
+
+def test_capture_passes_on_other_publishes_on_a_shared_channel(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = Celery("shared", broker=redis_url)
+    with app.producer_or_acquire() as producer:
+        channel = producer.channel
+
+        def sender(producer: Any, *args: Any, **options: Any) -> None:
+            other = {"headers": {"id": "someone-else"}, "body": "x",
+                     "properties": {"priority": 0, "delivery_info": {}}}  # fmt: skip
+            placeholders = {k: f"__gk_{k}__" for k in ("decision", "reason", "dwell", "window")}
+            mine = {"headers": {"id": "mine", **placeholders}, "body": "y",
+                    "properties": {"priority": 0, "delivery_info": {}}}  # fmt: skip
+            channel._put("other", other)
+            channel._put("free", mine)
+
+        message = SimpleNamespace(headers={})
+        push = capture_message(sender, producer, ("t", message), {}, QUEUES, "mine")
+        assert "_put" not in vars(channel)  # put back as it was
+    assert push is not None and '"mine"' in push.template
+    assert redis_client.llen("other") == 1 and redis_client.llen("free") == 0
+
+
+def test_same_server_asks_the_servers(redis_url: str) -> None:
+    ours = redis.Redis.from_url(redis_url)
+    assert same_server(redis.Redis.from_url(redis_url), ours)
+    other_db = redis_url.rsplit("/", 1)[0] + "/1"
+    assert not same_server(redis.Redis.from_url(other_db), ours)
+    assert not same_server(object(), ours)
+
+
+def test_fast_publish_stands_aside_for_a_global_key_prefix(redis_url: str) -> None:
+    app = Celery("prefixed", broker=redis_url)
+    app.conf.broker_transport_options = {"global_keyprefix": "pfx:"}
+    with app.producer_or_acquire() as producer:
+        assert not fast_path_possible(app, producer, producer.channel, QUEUES)
+    plain = Celery("plain", broker=redis_url)
+    with plain.producer_or_acquire() as producer:
+        assert fast_path_possible(plain, producer, producer.channel, QUEUES)
