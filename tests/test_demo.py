@@ -41,3 +41,16 @@ def test_the_demo_runs_the_workload_to_its_summary_and_leaves_nothing_behind(
     run = document["run"]
     leftovers = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert run not in leftovers and str(REPO_ROOT) not in run
+
+
+def test_a_job_is_accounted_for_only_by_a_final_row() -> None:
+    from gatekeeper.demo import _finished
+
+    rows = [
+        {"job_id": "ok", "attempt": 1, "outcome": "ok"},
+        {"job_id": "retried", "attempt": 1, "outcome": "killed"},  # will retry: not final
+        {"job_id": "rejected", "attempt": 1, "outcome": "rejected"},  # then runs reserved
+        {"job_id": "dead", "attempt": 1, "outcome": "abandoned"},
+        {"job_id": "failed", "attempt": 2, "outcome": "killed"},  # no retry left (max 1)
+    ]
+    assert _finished(rows, max_retries=1) == {"ok", "dead", "failed"}
