@@ -23,6 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -85,6 +86,15 @@ def _client(settings: GatekeeperSettings) -> redis.Redis:
     )
 
 
+@dataclass(frozen=True)
+class _Gated:
+    """A gated task's spec (or why it is malformed) and its max_retries, cached by name."""
+
+    spec: GatedSpec | None
+    error: BadDeclaredInput | None
+    max_retries: int | None
+
+
 class Installed:
     """Gatekeeper installed on one Celery app: the wrapped sender and the worker hooks."""
 
@@ -107,22 +117,29 @@ class Installed:
         self.log = self.pipeline.log
         self.worker = WorkerSide(app, settings, client, self.flags, clock)
         self.original_sender = check_celery_shape(app)
-        self._specs: dict[str, tuple[GatedSpec | None, BadDeclaredInput | None]] = {}
+        self._specs: dict[str, _Gated | None] = {}
         self._fast: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
-    def _spec(self, name: str) -> tuple[GatedSpec | None, BadDeclaredInput | None] | None:
-        """The gated spec of a task by name; None when the task is not gated (or unknown)."""
-        if name not in self._specs:
-            task = self.app.tasks.get(name)
-            try:
-                spec = spec_of(task)
-            except BadDeclaredInput as exc:
-                self._specs[name] = (None, exc)
-            else:
-                if spec is None:
-                    return None
-                self._specs[name] = (spec, None)
-        return self._specs[name]
+    def _spec(self, name: str) -> _Gated | None:
+        """What the hook needs of a task by name, looked up once; None when it is not gated.
+
+        A name the app does not know (yet) is looked up again next time, so a task
+        registered after its first publish by name is still gated.
+        """
+        if name in self._specs:
+            return self._specs[name]
+        task = self.app.tasks.get(name)
+        if task is None:
+            return None
+        try:
+            spec, error = spec_of(task), None
+        except BadDeclaredInput as exc:
+            spec, error = None, exc
+        gated = None
+        if spec is not None or error is not None:
+            gated = _Gated(spec, error, getattr(task, "max_retries", None))
+        self._specs[name] = gated
+        return gated
 
     def _renderer(
         self, producer: Any, name: str, message: Any, options: dict[str, Any], extra: dict[str, Any]
@@ -165,29 +182,27 @@ class Installed:
             found = None
         if found is None:
             return self.original_sender(producer, name, message, **options)
-        spec, spec_error = found
         extra = dict(options.get("headers") or {})
         publish: Publish | None = None
         try:
             headers = message.headers
             job_id = str(headers["id"])
             retries = int(headers.get("retries") or 0)
-            task = self.app.tasks.get(name)
             publish = Publish(
                 task=name,
                 job_id=job_id,
                 retries=retries,
-                max_retries=getattr(task, "max_retries", None),
-                spec=spec,
+                max_retries=found.max_retries,
+                spec=found.spec,
                 headers={**headers, **extra},
-                spec_error=spec_error,
+                spec_error=found.error,
             )
             render = self._renderer(producer, name, message, options, extra)
             routing = self.pipeline.route(publish, render)
             if routing.published:
                 return None  # gate.lua pushed it with its decision (fast publish)
         except Exception as exc:  # never break the caller's publish; never route to free
-            stub = publish or Publish(name, "unknown", 0, None, spec, {})
+            stub = publish or Publish(name, "unknown", 0, None, found.spec, {})
             routing = self.pipeline.fail_closed(stub, GATE_ERROR, f"{type(exc).__name__}: {exc}")
         if routing.queue is not None:
             options["queue"] = routing.queue
