@@ -33,9 +33,9 @@ from gatekeeper.cli import main, settings_of
 from gatekeeper.embedded import EmbeddedRedis, EmbeddedRedisError
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import LedgerRow, Outcome, summarize, window_id
-from gatekeeper.review import summarize_review
+from gatekeeper.review import Review, summarize_review
 from gatekeeper.settings import GatekeeperSettings
-from gatekeeper.store import text_of
+from gatekeeper.store import GateStore
 
 __all__ = ["demo"]
 
@@ -88,20 +88,11 @@ def _spawn(name: str, module: str, env: dict[str, str], folder: Path) -> Child:
     return Child(name, process, log)
 
 
-def _rows(client: redis.Redis, keys: Keys, windows: range) -> list[dict[str, Any]]:
-    found: list[dict[str, Any]] = []
-    for ident in windows:
-        found += [json.loads(raw) for raw in client.lrange(keys.window_rows(ident), 0, -1)]
-    return found
-
-
-def _decisions(client: redis.Redis, keys: Keys, windows: range) -> Counter[str]:
+def _decisions(review: Review) -> Counter[str]:
+    """Decisions by kind (admit_free, defer, reserved) from the review's kind/reason counts."""
     counts: Counter[str] = Counter()
-    for ident in windows:
-        for key, value in client.hgetall(keys.window(ident)).items():
-            name = text_of(key)
-            if name.startswith("decided:"):
-                counts[name.split(":")[1]] += int(value)
+    for name, count in review.decisions.items():
+        counts[name.split("/")[0]] += count
     return counts
 
 
@@ -198,8 +189,7 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt
         children.append(_spawn("replayer", "workers.replayer", env, folder))
         for child in children[:2]:
             _wait_ready(child)
-        client = redis.Redis.from_url(url)
-        keys = Keys(settings.key_prefix, settings.namespace)
+        store = GateStore(redis.Redis.from_url(url), Keys(settings.key_prefix, settings.namespace))
         first_window = window_id(time.time(), settings.window_seconds)
         ids_file = folder / "published.txt"
         producer = _spawn(
@@ -216,7 +206,8 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt
         last_print = 0.0
         while True:
             windows = range(first_window, window_id(time.time(), settings.window_seconds) + 1)
-            rows = _rows(client, keys, windows)
+            rows = [row for w in windows for row in store.window_rows(w)]
+            review = summarize_review(store.windows(windows))
             if not ids and producer.process.poll() is not None:
                 if producer.process.returncode != 0:
                     raise click.ClickException(f"the producer failed:\n{producer.log.read_text()}")
@@ -224,7 +215,7 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt
             done = _finished(rows, settings.drill.max_retries) & (
                 ids or {r["job_id"] for r in rows}
             )
-            line = _progress(len(done), total, _decisions(client, keys, windows), rows)
+            line = _progress(len(done), total, _decisions(review), rows)
             if tty:
                 click.echo("\r" + line, nl=False)
             elif time.monotonic() - last_print > 5:
@@ -234,10 +225,6 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt
                 break
             time.sleep(0.3)
         click.echo("\r" + line if tty else line)
-        review = summarize_review(
-            {text_of(k): text_of(v) for k, v in client.hgetall(keys.window(w)).items()}
-            for w in windows
-        )
         summary = summarize([LedgerRow.from_json(row) for row in rows], settings.budget_units)
         out = out or Path(tempfile.gettempdir()) / f"gatekeeper-demo-ledger-{run_id}.json"
         out.write_text(json.dumps({"run": run_id, "summary": summary.line(), "rows": rows},

@@ -28,7 +28,7 @@ from gatekeeper.health import CleanHour, WindowHealth, clean_hour, hour_windows
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import window_id
 from gatekeeper.settings import GatekeeperSettings
-from gatekeeper.store import text_of
+from gatekeeper.store import read_windows, text_of
 
 __all__ = [
     "FLAG_NAMES",
@@ -194,16 +194,9 @@ class FlagStore:
         """Whether the last hour of ledger windows (ending in the one ``now`` is in) is clean."""
         current = window_id(now, self.settings.window_seconds)
         ids = list(hour_windows(current, self.settings.window_seconds))
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for ident in ids:
-                pipe.hgetall(self.keys.window(ident))
-            raw = pipe.execute()
-        except redis.RedisError as exc:
-            raise LedgerUnavailable(f"cannot read the ledger windows: {exc}") from exc
+        found = read_windows(self.client, self.keys, ids)
         windows = [
-            WindowHealth.from_hash(ident, {text_of(k): text_of(v) for k, v in fields.items()})
-            for ident, fields in zip(ids, raw, strict=True)
+            WindowHealth.from_hash(ident, fields) for ident, fields in zip(ids, found, strict=True)
         ]
         return clean_hour(windows, self.settings.budget_units)
 

@@ -32,7 +32,7 @@ from gatekeeper.replay import PRIORITY_STEPS, Replayer, queue_list
 from gatekeeper.review import summarize_review
 from gatekeeper.runs import RunLedger
 from gatekeeper.runs import sweep as sweep_runs
-from gatekeeper.store import GateStore, text_of
+from gatekeeper.store import GateStore, read_windows, text_of
 
 __all__ = ["ledger", "redis_client", "replay", "report", "show_value", "status", "sweep"]
 
@@ -90,11 +90,7 @@ def ledger(ctx: click.Context, window: str, json_path: Path | None) -> None:  # 
     """Print a window's summary line and write its rows as JSON."""
     settings = settings_of(ctx)
     ident = _window_option(window, time.time(), settings.window_seconds)
-    store = RunLedger(
-        redis_client(ctx), Keys(settings.key_prefix, settings.namespace),
-        window_seconds=settings.window_seconds,
-        queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
-    )  # fmt: skip
+    store = GateStore(redis_client(ctx), Keys(settings.key_prefix, settings.namespace))
     try:
         rows = store.window_rows(ident)
     except LedgerUnavailable as exc:
@@ -159,16 +155,6 @@ def _since(value: str) -> float:
     return float(match.group(1)) * unit
 
 
-def _windows(client: redis.Redis, keys: Keys, ids: range) -> list[dict[str, str]]:
-    found: list[dict[str, str]] = []
-    pipe = client.pipeline(transaction=False)
-    for ident in ids:
-        pipe.hgetall(keys.window(ident))
-    for raw in pipe.execute():
-        found.append({text_of(k): text_of(v) for k, v in raw.items()})
-    return found
-
-
 @main.command()
 @click.option(
     "--since", "since", default="7d", show_default=True, help="How far back: 7d, 24h, 90m, 900s."
@@ -185,9 +171,9 @@ def report(ctx: click.Context, since: str) -> None:  # fmt: skip
     )
     keys = Keys(settings.key_prefix, settings.namespace)
     try:
-        windows = _windows(redis_client(ctx), keys, range(first, last + 1))
-    except redis.RedisError as exc:
-        raise click.ClickException(f"cannot read the ledger windows: {exc}") from exc
+        windows = read_windows(redis_client(ctx), keys, range(first, last + 1))
+    except LedgerUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
     review = summarize_review(windows)
     start = datetime.fromtimestamp(first * settings.window_seconds, tz=timezone.utc)
     click.echo(
@@ -213,7 +199,7 @@ def status(ctx: click.Context) -> None:
         oldest = gate.zrange(keys.free_waiting, 0, 0, withscores=True)
         waiting = gate.zcard(keys.free_waiting)
         current = window_id(now, settings.window_seconds)
-        (window,) = _windows(gate, keys, range(current, current + 1))
+        (window,) = read_windows(gate, keys, range(current, current + 1))
     except (redis.RedisError, LedgerUnavailable) as exc:
         raise click.ClickException(f"cannot read the gate's Redis: {exc}") from exc
     effective = combine(settings, stored)

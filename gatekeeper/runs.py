@@ -223,14 +223,6 @@ class RunLedger:
             raise LedgerUnavailable(f"cannot write the abandoned row: {exc}") from exc
         return Finished(bool(written), int(misses), int(admitted))
 
-    def window_rows(self, window: int) -> list[dict[str, Any]]:
-        """A window's rows as stored, oldest first."""
-        try:
-            raw = self.client.lrange(self.keys.window_rows(window), 0, -1)
-        except redis.RedisError as exc:
-            raise LedgerUnavailable(f"cannot read window {window}: {exc}") from exc
-        return [json.loads(text_of(item)) for item in raw]
-
     def stale(self, now_ms: int, older_than_s: float) -> list[tuple[str, int]]:
         """Attempts started more than ``older_than_s`` ago that still have no row."""
         try:

@@ -7,7 +7,7 @@ which the publish hook turns into a fail-closed route to reserved.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -30,6 +30,7 @@ __all__ = [
     "ScoredAttempt",
     "evalsha",
     "load_lua",
+    "read_windows",
     "text_of",
 ]
 
@@ -189,7 +190,7 @@ class GateStore:
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot update the free queue's waiting set: {exc}") from exc
 
-    def window_rows(self, window_id: int) -> list[dict[str, object]]:
+    def window_rows(self, window_id: int) -> list[dict[str, Any]]:
         """The rows stored for one window, oldest first."""
         try:
             raw = self.client.lrange(self.keys.window_rows(window_id), 0, -1)
@@ -197,13 +198,21 @@ class GateStore:
             raise LedgerUnavailable(f"cannot read window {window_id}: {exc}") from exc
         return [json.loads(text_of(item)) for item in raw]
 
-    def window_state(self, window_id: int) -> dict[str, str]:
-        """The window hash as text (``tax_units``, ``exposure``, counters)."""
-        try:
-            raw = self.client.hgetall(self.keys.window(window_id))
-        except redis.RedisError as exc:
-            raise LedgerUnavailable(f"cannot read window {window_id}: {exc}") from exc
-        return {text_of(k): text_of(v) for k, v in raw.items()}
+    def windows(self, ids: Iterable[int]) -> list[dict[str, str]]:
+        """The window hashes as text (``tax_units``, ``exposure``, counters), one round trip."""
+        return read_windows(self.client, self.keys, ids)
+
+
+def read_windows(client: redis.Redis, keys: Keys, ids: Iterable[int]) -> list[dict[str, str]]:
+    """Window hashes as text, in the order of ``ids``, in one pipelined round trip."""
+    try:
+        pipe = client.pipeline(transaction=False)
+        for ident in ids:
+            pipe.hgetall(keys.window(ident))
+        raw = pipe.execute()
+    except redis.RedisError as exc:
+        raise LedgerUnavailable(f"cannot read the ledger windows: {exc}") from exc
+    return [{text_of(k): text_of(v) for k, v in fields.items()} for fields in raw]
 
 
 def text_of(value: bytes | str | int | float) -> str:

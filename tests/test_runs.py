@@ -13,6 +13,7 @@ from gatekeeper.cli import main
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import Outcome, window_id
 from gatekeeper.runs import RunLedger, RunRecord, sweep
+from gatekeeper.store import GateStore
 
 KEYS = Keys()
 T0_MS = 1_800_000_000_000
@@ -67,7 +68,7 @@ def test_a_second_finish_of_the_same_run_writes_nothing(redis_client: redis.Redi
     row = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200)
     assert runs.finish(row, 1, rec, T0_MS + 200).written
     assert not runs.finish(row, 1, rec, T0_MS + 300).written
-    assert len(runs.window_rows(window_id(T0_MS / 1000, 900))) == 1
+    assert len(GateStore(redis_client, KEYS).window_rows(window_id(T0_MS / 1000, 900))) == 1
     state = window_hash(redis_client, T0_MS)
     assert float(state[b"exposure"]) == 0 and float(state[b"tax_units"]) == 1220
 
@@ -135,8 +136,6 @@ def test_ledger_command_names_a_bad_window(redis_url: str, monkeypatch: pytest.M
 def test_sweep_gives_back_the_exposure_of_an_admission_that_never_started(
     redis_client: redis.Redis,
 ) -> None:
-    from gatekeeper.store import GateStore
-
     window = window_id(T0_MS / 1000, 900)
     redis_client.hset(KEYS.inflight, "lost:1", f"1200|{window}|{T0_MS}")
     redis_client.hset(KEYS.window(window), "exposure", 1200)
