@@ -127,11 +127,7 @@ def ledger(ctx: click.Context, window: str, json_path: Path | None) -> None:  # 
 def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
     """Record runs whose worker vanished without any signal as killed."""
     settings = settings_of(ctx)
-    store = RunLedger(
-        redis_client(ctx), Keys(settings.key_prefix, settings.namespace),
-        window_seconds=settings.window_seconds,
-        queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
-    )  # fmt: skip
+    store = RunLedger.from_settings(redis_client(ctx), settings)
     limit = settings.stale_attempt_s if older_than_s is None else older_than_s
     try:
         gate_store = GateStore(store.client, store.keys)

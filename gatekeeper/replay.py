@@ -89,12 +89,7 @@ class Replayer:
         self.broker = broker
         self.clock = clock
         self.pipeline = Pipeline.create(settings, gate, clock)
-        self.runs = RunLedger(
-            gate,
-            self.pipeline.store.keys,
-            window_seconds=settings.window_seconds,
-            queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
-        )
+        self.runs = RunLedger.from_settings(gate, settings)
         self.log = make_logger(settings, "replay")
         self.alerts = make_logger(settings, "alert")
         self.defer = settings.defer_queue

@@ -18,6 +18,7 @@ import redis
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, RUN_RETENTION_S, Keys
 from gatekeeper.ledger import LedgerRow, Outcome, Path, make_row, window_id
+from gatekeeper.settings import GatekeeperSettings
 from gatekeeper.store import GateStore, evalsha, load_lua, text_of
 
 __all__ = ["Finished", "RunLedger", "RunRecord", "Started", "sweep"]
@@ -108,6 +109,16 @@ class RunLedger:
         self._start = client.register_script(load_lua("start.lua"))
         self._finish = client.register_script(load_lua("finish.lua"))
         self._abandon = client.register_script(load_lua("abandon.lua"))
+
+    @classmethod
+    def from_settings(cls, client: redis.Redis, settings: GatekeeperSettings) -> RunLedger:
+        """A run ledger for the settings' namespace, window width and wait weight."""
+        return cls(
+            client,
+            Keys(settings.key_prefix, settings.namespace),
+            window_seconds=settings.window_seconds,
+            queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
+        )
 
     def start(self, job_id: str, attempt: int, record: RunRecord, now_ms: int) -> Started:
         """Record that a run began; returns its run number and any dead run it reveals."""

@@ -155,12 +155,7 @@ class WorkerSide:
         self.settings = settings
         self.flags = flags
         self.clock = clock
-        self.runs = RunLedger(
-            client,
-            Keys(settings.key_prefix, settings.namespace),
-            window_seconds=settings.window_seconds,
-            queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
-        )
+        self.runs = RunLedger.from_settings(client, settings)
         self.store = GateStore(client, Keys(settings.key_prefix, settings.namespace))
         self.log = make_logger(settings, "worker")
         self.alerts = make_logger(settings, "alert")
