@@ -18,6 +18,7 @@ wrapper publishes to the queue by name on the default exchange: ``exchange`` and
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
@@ -28,6 +29,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from kombu.utils.uuid import uuid
 
 from gatekeeper.errors import ConfigError, GatekeeperError
 from gatekeeper.fastpath import (
@@ -37,7 +39,7 @@ from gatekeeper.fastpath import (
     fast_path_possible,
     same_server,
 )
-from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
+from gatekeeper.pipeline import GATE_ERROR, Begun, Pipeline, Publish
 from gatekeeper.settings import GatekeeperSettings, load_settings
 from gatekeeper.spec import H_FREE_ADMITTED, H_WINDOW, BadDeclaredInput, GatedSpec, spec_of
 from gatekeeper.worker import WorkerSide
@@ -46,6 +48,8 @@ __all__ = ["Installed", "check_celery_shape", "install"]
 
 SENDER_PARAMETERS = ("producer", "name", "message", "exchange", "routing_key", "queue", "headers")
 """Parameters of Celery's task sender that the wrapper relies on, in this order."""
+SEND_TASK_PARAMETERS = ("name", "args", "kwargs", "countdown", "eta", "task_id")
+"""The leading parameters of ``Celery.send_task`` that the early start relies on."""
 
 _installed: weakref.WeakKeyDictionary[Any, Installed] = weakref.WeakKeyDictionary()
 _install_lock = threading.Lock()
@@ -70,6 +74,20 @@ def check_celery_shape(app: Celery) -> Callable[..., Any]:
     ] != list(SENDER_PARAMETERS[:3]):
         raise CeleryShapeError(f"celery's task sender changed shape: parameters {params}")
     return sender
+
+
+def check_send_task_shape(app: Celery) -> Callable[..., Any]:
+    """Return ``app.send_task`` after checking the parameters the early start reads."""
+    send_task: Callable[..., Any] = app.send_task
+    params = inspect.signature(send_task).parameters
+    kinds = {p.kind for p in params.values()}
+    if (
+        tuple(params)[: len(SEND_TASK_PARAMETERS)] != SEND_TASK_PARAMETERS
+        or "retries" not in params
+        or inspect.Parameter.VAR_KEYWORD not in kinds
+    ):
+        raise CeleryShapeError(f"celery's send_task changed shape: parameters {list(params)}")
+    return send_task
 
 
 def _client(settings: GatekeeperSettings) -> redis.Redis:
@@ -117,6 +135,8 @@ class Installed:
         self.log = self.pipeline.log
         self.worker = WorkerSide(app, settings, client, self.flags, clock)
         self.original_sender = check_celery_shape(app)
+        self.original_send_task = check_send_task_shape(app)
+        self._started = threading.local()
         self._specs: dict[str, _Gated | None] = {}
         self._fast: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
@@ -174,6 +194,82 @@ class Installed:
 
         return render
 
+    def _started_decisions(self) -> dict[str, Begun]:
+        started: dict[str, Begun] | None = getattr(self._started, "by_id", None)
+        if started is None:
+            started = self._started.by_id = {}
+        return started
+
+    def send_task(self, name: str, *args: Any, **options: Any) -> Any:
+        """The wrapped ``app.send_task``: starts a gated task's decision before Celery builds it.
+
+        The gate script is sent here, with the task id fixed early (Celery would draw the same
+        kind of uuid itself a moment later), and its reply is read in :meth:`send_task_message`
+        after Celery has routed and built the message: the round trip runs while Celery works
+        instead of after it. Publishes that do not come through here (or with fast publish on,
+        which needs the built message) are decided in :meth:`send_task_message` as before.
+        """
+        original = self.original_send_task
+        if len(args) > 4 or self.settings.fast_publish:  # task_id passed by position: rare
+            return original(name, *args, **options)
+        try:
+            found = self._spec(name)
+        except Exception:
+            found = None
+        if found is None:
+            return original(name, *args, **options)
+        try:
+            task_id = str(options.get("task_id") or uuid())
+            countdown = args[2] if len(args) > 2 else options.get("countdown")
+            eta = args[3] if len(args) > 3 else options.get("eta")
+            headers = dict(options.get("headers") or {})
+            delay = max(0.0, float(countdown)) if countdown else None
+            if delay is None and eta:
+                headers["eta"] = eta if isinstance(eta, str) else eta.isoformat()
+            publish = Publish(
+                task=name,
+                job_id=task_id,
+                retries=int(options.get("retries") or 0),
+                max_retries=found.max_retries,
+                spec=found.spec,
+                headers=headers,
+                spec_error=found.error,
+                delay_s=delay,
+            )
+            begun = self.pipeline.begin(publish)
+        except Exception:  # decided in send_task_message instead, where faults fail closed
+            return original(name, *args, **options)
+        options["task_id"] = task_id
+        started = self._started_decisions()
+        started[task_id] = begun
+        try:
+            return original(name, *args, **options)
+        except BaseException as exc:
+            left = started.pop(task_id, None)
+            if left is not None:
+                self._abandon(left, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            left = started.pop(task_id, None)
+            if left is not None:
+                self._abandon(left, "celery returned without sending the message")
+
+    def _abandon(self, begun: Begun, error: str) -> None:
+        """A decision started for a message that was never sent: finish it, give back its hold."""
+        with contextlib.suppress(Exception):
+            routing = self.pipeline.complete(begun)
+            publish = begun.publish
+            self.log.warning(
+                "publish_abandoned",
+                task=publish.task,
+                job_id=publish.job_id,
+                attempt=publish.attempt,
+                decision=routing.decision,
+                error=error,
+            )
+            if routing.decision == "admit_free":
+                self.store.release(publish.job_id, publish.attempt, int(begun.win))
+
     def send_task_message(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
         """The wrapped sender: gated tasks are scored and re-addressed, others pass through."""
         try:
@@ -187,18 +283,24 @@ class Installed:
         try:
             headers = message.headers
             job_id = str(headers["id"])
-            retries = int(headers.get("retries") or 0)
-            publish = Publish(
-                task=name,
-                job_id=job_id,
-                retries=retries,
-                max_retries=found.max_retries,
-                spec=found.spec,
-                headers={**headers, **extra},
-                spec_error=found.error,
-            )
-            render = self._renderer(producer, name, message, options, extra)
-            routing = self.pipeline.route(publish, render)
+            started = getattr(self._started, "by_id", None)
+            begun = started.pop(job_id, None) if started else None
+            if begun is not None and begun.publish.task == name:
+                publish = begun.publish
+                routing = self.pipeline.complete(begun)
+            else:
+                retries = int(headers.get("retries") or 0)
+                publish = Publish(
+                    task=name,
+                    job_id=job_id,
+                    retries=retries,
+                    max_retries=found.max_retries,
+                    spec=found.spec,
+                    headers={**headers, **extra},
+                    spec_error=found.error,
+                )
+                render = self._renderer(producer, name, message, options, extra)
+                routing = self.pipeline.route(publish, render)
             if routing.published:
                 return None  # gate.lua pushed it with its decision (fast publish)
         except Exception as exc:  # never break the caller's publish; never route to free
@@ -252,6 +354,7 @@ def install(
                 )
         gate = Installed(app, settings, client or _client(settings), clock)
         app.amqp.send_task_message = gate.send_task_message
+        app.send_task = gate.send_task
         gate.worker.connect()
         _installed[app] = gate
         return gate

@@ -45,9 +45,9 @@ from gatekeeper.spec import (
     GatedSpec,
     resolve_inputs,
 )
-from gatekeeper.store import GateStore
+from gatekeeper.store import GateStore, PendingScore
 
-__all__ = ["GATE_UNAVAILABLE", "Pipeline", "Publish", "Routing"]
+__all__ = ["GATE_UNAVAILABLE", "Begun", "Pipeline", "Publish", "Routing"]
 
 GATE_UNAVAILABLE = "gate_unavailable"
 GATE_ERROR = "gate_error"
@@ -71,6 +71,9 @@ class Publish:
     spec_error: BadDeclaredInput | None = None
     origin: str = "publish"
     """``publish`` (the hook) or ``replay`` (the replayer re-scoring a deferred task)."""
+    delay_s: float | None = None
+    """Seconds until a delayed task is due, when known before the message exists; else the
+    ``eta`` header says."""
 
     @property
     def attempt(self) -> int:
@@ -87,6 +90,21 @@ class Routing:
     headers: dict[str, Any] = field(default_factory=dict)
     published: bool = False
     """True when the gate script already pushed the message (fast publish)."""
+
+
+@dataclass
+class Begun:
+    """A decision :meth:`Pipeline.begin` started: final already, or awaiting the gate script."""
+
+    publish: Publish
+    routing: Routing | None
+    """The final routing when no script was needed; None while ``pending``."""
+    pending: PendingScore | None = None
+    headers: dict[str, Any] = field(default_factory=dict)
+    fields: dict[str, Any] = field(default_factory=dict)
+    win: int = 0
+    pushed: bool = False
+    """The script was asked to push the message too (fast publish)."""
 
 
 class Pipeline:
@@ -129,17 +147,28 @@ class Pipeline:
         ``render`` (fast publish) turns the headers into a message for the gate script to push
         with its decision; it is called only when the decision needs the script.
         """
+        return self.complete(self.begin(publish, render))
+
+    def begin(
+        self, publish: Publish, render: Callable[[dict[str, Any]], Push | None] | None = None
+    ) -> Begun:
+        """Start deciding one publish: everything up to sending the gate script.
+
+        Decisions that need no script are final here (and logged); the others wait in the
+        returned :class:`Begun` until :meth:`complete` reads the script's reply, so the round
+        trip can overlap the caller's own work. Never raises for a bad input or a Redis fault.
+        """
         flags = self.flags.current()
         if not flags.dwell_gate_enabled:
             self.log.debug(
                 "gate_skipped", task=publish.task, job_id=publish.job_id, reason=GATE_DISABLED
             )
-            return Routing(None, "untouched", GATE_DISABLED)
+            return Begun(publish, Routing(None, "untouched", GATE_DISABLED))
         if not in_canary(publish.job_id, flags.canary_percent):
             self.log.debug(
                 "gate_skipped", task=publish.task, job_id=publish.job_id, reason=OUTSIDE_CANARY
             )
-            return Routing(None, "untouched", OUTSIDE_CANARY)
+            return Begun(publish, Routing(None, "untouched", OUTSIDE_CANARY))
 
         now = self.clock()
         fields: dict[str, Any] = {
@@ -169,11 +198,16 @@ class Pipeline:
                 stamp[H_DEADLINE_AT] = publish.headers[H_DEADLINE_AT]
             self._count(window_id(now, self.settings.window_seconds), Decision.RESERVED,
                         BAD_INPUT, fields)  # fmt: skip
-            return self._finish(
-                Decision.RESERVED, BAD_INPUT, stamp, fields, error=str(exc), field=exc.field
+            return Begun(
+                publish,
+                self._finish(
+                    Decision.RESERVED, BAD_INPUT, stamp, fields, error=str(exc), field=exc.field
+                ),
             )
 
-        delay = _delay_s(publish.headers.get("eta"), now)
+        delay = publish.delay_s
+        if delay is None:
+            delay = _delay_s(publish.headers.get("eta"), now)
         left = 0 if publish.max_retries is None else publish.max_retries - publish.retries
         tax_s = retry_tax_s(left, inputs.expected_service_s)
         slack = inputs.deadline_at - now
@@ -205,7 +239,9 @@ class Pipeline:
             headers[H_FREE_ADMITTED] = True
         if not flags.free_path_enabled:
             self._count(win, Decision.RESERVED, FREE_PATH_DISABLED, fields)
-            return self._finish(Decision.RESERVED, FREE_PATH_DISABLED, headers, fields)
+            return Begun(
+                publish, self._finish(Decision.RESERVED, FREE_PATH_DISABLED, headers, fields)
+            )
 
         # Rule 1 needs no Redis: a guard that fires here never costs a round trip.
         cap = self.settings.max_queue_age_s
@@ -213,29 +249,38 @@ class Pipeline:
         if guard.decision is Decision.DEFER:
             fields.update(queue_age_s=0.0, dwell_s=guard.dwell_s, field=guard.field)
             self._count(win, guard.decision, guard.reason.value, fields)
-            return self._finish(guard.decision, guard.reason.value, headers, fields)
+            return Begun(publish, self._finish(guard.decision, guard.reason.value, headers, fields))
 
         push = render(headers) if render is not None else None
+        pending = self.store.start_score(
+            now_s=now,
+            window_id=win,
+            job_id=publish.job_id,
+            attempt=publish.attempt,
+            expected_service_s=inputs.expected_service_s,
+            retry_tax_s=tax_s,
+            deadline_slack_s=slack,
+            max_queue_age_s=cap,
+            tokens_in=inputs.tokens_in,
+            budget_units=self.settings.budget_units,
+            queue_wait_unit_per_second=self.settings.queue_wait_unit_per_second,
+            budget_mode=self.settings.budget_mode,
+            deadline_slack_ms=round(slack * 1000),
+            delay_s=delay,
+            push=push,
+        )
+        return Begun(publish, None, pending, headers, fields, win, pushed=push is not None)
+
+    def complete(self, begun: Begun) -> Routing:
+        """Finish a decision :meth:`begin` started: read the gate script's reply, log, route."""
+        if begun.routing is not None:
+            return begun.routing
+        assert begun.pending is not None
+        publish, headers, fields, win = begun.publish, begun.headers, begun.fields, begun.win
         try:
-            scored = self.store.score(
-                now_s=now,
-                window_id=win,
-                job_id=publish.job_id,
-                attempt=publish.attempt,
-                expected_service_s=inputs.expected_service_s,
-                retry_tax_s=tax_s,
-                deadline_slack_s=slack,
-                max_queue_age_s=cap,
-                tokens_in=inputs.tokens_in,
-                budget_units=self.settings.budget_units,
-                queue_wait_unit_per_second=self.settings.queue_wait_unit_per_second,
-                budget_mode=self.settings.budget_mode,
-                deadline_slack_ms=round(slack * 1000),
-                delay_s=delay,
-                push=push,
-            )
+            scored = begun.pending.result()
         except LedgerUnavailable as exc:
-            if push is not None:  # the script may have run and pushed before the reply was lost
+            if begun.pushed:  # the script may have run and pushed before the reply was lost
                 try:
                     pushed = self.store.fast_decision(publish.job_id, publish.attempt)
                 except LedgerUnavailable:
@@ -256,7 +301,7 @@ class Pipeline:
                 projected_tax=scored.projected_tax, budget_units=self.settings.budget_units
             )
         routing = self._finish(scored.decision, scored.reason.value, headers, fields)
-        if push is not None:
+        if begun.pushed:
             routing = replace(routing, published=True)
         return routing
 

@@ -6,6 +6,7 @@ which the publish hook turns into a fail-closed route to reserved.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from gatekeeper.review import DEFER_FIT, RESERVED_AGE_SHIFT
 __all__ = [
     "DEFAULT_QUEUE_AGE_HORIZON_S",
     "GateStore",
+    "PendingScore",
     "ScoredAttempt",
     "evalsha",
     "load_lua",
@@ -66,6 +68,59 @@ class ScoredAttempt:
     projected_tax: float
 
 
+class PendingScore:
+    """A gate-script call on its way: :meth:`result` reads the reply (once).
+
+    Holds a connection borrowed from the client's pool from the send to the read, so the reply
+    cannot be read by anyone else; :meth:`result` gives it back whatever happens.
+    """
+
+    def __init__(self, store: GateStore, conn: Any, sent: Any) -> None:
+        self._store = store
+        self._conn = conn
+        self._sent = sent
+        """(keys, args) while the reply is unread; else the reply or the error."""
+
+    def result(self) -> ScoredAttempt:
+        """The decision; raises :class:`LedgerUnavailable` as :meth:`GateStore.score` does."""
+        if self._conn is not None:
+            conn, (keys, args) = self._conn, self._sent
+            self._conn = None
+            pool = self._store.client.connection_pool
+            try:
+                self._sent = conn.read_response()
+            except NoScriptError:  # a restarted or flushed Redis: load it and call again
+                pool.release(conn)
+                self._sent = self._store._reply_now(keys, args)
+            except redis.RedisError as exc:
+                conn.disconnect()
+                pool.release(conn)
+                self._sent = exc
+            except BaseException:
+                conn.disconnect()  # the reply may still be on its way: never reuse the socket
+                pool.release(conn)
+                raise
+            else:
+                pool.release(conn)
+        return self._store._gate_reply(self._sent)
+
+
+def _borrow(pool: redis.ConnectionPool) -> Any:
+    """A connected connection from ``pool``, across redis-py 5 to 8's ``get_connection``."""
+    if _GET_CONNECTION_TAKES_NAME:
+        return pool.get_connection("EVALSHA")
+    return pool.get_connection()
+
+
+_GET_CONNECTION_NAME = inspect.signature(redis.ConnectionPool.get_connection).parameters.get(
+    "command_name"
+)
+_GET_CONNECTION_TAKES_NAME = (
+    _GET_CONNECTION_NAME is not None and _GET_CONNECTION_NAME.default is inspect.Parameter.empty
+)
+"""redis-py 5 requires a command name (unused); later versions deprecate passing one."""
+
+
 class GateStore:
     """Gatekeeper's state in one Redis: the free queue's waiting set and the ledger windows."""
 
@@ -84,7 +139,14 @@ class GateStore:
         self._gate: Script = client.register_script(load_lua("gate.lua"))
         self._release: Script = client.register_script(load_lua("release.lua"))
 
-    def score(
+    def score(self, **inputs: Any) -> ScoredAttempt:
+        """Run the gate script: age cap, dwell against slack, then the budget, atomically.
+
+        ``inputs`` are :meth:`_gate_call`'s keyword arguments.
+        """
+        return self._gate_reply(self._reply_now(*self._gate_call(**inputs)))
+
+    def _gate_call(
         self,
         *,
         now_s: float,
@@ -102,8 +164,8 @@ class GateStore:
         deadline_slack_ms: int,
         delay_s: float = 0.0,
         push: Push | None = None,
-    ) -> ScoredAttempt:
-        """Run the gate script: age cap, dwell against slack, then the budget, atomically."""
+    ) -> tuple[list[str], list[str]]:
+        """The gate script's keys and arguments (documented at the top of gate.lua)."""
         keys = [
             self.keys.free_waiting,
             self.keys.window(window_id),
@@ -133,10 +195,42 @@ class GateStore:
         if push is not None:  # fast publish: the script pushes the decided message too
             keys += [*push.lists, self.keys.fast(job_id, attempt)]
             args += [*push.queues, *push.pieces]
+        return keys, args
+
+    def start_score(self, **inputs: Any) -> PendingScore:
+        """Send the gate script with :meth:`score`'s inputs and return before its reply.
+
+        The caller does other work while Redis runs the script, then calls
+        :meth:`PendingScore.result`: the round trip overlaps that work instead of adding to it.
+        Still one ``EVALSHA`` per decision. Clients that cannot lend a connection (a
+        single-connection client) get the synchronous call, already finished.
+        """
+        keys, args = self._gate_call(**inputs)
+        if getattr(self.client, "connection", None) is not None:
+            return PendingScore(self, None, self._reply_now(keys, args))
+        pool = self.client.connection_pool
         try:
-            reply = evalsha(self.client, self._gate, keys, args)
+            conn = _borrow(pool)
         except redis.RedisError as exc:
-            raise LedgerUnavailable(f"gate script failed: {exc}") from exc
+            return PendingScore(self, None, exc)
+        try:
+            conn.send_command("EVALSHA", self._gate.sha, len(keys), *keys, *args)
+        except redis.RedisError as exc:
+            conn.disconnect()
+            pool.release(conn)
+            return PendingScore(self, None, exc)
+        return PendingScore(self, conn, (keys, args))
+
+    def _reply_now(self, keys: list[str], args: list[str]) -> Any:
+        """The gate script's reply, or the Redis error instead of raising it."""
+        try:
+            return evalsha(self.client, self._gate, keys, args)
+        except redis.RedisError as exc:
+            return exc
+
+    def _gate_reply(self, reply: Any) -> ScoredAttempt:
+        if isinstance(reply, redis.RedisError):
+            raise LedgerUnavailable(f"gate script failed: {reply}") from reply
         decision, reason, age, dwell, projected = (text_of(part) for part in reply)
         return ScoredAttempt(
             decision=Decision(decision),

@@ -9,7 +9,13 @@ import pytest
 from celery import Celery
 from kombu.utils.objects import cached_property
 
-from gatekeeper.celery_hook import SENDER_PARAMETERS, CeleryShapeError, check_celery_shape
+from gatekeeper.celery_hook import (
+    SEND_TASK_PARAMETERS,
+    SENDER_PARAMETERS,
+    CeleryShapeError,
+    check_celery_shape,
+    check_send_task_shape,
+)
 
 
 def test_celery_is_in_the_supported_range() -> None:
@@ -60,6 +66,32 @@ def test_a_changed_sender_is_refused() -> None:
     app.amqp.send_task_message = lambda producer, message: None
     with pytest.raises(CeleryShapeError, match="changed shape"):
         check_celery_shape(app)
+
+
+def test_send_task_takes_what_the_early_start_reads() -> None:
+    app = Celery("h", broker="memory://")
+    params = inspect.signature(app.send_task).parameters
+    assert tuple(params)[: len(SEND_TASK_PARAMETERS)] == SEND_TASK_PARAMETERS
+    assert "retries" in params and "headers" not in params  # headers arrive in **options
+    assert check_send_task_shape(app) == app.send_task
+
+
+def test_create_task_message_receives_the_task_id_send_task_was_given() -> None:
+    # The early start fixes the id in send_task; Celery must build the message with it.
+    app = Celery("i", broker="memory://")
+    seen: dict[str, object] = {}
+    app.amqp.send_task_message = lambda producer, name, message, **options: seen.update(
+        id=message.headers["id"], retries=message.headers["retries"]
+    )
+    app.send_task("some.task", task_id="fixed", retries=3, headers={"x": 1})
+    assert seen == {"id": "fixed", "retries": 3}
+
+
+def test_a_changed_send_task_is_refused() -> None:
+    app = Celery("j", broker="memory://")
+    app.send_task = lambda name, task_id=None: None  # type: ignore[method-assign]
+    with pytest.raises(CeleryShapeError, match="send_task changed shape"):
+        check_send_task_shape(app)
 
 
 def test_kombus_redis_channel_has_what_fast_publish_catches(redis_url: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -285,6 +286,53 @@ def test_a_publish_the_broker_refuses_gives_back_what_the_gate_took(
     assert redis_client.zcard(keys.free_waiting) == 0
     exposure = redis_client.hget(keys.window(window_id(time.time(), 900)), "exposure")
     assert float(exposure or 0) == 0
+
+
+def test_a_publish_that_fails_before_sending_gives_back_what_the_gate_took(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The decision starts in send_task; Celery then refuses to build the message (args must
+    # be a list): nothing is published, and the admission is given back.
+    app = make_app(redis_url)
+    gate = install(app)
+    with pytest.raises(TypeError, match="args must be a list"):
+        app.send_task("tests.embed", args=5)  # type: ignore[arg-type]
+    keys = Keys()
+    assert redis_client.hlen(keys.inflight) == 0
+    assert redis_client.zcard(keys.free_waiting) == 0
+    assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 0, "celery": 0}
+    assert "event=publish_abandoned" in capsys.readouterr().err
+    assert not gate._started.by_id
+
+
+def test_the_decision_started_in_send_task_is_the_one_used(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url)
+    gate = install(app)
+    redis_client.config_resetstat()
+    result = app.tasks["tests.embed"].apply_async((1,), task_id="early-1")
+    calls = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert calls == 1  # one gate script per decision, started early and read once
+    assert only_message(redis_client, "free")["headers"]["id"] == result.id == "early-1"
+    assert not gate._started.by_id
+
+
+def test_a_task_id_passed_by_position_is_still_gated(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url)
+    app.send_task("tests.embed", (1,), None, None, None, "by-position")
+    assert only_message(redis_client, "free")["headers"]["id"] == "by-position"
+
+
+def test_an_eta_counts_in_the_dwell(redis_url: str, redis_client: redis.Redis) -> None:
+    app = make_app(redis_url)
+    eta = datetime.now(timezone.utc) + timedelta(seconds=180)
+    app.tasks["tests.embed"].apply_async((1,), eta=eta)
+    assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == (
+        "dwell_over_slack"
+    )
 
 
 def test_fast_publish_decides_and_publishes_in_one_round_trip(
