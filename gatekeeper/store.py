@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Iterable, Sequence
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -71,38 +73,69 @@ class ScoredAttempt:
 class PendingScore:
     """A gate-script call on its way: :meth:`result` reads the reply (once).
 
-    Holds a connection borrowed from the client's pool from the send to the read, so the reply
-    cannot be read by anyone else; :meth:`result` gives it back whatever happens.
+    Holds its connection from the send to the read, so no other call can take the reply;
+    :meth:`result` hands it back (``give_back``) whatever happens.
     """
 
-    def __init__(self, store: GateStore, conn: Any, sent: Any) -> None:
+    def __init__(
+        self,
+        store: GateStore,
+        conn: Any,
+        sent: Any,
+        give_back: Callable[[Any], None] | None = None,
+    ) -> None:
         self._store = store
         self._conn = conn
         self._sent = sent
         """(keys, args) while the reply is unread; else the reply or the error."""
+        self._give_back = give_back
 
     def result(self) -> ScoredAttempt:
         """The decision; raises :class:`LedgerUnavailable` as :meth:`GateStore.score` does."""
-        if self._conn is not None:
-            conn, (keys, args) = self._conn, self._sent
+        conn = self._conn
+        if conn is not None:
+            keys, args = self._sent
             self._conn = None
-            pool = self._store.client.connection_pool
             try:
                 self._sent = conn.read_response()
             except NoScriptError:  # a restarted or flushed Redis: load it and call again
-                pool.release(conn)
-                self._sent = self._store._reply_now(keys, args)
+                self._sent = None
             except redis.RedisError as exc:
                 conn.disconnect()
-                pool.release(conn)
                 self._sent = exc
             except BaseException:
                 conn.disconnect()  # the reply may still be on its way: never reuse the socket
-                pool.release(conn)
                 raise
-            else:
-                pool.release(conn)
+            finally:
+                if self._give_back is not None:
+                    self._give_back(conn)
+            if self._sent is None:
+                self._sent = self._store._reply_now(keys, args)
         return self._store._gate_reply(self._sent)
+
+
+class _Line(threading.local):
+    """This thread's own connection to the gate's Redis, outside the client's pool.
+
+    A publish holds it from sending the gate script to reading the reply; a nested publish in
+    between (a router that publishes) borrows from the pool instead. Dropped after a fork.
+    """
+
+    conn: Any = None
+    pid: int = 0
+    busy: bool = False
+
+    def release(self, _: Any) -> None:
+        self.busy = False
+
+
+def _pack(parts: Sequence[str | bytes]) -> bytes:
+    """A Redis command in RESP: what redis-py's ``pack_command`` makes, for str/bytes only."""
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
 
 
 def _borrow(pool: redis.ConnectionPool) -> Any:
@@ -138,13 +171,14 @@ class GateStore:
         self.retention_s = retention_s
         self._gate: Script = client.register_script(load_lua("gate.lua"))
         self._release: Script = client.register_script(load_lua("release.lua"))
+        self._line = _Line()
 
     def score(self, **inputs: Any) -> ScoredAttempt:
         """Run the gate script: age cap, dwell against slack, then the budget, atomically.
 
         ``inputs`` are :meth:`_gate_call`'s keyword arguments.
         """
-        return self._gate_reply(self._reply_now(*self._gate_call(**inputs)))
+        return self.start_score(**inputs).result()
 
     def _gate_call(
         self,
@@ -208,18 +242,29 @@ class GateStore:
         keys, args = self._gate_call(**inputs)
         if getattr(self.client, "connection", None) is not None:
             return PendingScore(self, None, self._reply_now(keys, args))
+        line = self._line
         pool = self.client.connection_pool
+        give_back: Callable[[Any], None]
+        if not line.busy:
+            if line.conn is None or line.pid != os.getpid():
+                line.conn, line.pid = pool.connection_class(**pool.connection_kwargs), os.getpid()
+            conn, give_back = line.conn, line.release
+            line.busy = True
+        else:
+            try:
+                conn, give_back = _borrow(pool), pool.release
+            except redis.RedisError as exc:
+                return PendingScore(self, None, exc)
         try:
-            conn = _borrow(pool)
-        except redis.RedisError as exc:
-            return PendingScore(self, None, exc)
-        try:
-            conn.send_command("EVALSHA", self._gate.sha, len(keys), *keys, *args)
+            conn.send_packed_command(
+                [_pack(["EVALSHA", self._gate.sha, str(len(keys)), *keys, *args])],
+                check_health=False,
+            )
         except redis.RedisError as exc:
             conn.disconnect()
-            pool.release(conn)
+            give_back(conn)
             return PendingScore(self, None, exc)
-        return PendingScore(self, conn, (keys, args))
+        return PendingScore(self, conn, (keys, args), give_back)
 
     def _reply_now(self, keys: list[str], args: list[str]) -> Any:
         """The gate script's reply, or the Redis error instead of raising it."""

@@ -224,3 +224,38 @@ def test_a_flushed_script_cache_is_reloaded(redis_client: redis.Redis) -> None:
         "admit_free",
         "fits",
     )
+
+
+def _inputs(job: str) -> dict[str, object]:
+    return dict(
+        now_s=NOW_S, window_id=WINDOW, job_id=job, attempt=1, expected_service_s=1,
+        retry_tax_s=0, deadline_slack_s=90, max_queue_age_s=30, tokens_in=5,
+        budget_units=100, queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE,
+        deadline_slack_ms=0,
+    )  # fmt: skip
+
+
+def test_overlapping_calls_on_one_thread_each_read_their_own_reply(
+    redis_client: redis.Redis,
+) -> None:
+    # A publish inside another's decision (a router that publishes) must not take its reply.
+    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    outer = store.start_score(**_inputs("outer"))
+    inner = store.start_score(**{**_inputs("inner"), "tokens_in": 500})  # over the budget
+    assert inner.result().decision is Decision.RESERVED
+    assert outer.result().decision is Decision.ADMIT_FREE
+    assert redis_client.zscore(KEYS.free_waiting, "outer:1") is not None
+    assert store.score(**_inputs("after")).decision is Decision.ADMIT_FREE  # line free again
+
+
+def test_a_script_cache_flushed_between_send_and_read_is_reloaded(
+    redis_client: redis.Redis,
+) -> None:
+    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    store.score(**_inputs("first"))  # the line is connected and the script loaded
+    redis_client.script_flush()
+    pending = store.start_score(**_inputs("second"))
+    assert pending.result().decision is Decision.ADMIT_FREE
+    assert redis_client.zscore(KEYS.free_waiting, "second:1") is not None

@@ -296,7 +296,7 @@ def test_a_publish_that_fails_before_sending_gives_back_what_the_gate_took(
     app = make_app(redis_url)
     gate = install(app)
     with pytest.raises(TypeError, match="args must be a list"):
-        app.send_task("tests.embed", args=5)  # type: ignore[arg-type]
+        app.send_task("tests.embed", args=5)
     keys = Keys()
     assert redis_client.hlen(keys.inflight) == 0
     assert redis_client.zcard(keys.free_waiting) == 0
