@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import sys
+import time
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
@@ -57,17 +58,39 @@ def _round_floats(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMa
 
 
 _NEEDS_QUOTES = re.compile(r'[\s="\\]')
+_CONSTANTS = {None: "", True: "true", False: "false"}
 
 
 def _kv_value(value: Any) -> str:
-    if value is None:
-        return ""
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    text = repr(round(value, 3)) if isinstance(value, float) else str(value)
+    kind = type(value)
+    if kind is float:
+        return repr(round(value, 3))  # digits, a dot, "e", "-", "inf" or "nan": never quoted
+    if kind is int:
+        return str(value)
+    if kind is bool or value is None:
+        return _CONSTANTS[value]
+    text = value if kind is str else str(value)
     return json.dumps(text) if not text or _NEEDS_QUOTES.search(text) else text
+
+
+class _UtcTimestamp:
+    """``ts=`` in ISO 8601 UTC with microseconds, as structlog's ``TimeStamper(fmt="iso",
+    utc=True)`` writes it, formatting the date and time once per second."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._prefix = ""
+
+    def __call__(
+        self, _: Any, __: str, event: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._second = second
+        event["ts"] = f"{self._prefix}.{int((now - second) * 1e6):06d}Z"
+        return event
 
 
 class KeyValueRenderer:
@@ -99,7 +122,7 @@ def make_logger(
     fmt = "kv" if settings.log_format == "stdlib" else settings.log_format
     processors: list[Processor] = [
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+        _UtcTimestamp(),
     ]
     if fmt == "json":
         processors.append(_round_floats)
