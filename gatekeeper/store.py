@@ -6,11 +6,8 @@ which the publish hook turns into a fail-closed route to reserved.
 
 from __future__ import annotations
 
-import inspect
 import json
-import os
-import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -26,6 +23,7 @@ from gatekeeper.fastpath import Push
 from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, Keys
 from gatekeeper.ledger import BudgetMode
 from gatekeeper.review import DEFER_FIT, RESERVED_AGE_SHIFT
+from gatekeeper.wire import Borrowed, Line, pack
 
 __all__ = [
     "DEFAULT_QUEUE_AGE_HORIZON_S",
@@ -73,85 +71,37 @@ class ScoredAttempt:
 class PendingScore:
     """A gate-script call on its way: :meth:`result` reads the reply (once).
 
-    Holds its connection from the send to the read, so no other call can take the reply;
-    :meth:`result` hands it back (``give_back``) whatever happens.
+    Holds its channel (:mod:`gatekeeper.wire`) from the send to the read, so no other call
+    can take the reply; :meth:`result` hands it back whatever happens.
     """
 
-    def __init__(
-        self,
-        store: GateStore,
-        conn: Any,
-        sent: Any,
-        give_back: Callable[[Any], None] | None = None,
-    ) -> None:
+    def __init__(self, store: GateStore, channel: Line | Borrowed | None, sent: Any) -> None:
         self._store = store
-        self._conn = conn
+        self._channel = channel
         self._sent = sent
         """(keys, args) while the reply is unread; else the reply or the error."""
-        self._give_back = give_back
 
     def result(self) -> ScoredAttempt:
         """The decision; raises :class:`LedgerUnavailable` as :meth:`GateStore.score` does."""
-        conn = self._conn
-        if conn is not None:
+        channel = self._channel
+        if channel is not None:
             keys, args = self._sent
-            self._conn = None
+            self._channel = None
             try:
-                self._sent = conn.read_response()
+                self._sent = channel.read()
             except NoScriptError:  # a restarted or flushed Redis: load it and call again
                 self._sent = None
             except redis.RedisError as exc:
-                conn.disconnect()
+                channel.close()
                 self._sent = exc
             except BaseException:
-                conn.disconnect()  # the reply may still be on its way: never reuse the socket
+                channel.close()  # the reply may still be on its way: never reuse the socket
                 raise
             finally:
-                if self._give_back is not None:
-                    self._give_back(conn)
+                channel.release()
             if self._sent is None:
                 self._sent = self._store._reply_now(keys, args)
         return self._store._gate_reply(self._sent)
-
-
-class _Line(threading.local):
-    """This thread's own connection to the gate's Redis, outside the client's pool.
-
-    A publish holds it from sending the gate script to reading the reply; a nested publish in
-    between (a router that publishes) borrows from the pool instead. Dropped after a fork.
-    """
-
-    conn: Any = None
-    pid: int = 0
-    busy: bool = False
-
-    def release(self, _: Any) -> None:
-        self.busy = False
-
-
-def _pack(parts: Sequence[str | bytes]) -> bytes:
-    """A Redis command in RESP: what redis-py's ``pack_command`` makes, for str/bytes only."""
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        data = part.encode() if isinstance(part, str) else part
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
-
-
-def _borrow(pool: redis.ConnectionPool) -> Any:
-    """A connected connection from ``pool``, across redis-py 5 to 8's ``get_connection``."""
-    if _GET_CONNECTION_TAKES_NAME:
-        return pool.get_connection("EVALSHA")
-    return pool.get_connection()
-
-
-_GET_CONNECTION_NAME = inspect.signature(redis.ConnectionPool.get_connection).parameters.get(
-    "command_name"
-)
-_GET_CONNECTION_TAKES_NAME = (
-    _GET_CONNECTION_NAME is not None and _GET_CONNECTION_NAME.default is inspect.Parameter.empty
-)
-"""redis-py 5 requires a command name (unused); later versions deprecate passing one."""
 
 
 class GateStore:
@@ -171,7 +121,7 @@ class GateStore:
         self.retention_s = retention_s
         self._gate: Script = client.register_script(load_lua("gate.lua"))
         self._release: Script = client.register_script(load_lua("release.lua"))
-        self._line = _Line()
+        self._line = Line()
 
     def score(self, **inputs: Any) -> ScoredAttempt:
         """Run the gate script: age cap, dwell against slack, then the budget, atomically.
@@ -242,29 +192,18 @@ class GateStore:
         keys, args = self._gate_call(**inputs)
         if getattr(self.client, "connection", None) is not None:
             return PendingScore(self, None, self._reply_now(keys, args))
-        line = self._line
         pool = self.client.connection_pool
-        give_back: Callable[[Any], None]
-        if not line.busy:
-            if line.conn is None or line.pid != os.getpid():
-                line.conn, line.pid = pool.connection_class(**pool.connection_kwargs), os.getpid()
-            conn, give_back = line.conn, line.release
-            line.busy = True
-        else:
-            try:
-                conn, give_back = _borrow(pool), pool.release
-            except redis.RedisError as exc:
-                return PendingScore(self, None, exc)
+        channel: Line | Borrowed | None = self._line.take(pool)
         try:
-            conn.send_packed_command(
-                [_pack(["EVALSHA", self._gate.sha, str(len(keys)), *keys, *args])],
-                check_health=False,
-            )
+            if channel is None:
+                channel = Borrowed(pool)
+            channel.send(pack(["EVALSHA", self._gate.sha, str(len(keys)), *keys, *args]))
         except redis.RedisError as exc:
-            conn.disconnect()
-            give_back(conn)
+            if channel is not None:
+                channel.close()
+                channel.release()
             return PendingScore(self, None, exc)
-        return PendingScore(self, conn, (keys, args), give_back)
+        return PendingScore(self, channel, (keys, args))
 
     def _reply_now(self, keys: list[str], args: list[str]) -> Any:
         """The gate script's reply, or the Redis error instead of raising it."""

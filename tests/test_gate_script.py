@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import socket
+import time
 
 import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gatekeeper import wire
 from gatekeeper.dwell import Decision, GateInputs, decide
+from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import BudgetMode, Outcome, Path, admit, make_row
 from gatekeeper.store import GateStore
@@ -259,3 +263,52 @@ def test_a_script_cache_flushed_between_send_and_read_is_reloaded(
     pending = store.start_score(**_inputs("second"))
     assert pending.result().decision is Decision.ADMIT_FREE
     assert redis_client.zscore(KEYS.free_waiting, "second:1") is not None
+
+
+def test_the_line_talks_through_the_socket_when_hiredis_is_there(
+    redis_client: redis.Redis,
+) -> None:
+    # gatekeeper/wire.py relies on redis-py's connection keeping its socket in ``_sock``.
+    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    assert store.score(**_inputs("raw")).decision is Decision.ADMIT_FREE
+    if wire.RAW:
+        assert store._line.sock is not None and store._line.sock is store._line.conn._sock
+
+
+def test_the_line_without_hiredis_uses_redis_pys_own_calls(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire, "RAW", False)
+    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    assert wire.pack(["PING"]) == b"*1\r\n$4\r\nPING\r\n"
+    assert store.score(**_inputs("plain")).decision is Decision.ADMIT_FREE
+    assert store._line.sock is None
+    redis_client.script_flush()
+    assert store.score(**_inputs("again")).decision is Decision.ADMIT_FREE
+
+
+def test_a_line_the_server_closed_while_idle_reconnects_before_sending(
+    redis_client: redis.Redis,
+) -> None:
+    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    store.score(**_inputs("before"))
+    redis_client.client_kill_filter(_type="normal", skipme=True)  # drops the line's connection
+    time.sleep(0.05)
+    assert store.score(**_inputs("after")).decision is Decision.ADMIT_FREE
+
+
+def test_a_gate_redis_that_is_gone_raises_ledger_unavailable(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    store = GateStore(redis.Redis(port=_free_port(), socket_connect_timeout=0.5), KEYS)
+    with pytest.raises(LedgerUnavailable):
+        store.score(**_inputs("nowhere"))
+    client.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

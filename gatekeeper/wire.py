@@ -1,0 +1,160 @@
+"""The gate script's connections: a call is sent, other work runs, then its reply is read.
+
+Each thread has a :class:`Line` of its own to the gate's Redis, outside the client's pool:
+redis-py connects it (address, TLS, AUTH, SELECT, as the client is configured), and the gate
+script's request and reply then go straight through its socket, packed and parsed by hiredis
+when it is installed. Through redis-py's per-command machinery a round trip costs several
+times the CPU of the socket calls themselves, and the publish path pays that on every task.
+Without hiredis, or when redis-py's connection lacks the socket attribute this relies on
+(``_sock``, checked by the test suite), the line uses redis-py's own ``send_packed_command``
+and ``read_response``.
+
+A call made while this thread's line awaits a reply (a publish inside another's decision)
+borrows a connection from the pool instead (:class:`Borrowed`): replies come back in order,
+so two calls in flight on one socket could swap answers.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError
+
+hiredis: Any
+try:
+    import hiredis
+except ImportError:  # pragma: no cover - hiredis is optional
+    hiredis = None
+
+__all__ = ["Borrowed", "Line", "pack"]
+
+RAW = hiredis is not None and hasattr(hiredis, "pack_command")
+"""hiredis packs and parses; without it, redis-py's connection does both."""
+
+
+def pack(parts: Sequence[str]) -> bytes:
+    """A command in RESP, as redis-py would send it."""
+    if RAW:
+        packed: bytes = hiredis.pack_command(tuple(parts))
+        return packed
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        data = part.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+class Line(threading.local):
+    """This thread's own connection for the gate script; dropped (not closed) after a fork."""
+
+    conn: Any = None
+    sock: Any = None
+    reader: Any = None
+    poller: Any = None
+    pid: int = 0
+    busy: bool = False
+
+    def take(self, pool: redis.ConnectionPool) -> Line | None:
+        """This line, marked busy; None when a call on it still awaits its reply."""
+        if self.busy:
+            return None
+        if self.conn is None or self.pid != os.getpid():
+            self.conn, self.sock, self.pid = (
+                pool.connection_class(**pool.connection_kwargs),
+                None,
+                os.getpid(),
+            )
+        self.busy = True
+        return self
+
+    def send(self, packed: bytes) -> None:
+        try:
+            if self.sock is not None and self.poller.poll(0):
+                # Readable while idle: the server closed it (a timeout, a restart, CLIENT
+                # KILL). Reconnect now, before the request, as redis-py's pool does.
+                self.close()
+            if self.sock is None:
+                self.conn.connect()
+                self.sock = getattr(self.conn, "_sock", None) if RAW else None
+                if self.sock is not None:
+                    self.reader = hiredis.Reader()
+                    self.poller = select.poll()
+                    self.poller.register(self.sock, select.POLLIN)
+            if self.sock is not None:
+                self.sock.sendall(packed)
+            else:
+                self.conn.send_packed_command([packed], check_health=False)
+        except OSError as exc:
+            raise redis.ConnectionError(f"cannot send to the gate's Redis: {exc}") from exc
+
+    def read(self) -> Any:
+        if self.sock is None:
+            return self.conn.read_response()
+        reader = self.reader
+        try:
+            reply = reader.gets()
+            while reply is False:
+                data = self.sock.recv(65536)
+                if not data:
+                    raise redis.ConnectionError("the gate's Redis closed the connection")
+                reader.feed(data)
+                reply = reader.gets()
+        except OSError as exc:
+            raise redis.ConnectionError(f"cannot read from the gate's Redis: {exc}") from exc
+        if isinstance(reply, hiredis.ReplyError):
+            text = str(reply)
+            if text.startswith("NOSCRIPT"):
+                raise NoScriptError(text)
+            raise redis.ResponseError(text)
+        return reply
+
+    def close(self) -> None:
+        """After an error: the socket may hold half a reply, never reuse it."""
+        self.sock = self.reader = self.poller = None
+        self.conn.disconnect()
+
+    def release(self) -> None:
+        self.busy = False
+
+
+class Borrowed:
+    """A pool connection for one call, through redis-py's own send and read."""
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self.pool = pool
+        self.conn = _get_connection(pool)
+
+    def send(self, packed: bytes) -> None:
+        self.conn.send_packed_command([packed], check_health=False)
+
+    def read(self) -> Any:
+        return self.conn.read_response()
+
+    def close(self) -> None:
+        self.conn.disconnect()
+
+    def release(self) -> None:
+        self.pool.release(self.conn)
+
+
+def _get_connection(pool: redis.ConnectionPool) -> Any:
+    """A connected connection from ``pool``, across redis-py 5 to 8's ``get_connection``."""
+    if _GET_CONNECTION_TAKES_NAME:
+        return pool.get_connection("EVALSHA")
+    return pool.get_connection()
+
+
+def _takes_name() -> bool:
+    import inspect
+
+    param = inspect.signature(redis.ConnectionPool.get_connection).parameters.get("command_name")
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+_GET_CONNECTION_TAKES_NAME = _takes_name()
+"""redis-py 5 requires a command name (unused); later versions deprecate passing one."""
