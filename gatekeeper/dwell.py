@@ -31,6 +31,7 @@ __all__ = [
     "GateResult",
     "Reason",
     "decide",
+    "guards_pass",
     "retry_tax_s",
 ]
 
@@ -115,6 +116,31 @@ def _first_non_finite(inputs: GateInputs) -> str | None:
         if not math.isfinite(value):
             return name
     return None
+
+
+def guards_pass(
+    expected_service_s: float,
+    retry_tax_s: float,
+    deadline_slack_s: float,
+    max_queue_age_s: float,
+    delay_s: float = 0.0,
+) -> bool:
+    """True when no guard of :func:`decide` can fire for these inputs (at queue age 0).
+
+    The publish path's cheap check: only when it is False does the full :func:`decide` run
+    to name the reason and the field.
+    """
+    values = (expected_service_s, retry_tax_s, deadline_slack_s, max_queue_age_s, delay_s)
+    for value in values:
+        if type(value) is not float and type(value) is not int:
+            return False  # bools, None, text: decide() names the field
+    return (
+        0 < expected_service_s < math.inf
+        and 0 < deadline_slack_s < math.inf
+        and 0 <= retry_tax_s < math.inf
+        and 0 <= max_queue_age_s < math.inf
+        and 0 <= delay_s < math.inf
+    )
 
 
 def decide(inputs: GateInputs) -> GateResult:

@@ -155,6 +155,9 @@ class FlagStore:
         before any read has succeeded the settings alone decide.
         """
         now = self._clock()
+        cached = self._cached  # fresh most of the time: no lock to read it
+        if cached is not None and now - self._read_at < self.settings.flag_cache_s:
+            return cached
         with self._lock:
             if self._cached is not None and now - self._read_at < self.settings.flag_cache_s:
                 return self._cached

@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from gatekeeper.dwell import Decision, GateInputs, Reason, decide, retry_tax_s
+from gatekeeper.dwell import Decision, GateInputs, Reason, decide, guards_pass, retry_tax_s
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.fastpath import Push
 from gatekeeper.flags import FlagStore, in_canary
@@ -245,8 +245,13 @@ class Pipeline:
 
         # Rule 1 needs no Redis: a guard that fires here never costs a round trip.
         cap = self.settings.max_queue_age_s
-        guard = decide(GateInputs(0.0, inputs.expected_service_s, tax_s, slack, cap, delay))
-        if guard.decision is Decision.DEFER:
+        service = inputs.expected_service_s
+        guard = (
+            None
+            if guards_pass(service, tax_s, slack, cap, delay)
+            else decide(GateInputs(0.0, service, tax_s, slack, cap, delay))
+        )
+        if guard is not None and guard.decision is Decision.DEFER:
             fields.update(queue_age_s=0.0, dwell_s=guard.dwell_s, field=guard.field)
             self._count(win, guard.decision, guard.reason.value, fields)
             return Begun(publish, self._finish(guard.decision, guard.reason.value, headers, fields))

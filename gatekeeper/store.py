@@ -68,6 +68,17 @@ class ScoredAttempt:
     projected_tax: float
 
 
+_DECISIONS: dict[bytes | str, Decision] = {
+    **{d.value: d for d in Decision},
+    **{d.value.encode(): d for d in Decision},
+}
+_REASONS: dict[bytes | str, Reason] = {
+    **{r.value: r for r in Reason},
+    **{r.value.encode(): r for r in Reason},
+}
+"""The script's replies (bytes, or text from a decoding client) to the core's enums."""
+
+
 class PendingScore:
     """A gate-script call on its way: :meth:`result` reads the reply (once).
 
@@ -215,14 +226,17 @@ class GateStore:
     def _gate_reply(self, reply: Any) -> ScoredAttempt:
         if isinstance(reply, redis.RedisError):
             raise LedgerUnavailable(f"gate script failed: {reply}") from reply
-        decision, reason, age, dwell, projected = (text_of(part) for part in reply)
-        return ScoredAttempt(
-            decision=Decision(decision),
-            reason=Reason(reason),
-            queue_age_s=float(age),
-            dwell_s=float(dwell),
-            projected_tax=float(projected),
-        )
+        decision, reason, age, dwell, projected = reply
+        try:
+            return ScoredAttempt(
+                decision=_DECISIONS[decision],
+                reason=_REASONS[reason],
+                queue_age_s=float(age),
+                dwell_s=float(dwell),
+                projected_tax=float(projected),
+            )
+        except KeyError as exc:
+            raise LedgerUnavailable(f"gate script replied {reply!r}") from exc
 
     def count_decision(
         self, window_id: int, decision: str, reason: str, marks: tuple[bool, bool]

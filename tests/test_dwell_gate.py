@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gatekeeper.dwell import Decision, GateInputs, Reason, decide, retry_tax_s
+from gatekeeper.dwell import Decision, GateInputs, Reason, decide, guards_pass, retry_tax_s
 
 # queue_age_s, expected_service_s, retry_tax_s, deadline_slack_s, dwell_s, decision, reason
 SPEC_VECTORS = [
@@ -180,3 +180,17 @@ def test_lowering_the_slack_never_admits_what_was_refused(
 ) -> None:
     if _not_admitted(GateInputs(age, service, tax, slack_s, cap)):
         assert _not_admitted(GateInputs(age, service, tax, slack_s - less, cap))
+
+
+@given(any_float, any_float, any_float, any_float, any_float)
+def test_the_cheap_guard_check_agrees_with_decide(
+    service: float, tax: float, slack: float, cap: float, delay: float
+) -> None:
+    # The publish path skips decide() when guards_pass says no guard can fire.
+    deferred = decide(GateInputs(0.0, service, tax, slack, cap, delay)).decision is Decision.DEFER
+    assert guards_pass(service, tax, slack, cap, delay) is not deferred
+
+
+@pytest.mark.parametrize("bad", [True, None, "3"])
+def test_the_cheap_guard_check_leaves_non_numbers_to_decide(bad: object) -> None:
+    assert not guards_pass(1.0, 0.0, 10.0, 30.0, bad)  # type: ignore[arg-type]
