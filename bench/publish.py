@@ -120,6 +120,8 @@ class Phase:
     gate_server: Counter[str] = field(default_factory=Counter)
     broker_server: Counter[str] = field(default_factory=Counter)
     round_rates: list[float] = field(default_factory=list)
+    counted: int = 0
+    """Publishes the server counters cover (``count`` if 0: the timed phases themselves)."""
 
     @property
     def rate(self) -> float:
@@ -278,14 +280,20 @@ class Bench:
                 append(clock() - t0)
         return time.perf_counter() - start
 
-    def run(self, n: int, rounds: int) -> dict[str, Phase]:
+    def run(self, n: int, rounds: int, interleave: str = "call") -> dict[str, Phase]:
         for kind in self.tasks:
             self.publish(kind, WARMUP)
         self.trim()
         self.probes.clear()
+        phases = {kind: Phase(kind) for kind in self.tasks}
+        if interleave == "call":
+            self.count_round_trips(phases, min(n, 500))
+            for index, size in enumerate(round_sizes(n, rounds)):
+                self.trim()
+                self.interleaved_round(phases, size, first=index % 2)
+            return phases
         gate_counters = ServerCounters(self.gate)
         broker_counters = ServerCounters(self.broker) if self.separate else None
-        phases = {kind: Phase(kind) for kind in self.tasks}
         for index, size in enumerate(round_sizes(n, rounds)):
             order = ("plain", "gated") if index % 2 == 0 else ("gated", "plain")
             for kind in order:
@@ -298,14 +306,53 @@ class Bench:
                 if broker_counters is not None and broker_before is not None:
                     after = broker_counters.read()
                     phase.broker_server.update(broker_counters.delta(broker_before, after))
-                phase.hook_ns.extend(self.probes.hook_ns)
-                phase.sender_ns.extend(self.probes.sender_ns)
-                self.probes.hook_ns.clear()
-                self.probes.sender_ns.clear()
+                self.take_probes(phase)
                 phase.seconds += seconds
                 phase.count += size
                 phase.round_rates.append(size / seconds)
         return phases
+
+    def take_probes(self, phase: Phase) -> None:
+        phase.hook_ns.extend(self.probes.hook_ns)
+        phase.sender_ns.extend(self.probes.sender_ns)
+        self.probes.hook_ns.clear()
+        self.probes.sender_ns.clear()
+
+    def count_round_trips(self, phases: dict[str, Phase], count: int) -> None:
+        """Server counters over ``count`` publishes of each kind, untimed, scaled to a phase."""
+        gate_counters = ServerCounters(self.gate)
+        broker_counters = ServerCounters(self.broker) if self.separate else None
+        for kind, phase in phases.items():
+            self.trim()
+            gate_before = gate_counters.read()
+            broker_before = broker_counters.read() if broker_counters else None
+            self.publish(kind, count)
+            phase.gate_server.update(gate_counters.delta(gate_before, gate_counters.read()))
+            if broker_counters is not None and broker_before is not None:
+                phase.broker_server.update(
+                    broker_counters.delta(broker_before, broker_counters.read())
+                )
+            phase.counted = count
+        self.probes.clear()
+
+    def interleaved_round(self, phases: dict[str, Phase], size: int, first: int) -> None:
+        """``size`` publishes of each kind, one of each in turn, the pair's order alternating."""
+        clock = time.perf_counter_ns
+        plain, gated = phases["plain"], phases["gated"]
+        pairs = ((plain, self.tasks["plain"].delay), (gated, self.tasks["gated"].delay))
+        spent = {"plain": 0, "gated": 0}
+        for i in range(size):
+            for phase, delay in pairs if (i + first) % 2 == 0 else pairs[::-1]:
+                t0 = clock()
+                delay(i)
+                took = clock() - t0
+                phase.call_ns.append(took)
+                spent[phase.name] += took
+                self.take_probes(phase)
+        for phase in (plain, gated):
+            phase.seconds += spent[phase.name] / 1e9
+            phase.count += size
+            phase.round_rates.append(size / (spent[phase.name] / 1e9))
 
     def profile(self, count: int, top: int) -> str:
         """cProfile one extra gated phase (not part of the numbers above)."""
@@ -354,9 +401,12 @@ def report(bench: Bench, phases: dict[str, Phase], n: int) -> list[str]:
         f"celery_sender_us gated p50={g50:.1f} p99={g99:.1f}; plain p50={h50:.1f} p99={h99:.1f}"
         " (Celery's own send_task_message, after the hook)"
     )
-    extra = {name: gated.gate_server[name] - plain.gate_server[name] for name in COUNTERS}
-    trips = extra["total_reads_processed"] / n
-    commands = extra["total_commands_processed"] / n
+    per = {
+        phase.name: {k: v / (phase.counted or phase.count) for k, v in phase.gate_server.items()}
+        for phase in (plain, gated)
+    }
+    trips = per["gated"]["total_reads_processed"] - per["plain"]["total_reads_processed"]
+    commands = per["gated"]["total_commands_processed"] - per["plain"]["total_commands_processed"]
     lines.append(
         f"redis_round_trips_per_decision={trips:.3f} (redis_commands_per_decision="
         f"{commands:.3f}, counting those inside gate.lua)"
@@ -364,8 +414,9 @@ def report(bench: Bench, phases: dict[str, Phase], n: int) -> list[str]:
     if bench.separate:
         parts = []
         for phase in (plain, gated):
-            reads = phase.broker_server["total_reads_processed"] / phase.count
-            cmds = phase.broker_server["total_commands_processed"] / phase.count
+            counted = phase.counted or phase.count
+            reads = phase.broker_server["total_reads_processed"] / counted
+            cmds = phase.broker_server["total_commands_processed"] / counted
             parts.append(f"{phase.name} round_trips={reads:.3f} commands={cmds:.3f}")
         lines.append("broker per publish: " + "; ".join(parts))
     reasons = " ".join(f"{k}={v}" for k, v in sorted(bench.probes.reasons.items()))
@@ -412,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="turn on fast publish (experimental): the gate script pushes the message itself",
     )
+    parser.add_argument(
+        "--interleave",
+        choices=("call", "round"),
+        default="call",
+        help="call (default): plain and gated publishes one after the other, so both see the "
+        "same moment of a noisy machine; round: blocks of N/rounds of each kind in turn",
+    )
     parser.add_argument("-n", type=positive, default=5000, help="tasks per path (default 5000)")
     parser.add_argument("--rounds", type=positive, default=10, help="rounds (default 10)")
     parser.add_argument(
@@ -441,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"redis_ping_us back_to_back p50={ping_us(bench.gate, 0, 500):.0f} "
                 f"after_1ms_busy p50={ping_us(bench.gate, 1000, 300):.0f}"
             )
-            phases = bench.run(args.n, args.rounds)
+            phases = bench.run(args.n, args.rounds, args.interleave)
             for line in report(bench, phases, args.n):
                 print(line)
             if args.profile:

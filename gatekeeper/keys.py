@@ -28,7 +28,9 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     One ledger window (``id`` = epoch seconds // ``window_seconds``): ``tax_units``
     (free rows' retry tax), ``exposure`` (tokens of free attempts admitted and not finished),
     ``admitted_free``, ``rejected``, ``rows:<outcome>`` (rows by outcome, both paths),
-    ``killed_free``, ``slack_misses`` and ``decided:<decision>`` counters.
+    ``killed_free``, ``slack_misses`` and ``decided:<decision>:<reason>`` counters
+    (admissions are counted in ``admitted_free`` only). The TTL is set by the write that
+    creates a counter, so a window lives about its retention from its first decisions.
 ``gatekeeper:{default}:window:<id>:rows`` - list, TTL = window retention
     The window's ledger rows, one JSON object each, oldest first.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention

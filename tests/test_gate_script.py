@@ -312,3 +312,26 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def test_an_admission_is_counted_once_and_the_window_gets_its_ttl(
+    redis_client: redis.Redis,
+) -> None:
+    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
+    store = GateStore(redis_client, KEYS, horizon_s=1e9, retention_s=1000)
+    store.score(**_inputs("one"))
+    store.score(**_inputs("two"))
+    fields = redis_client.hgetall(KEYS.window(WINDOW))
+    assert fields[b"admitted_free"] == b"2"
+    assert not any(key.startswith(b"decided:") for key in fields)  # read as admit_free/fits
+    assert 0 < redis_client.ttl(KEYS.window(WINDOW)) <= 1000
+
+
+def test_a_fractional_exposure_left_by_another_writer_still_takes_an_admission(
+    redis_client: redis.Redis,
+) -> None:
+    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
+    redis_client.hset(KEYS.window(WINDOW), "exposure", "2.5")
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    assert store.score(**_inputs("frac")).decision is Decision.ADMIT_FREE
+    assert float(redis_client.hget(KEYS.window(WINDOW), "exposure")) == 7.5

@@ -7,7 +7,8 @@
 --
 -- KEYS[1] free:waiting      sorted set: member <job_id>:<attempt>, score = when it is due (ms)
 -- KEYS[2] window:<id>       hash: tax_units, exposure, admitted_free, rejected,
---                           decided:<decision>:<reason>, review:defer_fit, review:reserved_age_shift
+--                           decided:<decision>:<reason> (not for admissions: admitted_free
+--                           counts those), review:defer_fit, review:reserved_age_shift
 -- KEYS[3] window:<id>:rows  list: ledger rows (JSON), oldest first
 -- KEYS[4] inflight          hash: <job_id>:<attempt> -> "<tokens>|<window id>|<admitted ms>"
 -- KEYS[5] flags             hash: live flag overrides (free_path_enabled read here, so a
@@ -77,9 +78,13 @@ if #ARGV >= 21 then
   end
 end
 
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. fmt(now - horizon))
 local age = 0
 local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if oldest[2] and tonumber(oldest[2]) < now - horizon then
+  -- Entries past the horizon (a purged queue) stop counting; dropped only when there are some.
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. fmt(now - horizon))
+  oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+end
 if oldest[2] then
   age = math.max(0, now - tonumber(oldest[2])) / 1000
 end
@@ -107,7 +112,13 @@ local function decided(decision, reason, dwell, projected)
   if #ARGV >= 21 then
     push(decision, reason, dwell)
   end
-  redis.call('HINCRBY', KEYS[2], 'decided:' .. decision .. ':' .. reason, 1)
+  -- An admission is counted in admitted_free alone (the review reads it as
+  -- decided:admit_free:fits). The window's TTL is set by the write that creates the counter.
+  local counter = decision == 'admit_free' and 'admitted_free'
+    or 'decided:' .. decision .. ':' .. reason
+  if redis.call('HINCRBY', KEYS[2], counter, 1) == 1 then
+    redis.call('EXPIRE', KEYS[2], retention)
+  end
   -- The review's marks (gatekeeper/review.py review_marks): only finite inputs get here.
   if finite(dwell) and finite(slack) and finite(service) and finite(tax) then
     if reason == 'queue_age_cap' and slack > 0 and dwell <= slack then
@@ -116,7 +127,6 @@ local function decided(decision, reason, dwell, projected)
       redis.call('HINCRBY', KEYS[2], 'review:reserved_age_shift', 1)
     end
   end
-  redis.call('EXPIRE', KEYS[2], retention)
   return {decision, reason, fmt(age), fmt(dwell), fmt(projected)}
 end
 
@@ -154,9 +164,12 @@ end
 -- Idempotent per attempt: a replay re-scored after a crash does not hold its tokens twice.
 local held = ARGV[7] .. '|' .. ARGV[17] .. '|' .. ARGV[1]
 if redis.call('HSETNX', KEYS[4], ARGV[2], held) == 1 then
-  redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', tokens)
+  -- Tokens are whole numbers, so exposure is too: HINCRBY costs a fraction of HINCRBYFLOAT.
+  -- A value some other writer left fractional still takes the float path.
+  if type(redis.pcall('HINCRBY', KEYS[2], 'exposure', ARGV[7])) == 'table' then
+    redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', tokens)
+  end
 end
-redis.call('HINCRBY', KEYS[2], 'admitted_free', 1)
 -- A delayed task joins the free queue's wait when it is due, not before.
 redis.call('ZADD', KEYS[1], now + delay * 1000, ARGV[2])
 return decided('admit_free', 'fits', dwell, projected)
