@@ -252,6 +252,7 @@ class Bench:
         self.broker = redis.Redis.from_url(broker_url)
         self.gate = redis.Redis.from_url(gate_url)
         self.waiting_key = self.installed.keys.free_waiting
+        self.ping_line = wire.Line()
 
     def close(self) -> None:
         self.trim()
@@ -335,21 +336,37 @@ class Bench:
             phase.counted = count
         self.probes.clear()
 
+    def ping_then_plain(self, i: int) -> Any:
+        """The yardstick: a plain publish after one PING to the gate's Redis, sent the way the
+        gate sends its script (:mod:`gatekeeper.wire`), so it pays one round trip and nothing
+        else a gate does."""
+        line = self.ping_line.take(self.gate.connection_pool)
+        assert line is not None
+        try:
+            line.send(b"*1\r\n$4\r\nPING\r\n")
+            line.read()
+        finally:
+            line.release()
+        return self.tasks["plain"].delay(i)
+
     def interleaved_round(self, phases: dict[str, Phase], size: int, first: int) -> None:
         """``size`` publishes of each kind, one of each in turn, the pair's order alternating."""
         clock = time.perf_counter_ns
         plain, gated = phases["plain"], phases["gated"]
-        pairs = ((plain, self.tasks["plain"].delay), (gated, self.tasks["gated"].delay))
-        spent = {"plain": 0, "gated": 0}
+        ping = phases.setdefault("ping+plain", Phase("ping+plain"))
+        kinds = [(plain, self.tasks["plain"].delay), (gated, self.tasks["gated"].delay)]
+        kinds.append((ping, self.ping_then_plain))
+        spent = {"plain": 0, "gated": 0, "ping+plain": 0}
         for i in range(size):
-            for phase, delay in pairs if (i + first) % 2 == 0 else pairs[::-1]:
+            turn = (i + first) % 3
+            for phase, delay in kinds[turn:] + kinds[:turn]:
                 t0 = clock()
                 delay(i)
                 took = clock() - t0
                 phase.call_ns.append(took)
                 spent[phase.name] += took
                 self.take_probes(phase)
-        for phase in (plain, gated):
+        for phase in (plain, gated, ping):
             phase.seconds += spent[phase.name] / 1e9
             phase.count += size
             phase.round_rates.append(size / (spent[phase.name] / 1e9))
@@ -385,6 +402,13 @@ def report(bench: Bench, phases: dict[str, Phase], n: int) -> list[str]:
         f"ratio={gated.rate / plain.rate:.3f} (gated/plain tasks/s; per-round min="
         f"{ratios[0]:.3f} median={statistics.median(ratios):.3f} max={ratios[-1]:.3f})"
     )
+    ping = phases.get("ping+plain")
+    if ping is not None and ping.count:
+        lines.append(
+            f"ratio_with_one_extra_round_trip={ping.rate / plain.rate:.3f} (a plain publish "
+            "after one PING to the gate's Redis: what any gate with a round trip of its own "
+            "could reach on this machine)"
+        )
     p50, p99 = percentiles_us(bench.probes.route_ns)
     lines.append(
         f"gate_route_us p50={p50:.1f} p99={p99:.1f} (Pipeline.begin + complete per gated publish)"
