@@ -14,6 +14,12 @@ To make the message really land in the chosen queue whatever the caller or a rou
 wrapper publishes to the queue by name on the default exchange: ``exchange`` and
 ``routing_key`` are cleared so that an explicit ``queue=``, a route, or a retry's previous
 ``delivery_info`` cannot send it elsewhere.
+
+``install`` also wraps ``app.send_task`` (the same per-app attribute trick), only to start the
+decision early: it fixes the task id and sends the gate script before Celery routes and builds
+the message, and the wrapped sender reads the reply, so the round trip runs alongside Celery's
+own work. :func:`check_send_task_shape` guards the parameters it reads. Publishes that do not
+pass through ``send_task`` are decided in the sender from start to end.
 """
 
 from __future__ import annotations
