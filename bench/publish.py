@@ -383,8 +383,12 @@ class Bench:
         stats = pstats.Stats(profiler, stream=out).sort_stats("cumulative")
         out.write(f"== cProfile of {count} gated publishes: gatekeeper's own functions ==\n")
         stats.print_stats(r"/gatekeeper/", top)
-        out.write("== where route, the gate script call and the log line spend it (callees) ==\n")
-        stats.print_callees(r"pipeline.py:\d+\((route|_finish)\)|store.py:\d+\(score\)")
+        out.write(
+            "== where begin, complete, the script call and the log line spend it (callees) ==\n"
+        )
+        stats.print_callees(
+            r"pipeline.py:\d+\((begin|complete|_finish)\)|store.py:\d+\(start_score\)"
+        )
         stats.print_callees(r"structlog/_base.py:\d+\(_process_event\)")
         return out.getvalue()
 
