@@ -200,8 +200,12 @@ class Installed:
 
         return render
 
-    def _started_decisions(self) -> dict[str, Begun]:
-        started: dict[str, Begun] | None = getattr(self._started, "by_id", None)
+    def _started_decisions(self) -> dict[str, tuple[Begun, dict[str, Any]]]:
+        """This thread's decisions started in send_task, by task id, with the gatekeeper
+        headers they saw."""
+        started: dict[str, tuple[Begun, dict[str, Any]]] | None = getattr(
+            self._started, "by_id", None
+        )
         if started is None:
             started = self._started.by_id = {}
         return started
@@ -247,26 +251,26 @@ class Installed:
             return original(name, *args, **options)
         options["task_id"] = task_id
         started = self._started_decisions()
-        started[task_id] = begun
+        started[task_id] = (begun, _own(options.get("headers") or {}))
         try:
             return original(name, *args, **options)
         except BaseException as exc:
             left = started.pop(task_id, None)
             if left is not None:
-                self._abandon(left, f"{type(exc).__name__}: {exc}")
+                self._abandon(left[0], f"{type(exc).__name__}: {exc}")
             raise
         finally:
             left = started.pop(task_id, None)
             if left is not None:
-                self._abandon(left, "celery returned without sending the message")
+                self._abandon(left[0], "celery returned without sending the message")
 
-    def _abandon(self, begun: Begun, error: str) -> None:
-        """A decision started for a message that was never sent: finish it, give back its hold."""
+    def _abandon(self, begun: Begun, error: str, event: str = "publish_abandoned") -> None:
+        """A decision started for a message not sent as decided: finish it, give back its hold."""
         with contextlib.suppress(Exception):
             routing = self.pipeline.complete(begun)
             publish = begun.publish
             self.log.warning(
-                "publish_abandoned",
+                event,
                 task=publish.task,
                 job_id=publish.job_id,
                 attempt=publish.attempt,
@@ -290,8 +294,14 @@ class Installed:
             headers = message.headers
             job_id = str(headers["id"])
             started = getattr(self._started, "by_id", None)
-            begun = started.pop(job_id, None) if started else None
-            if begun is not None and begun.publish.task == name:
+            early = started.pop(job_id, None) if started else None
+            begun = early[0] if early is not None else None
+            if early is not None and (early[0].publish.task != name or early[1] != _own(extra)):
+                # A route added gatekeeper headers (or renamed the task) after the decision
+                # started: that decision saw other inputs, so it is given back and redone.
+                self._abandon(early[0], "inputs changed after send_task", "decision_redone")
+                begun = None
+            if begun is not None:
                 publish = begun.publish
                 routing = self.pipeline.complete(begun)
             else:
@@ -330,6 +340,11 @@ class Installed:
                 except (GatekeeperError, TypeError, ValueError) as exc:
                     self.log.warning("release_failed", job_id=publish.job_id, error=str(exc))
             raise
+
+
+def _own(headers: dict[str, Any]) -> dict[str, Any]:
+    """The headers a decision reads: gatekeeper's own."""
+    return {key: value for key, value in headers.items() if key.startswith("gatekeeper_")}
 
 
 def install(

@@ -28,6 +28,7 @@ __all__ = ["DEFER_FIT", "RESERVED_AGE_SHIFT", "Review", "review_marks", "summari
 DEFER_FIT = "review:defer_fit"
 RESERVED_AGE_SHIFT = "review:reserved_age_shift"
 DECIDED_PREFIX = "decided:"
+ADMIT_PREFIX = DECIDED_PREFIX + "admit_free:"
 ADMIT_FITS = "admit_free/fits"
 """The one way to be admitted; gate.lua counts it as ``admitted_free``, not ``decided:...``."""
 
@@ -108,11 +109,13 @@ def summarize_review(windows: Iterable[Mapping[str, str]]) -> Review:
         for key, value in fields.items():
             if key in totals:
                 totals[key] += int(float(value))
+            elif key.startswith(ADMIT_PREFIX):
+                continue  # written before admissions were counted once: admitted_free has them
             elif key.startswith(DECIDED_PREFIX) and key.count(":") == 2:
                 name = key[len(DECIDED_PREFIX) :].replace(":", "/")
                 decisions[name] = decisions.get(name, 0) + int(value)
     if totals["admitted_free"]:  # gate.lua counts admissions in admitted_free alone
-        decisions[ADMIT_FITS] = decisions.get(ADMIT_FITS, 0) + totals["admitted_free"]
+        decisions[ADMIT_FITS] = totals["admitted_free"]
     by_kind = {kind: 0 for kind in ("admit_free", "defer", "reserved")}
     for name, number in decisions.items():
         kind = name.split("/")[0]

@@ -100,6 +100,9 @@ class PendingScore:
             self._channel = None
             try:
                 self._sent = channel.read()
+                if not (isinstance(self._sent, list) and len(self._sent) == 5):
+                    # Not gate.lua's answer: this channel is out of step with its replies.
+                    raise redis.ResponseError(f"unexpected reply {self._sent!r}")
             except NoScriptError:  # a restarted or flushed Redis: load it and call again
                 self._sent = None
             except redis.RedisError as exc:
@@ -201,9 +204,10 @@ class GateStore:
         single-connection client) get the synchronous call, already finished.
         """
         keys, args = self._gate_call(**inputs)
-        if getattr(self.client, "connection", None) is not None:
+        pool = getattr(self.client, "connection_pool", None)
+        if pool is None or getattr(self.client, "connection", None) is not None:
+            # A cluster client (no single pool) or a single-connection client: its own call.
             return PendingScore(self, None, self._reply_now(keys, args))
-        pool = self.client.connection_pool
         channel: Line | Borrowed | None = self._line.take(pool)
         try:
             if channel is None:
@@ -214,6 +218,11 @@ class GateStore:
                 channel.close()
                 channel.release()
             return PendingScore(self, None, exc)
+        except BaseException:
+            if channel is not None:  # half a request may be on the socket
+                channel.close()
+                channel.release()
+            raise
         return PendingScore(self, channel, (keys, args))
 
     def _reply_now(self, keys: list[str], args: list[str]) -> Any:
@@ -226,8 +235,8 @@ class GateStore:
     def _gate_reply(self, reply: Any) -> ScoredAttempt:
         if isinstance(reply, redis.RedisError):
             raise LedgerUnavailable(f"gate script failed: {reply}") from reply
-        decision, reason, age, dwell, projected = reply
         try:
+            decision, reason, age, dwell, projected = reply
             return ScoredAttempt(
                 decision=_DECISIONS[decision],
                 reason=_REASONS[reason],
@@ -235,7 +244,7 @@ class GateStore:
                 dwell_s=float(dwell),
                 projected_tax=float(projected),
             )
-        except KeyError as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise LedgerUnavailable(f"gate script replied {reply!r}") from exc
 
     def count_decision(

@@ -64,19 +64,17 @@ class Line(threading.local):
         if self.busy:
             return None
         if self.conn is None or self.pid != os.getpid():
-            self.conn, self.sock, self.pid = (
-                pool.connection_class(**pool.connection_kwargs),
-                None,
-                os.getpid(),
-            )
+            # RESP2 whatever the client asked for: RESP3 lets the server interleave push
+            # messages (redis-py 8 turns on maintenance notifications with it), and this line
+            # takes the first reply it sees as the script's.
+            kwargs = {**pool.connection_kwargs, "protocol": 2}
+            self.conn, self.sock, self.pid = pool.connection_class(**kwargs), None, os.getpid()
         self.busy = True
         return self
 
     def send(self, packed: bytes) -> None:
         try:
-            if self.sock is not None and self.poller.poll(0):
-                # Readable while idle: the server closed it (a timeout, a restart, CLIENT
-                # KILL). Reconnect now, before the request, as redis-py's pool does.
+            if self._went_stale():
                 self.close()
             if self.sock is None:
                 self.conn.connect()
@@ -92,6 +90,13 @@ class Line(threading.local):
         except OSError as exc:
             raise redis.ConnectionError(f"cannot send to the gate's Redis: {exc}") from exc
 
+    def _went_stale(self) -> bool:
+        """Readable while idle: the server closed it (a timeout, a restart, CLIENT KILL) or
+        sent what nobody asked for. Reconnect before the request, as redis-py's pool does."""
+        if self.sock is not None:
+            return bool(self.poller.poll(0))
+        return getattr(self.conn, "_sock", None) is not None and _stale(self.conn)
+
     def read(self) -> Any:
         if self.sock is None:
             return self.conn.read_response()
@@ -106,6 +111,8 @@ class Line(threading.local):
                 reply = reader.gets()
         except OSError as exc:
             raise redis.ConnectionError(f"cannot read from the gate's Redis: {exc}") from exc
+        if reader.has_data():  # more than the one reply asked for: never trust this line again
+            raise redis.ConnectionError("the gate's Redis sent more than one reply")
         if isinstance(reply, hiredis.ReplyError):
             text = str(reply)
             if text.startswith("NOSCRIPT"):
@@ -120,6 +127,14 @@ class Line(threading.local):
 
     def release(self) -> None:
         self.busy = False
+
+
+def _stale(conn: Any) -> bool:
+    """Whether an idle redis-py connection has something to read (or is closed)."""
+    try:
+        return bool(conn.can_read())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return True
 
 
 class Borrowed:

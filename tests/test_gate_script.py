@@ -289,9 +289,11 @@ def test_the_line_without_hiredis_uses_redis_pys_own_calls(
     assert store.score(**_inputs("again")).decision is Decision.ADMIT_FREE
 
 
+@pytest.mark.parametrize("raw", [True, False], ids=["hiredis", "redis-py"])
 def test_a_line_the_server_closed_while_idle_reconnects_before_sending(
-    redis_client: redis.Redis,
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, raw: bool
 ) -> None:
+    monkeypatch.setattr(wire, "RAW", raw and wire.RAW)
     redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
     store.score(**_inputs("before"))
@@ -335,3 +337,47 @@ def test_a_fractional_exposure_left_by_another_writer_still_takes_an_admission(
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
     assert store.score(**_inputs("frac")).decision is Decision.ADMIT_FREE
     assert float(redis_client.hget(KEYS.window(WINDOW), "exposure")) == 7.5
+
+
+def test_a_line_out_of_step_with_its_replies_fails_closed_once_then_recovers(
+    redis_client: redis.Redis,
+) -> None:
+    if not wire.RAW:
+        pytest.skip("the raw line needs hiredis")
+    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    store.score(**_inputs("first"))
+    # Something nobody asked for ahead of the next reply (a push message, a stray reply).
+    store._line.reader.feed(b">2\r\n$7\r\nmessage\r\n$4\r\njunk\r\n")
+    with pytest.raises(LedgerUnavailable):
+        store.score(**_inputs("second"))
+    over = {**_inputs("third"), "tokens_in": 10_000}  # over the budget: must not read a stale yes
+    assert store.score(**over).decision is Decision.RESERVED
+    assert store.score(**_inputs("fourth")).decision is Decision.ADMIT_FREE
+
+
+def test_an_interrupted_send_leaves_the_line_usable(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    send = wire.Line.send
+
+    def interrupted(self: wire.Line, packed: bytes) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(wire.Line, "send", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.score(**_inputs("interrupted"))
+    monkeypatch.setattr(wire.Line, "send", send)
+    assert not store._line.busy
+    assert store.score(**_inputs("after")).decision is Decision.ADMIT_FREE
+
+
+def test_a_single_connection_client_is_called_directly(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url, single_connection_client=True)
+    client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
+    store = GateStore(client, KEYS, horizon_s=1e9)
+    assert store.score(**_inputs("single")).decision is Decision.ADMIT_FREE
+    assert store._line.conn is None
+    client.close()

@@ -153,6 +153,21 @@ def test_a_task_router_is_overridden(redis_url: str, redis_client: redis.Redis) 
     assert lengths(redis_client)["free"] == 1
 
 
+def test_a_routes_gatekeeper_headers_are_decided_on(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The route's headers reach Celery after the decision started in send_task: it is redone.
+    app = make_app(redis_url)
+    route = {"queue": "celery", "headers": {"gatekeeper_deadline_s": 1.5}}
+    app.conf.task_routes = {"tests.embed": route}
+    app.tasks["tests.embed"].delay(1)
+    assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == (
+        "dwell_over_slack"
+    )
+    assert redis_client.hlen(Keys().inflight) == 0  # the first decision's hold given back
+    assert "event=decision_redone" in capsys.readouterr().err
+
+
 def test_ungated_tasks_are_never_touched(redis_url: str, redis_client: redis.Redis) -> None:
     app = make_app(redis_url, free_path_enabled=False)
     app.tasks["tests.plain"].apply_async(queue="celery")

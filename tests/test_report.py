@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from gatekeeper.cli import main
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import BudgetMode, Outcome, window_id
-from gatekeeper.review import DEFER_FIT, RESERVED_AGE_SHIFT, review_marks
+from gatekeeper.review import DEFER_FIT, RESERVED_AGE_SHIFT, review_marks, summarize_review
 from gatekeeper.runs import RunLedger, RunRecord
 from gatekeeper.store import GateStore
 
@@ -114,3 +114,16 @@ def test_the_scripts_review_marks_are_the_cores(
     window = redis_client.hgetall(KEYS.window(1))
     marks = (DEFER_FIT.encode() in window, RESERVED_AGE_SHIFT.encode() in window)
     assert marks == expected
+
+
+def test_windows_written_before_admissions_were_counted_once_are_not_counted_twice() -> None:
+    # Older gate.lua wrote decided:admit_free:fits and admitted_free for each admission.
+    old = {"admitted_free": "3", "decided:admit_free:fits": "3", "decided:defer:queue_age_cap": "2"}
+    new = {"admitted_free": "4", "decided:reserved:dwell_over_slack": "1"}
+    review = summarize_review([old, new])
+    assert review.decisions == {
+        "admit_free/fits": 7,
+        "defer/queue_age_cap": 2,
+        "reserved/dwell_over_slack": 1,
+    }
+    assert (review.free_admissions, review.defers, review.reserved) == (7, 2, 1)
