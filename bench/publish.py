@@ -2,14 +2,17 @@
 
 Run on demand (this is not a test)::
 
-    python bench/publish.py [--redis-url URL] [-n N] [--rounds R] [--profile]
+    python bench/publish.py [--redis-url URL] [-n N] [--rounds R] [--fast-publish]
+                            [--separate-gate] [--interleave call|round] [--profile]
 
-What it measures. One Celery app publishes ``N`` tasks of a plain task (to ``celery``) and ``N``
-of a ``@gatekeeper.gated`` task (admitted to ``free``) in ``R`` interleaved rounds: each round
-publishes ``N/R`` of one kind then ``N/R`` of the other, the order alternating every round, so
-that drift on the machine (CPU frequency, other load) hits both paths alike. Both paths are
-warmed up first. Between phases, outside the timed sections, the broker lists (``celery``,
-``free``) and the gate's waiting set are deleted so that nothing grows without bound.
+What it measures. One Celery app publishes ``N`` tasks of a plain task (to ``celery``), ``N``
+of a ``@gatekeeper.gated`` task (admitted to ``free``) and ``N`` of a yardstick (a ``PING`` to
+the gate's Redis, then a plain publish) in ``R`` rounds. Within a round the three kinds take
+turns call by call, in every order equally often, so that drift on the machine (CPU
+frequency, other load, a neighbour) hits all of them alike; ``--interleave round`` publishes
+blocks of ``N/R`` of plain and gated instead, the order alternating. All kinds are warmed up
+first. Between rounds, outside the timed sections, the broker lists (``celery``, ``free``)
+and the gate's waiting set are deleted so that nothing grows without bound.
 
 Without ``--redis-url`` one embedded ``redis-server`` is both broker and gate (the usual
 deployment, where ``--fast-publish`` can decide and publish in the one round trip); with
@@ -24,15 +27,18 @@ How to read the output:
 ``ratio=``
     Gated throughput divided by plain throughput (1.0 = the gate costs nothing). ``per-round``
     gives the spread of the same ratio over the rounds.
+``ratio_with_one_extra_round_trip=``
+    The yardstick's throughput divided by plain throughput: what a gate that did nothing but
+    one round trip of its own would reach on this machine.
 ``gate_route_us``
     Time spent in ``Pipeline.begin`` (flags, inputs, sending the gate script) plus
     ``Pipeline.complete`` (waiting for and reading its reply, the decision log line) per gated
     publish: the gate's own time on the publishing thread, p50/p99 in microseconds. Celery
     builds the message between the two, so the part of the round trip it covers is not here.
 ``gate_hook_us``
-    Time spent in gatekeeper's wrapped sender minus the time in Celery's own sender: the whole
-    hook (task lookup, header merge, ``route``) for gated publishes, and the pass-through cost
-    the hook adds to plain ones.
+    Time spent in gatekeeper's wrapped sender minus the time in Celery's own sender: reading
+    the decision started in ``send_task``, the header merge and re-addressing for gated
+    publishes, and the pass-through cost the hook adds to plain ones.
 ``redis_ping_us``
     A ``PING`` to the gate's Redis back to back, and after the client spent 1 ms on other work
     (as a publisher does between its calls). On some virtual machines an idle server's CPU
@@ -40,11 +46,11 @@ How to read the output:
     plain Celery once (its ``LPUSH``), the gate a second time unless Celery's own work covers it.
 ``redis_round_trips_per_decision=``
     Measured on the gate's Redis server: the rise of ``total_reads_processed`` (one socket read
-    per request for a synchronous client) during the gated phases minus its rise during the
-    plain phases, divided by ``N``. ``redis_commands_per_decision`` uses
-    ``total_commands_processed`` the same way; it also counts the commands ``gate.lua`` runs
-    inside its one ``EVALSHA``. Both are corrected for the ``INFO`` calls that take the
-    readings (measured by two back-to-back readings at start-up).
+    per request for a synchronous client) per gated publish minus its rise per plain publish,
+    over an untimed pass of up to 500 of each (the timed phases with ``--interleave round``).
+    ``redis_commands_per_decision`` uses ``total_commands_processed`` the same way; it also
+    counts the commands ``gate.lua`` runs inside its one ``EVALSHA``. Both are corrected for
+    the ``INFO`` calls that take the readings (measured by two back-to-back readings).
 ``broker per publish``
     The same counters on the broker (two-server mode only): what one ``delay()`` costs Celery.
 ``decisions``
@@ -63,9 +69,11 @@ import contextlib
 import cProfile
 import datetime
 import io
+import itertools
 import os
 import platform
 import pstats
+import random
 import statistics
 import sys
 import time
@@ -291,7 +299,7 @@ class Bench:
             self.count_round_trips(phases, min(n, 500))
             for index, size in enumerate(round_sizes(n, rounds)):
                 self.trim()
-                self.interleaved_round(phases, size, first=index % 2)
+                self.interleaved_round(phases, size, seed=index)
             return phases
         gate_counters = ServerCounters(self.gate)
         broker_counters = ServerCounters(self.broker) if self.separate else None
@@ -349,17 +357,21 @@ class Bench:
             line.release()
         return self.tasks["plain"].delay(i)
 
-    def interleaved_round(self, phases: dict[str, Phase], size: int, first: int) -> None:
-        """``size`` publishes of each kind, one of each in turn, the pair's order alternating."""
+    def interleaved_round(self, phases: dict[str, Phase], size: int, seed: int) -> None:
+        """``size`` publishes of each kind, one of each in turn, in every order equally often
+        (shuffled), so that no kind always follows the same other kind."""
         clock = time.perf_counter_ns
         plain, gated = phases["plain"], phases["gated"]
         ping = phases.setdefault("ping+plain", Phase("ping+plain"))
         kinds = [(plain, self.tasks["plain"].delay), (gated, self.tasks["gated"].delay)]
         kinds.append((ping, self.ping_then_plain))
         spent = {"plain": 0, "gated": 0, "ping+plain": 0}
+        orders = list(itertools.permutations(kinds))  # every kind before and after every other
+        shuffle = random.Random(seed).shuffle
         for i in range(size):
-            turn = (i + first) % 3
-            for phase, delay in kinds[turn:] + kinds[:turn]:
+            if i % len(orders) == 0:
+                shuffle(orders)
+            for phase, delay in orders[i % len(orders)]:
                 t0 = clock()
                 delay(i)
                 took = clock() - t0
