@@ -35,6 +35,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.app.routes import MapRoute
 from kombu.utils.uuid import uuid
 
 from gatekeeper.errors import ConfigError, GatekeeperError
@@ -143,6 +144,7 @@ class Installed:
         self.original_sender = check_celery_shape(app)
         self.original_send_task = check_send_task_shape(app)
         self._started = threading.local()
+        self._router_verdict: tuple[Any, bool] | None = None
         self._specs: dict[str, _Gated | None] = {}
         self._fast: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
@@ -220,8 +222,8 @@ class Installed:
         which needs the built message) are decided in :meth:`send_task_message` as before.
         """
         original = self.original_send_task
-        if len(args) > 4 or self.settings.fast_publish:  # task_id passed by position: rare
-            return original(name, *args, **options)
+        if len(args) > 4 or self.settings.fast_publish or not self._routes_leave_headers(options):
+            return original(name, *args, **options)  # (a task id passed by position: rare)
         try:
             found = self._spec(name)
         except Exception:
@@ -264,6 +266,30 @@ class Installed:
             if left is not None:
                 self._abandon(left[0], "celery returned without sending the message")
 
+    def _routes_leave_headers(self, options: dict[str, Any]) -> bool:
+        """Whether Celery's routing cannot add headers to this publish after send_task starts.
+
+        True when every route is a plain mapping without ``headers``. A router function or
+        class could add gatekeeper headers, so those publishes are decided in the sender,
+        where the headers are final (an early decision would have to be redone).
+        """
+        if options.get("router") is not None:
+            return False
+        router = self.app.amqp.router
+        known = self._router_verdict
+        if known is not None and known[0] is router:
+            return known[1]
+        safe = all(
+            isinstance(route, MapRoute)
+            and not any(
+                isinstance(target, dict) and "headers" in target
+                for target in (*route.map.values(), *route.patterns.values())
+            )
+            for route in router.routes
+        )
+        self._router_verdict = (router, safe)
+        return safe
+
     def _abandon(self, begun: Begun, error: str, event: str = "publish_abandoned") -> None:
         """A decision started for a message not sent as decided: finish it, give back its hold."""
         with contextlib.suppress(Exception):
@@ -297,8 +323,9 @@ class Installed:
             early = started.pop(job_id, None) if started else None
             begun = early[0] if early is not None else None
             if early is not None and (early[0].publish.task != name or early[1] != _own(extra)):
-                # A route added gatekeeper headers (or renamed the task) after the decision
-                # started: that decision saw other inputs, so it is given back and redone.
+                # Headers changed (or the task was renamed) after the decision started, though
+                # the routes said they would not: that decision saw other inputs, so it is
+                # given back and redone (its counters in the window stay: counted twice).
                 self._abandon(early[0], "inputs changed after send_task", "decision_redone")
                 begun = None
             if begun is not None:

@@ -114,7 +114,7 @@ class PendingScore:
             finally:
                 channel.release()
             if self._sent is None:
-                self._sent = self._store._reply_now(keys, args)
+                self._sent = self._store._reply_now(keys, args, load=True)
         return self._store._gate_reply(self._sent)
 
 
@@ -208,8 +208,9 @@ class GateStore:
         if pool is None or getattr(self.client, "connection", None) is not None:
             # A cluster client (no single pool) or a single-connection client: its own call.
             return PendingScore(self, None, self._reply_now(keys, args))
-        channel: Line | Borrowed | None = self._line.take(pool)
+        channel: Line | Borrowed | None = None
         try:
+            channel = self._line.take(pool)
             if channel is None:
                 channel = Borrowed(pool)
             channel.send(pack(["EVALSHA", self._gate.sha, str(len(keys)), *keys, *args]))
@@ -225,9 +226,14 @@ class GateStore:
             raise
         return PendingScore(self, channel, (keys, args))
 
-    def _reply_now(self, keys: list[str], args: list[str]) -> Any:
-        """The gate script's reply, or the Redis error instead of raising it."""
+    def _reply_now(self, keys: list[str], args: list[str], load: bool = False) -> Any:
+        """The gate script's reply, or the Redis error instead of raising it.
+
+        ``load``: the server just said it does not have the script, so load it first.
+        """
         try:
+            if load:
+                self.client.script_load(self._gate.script)
             return evalsha(self.client, self._gate, keys, args)
         except redis.RedisError as exc:
             return exc

@@ -65,10 +65,15 @@ class Line(threading.local):
             return None
         if self.conn is None or self.pid != os.getpid():
             # RESP2 whatever the client asked for: RESP3 lets the server interleave push
-            # messages (redis-py 8 turns on maintenance notifications with it), and this line
-            # takes the first reply it sees as the script's.
-            kwargs = {**pool.connection_kwargs, "protocol": 2}
-            self.conn, self.sock, self.pid = pool.connection_class(**kwargs), None, os.getpid()
+            # messages (redis-py 8 turns on maintenance notifications with it, and they need
+            # RESP3, so their settings stay behind), and this line takes the first reply it
+            # sees as the script's.
+            kwargs = {k: v for k, v in pool.connection_kwargs.items() if k not in _RESP3_ONLY}
+            self.conn, self.sock, self.pid = None, None, os.getpid()
+            try:
+                self.conn = pool.connection_class(**kwargs, protocol=2)
+            except Exception:  # settings this line cannot take: the pool's own connections
+                return None
         self.busy = True
         return self
 
@@ -127,6 +132,17 @@ class Line(threading.local):
 
     def release(self) -> None:
         self.busy = False
+
+
+_RESP3_ONLY = frozenset(
+    {
+        "protocol",
+        "maint_notifications_config",
+        "maint_notifications_pool_handler",
+        "oss_cluster_maint_notifications_handler",
+    }
+)
+"""Connection settings a RESP2 line must not pass on (redis-py 8 refuses them with RESP2)."""
 
 
 def _stale(conn: Any) -> bool:

@@ -153,11 +153,39 @@ def test_a_task_router_is_overridden(redis_url: str, redis_client: redis.Redis) 
     assert lengths(redis_client)["free"] == 1
 
 
-def test_a_routes_gatekeeper_headers_are_decided_on(
-    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    "routes",
+    [
+        {"tests.embed": {"queue": "celery", "headers": {"gatekeeper_deadline_s": 1.5}}},
+        [lambda name, args, kwargs, options, task=None, **kw: {"headers": {
+            "gatekeeper_deadline_s": 1.5}}],
+    ],
+    ids=["mapping", "router function"],
+)  # fmt: skip
+def test_a_routes_gatekeeper_headers_are_decided_on_once(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str], routes: Any
 ) -> None:
-    # The route's headers reach Celery after the decision started in send_task: it is redone.
+    # Routes that can add headers: the decision waits for them (no early start, no redo).
     app = make_app(redis_url)
+    app.conf.task_routes = routes
+    app.tasks["tests.embed"].delay(1)
+    assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == (
+        "dwell_over_slack"
+    )
+    err = capsys.readouterr().err
+    assert err.count("event=gate_decision") == 1 and "decision_redone" not in err
+
+
+def test_headers_that_change_after_an_early_start_redo_the_decision(
+    redis_url: str,
+    redis_client: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The safety net, should a router the check trusts add headers all the same.
+    app = make_app(redis_url)
+    gate = install(app)
+    monkeypatch.setattr(gate, "_routes_leave_headers", lambda options: True)
     route = {"queue": "celery", "headers": {"gatekeeper_deadline_s": 1.5}}
     app.conf.task_routes = {"tests.embed": route}
     app.tasks["tests.embed"].delay(1)
@@ -325,6 +353,13 @@ def test_the_decision_started_in_send_task_is_the_one_used(
 ) -> None:
     app = make_app(redis_url)
     gate = install(app)
+
+    def not_here(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("decided in the sender, not started in send_task")
+
+    gate.pipeline.route = not_here  # type: ignore[method-assign]
+    app.tasks["tests.embed"].delay(0)  # the script loaded, whatever ran before
+    redis_client.delete("free")
     redis_client.config_resetstat()
     result = app.tasks["tests.embed"].apply_async((1,), task_id="early-1")
     calls = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
