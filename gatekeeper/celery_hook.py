@@ -304,7 +304,9 @@ class Installed:
                 error=error,
             )
             if routing.decision == "admit_free":
-                self.store.release(publish.job_id, publish.attempt, int(begun.win))
+                self.store.release(
+                    publish.job_id, publish.attempt, int(begun.win), unpublished=True
+                )
 
     def send_task_message(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
         """The wrapped sender: gated tasks are scored and re-addressed, others pass through."""
@@ -363,7 +365,9 @@ class Installed:
             if publish is not None and routing.decision == "admit_free":
                 window = routing.headers.get(H_WINDOW, 0)
                 try:
-                    self.store.release(publish.job_id, publish.attempt, int(window))
+                    self.store.release(
+                        publish.job_id, publish.attempt, int(window), unpublished=True
+                    )
                 except (GatekeeperError, TypeError, ValueError) as exc:
                     self.log.warning("release_failed", job_id=publish.job_id, error=str(exc))
             raise

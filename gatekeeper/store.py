@@ -281,12 +281,19 @@ class GateStore:
         decision, _, reason = text_of(raw).partition("|")
         return decision, reason
 
-    def release(self, job_id: str, attempt: int, window_id: int) -> int:
-        """Give back an admitted attempt's exposure (it will not run); returns the tokens."""
+    def release(
+        self, job_id: str, attempt: int, window_id: int, *, unpublished: bool = False
+    ) -> int:
+        """Give back an admitted attempt's exposure (it will not run); returns the tokens.
+
+        ``unpublished``: the message never reached the broker, so the admission is taken back
+        from the window's ``admitted_free`` too.
+        """
         member = f"{job_id}:{attempt}"
         keys = [self.keys.inflight, self.keys.free_waiting, self.keys.window(window_id)]
+        args = [member, "1" if unpublished else "0"]
         try:
-            return int(float(evalsha(self.client, self._release, keys, [member])))
+            return int(float(evalsha(self.client, self._release, keys, args)))
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot release {member}: {exc}") from exc
 

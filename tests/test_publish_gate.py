@@ -327,8 +327,9 @@ def test_a_publish_the_broker_refuses_gives_back_what_the_gate_took(
     keys = Keys()
     assert redis_client.hlen(keys.inflight) == 0
     assert redis_client.zcard(keys.free_waiting) == 0
-    exposure = redis_client.hget(keys.window(window_id(time.time(), 900)), "exposure")
-    assert float(exposure or 0) == 0
+    window = redis_client.hgetall(keys.window(window_id(time.time(), 900)))
+    assert float(window.get(b"exposure", 0)) == 0
+    assert int(window.get(b"admitted_free", 0)) == 0  # never published: not an admission
 
 
 def test_a_publish_that_fails_before_sending_gives_back_what_the_gate_took(
@@ -344,6 +345,8 @@ def test_a_publish_that_fails_before_sending_gives_back_what_the_gate_took(
     assert redis_client.hlen(keys.inflight) == 0
     assert redis_client.zcard(keys.free_waiting) == 0
     assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 0, "celery": 0}
+    window = redis_client.hgetall(keys.window(window_id(time.time(), 900)))
+    assert int(window.get(b"admitted_free", 0)) == 0
     assert "event=publish_abandoned" in capsys.readouterr().err
     assert not gate._started.by_id
 

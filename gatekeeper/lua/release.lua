@@ -6,9 +6,12 @@
 --
 -- KEYS[1] inflight                  hash: <job_id>:<attempt> -> "<tokens>|<window>|<ms>"
 -- KEYS[2] free:waiting              sorted set: admitted free attempts not yet started
--- KEYS[3] window:<admission window> hash: exposure
+-- KEYS[3] window:<admission window> hash: exposure, admitted_free
 --
--- ARGV[1] member   <job_id>:<attempt>
+-- ARGV[1] member       <job_id>:<attempt>
+-- ARGV[2] unpublished  "1" when the message was never published (the broker refused it, or
+--                      Celery failed to build it): the admission itself is taken back from
+--                      admitted_free, so the freeze rule's miss rate is not diluted by it
 --
 -- Returns the tokens released (0 when the attempt held none).
 
@@ -20,4 +23,7 @@ end
 redis.call('HDEL', KEYS[1], ARGV[1])
 local tokens = tonumber(string.match(held, '^[^|]+'))
 redis.call('HINCRBYFLOAT', KEYS[3], 'exposure', -tokens)
+if ARGV[2] == '1' then
+  redis.call('HINCRBY', KEYS[3], 'admitted_free', -1)
+end
 return tokens
