@@ -18,13 +18,13 @@ wrapper publishes to the queue by name on the default exchange: ``exchange`` and
 ``install`` also wraps ``app.send_task`` (the same per-app attribute trick), only to start the
 decision early: it fixes the task id and sends the gate script before Celery routes and builds
 the message, and the wrapped sender reads the reply, so the round trip runs alongside Celery's
-own work. :func:`check_send_task_shape` guards the parameters it reads. Publishes that do not
-pass through ``send_task`` are decided in the sender from start to end.
+own work (:mod:`gatekeeper.early_start`). :func:`check_send_task_shape` guards the parameters
+it reads. Publishes that do not pass through ``send_task`` are decided in the sender from
+start to end.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import threading
 import time
@@ -35,9 +35,8 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.app.routes import MapRoute
-from kombu.utils.uuid import uuid
 
+from gatekeeper.early_start import EarlyStart
 from gatekeeper.errors import ConfigError, GatekeeperError
 from gatekeeper.fastpath import (
     PLACEHOLDERS,
@@ -46,7 +45,7 @@ from gatekeeper.fastpath import (
     fast_path_possible,
     same_server,
 )
-from gatekeeper.pipeline import GATE_ERROR, Begun, Pipeline, Publish
+from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
 from gatekeeper.settings import GatekeeperSettings, load_settings
 from gatekeeper.spec import H_FREE_ADMITTED, H_WINDOW, BadDeclaredInput, GatedSpec, spec_of
 from gatekeeper.worker import WorkerSide
@@ -142,9 +141,9 @@ class Installed:
         self.log = self.pipeline.log
         self.worker = WorkerSide(app, settings, client, self.flags, clock)
         self.original_sender = check_celery_shape(app)
-        self.original_send_task = check_send_task_shape(app)
-        self._started = threading.local()
-        self._router_verdict: tuple[Any, bool] | None = None
+        self.early = EarlyStart(
+            app, self.pipeline, check_send_task_shape(app), self._spec, not settings.fast_publish
+        )
         self._specs: dict[str, _Gated | None] = {}
         self._fast: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
@@ -202,112 +201,6 @@ class Installed:
 
         return render
 
-    def _started_decisions(self) -> dict[str, tuple[Begun, dict[str, Any]]]:
-        """This thread's decisions started in send_task, by task id, with the gatekeeper
-        headers they saw."""
-        started: dict[str, tuple[Begun, dict[str, Any]]] | None = getattr(
-            self._started, "by_id", None
-        )
-        if started is None:
-            started = self._started.by_id = {}
-        return started
-
-    def send_task(self, name: str, *args: Any, **options: Any) -> Any:
-        """The wrapped ``app.send_task``: starts a gated task's decision before Celery builds it.
-
-        The gate script is sent here, with the task id fixed early (Celery would draw the same
-        kind of uuid itself a moment later), and its reply is read in :meth:`send_task_message`
-        after Celery has routed and built the message: the round trip runs while Celery works
-        instead of after it. Publishes that do not come through here (or with fast publish on,
-        which needs the built message) are decided in :meth:`send_task_message` as before.
-        """
-        original = self.original_send_task
-        if len(args) > 4 or self.settings.fast_publish or not self._routes_leave_headers(options):
-            return original(name, *args, **options)  # (a task id passed by position: rare)
-        try:
-            found = self._spec(name)
-        except Exception:
-            found = None
-        if found is None:
-            return original(name, *args, **options)
-        try:
-            task_id = str(options.get("task_id") or uuid())
-            countdown = args[2] if len(args) > 2 else options.get("countdown")
-            eta = args[3] if len(args) > 3 else options.get("eta")
-            headers = dict(options.get("headers") or {})
-            delay = max(0.0, float(countdown)) if countdown else None
-            if delay is None and eta:
-                headers["eta"] = eta if isinstance(eta, str) else eta.isoformat()
-            publish = Publish(
-                task=name,
-                job_id=task_id,
-                retries=int(options.get("retries") or 0),
-                max_retries=found.max_retries,
-                spec=found.spec,
-                headers=headers,
-                spec_error=found.error,
-                delay_s=delay,
-            )
-            begun = self.pipeline.begin(publish)
-        except Exception:  # decided in send_task_message instead, where faults fail closed
-            return original(name, *args, **options)
-        options["task_id"] = task_id
-        started = self._started_decisions()
-        started[task_id] = (begun, _own(options.get("headers") or {}))
-        try:
-            return original(name, *args, **options)
-        except BaseException as exc:
-            left = started.pop(task_id, None)
-            if left is not None:
-                self._abandon(left[0], f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            left = started.pop(task_id, None)
-            if left is not None:
-                self._abandon(left[0], "celery returned without sending the message")
-
-    def _routes_leave_headers(self, options: dict[str, Any]) -> bool:
-        """Whether Celery's routing cannot add headers to this publish after send_task starts.
-
-        True when every route is a plain mapping without ``headers``. A router function or
-        class could add gatekeeper headers, so those publishes are decided in the sender,
-        where the headers are final (an early decision would have to be redone).
-        """
-        if options.get("router") is not None:
-            return False
-        router = self.app.amqp.router
-        known = self._router_verdict
-        if known is not None and known[0] is router:
-            return known[1]
-        safe = all(
-            isinstance(route, MapRoute)
-            and not any(
-                isinstance(target, dict) and "headers" in target
-                for target in (*route.map.values(), *route.patterns.values())
-            )
-            for route in router.routes
-        )
-        self._router_verdict = (router, safe)
-        return safe
-
-    def _abandon(self, begun: Begun, error: str, event: str = "publish_abandoned") -> None:
-        """A decision started for a message not sent as decided: finish it, give back its hold."""
-        with contextlib.suppress(Exception):
-            routing = self.pipeline.complete(begun)
-            publish = begun.publish
-            self.log.warning(
-                event,
-                task=publish.task,
-                job_id=publish.job_id,
-                attempt=publish.attempt,
-                decision=routing.decision,
-                error=error,
-            )
-            if routing.decision == "admit_free":
-                self.store.release(
-                    publish.job_id, publish.attempt, int(begun.win), unpublished=True
-                )
-
     def send_task_message(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
         """The wrapped sender: gated tasks are scored and re-addressed, others pass through."""
         try:
@@ -321,15 +214,7 @@ class Installed:
         try:
             headers = message.headers
             job_id = str(headers["id"])
-            started = getattr(self._started, "by_id", None)
-            early = started.pop(job_id, None) if started else None
-            begun = early[0] if early is not None else None
-            if early is not None and (early[0].publish.task != name or early[1] != _own(extra)):
-                # Headers changed (or the task was renamed) after the decision started, though
-                # the routes said they would not: that decision saw other inputs, so it is
-                # given back and redone (its counters in the window stay: counted twice).
-                self._abandon(early[0], "inputs changed after send_task", "decision_redone")
-                begun = None
+            begun = self.early.take(job_id, name, extra)
             if begun is not None:
                 publish = begun.publish
                 routing = self.pipeline.complete(begun)
@@ -373,11 +258,6 @@ class Installed:
             raise
 
 
-def _own(headers: dict[str, Any]) -> dict[str, Any]:
-    """The headers a decision reads: gatekeeper's own."""
-    return {key: value for key, value in headers.items() if key.startswith("gatekeeper_")}
-
-
 def install(
     app: Celery,
     settings: GatekeeperSettings | None = None,
@@ -406,7 +286,7 @@ def install(
                 )
         gate = Installed(app, settings, client or _client(settings), clock)
         app.amqp.send_task_message = gate.send_task_message
-        app.send_task = gate.send_task
+        app.send_task = gate.early.send_task
         gate.worker.connect()
         _installed[app] = gate
         return gate

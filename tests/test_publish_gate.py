@@ -185,7 +185,7 @@ def test_headers_that_change_after_an_early_start_redo_the_decision(
     # The safety net, should a router the check trusts add headers all the same.
     app = make_app(redis_url)
     gate = install(app)
-    monkeypatch.setattr(gate, "_routes_leave_headers", lambda options: True)
+    monkeypatch.setattr(gate.early, "routes_leave_headers", lambda options: True)
     route = {"queue": "celery", "headers": {"gatekeeper_deadline_s": 1.5}}
     app.conf.task_routes = {"tests.embed": route}
     app.tasks["tests.embed"].delay(1)
@@ -348,7 +348,7 @@ def test_a_publish_that_fails_before_sending_gives_back_what_the_gate_took(
     window = redis_client.hgetall(keys.window(window_id(time.time(), 900)))
     assert int(window.get(b"admitted_free", 0)) == 0
     assert "event=publish_abandoned" in capsys.readouterr().err
-    assert not gate._started.by_id
+    assert not gate.early.started()
 
 
 def test_the_decision_started_in_send_task_is_the_one_used(
@@ -368,7 +368,7 @@ def test_the_decision_started_in_send_task_is_the_one_used(
     calls = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
     assert calls == 1  # one gate script per decision, started early and read once
     assert only_message(redis_client, "free")["headers"]["id"] == result.id == "early-1"
-    assert not gate._started.by_id
+    assert not gate.early.started()
 
 
 def test_a_task_id_passed_by_position_is_still_gated(
