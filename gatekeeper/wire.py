@@ -16,6 +16,7 @@ so two calls in flight on one socket could swap answers.
 
 from __future__ import annotations
 
+import inspect
 import os
 import select
 import threading
@@ -181,8 +182,6 @@ def _get_connection(pool: redis.ConnectionPool) -> Any:
 
 
 def _takes_name() -> bool:
-    import inspect
-
     param = inspect.signature(redis.ConnectionPool.get_connection).parameters.get("command_name")
     return param is not None and param.default is inspect.Parameter.empty
 
