@@ -351,7 +351,7 @@ class Bench:
         line = self.ping_line.take(self.gate.connection_pool)
         assert line is not None
         try:
-            line.send(b"*1\r\n$4\r\nPING\r\n")
+            line.send(["PING"])
             line.read()
         finally:
             line.release()

@@ -77,13 +77,13 @@ class EarlyStart:
     def send_task(self, name: str, *args: Any, **options: Any) -> Any:
         """``app.send_task``, with a gated task's decision started before Celery's work."""
         original = self.original
-        if len(args) > 4 or not self.enabled or not self.routes_leave_headers(options):
+        if len(args) > 4 or not self.enabled:
             return original(name, *args, **options)
         try:
             found = self.lookup(name)
         except Exception:  # an app that cannot list its tasks must not break publishing
             found = None
-        if found is None:
+        if found is None or not self.routes_leave_headers(options):
             return original(name, *args, **options)
         try:
             task_id = str(options.get("task_id") or uuid())

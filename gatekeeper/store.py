@@ -23,7 +23,7 @@ from gatekeeper.fastpath import Push
 from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, Keys
 from gatekeeper.ledger import BudgetMode
 from gatekeeper.review import DEFER_FIT, RESERVED_AGE_SHIFT
-from gatekeeper.wire import Borrowed, Line, pack
+from gatekeeper.wire import Borrowed, Line
 
 __all__ = [
     "DEFAULT_QUEUE_AGE_HORIZON_S",
@@ -213,7 +213,7 @@ class GateStore:
             channel = self._line.take(pool)
             if channel is None:
                 channel = Borrowed(pool)
-            channel.send(pack(["EVALSHA", self._gate.sha, str(len(keys)), *keys, *args]))
+            channel.send(["EVALSHA", self._gate.sha, str(len(keys)), *keys, *args])
         except redis.RedisError as exc:
             if channel is not None:
                 channel.close()

@@ -6,7 +6,7 @@ script's request and reply then go straight through its socket, packed and parse
 when it is installed. Through redis-py's per-command machinery a round trip costs several
 times the CPU of the socket calls themselves, and the publish path pays that on every task.
 Without hiredis, or when redis-py's connection lacks the socket attribute this relies on
-(``_sock``, checked by the test suite), the line uses redis-py's own ``send_packed_command``
+(``_sock``, checked by the test suite), the line uses redis-py's own ``send_command``
 and ``read_response``.
 
 A call made while this thread's line awaits a reply (a publish inside another's decision)
@@ -32,22 +32,10 @@ try:
 except ImportError:  # pragma: no cover - hiredis is optional
     hiredis = None
 
-__all__ = ["Borrowed", "Line", "pack"]
+__all__ = ["Borrowed", "Line"]
 
 RAW = hiredis is not None and hasattr(hiredis, "pack_command")
 """hiredis packs and parses; without it, redis-py's connection does both."""
-
-
-def pack(parts: Sequence[str]) -> bytes:
-    """A command in RESP, as redis-py would send it."""
-    if RAW:
-        packed: bytes = hiredis.pack_command(tuple(parts))
-        return packed
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        data = part.encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
 
 
 class Line(threading.local):
@@ -78,7 +66,8 @@ class Line(threading.local):
         self.busy = True
         return self
 
-    def send(self, packed: bytes) -> None:
+    def send(self, parts: Sequence[str]) -> None:
+        """Send one command: through the socket when hiredis packs it, else through redis-py."""
         try:
             if self._went_stale():
                 self.close()
@@ -90,9 +79,9 @@ class Line(threading.local):
                     self.poller = select.poll()
                     self.poller.register(self.sock, select.POLLIN)
             if self.sock is not None:
-                self.sock.sendall(packed)
+                self.sock.sendall(hiredis.pack_command(tuple(parts)))
             else:
-                self.conn.send_packed_command([packed], check_health=False)
+                self.conn.send_command(*parts, check_health=False)
         except OSError as exc:
             raise redis.ConnectionError(f"cannot send to the gate's Redis: {exc}") from exc
 
@@ -161,8 +150,8 @@ class Borrowed:
         self.pool = pool
         self.conn = _get_connection(pool)
 
-    def send(self, packed: bytes) -> None:
-        self.conn.send_packed_command([packed], check_health=False)
+    def send(self, parts: Sequence[str]) -> None:
+        self.conn.send_command(*parts, check_health=False)
 
     def read(self) -> Any:
         return self.conn.read_response()
