@@ -246,15 +246,13 @@ class Pipeline:
         # Rule 1 needs no Redis: a guard that fires here never costs a round trip.
         cap = self.settings.max_queue_age_s
         service = inputs.expected_service_s
-        guard = (
-            None
-            if guards_pass(service, tax_s, slack, cap, delay)
-            else decide(GateInputs(0.0, service, tax_s, slack, cap, delay))
-        )
-        if guard is not None and guard.decision is Decision.DEFER:
-            fields.update(queue_age_s=0.0, dwell_s=guard.dwell_s, field=guard.field)
-            self._count(win, guard.decision, guard.reason.value, fields)
-            return Begun(publish, self._finish(guard.decision, guard.reason.value, headers, fields))
+        if not guards_pass(service, tax_s, slack, cap, delay):  # decide() names the reason
+            guard = decide(GateInputs(0.0, service, tax_s, slack, cap, delay))
+            if guard.decision is Decision.DEFER:
+                fields.update(queue_age_s=0.0, dwell_s=guard.dwell_s, field=guard.field)
+                self._count(win, guard.decision, guard.reason.value, fields)
+                routing = self._finish(guard.decision, guard.reason.value, headers, fields)
+                return Begun(publish, routing)
 
         push = render(headers) if render is not None else None
         pending = self.store.start_score(
