@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import redis
@@ -59,9 +60,12 @@ class Push:
     """Broker lists for admit_free, defer, reserved (priority sub-lists where needed)."""
     queues: tuple[str, str, str]
 
-    @property
+    @cached_property
     def pieces(self) -> list[str]:
-        """The template cut at its placeholders: text, name, text, ..., text (for gate.lua)."""
+        """The template cut at its placeholders: text, name, text, ..., text (for gate.lua).
+
+        Cut once: the capture checks the names, then the script call sends the pieces.
+        """
         return _PLACEHOLDER.split(self.template)
 
 
