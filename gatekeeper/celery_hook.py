@@ -170,7 +170,7 @@ class Installed:
 
     def _renderer(
         self, producer: Any, name: str, message: Any, options: dict[str, Any], extra: dict[str, Any]
-    ) -> Callable[[dict[str, Any]], Push | None] | None:
+    ) -> _FastRender | None:
         """The fast-publish renderer when this publish can take it, else None."""
         if not self.settings.fast_publish:
             return None
@@ -186,20 +186,7 @@ class Installed:
             self._fast[pool] = same_server(client, self.client)
         if not self._fast[pool]:
             return None
-        job_id = str(message.headers.get("id"))
-
-        def render(headers: dict[str, Any]) -> Push | None:
-            placeholders = dict(PLACEHOLDERS)
-            if headers.get(H_FREE_ADMITTED):
-                placeholders.pop(H_FREE_ADMITTED)  # an earlier attempt ran free: stays true
-            opts = {**options, "queue": queues[0], "exchange": None, "routing_key": None}
-            opts.pop("exchange_type", None)
-            opts["headers"] = {**extra, **headers, **placeholders}
-            return capture_message(
-                self.original_sender, producer, (name, message), opts, queues, job_id
-            )
-
-        return render
+        return _FastRender(self.original_sender, producer, name, message, options, extra, queues)
 
     def send_task_message(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
         """The wrapped sender: gated tasks are scored and re-addressed, others pass through."""
@@ -211,6 +198,7 @@ class Installed:
             return self.original_sender(producer, name, message, **options)
         extra = dict(options.get("headers") or {})
         publish: Publish | None = None
+        render: _FastRender | None = None
         try:
             headers = message.headers
             job_id = str(headers["id"])
@@ -236,6 +224,13 @@ class Installed:
         except Exception as exc:  # never break the caller's publish; never route to free
             stub = publish or Publish(name, "unknown", 0, None, found.spec, {})
             routing = self.pipeline.fail_closed(stub, GATE_ERROR, f"{type(exc).__name__}: {exc}")
+        caught = render.push if render is not None else None
+        if caught is not None and routing.queue is not None and routing.decision != "admit_free":
+            # Fast publish whose script did not push: Celery already built and "sent" this
+            # message (its signals fired), so push that message, decided here, instead of
+            # sending it a second time.
+            caught.put(producer.channel, routing.decision, routing.reason, routing.queue)
+            return None
         if routing.queue is not None:
             options["queue"] = routing.queue
             options["exchange"] = None
@@ -256,6 +251,38 @@ class Installed:
                 except (GatekeeperError, TypeError, ValueError) as exc:
                     self.log.warning("release_failed", job_id=publish.job_id, error=str(exc))
             raise
+
+
+class _FastRender:
+    """Fast publish for one publish: Celery's sender run with kombu's push caught
+    (:func:`gatekeeper.fastpath.capture_message`), the caught message kept for a fallback."""
+
+    def __init__(
+        self,
+        sender: Callable[..., Any],
+        producer: Any,
+        name: str,
+        message: Any,
+        options: dict[str, Any],
+        extra: dict[str, Any],
+        queues: tuple[str, str, str],
+    ) -> None:
+        self.sender, self.producer, self.name, self.message = sender, producer, name, message
+        self.options, self.extra, self.queues = options, extra, queues
+        self.push: Push | None = None
+
+    def __call__(self, headers: dict[str, Any]) -> Push | None:
+        placeholders = dict(PLACEHOLDERS)
+        if headers.get(H_FREE_ADMITTED):
+            placeholders.pop(H_FREE_ADMITTED)  # an earlier attempt ran free: stays true
+        opts = {**self.options, "queue": self.queues[0], "exchange": None, "routing_key": None}
+        opts.pop("exchange_type", None)
+        opts["headers"] = {**self.extra, **headers, **placeholders}
+        job_id = str(self.message.headers.get("id"))
+        self.push = capture_message(
+            self.sender, self.producer, (self.name, self.message), opts, self.queues, job_id
+        )
+        return self.push
 
 
 def install(

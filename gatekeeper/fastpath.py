@@ -14,15 +14,19 @@ virtual Redis channel (``_put``, ``_q_for_pri``, ``_get_message_priority``): pri
 covered by tests that fail if it changes. It stands aside, and the ordinary path is taken,
 for: another transport or server (compared by the server's ``run_id`` and database), kombu's
 ``global_keyprefix``, queues with an expiry or a non-direct exchange, and kombu publish
-batches. Known limits: Celery's ``before_task_publish``/``after_task_publish`` and the
-``task-sent`` event see the free queue whatever the decision, and fire twice when scoring
-fails and the task is then published the ordinary way; a script that ran but whose reply was
-lost is looked up (``fast:<job_id>:<attempt>``) before any fallback, so it is not published
-twice, unless Redis stays unreachable for that check too.
+batches. When the script fails before pushing, the message Celery already built goes to
+reserved through the channel's own ``_put`` (:meth:`Push.put`), so it is built, and Celery's
+publish signals fire, once. Known limits: Celery's ``before_task_publish``/``after_task_publish``
+and the ``task-sent`` event see the free queue and placeholder decision headers whatever the
+decision (the decision is made after they fire), and fire twice for a message whose headers
+hold a value that looks like a placeholder (it is then published the ordinary way); a script
+that ran but whose reply was lost is looked up (``fast:<job_id>:<attempt>``) before any
+fallback, so it is not published twice, unless Redis stays unreachable for that check too.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +71,28 @@ class Push:
         Cut once: the capture checks the names, then the script call sends the pieces.
         """
         return _PLACEHOLDER.split(self.template)
+
+    def put(self, channel: Any, decision: str, reason: str, queue: str) -> None:
+        """Push the message with a decision made without the script (the fallback when the
+        script did not push it), through the kombu channel's own ``_put``.
+
+        Never for ``admit_free``: an admission is only ever pushed by ``gate.lua``, which
+        holds its exposure and enters it in the free queue's wait in the same step.
+        """
+        if decision == "admit_free":
+            raise ValueError("decision: admit_free is pushed by gate.lua only")
+        values = {
+            "decision": json.dumps(decision),
+            "reason": json.dumps(reason),
+            "dwell": "null",
+            "free": "false",
+            "window": "null",
+            "queue": json.dumps(queue),
+        }
+        text = "".join(
+            values[piece] if index % 2 else piece for index, piece in enumerate(self.pieces)
+        )
+        channel._put(queue, json.loads(text))
 
 
 def same_server(broker: Any, gate: redis.Redis) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.signals import before_task_publish
 from click.testing import CliRunner
 from kombu.exceptions import OperationalError
 
@@ -419,6 +420,39 @@ def test_a_fast_publish_that_the_gate_defers_carries_no_placeholders(
     headers = message["headers"]
     assert headers["gatekeeper_free_admitted"] is False and headers["gatekeeper_window"] is None
     assert message["properties"]["delivery_info"]["routing_key"] == "reserved"
+
+
+def test_a_fast_publish_whose_script_fails_is_sent_once_to_reserved(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """The script fails before pushing (the window's key holds a string): the message Celery
+    already built is pushed to reserved, not built and sent a second time."""
+    app = make_app(redis_url, fast_publish=True)
+    now = window_id(time.time(), 900)
+    for win in (now, now + 1):  # the publish may fall in the next window
+        redis_client.set(Keys().window(win), "not a hash")
+    fired: list[str] = []
+
+    def count(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        fired.append(str(headers.get("id")))
+
+    before_task_publish.connect(count, weak=False)
+    try:
+        result = app.tasks["tests.embed"].delay(1)
+    finally:
+        before_task_publish.disconnect(count)
+    assert fired == [result.id]
+    message = only_message(redis_client, "reserved")
+    headers = message["headers"]
+    assert headers["id"] == result.id
+    assert (headers["gatekeeper_decision"], headers["gatekeeper_reason"]) == (
+        "reserved",
+        "gate_unavailable",
+    )
+    assert headers["gatekeeper_free_admitted"] is False
+    assert message["properties"]["delivery_info"]["routing_key"] == "reserved"
+    assert "__gk_" not in json.dumps(message)
+    assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 1, "celery": 0}
 
 
 def test_a_header_that_looks_like_a_placeholder_takes_the_ordinary_path(
