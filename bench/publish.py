@@ -2,7 +2,7 @@
 
 Run on demand (this is not a test)::
 
-    python bench/publish.py [--redis-url URL] [-n N] [--rounds R] [--fast-publish]
+    python bench/publish.py [--redis-url URL] [-n N] [--rounds R] [--fast-publish auto|on|off]
                             [--separate-gate] [--interleave call|round] [--profile]
 
 What it measures. One Celery app publishes ``N`` tasks of a plain task (to ``celery``), ``N``
@@ -15,7 +15,8 @@ first. Between rounds, outside the timed sections, the broker lists (``celery``,
 and the gate's waiting set are deleted so that nothing grows without bound.
 
 Without ``--redis-url`` one embedded ``redis-server`` is both broker and gate (the usual
-deployment, where ``--fast-publish`` can decide and publish in the one round trip); with
+deployment, where fast publish, the default, decides and publishes in the one round trip;
+``--fast-publish off`` measures the ordinary path, the script and then Celery's publish); with
 ``--separate-gate`` two are started, and the gate's server counts gate commands alone. With
 ``--redis-url`` that one Redis is both broker and gate. It must be a scratch Redis: the
 bench deletes the ``celery`` and ``free`` lists and the gate's waiting set.
@@ -144,12 +145,15 @@ class Probes:
     hook_ns: list[int] = field(default_factory=list)
     sender_ns: list[int] = field(default_factory=list)
     reasons: Counter[str] = field(default_factory=Counter)
+    pushed_by_script: int = 0
+    """Gated publishes whose message ``gate.lua`` pushed itself (fast publish taken)."""
 
     def clear(self) -> None:
         self.route_ns.clear()
         self.hook_ns.clear()
         self.sender_ns.clear()
         self.reasons.clear()
+        self.pushed_by_script = 0
 
 
 def percentiles_us(samples_ns: list[int]) -> tuple[float, float]:
@@ -182,6 +186,7 @@ def install_probes(app: Celery, installed: gatekeeper.Installed) -> Probes:
         routing = complete(begun)
         probes.route_ns.append(clock() - start + began.pop(id(begun), 0))
         probes.reasons[routing.reason] += 1
+        probes.pushed_by_script += routing.published
         return routing
 
     def timed_inner(*args: Any, **kwargs: Any) -> Any:
@@ -224,7 +229,7 @@ def round_sizes(n: int, rounds: int) -> list[int]:
 class Bench:
     """One Celery app with a plain and a gated task, the gate installed and probed."""
 
-    def __init__(self, broker_url: str, gate_url: str, separate: bool, fast: bool = True) -> None:
+    def __init__(self, broker_url: str, gate_url: str, separate: bool, fast: str = "auto") -> None:
         self.separate = separate
         self.app = Celery("bench", broker=broker_url)
         self.app.conf.task_default_queue = "celery"
@@ -461,6 +466,11 @@ def report(bench: Bench, phases: dict[str, Phase], n: int) -> list[str]:
         lines.append("broker per publish: " + "; ".join(parts))
     reasons = " ".join(f"{k}={v}" for k, v in sorted(bench.probes.reasons.items()))
     lines.append(f"decisions: {reasons}")
+    decided = sum(bench.probes.reasons.values())
+    lines.append(
+        f"fast_publish={bench.installed.settings.fast_publish} taken for "
+        f"{bench.probes.pushed_by_script}/{decided} gated publishes (gate.lua pushed the message)"
+    )
     return lines
 
 
@@ -500,8 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--fast-publish",
-        action="store_true",
-        help="turn on fast publish (experimental): the gate script pushes the message itself",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the fast_publish setting (default auto, as in a deployment): the gate script "
+        "pushes the message itself when broker and gate are one server; off measures the "
+        "ordinary path (the script, then Celery's own publish)",
     )
     parser.add_argument(
         "--interleave",

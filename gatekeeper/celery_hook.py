@@ -43,6 +43,7 @@ from gatekeeper.fastpath import (
     Push,
     capture_message,
     fast_path_possible,
+    publish_signals_connected,
     same_server,
 )
 from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
@@ -142,10 +143,20 @@ class Installed:
         self.worker = WorkerSide(app, settings, client, self.flags, clock)
         self.original_sender = check_celery_shape(app)
         self.early = EarlyStart(
-            app, self.pipeline, check_send_task_shape(app), self._spec, not settings.fast_publish
+            app, self.pipeline, check_send_task_shape(app), self._spec, self._early_start
         )
         self._specs: dict[str, _Gated | None] = {}
         self._fast: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._fast_fits: bool | None = None
+        """Whether the last publish that asked could take fast publish (None: none asked)."""
+
+    def _early_start(self) -> bool:
+        """Whether to start decisions in ``send_task``: when fast publish (which needs the
+        built message) will not be taken."""
+        mode = self.settings.fast_publish
+        if mode == "off" or self._fast_fits is False:
+            return True
+        return mode == "auto" and publish_signals_connected()
 
     def _spec(self, name: str) -> _Gated | None:
         """What the hook needs of a task by name, looked up once; None when it is not gated.
@@ -172,19 +183,24 @@ class Installed:
         self, producer: Any, name: str, message: Any, options: dict[str, Any], extra: dict[str, Any]
     ) -> _FastRender | None:
         """The fast-publish renderer when this publish can take it, else None."""
-        if not self.settings.fast_publish:
+        mode = self.settings.fast_publish
+        if mode == "off":
             return None
+        if mode == "auto" and (
+            publish_signals_connected() or getattr(message, "sent_event", None) is not None
+        ):
+            return None  # something would see this publish: Celery's own way
         channel = getattr(producer, "channel", None)
         queues = (self.settings.free_queue, self.settings.defer_queue, self.settings.reserved_queue)
-        if not fast_path_possible(self.app, producer, channel, queues):
-            return None
         client = getattr(channel, "client", None)
         pool = getattr(client, "connection_pool", None)
-        if pool is None:
-            return None
-        if pool not in self._fast:
-            self._fast[pool] = same_server(client, self.client)
-        if not self._fast[pool]:
+        fits = pool is not None and fast_path_possible(self.app, producer, channel, queues)
+        if fits:
+            if pool not in self._fast:
+                self._fast[pool] = same_server(client, self.client)
+            fits = self._fast[pool]
+        self._fast_fits = fits
+        if not fits:
             return None
         return _FastRender(self.original_sender, producer, name, message, options, extra, queues)
 
@@ -228,9 +244,14 @@ class Installed:
         if caught is not None and routing.queue is not None and routing.decision != "admit_free":
             # Fast publish whose script did not push: Celery already built and "sent" this
             # message (its signals fired), so push that message, decided here, instead of
-            # sending it a second time.
-            caught.put(producer.channel, routing.decision, routing.reason, routing.queue)
-            return None
+            # sending it a second time. If even that fails, Celery's sender (with kombu's
+            # retry policy) sends it again.
+            try:
+                caught.put(producer.channel, routing.decision, routing.reason, routing.queue)
+                return None
+            except Exception as exc:
+                self.log.warning("fast_fallback_failed", job_id=publish and publish.job_id,
+                                 error=f"{type(exc).__name__}: {exc}")  # fmt: skip
         if routing.queue is not None:
             options["queue"] = routing.queue
             options["exchange"] = None

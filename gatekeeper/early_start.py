@@ -55,7 +55,7 @@ class EarlyStart:
         pipeline: Pipeline,
         original: Callable[..., Any],
         lookup: Callable[[str], GatedTask | None],
-        enabled: bool = True,
+        enabled: Callable[[], bool] = lambda: True,
     ) -> None:
         self.app = app
         self.pipeline = pipeline
@@ -77,7 +77,7 @@ class EarlyStart:
     def send_task(self, name: str, *args: Any, **options: Any) -> Any:
         """``app.send_task``, with a gated task's decision started before Celery's work."""
         original = self.original
-        if len(args) > 4 or not self.enabled:
+        if len(args) > 4 or not self.enabled():
             return original(name, *args, **options)
         try:
             found = self.lookup(name)

@@ -9,19 +9,26 @@ queue's list in the same atomic step. What the decision decides (the queue in
 ``_free_admitted`` and ``_window`` headers) is left in the message as placeholders that the
 script fills in.
 
-Experimental and off by default (``fast_publish = true`` turns it on). It leans on kombu's
-virtual Redis channel (``_put``, ``_q_for_pri``, ``_get_message_priority``): private API,
-covered by tests that fail if it changes. It stands aside, and the ordinary path is taken,
-for: another transport or server (compared by the server's ``run_id`` and database), kombu's
+The ``fast_publish`` setting: ``auto`` (the default) takes it only while nothing observes a
+publish, ``on`` whenever it can, ``off`` never. What observes a publish: receivers of Celery's
+``before_task_publish``, ``after_task_publish`` or ``task_sent`` signals, and ``task-sent``
+events. They fire while Celery builds the message, before the script has decided, so under
+fast publish they would see the free queue and placeholder decision headers; with ``auto``
+such publishes take the ordinary path and see the real decision.
+
+It leans on kombu's virtual Redis channel (``_put``, ``_q_for_pri``,
+``_get_message_priority``): private API, covered by tests that fail if it changes, and
+checked on every publish. It stands aside, and the ordinary path is taken, for: another
+transport or server (compared by the server's ``run_id`` and database), kombu's
 ``global_keyprefix``, queues with an expiry or a non-direct exchange, and kombu publish
 batches. When the script fails before pushing, the message Celery already built goes to
 reserved through the channel's own ``_put`` (:meth:`Push.put`), so it is built, and Celery's
-publish signals fire, once. Known limits: Celery's ``before_task_publish``/``after_task_publish``
-and the ``task-sent`` event see the free queue and placeholder decision headers whatever the
-decision (the decision is made after they fire), and fire twice for a message whose headers
-hold a value that looks like a placeholder (it is then published the ordinary way); a script
-that ran but whose reply was lost is looked up (``fast:<job_id>:<attempt>``) before any
-fallback, so it is not published twice, unless Redis stays unreachable for that check too.
+publish signals fire, once; if that push fails too, Celery's sender sends it again with
+kombu's retry policy. A message whose headers hold a value that looks like a placeholder is
+published the ordinary way after being built once for nothing (its signals, with ``on``,
+fire twice). A script that ran but whose reply was lost is looked up
+(``fast:<job_id>:<attempt>``) before any fallback, so it is not published twice, unless
+Redis stays unreachable for that check too.
 """
 
 from __future__ import annotations
@@ -34,11 +41,19 @@ from functools import cached_property
 from typing import Any
 
 import redis
+from celery import signals
 from kombu.utils.json import dumps
 
 from gatekeeper.spec import H_DECISION, H_DWELL_S, H_FREE_ADMITTED, H_REASON, H_WINDOW
 
-__all__ = ["PLACEHOLDERS", "Push", "capture_message", "fast_path_possible", "same_server"]
+__all__ = [
+    "PLACEHOLDERS",
+    "Push",
+    "capture_message",
+    "fast_path_possible",
+    "publish_signals_connected",
+    "same_server",
+]
 
 QUEUE_PLACEHOLDER = "__gk_queue__"
 PLACEHOLDERS = {
@@ -93,6 +108,16 @@ class Push:
             values[piece] if index % 2 else piece for index, piece in enumerate(self.pieces)
         )
         channel._put(queue, json.loads(text))
+
+
+def publish_signals_connected() -> bool:
+    """Whether anything receives Celery's publish signals (``before_task_publish``,
+    ``after_task_publish``, the old ``task_sent``): ``auto`` fast publish stands aside then."""
+    return bool(
+        signals.before_task_publish.receivers
+        or signals.after_task_publish.receivers
+        or signals.task_sent.receivers
+    )
 
 
 def same_server(broker: Any, gate: redis.Redis) -> bool:

@@ -132,10 +132,14 @@ class GatekeeperSettings(BaseSettings):
     replay_poll_s: float = Field(0.5, gt=0, allow_inf_nan=False)
     """How long the replayer sleeps when nothing in ``defer`` is due."""
 
-    fast_publish: bool = False
-    """Experimental, off by default: when the broker is the gate's Redis (same server and
-    database), decide and publish in one round trip (gatekeeper/fastpath.py, which lists the
-    set-ups where it stands aside and its known limits)."""
+    fast_publish: Literal["auto", "on", "off"] = "auto"
+    """When the broker is the gate's Redis (same server and database), ``gate.lua`` decides
+    and pushes the message Celery built, in the one round trip a plain publish costs
+    (gatekeeper/fastpath.py lists the set-ups where it stands aside). Celery's publish
+    signals and ``task-sent`` events would then see the free queue and placeholder headers,
+    so ``auto`` takes it only while nothing observes publishes (no ``before_task_publish``,
+    ``after_task_publish`` or ``task_sent`` receivers, no task-sent events); ``on`` takes it
+    whenever it can; ``off`` never. ``true``/``false`` mean ``on``/``off``."""
 
     redis_timeout_s: float = Field(0.5, gt=0, le=30, allow_inf_nan=False)
     """Connect and read timeout of the gate's Redis client: past it a publish fails closed."""
@@ -155,6 +159,16 @@ class GatekeeperSettings(BaseSettings):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("fast_publish", mode="before")
+    @classmethod
+    def _on_off(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, str):
+            text = value.strip().lower()
+            return {"true": "on", "1": "on", "false": "off", "0": "off"}.get(text, text)
+        return value
 
     @property
     def effective_broker_url(self) -> str | None:

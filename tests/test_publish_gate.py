@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from datetime import datetime, timedelta, timezone
@@ -154,6 +155,7 @@ def test_a_task_router_is_overridden(redis_url: str, redis_client: redis.Redis) 
     assert lengths(redis_client)["free"] == 1
 
 
+@pytest.mark.parametrize("fast_publish", ["auto", "off"])
 @pytest.mark.parametrize(
     "routes",
     [
@@ -164,10 +166,14 @@ def test_a_task_router_is_overridden(redis_url: str, redis_client: redis.Redis) 
     ids=["mapping", "router function"],
 )  # fmt: skip
 def test_a_routes_gatekeeper_headers_are_decided_on_once(
-    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str], routes: Any
+    redis_url: str,
+    redis_client: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    routes: Any,
+    fast_publish: str,
 ) -> None:
     # Routes that can add headers: the decision waits for them (no early start, no redo).
-    app = make_app(redis_url)
+    app = make_app(redis_url, fast_publish=fast_publish)
     app.conf.task_routes = routes
     app.tasks["tests.embed"].delay(1)
     assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == (
@@ -184,7 +190,7 @@ def test_headers_that_change_after_an_early_start_redo_the_decision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The safety net, should a router the check trusts add headers all the same.
-    app = make_app(redis_url)
+    app = make_app(redis_url, fast_publish="off")
     gate = install(app)
     monkeypatch.setattr(gate.early, "routes_leave_headers", lambda options: True)
     route = {"queue": "celery", "headers": {"gatekeeper_deadline_s": 1.5}}
@@ -316,7 +322,7 @@ def test_a_publish_the_broker_refuses_gives_back_what_the_gate_took(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     # The ordinary path: the gate admits, then Celery publishes (fast publish does both at once).
-    app = make_app(redis_url)
+    app = make_app(redis_url, fast_publish="off")
     gate = install(app)
 
     def broker_down(*args: Any, **kwargs: Any) -> None:
@@ -338,7 +344,7 @@ def test_a_publish_that_fails_before_sending_gives_back_what_the_gate_took(
 ) -> None:
     # The decision starts in send_task; Celery then refuses to build the message (args must
     # be a list): nothing is published, and the admission is given back.
-    app = make_app(redis_url)
+    app = make_app(redis_url, fast_publish="off")
     gate = install(app)
     with pytest.raises(TypeError, match="args must be a list"):
         app.send_task("tests.embed", args=5)
@@ -355,7 +361,7 @@ def test_a_publish_that_fails_before_sending_gives_back_what_the_gate_took(
 def test_the_decision_started_in_send_task_is_the_one_used(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
-    app = make_app(redis_url)
+    app = make_app(redis_url, fast_publish="off")
     gate = install(app)
 
     def not_here(*args: Any, **kwargs: Any) -> None:
@@ -372,16 +378,20 @@ def test_the_decision_started_in_send_task_is_the_one_used(
     assert not gate.early.started()
 
 
+@pytest.mark.parametrize("fast_publish", ["auto", "off"])
 def test_a_task_id_passed_by_position_is_still_gated(
-    redis_url: str, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis, fast_publish: str
 ) -> None:
-    app = make_app(redis_url)
+    app = make_app(redis_url, fast_publish=fast_publish)
     app.send_task("tests.embed", (1,), None, None, None, "by-position")
     assert only_message(redis_client, "free")["headers"]["id"] == "by-position"
 
 
-def test_an_eta_counts_in_the_dwell(redis_url: str, redis_client: redis.Redis) -> None:
-    app = make_app(redis_url)
+@pytest.mark.parametrize("fast_publish", ["auto", "off"])
+def test_an_eta_counts_in_the_dwell(
+    redis_url: str, redis_client: redis.Redis, fast_publish: str
+) -> None:
+    app = make_app(redis_url, fast_publish=fast_publish)
     eta = datetime.now(timezone.utc) + timedelta(seconds=180)
     app.tasks["tests.embed"].apply_async((1,), eta=eta)
     assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == (
@@ -453,6 +463,61 @@ def test_a_fast_publish_whose_script_fails_is_sent_once_to_reserved(
     assert message["properties"]["delivery_info"]["routing_key"] == "reserved"
     assert "__gk_" not in json.dumps(message)
     assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 1, "celery": 0}
+
+
+def test_auto_fast_publish_is_taken_only_while_nothing_observes_publishes(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    def reads() -> int:
+        return int(redis_client.info("stats")["total_reads_processed"])
+
+    app = make_app(redis_url, flag_cache_s=60)  # fast_publish = "auto", the default
+    embed = app.tasks["tests.embed"]
+    embed.delay(0)  # connections, declarations and flags warm
+    base = reads()
+    embed.delay(1)
+    assert reads() - base - 1 == 1  # fast: the script decided and pushed (INFO is one read)
+
+    seen: list[tuple[str, str]] = []
+
+    def watch(sender: Any = None, routing_key: str = "", headers: Any = None, **_: Any) -> None:
+        seen.append((routing_key, headers.get("gatekeeper_decision")))
+
+    before_task_publish.connect(watch, weak=False)
+    try:
+        embed.apply_async((2,), headers={"gatekeeper_deadline_s": 1.5})
+        # A task id by position: no early start, so the sender itself must stand aside.
+        app.send_task("tests.embed", (3,), None, None, None, "by-position",
+                      headers={"gatekeeper_deadline_s": 1.5})  # fmt: skip
+    finally:
+        before_task_publish.disconnect(watch)
+    # The receiver saw the decisions, not the free queue and placeholders.
+    assert seen == [("reserved", "reserved")] * 2
+    reasons = [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "reserved")]
+    assert reasons == ["dwell_over_slack"] * 2
+    base = reads()
+    embed.delay(4)
+    assert reads() - base - 1 == 1  # receiver gone: fast again
+
+
+def test_auto_fast_publish_stands_aside_for_task_sent_events(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url)
+    app.conf.task_send_sent_event = True
+    events = redis_client.pubsub(ignore_subscribe_messages=True)
+    events.psubscribe("*celeryev*")
+    app.tasks["tests.embed"].apply_async((1,), headers={"gatekeeper_deadline_s": 1.5})
+    event: dict[str, Any] = {}
+    deadline = time.monotonic() + 5
+    while not event and time.monotonic() < deadline:
+        raw = events.get_message(timeout=0.5)
+        if raw is not None:
+            message = json.loads(raw["data"])
+            event = json.loads(base64.b64decode(message["body"]))
+    events.close()
+    assert event["type"] == "task-sent" and event["queue"] == "reserved"
+    assert lengths(redis_client)["reserved"] == 1
 
 
 def test_a_header_that_looks_like_a_placeholder_takes_the_ordinary_path(
