@@ -39,6 +39,10 @@ __all__ = [
 DEFAULT_QUEUE_AGE_HORIZON_S = 300.0
 """A waiting entry older than this no longer counts toward the free queue's age (purged queues)."""
 
+_MAY_RERUN_ARG = 17
+"""Index in gate.lua's arguments (its ``ARGV[18]``) of fast publish's re-run flag."""
+_FIRST_SEND, _MAY_RERUN = "0", "1"
+
 
 @cache
 def load_lua(name: str) -> str:
@@ -192,7 +196,7 @@ class GateStore:
         ]
         if push is not None:  # fast publish: the script pushes the decided message too
             keys += [*push.lists, self.keys.fast(job_id, attempt)]
-            args += [*push.queues, *push.pieces]
+            args += [_FIRST_SEND, *push.queues, *push.pieces]
         return keys, args
 
     def start_score(self, **inputs: Any) -> PendingScore:
@@ -231,6 +235,10 @@ class GateStore:
 
         ``load``: the server just said it does not have the script, so load it first.
         """
+        if len(args) > _MAY_RERUN_ARG:
+            # redis-py may send the request again after a timeout: the script checks first
+            # whether an earlier send already pushed the message (fast publish).
+            args = [*args[:_MAY_RERUN_ARG], _MAY_RERUN, *args[_MAY_RERUN_ARG + 1 :]]
         try:
             if load:
                 self.client.script_load(self._gate.script)

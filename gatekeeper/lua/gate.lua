@@ -16,7 +16,8 @@
 -- KEYS[6..8]                (fast publish only) the broker lists of the free, defer and
 --                           reserved queues: kombu's list names, on this same server
 -- KEYS[9]                   (fast publish only) fast:<job_id>:<attempt>, the decision once
---                           pushed: a re-run of this call (a retried request) pushes nothing
+--                           pushed (kept 5 minutes): the caller looks it up when the reply
+--                           is lost, and a re-run of this call (ARGV[18]) pushes nothing
 --
 -- ARGV[1]  now_ms            the caller's clock (scripts never read the time)
 -- ARGV[2]  member            <job_id>:<attempt>
@@ -35,8 +36,10 @@
 -- ARGV[15] deadline_slack_ms
 -- ARGV[16] delay_s           seconds until a delayed (ETA/countdown) task is due; 0 if not
 -- ARGV[17] window_id         this window's id, kept with the attempt's exposure
--- ARGV[18..20]              (fast publish only) the free, defer and reserved queue names
--- ARGV[21..]                (fast publish only) the kombu message, JSON, cut at the values
+-- ARGV[18]                  (fast publish only) "1" when this request may be a re-run (a
+--                            client that retries on a timeout): look up KEYS[9] first
+-- ARGV[19..21]              (fast publish only) the free, defer and reserved queue names
+-- ARGV[22..]                (fast publish only) the kombu message, JSON, cut at the values
 --                            the decision decides: text, name, text, name, ..., text
 --                            (gatekeeper/fastpath.py); the names are decision, reason,
 --                            dwell, free, window and queue
@@ -70,7 +73,8 @@ local horizon = tonumber(ARGV[11])
 local retention = tonumber(ARGV[12])
 local delay = tonumber(ARGV[16])
 
-if #ARGV >= 21 then
+local fast = #ARGV >= 22
+if fast and ARGV[18] == '1' then
   local done = redis.call('GET', KEYS[9])
   if done then  -- this publish was already decided and pushed: say so, change nothing
     local decision, reason = string.match(done, '^([^|]+)|(.+)$')
@@ -98,18 +102,18 @@ local function push(decision, reason, dwell)
     dwell = finite(dwell) and fmt(dwell) or 'null',
     free = admitted and 'true' or 'false',
     window = admitted and ARGV[17] or 'null',
-    queue = '"' .. ARGV[18 + index] .. '"',
+    queue = '"' .. ARGV[19 + index] .. '"',
   }
   local out = {}
-  for i = 21, #ARGV do
-    if (i - 21) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
+  for i = 22, #ARGV do
+    if (i - 22) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
   end
   redis.call('LPUSH', KEYS[6 + index], table.concat(out))
-  redis.call('SET', KEYS[9], decision .. '|' .. reason, 'EX', 86400)
+  redis.call('SET', KEYS[9], decision .. '|' .. reason, 'EX', 300)
 end
 
 local function decided(decision, reason, dwell, projected)
-  if #ARGV >= 21 then
+  if fast then
     push(decision, reason, dwell)
   end
   -- An admission is counted in admitted_free alone (the review reads it as
