@@ -196,9 +196,10 @@ class Installed:
         pool = getattr(client, "connection_pool", None)
         fits = pool is not None and fast_path_possible(self.app, producer, channel, queues)
         if fits:
-            if pool not in self._fast:
-                self._fast[pool] = same_server(client, self.client)
-            fits = self._fast[pool]
+            same = self._fast.get(pool)
+            if same is None:
+                same = self._fast[pool] = same_server(client, self.client)
+            fits = same
         self._fast_fits = fits
         if not fits:
             return None
