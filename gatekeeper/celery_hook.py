@@ -35,9 +35,10 @@ from typing import Any
 
 import redis
 from celery import Celery
+from kombu.exceptions import OperationalError
 
 from gatekeeper.early_start import EarlyStart
-from gatekeeper.errors import ConfigError, GatekeeperError
+from gatekeeper.errors import ConfigError, GatekeeperError, LedgerUnavailable
 from gatekeeper.fastpath import (
     PLACEHOLDERS,
     Push,
@@ -57,6 +58,9 @@ SENDER_PARAMETERS = ("producer", "name", "message", "exchange", "routing_key", "
 """Parameters of Celery's task sender that the wrapper relies on, in this order."""
 SEND_TASK_PARAMETERS = ("name", "args", "kwargs", "countdown", "eta", "task_id")
 """The leading parameters of ``Celery.send_task`` that the early start relies on."""
+UNFIT_RECHECK_S = 30.0
+"""After a publish that could not take fast publish, the early start runs for this long
+before a publish asks again (one that could not costs its early start, nothing else)."""
 
 _installed: weakref.WeakKeyDictionary[Any, Installed] = weakref.WeakKeyDictionary()
 _install_lock = threading.Lock()
@@ -147,14 +151,16 @@ class Installed:
         )
         self._specs: dict[str, _Gated | None] = {}
         self._fast: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-        self._fast_fits: bool | None = None
-        """Whether the last publish that asked could take fast publish (None: none asked)."""
+        self._fast_unfit_until = 0.0
+        """Until then (``time.monotonic()``), publishes are expected not to take fast publish
+        (the last one that asked could not): the early start runs for them instead."""
 
     def _early_start(self) -> bool:
         """Whether to start decisions in ``send_task``: when fast publish (which needs the
-        built message) will not be taken."""
+        built message) will not be taken. After a publish that could not take it, for
+        ``UNFIT_RECHECK_S``; then the next publish asks again."""
         mode = self.settings.fast_publish
-        if mode == "off" or self._fast_fits is False:
+        if mode == "off" or time.monotonic() < self._fast_unfit_until:
             return True
         return mode == "auto" and publish_signals_connected()
 
@@ -186,23 +192,28 @@ class Installed:
         mode = self.settings.fast_publish
         if mode == "off":
             return None
-        if mode == "auto" and (
-            publish_signals_connected() or getattr(message, "sent_event", None) is not None
-        ):
+        if mode == "auto" and publish_signals_connected():
             return None  # something would see this publish: Celery's own way
         channel = getattr(producer, "channel", None)
         queues = (self.settings.free_queue, self.settings.defer_queue, self.settings.reserved_queue)
         client = getattr(channel, "client", None)
         pool = getattr(client, "connection_pool", None)
-        fits = pool is not None and fast_path_possible(self.app, producer, channel, queues)
+        fits = (
+            pool is not None
+            and (mode == "on" or getattr(message, "sent_event", None) is None)
+            and fast_path_possible(self.app, producer, channel, queues)
+        )
         if fits:
             same = self._fast.get(pool)
             if same is None:
-                same = self._fast[pool] = same_server(client, self.client)
-            fits = same
-        self._fast_fits = fits
+                same = same_server(client, self.client)
+                if same is not None:  # unknown (a server unreachable): asked again next time
+                    self._fast[pool] = same
+            fits = bool(same)
         if not fits:
+            self._fast_unfit_until = time.monotonic() + UNFIT_RECHECK_S
             return None
+        self._fast_unfit_until = 0.0
         return _FastRender(self.original_sender, producer, name, message, options, extra, queues)
 
     def send_task_message(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
@@ -242,17 +253,23 @@ class Installed:
             stub = publish or Publish(name, "unknown", 0, None, found.spec, {})
             routing = self.pipeline.fail_closed(stub, GATE_ERROR, f"{type(exc).__name__}: {exc}")
         caught = render.push if render is not None else None
-        if caught is not None and routing.queue is not None and routing.decision != "admit_free":
+        if caught is not None and publish is not None and routing.queue is not None:
             # Fast publish whose script did not push: Celery already built and "sent" this
-            # message (its signals fired), so push that message, decided here, instead of
-            # sending it a second time. If even that fails, Celery's sender (with kombu's
-            # retry policy) sends it again.
+            # message (its signals fired), so fallback.lua pushes that message, decided here,
+            # unless the script (stalled, or its reply lost) did push it for this request.
+            # Sending it through Celery again could publish it twice.
             try:
-                caught.put(producer.channel, routing.decision, routing.reason, routing.queue)
-                return None
-            except Exception as exc:
-                self.log.warning("fast_fallback_failed", job_id=publish and publish.job_id,
-                                 error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+                earlier = self.store.push_fallback(
+                    caught, publish.job_id, publish.attempt, routing.decision, routing.reason,
+                    routing.queue,
+                )  # fmt: skip
+            except LedgerUnavailable as exc:  # the broker is this Redis: it is down too
+                raise OperationalError(f"cannot publish {publish.job_id}: {exc}") from exc
+            if earlier is not None:
+                self.log.warning("fast_publish_found_pushed", job_id=publish.job_id,
+                                 attempt=publish.attempt, decision=earlier[0],
+                                 reason=earlier[1])  # fmt: skip
+            return None
         if routing.queue is not None:
             options["queue"] = routing.queue
             options["exchange"] = None

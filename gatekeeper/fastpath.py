@@ -21,22 +21,32 @@ It leans on kombu's virtual Redis channel (``_put``, ``_q_for_pri``,
 checked on every publish. It stands aside, and the ordinary path is taken, for: another
 transport or server (compared by the server's ``run_id`` and database), kombu's
 ``global_keyprefix``, queues with an expiry or a non-direct exchange, and kombu publish
-batches. When the script fails before pushing, the message Celery already built goes to
-reserved through the channel's own ``_put`` (:meth:`Push.put`), so it is built, and Celery's
-publish signals fire, once; if that push fails too, Celery's sender sends it again with
-kombu's retry policy. A message whose headers hold a value that looks like a placeholder is
-published the ordinary way after being built once for nothing (its signals, with ``on``,
-fire twice). A script that ran but whose reply was lost is looked up
-(``fast:<job_id>:<attempt>``) before any fallback, so it is not published twice, unless
-Redis stays unreachable for that check too.
+batches.
+
+When the script fails, or its reply is lost or late (a Redis stall past ``redis_timeout_s``),
+the message Celery already built goes to reserved through ``fallback.lua``, not through
+Celery's sender again (its signals fired once). Each publish request carries a nonce, and
+``fast:<job_id>:<attempt>`` records the nonce of the request whose message was pushed: the
+fallback pushes only if this request's message is not already there, and a stalled script
+that runs after it pushes nothing, so a message is pushed once whichever comes first, and
+the fallback can be sent again safely. If Redis stays unreachable through its tries, the
+caller gets kombu's ``OperationalError`` (the broker is that Redis). A message whose
+headers hold a value that looks like a placeholder is published the ordinary way, after
+being built once for nothing (with ``on``, its signals fire twice).
+
+Not detected by ``auto``: tracers that patch kombu's ``Producer.publish`` instead of
+connecting Celery's signals would record the free queue for a gated publish (telemetry only;
+``fast_publish = "off"`` if that matters).
 """
 
 from __future__ import annotations
 
 import json
+import random
 import re
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -51,6 +61,7 @@ __all__ = [
     "Push",
     "capture_message",
     "fast_path_possible",
+    "new_nonce",
     "publish_signals_connected",
     "same_server",
 ]
@@ -78,6 +89,8 @@ class Push:
     lists: tuple[str, str, str]
     """Broker lists for admit_free, defer, reserved (priority sub-lists where needed)."""
     queues: tuple[str, str, str]
+    nonce: str = field(default_factory=lambda: new_nonce())
+    """This publish request's own token (``fast:<job_id>:<attempt>`` holds it once pushed)."""
 
     @cached_property
     def pieces(self) -> list[str]:
@@ -87,9 +100,8 @@ class Push:
         """
         return _PLACEHOLDER.split(self.template)
 
-    def put(self, channel: Any, decision: str, reason: str, queue: str) -> None:
-        """Push the message with a decision made without the script (the fallback when the
-        script did not push it), through the kombu channel's own ``_put``.
+    def filled(self, decision: str, reason: str, queue: str) -> str:
+        """The message with a decision made without the script (for ``fallback.lua``).
 
         Never for ``admit_free``: an admission is only ever pushed by ``gate.lua``, which
         holds its exposure and enters it in the free queue's wait in the same step.
@@ -104,10 +116,15 @@ class Push:
             "window": "null",
             "queue": json.dumps(queue),
         }
-        text = "".join(
+        return "".join(
             values[piece] if index % 2 else piece for index, piece in enumerate(self.pieces)
         )
-        channel._put(queue, json.loads(text))
+
+
+def new_nonce() -> str:
+    """A token for one publish request: tells it apart from another publish of the same task
+    id and attempt (``random`` is reseeded in a forked child)."""
+    return f"{time.time_ns():x}.{random.getrandbits(48):012x}"
 
 
 def publish_signals_connected() -> bool:
@@ -120,8 +137,9 @@ def publish_signals_connected() -> bool:
     )
 
 
-def same_server(broker: Any, gate: redis.Redis) -> bool:
-    """Whether a kombu channel's Redis client talks to the gate's server and database.
+def same_server(broker: Any, gate: redis.Redis) -> bool | None:
+    """Whether a kombu channel's Redis client talks to the gate's server and database; None
+    when that could not be asked (a server unreachable for now: ask again next time).
 
     Asked of the servers themselves (``run_id`` and the database number), once per pool:
     host names, ports and Sentinel pools cannot fool it.
@@ -131,8 +149,13 @@ def same_server(broker: Any, gate: redis.Redis) -> bool:
         ours = gate.connection_pool.connection_kwargs.get("db", 0)
         if int(theirs or 0) != int(ours or 0):
             return False
+    except Exception:  # a client of a kind this cannot read: the ordinary path
+        return False
+    try:
         return bool(broker.info("server")["run_id"] == gate.info("server")["run_id"])
-    except Exception:  # anything unexpected: the ordinary path
+    except (redis.ConnectionError, redis.TimeoutError):
+        return None
+    except Exception:  # INFO refused (ACLs), a cluster's reply: the ordinary path
         return False
 
 

@@ -36,9 +36,11 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
     Marks an attempt whose ``abandoned`` row is written (the replayer writes it once).
 ``gatekeeper:{default}:fast:<job_id>:<attempt>`` - string, TTL 5 minutes
-    (fast publish only) the decision of an attempt ``gate.lua`` pushed itself, so that a
-    retried request or a lost reply never publishes it twice. Both happen within the
-    publish call; the short TTL keeps one key per publish from piling up.
+    (fast publish only) ``<nonce>|<decision>|<reason>`` of the publish request whose message
+    ``gate.lua`` or ``fallback.lua`` pushed, so that a re-sent request, a stalled script or a
+    lost reply never publishes it twice; another publish of the same task id and attempt has
+    another nonce. All of this happens within the publish call; the short TTL keeps one key
+    per publish from piling up.
 ``gatekeeper:{default}:stats`` - hash, no TTL
     Counters an operator should see in ``gatekeeper status``: ``reruns_after_row``, runs of
     an attempt that already had its row (a message the broker delivered again after it

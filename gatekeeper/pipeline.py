@@ -103,8 +103,8 @@ class Begun:
     headers: dict[str, Any] = field(default_factory=dict)
     fields: dict[str, Any] = field(default_factory=dict)
     win: int = 0
-    pushed: bool = False
-    """The script was asked to push the message too (fast publish)."""
+    push: Push | None = None
+    """The message the script was asked to push too (fast publish)."""
 
 
 class Pipeline:
@@ -272,7 +272,7 @@ class Pipeline:
             delay_s=delay,
             push=push,
         )
-        return Begun(publish, None, pending, headers, fields, win, pushed=push is not None)
+        return Begun(publish, None, pending, headers, fields, win, push=push)
 
     def complete(self, begun: Begun) -> Routing:
         """Finish a decision :meth:`begin` started: read the gate script's reply, log, route."""
@@ -283,9 +283,11 @@ class Pipeline:
         try:
             scored = begun.pending.result()
         except LedgerUnavailable as exc:
-            if begun.pushed:  # the script may have run and pushed before the reply was lost
+            if begun.push is not None:  # the script may have pushed before the reply was lost
                 try:
-                    pushed = self.store.fast_decision(publish.job_id, publish.attempt)
+                    pushed = self.store.fast_decision(
+                        publish.job_id, publish.attempt, begun.push.nonce
+                    )
                 except LedgerUnavailable:
                     pushed = None
                 if pushed is not None:
@@ -304,7 +306,7 @@ class Pipeline:
                 projected_tax=scored.projected_tax, budget_units=self.settings.budget_units
             )
         routing = self._finish(scored.decision, scored.reason.value, headers, fields)
-        if begun.pushed:
+        if begun.push is not None:
             routing = replace(routing, published=True)
         return routing
 

@@ -163,11 +163,15 @@ class GatekeeperSettings(BaseSettings):
     @field_validator("fast_publish", mode="before")
     @classmethod
     def _on_off(cls, value: Any) -> Any:
-        if isinstance(value, bool):
+        if isinstance(value, (bool, int)) and value in (0, 1):
             return "on" if value else "off"
-        if isinstance(value, str):
+        if isinstance(value, str):  # every spelling of a boolean pydantic accepts
             text = value.strip().lower()
-            return {"true": "on", "1": "on", "false": "off", "0": "off"}.get(text, text)
+            if text in ("1", "true", "t", "yes", "y"):
+                return "on"
+            if text in ("0", "false", "f", "no", "n"):
+                return "off"
+            return text
         return value
 
     @property

@@ -7,6 +7,7 @@ which the publish hook turns into a fail-closed route to reserved.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -39,9 +40,10 @@ __all__ = [
 DEFAULT_QUEUE_AGE_HORIZON_S = 300.0
 """A waiting entry older than this no longer counts toward the free queue's age (purged queues)."""
 
-_MAY_RERUN_ARG = 17
-"""Index in gate.lua's arguments (its ``ARGV[18]``) of fast publish's re-run flag."""
-_FIRST_SEND, _MAY_RERUN = "0", "1"
+FAST_KEY_TTL_S = 300
+"""How long ``fast:<job_id>:<attempt>`` is kept (gate.lua writes the same number): both of
+its uses, a re-sent request and the look-up after a lost reply, happen within the publish."""
+FALLBACK_TRIES = 3
 
 
 @cache
@@ -139,6 +141,7 @@ class GateStore:
         self.retention_s = retention_s
         self._gate: Script = client.register_script(load_lua("gate.lua"))
         self._release: Script = client.register_script(load_lua("release.lua"))
+        self._fallback: Script = client.register_script(load_lua("fallback.lua"))
         self._line = Line()
 
     def score(self, **inputs: Any) -> ScoredAttempt:
@@ -196,7 +199,7 @@ class GateStore:
         ]
         if push is not None:  # fast publish: the script pushes the decided message too
             keys += [*push.lists, self.keys.fast(job_id, attempt)]
-            args += [_FIRST_SEND, *push.queues, *push.pieces]
+            args += [push.nonce, *push.queues, *push.pieces]
         return keys, args
 
     def start_score(self, **inputs: Any) -> PendingScore:
@@ -235,10 +238,6 @@ class GateStore:
 
         ``load``: the server just said it does not have the script, so load it first.
         """
-        if len(args) > _MAY_RERUN_ARG:
-            # redis-py may send the request again after a timeout: the script checks first
-            # whether an earlier send already pushed the message (fast publish).
-            args = [*args[:_MAY_RERUN_ARG], _MAY_RERUN, *args[_MAY_RERUN_ARG + 1 :]]
         try:
             if load:
                 self.client.script_load(self._gate.script)
@@ -278,16 +277,41 @@ class GateStore:
         except redis.RedisError:
             pass  # the decision stands; only the review loses one count
 
-    def fast_decision(self, job_id: str, attempt: int) -> tuple[str, str] | None:
-        """(decision, reason) of an attempt gate.lua already pushed itself, or None."""
+    def fast_decision(self, job_id: str, attempt: int, nonce: str) -> tuple[str, str] | None:
+        """(decision, reason) if this publish request's message was already pushed (by
+        gate.lua or fallback.lua), else None."""
         try:
             raw = self.client.get(self.keys.fast(job_id, attempt))
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot check the fast publish of {job_id}: {exc}") from exc
-        if raw is None:
-            return None
-        decision, _, reason = text_of(raw).partition("|")
-        return decision, reason
+        return _pushed_by(raw, nonce)
+
+    def push_fallback(
+        self, push: Push, job_id: str, attempt: int, decision: str, reason: str, queue: str
+    ) -> tuple[str, str] | None:
+        """Push a fast publish's message that gate.lua did not push, decided here; None when
+        pushed now, else (decision, reason) of the push this request already made.
+
+        ``fallback.lua`` checks and pushes in one step, keyed by the request's nonce, so it is
+        sent again on a connection error (up to ``FALLBACK_TRIES`` times) and a stalled
+        gate.lua that runs later pushes nothing. Raises :class:`LedgerUnavailable` when
+        every try failed.
+        """
+        target = push.lists[push.queues.index(queue)]
+        keys = [self.keys.fast(job_id, attempt), target]
+        args = [push.nonce, decision, reason, push.filled(decision, reason, queue)]
+        args.append(str(FAST_KEY_TTL_S))
+        error: redis.RedisError | None = None
+        for attempt_no in range(FALLBACK_TRIES):
+            try:
+                return _pushed_by(evalsha(self.client, self._fallback, keys, args), push.nonce)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                error = exc
+                time.sleep(0.05 * (attempt_no + 1))
+            except redis.RedisError as exc:
+                error = exc
+                break
+        raise LedgerUnavailable(f"cannot push {job_id} after the gate script failed: {error}")
 
     def release(
         self, job_id: str, attempt: int, window_id: int, *, unpublished: bool = False
@@ -340,3 +364,14 @@ def read_windows(client: redis.Redis, keys: Keys, ids: Iterable[int]) -> list[di
 def text_of(value: bytes | str | int | float) -> str:
     """A Redis reply as text (replies are bytes unless the client decodes them)."""
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _pushed_by(raw: Any, nonce: str) -> tuple[str, str] | None:
+    """(decision, reason) from ``fast:<job_id>:<attempt>`` when ``nonce``'s request wrote it."""
+    if raw is None:
+        return None
+    owner, _, rest = text_of(raw).partition("|")
+    if owner != nonce:
+        return None  # another publish of the same task id and attempt
+    decision, _, reason = rest.partition("|")
+    return decision, reason

@@ -7,9 +7,11 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 
+from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.fastpath import Push, capture_message, fast_path_possible, same_server
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import BudgetMode
@@ -53,7 +55,46 @@ def test_a_retried_script_call_pushes_the_message_once(redis_client: redis.Redis
     message = json.loads(raw)
     assert message["headers"]["d"] == "admit_free" and message["headers"]["f"] is True
     assert message["properties"]["delivery_info"]["routing_key"] == "free"
-    assert store.fast_decision("job", 1) == ("admit_free", "fits")
+    assert store.fast_decision("job", 1, push.nonce) == ("admit_free", "fits")
+    assert store.fast_decision("job", 1, "another-request") is None
+    assert float(redis_client.hget(Keys().window(1), "exposure") or 0) == 1
+
+
+def test_another_publish_of_the_same_task_id_and_attempt_is_pushed_too(
+    redis_client: redis.Redis,
+) -> None:
+    # Celery publishes a task id given twice twice; so does the gate (each request its nonce).
+    store = GateStore(redis_client, Keys(), horizon_s=1e9)
+    assert score(store, a_push()) == ("admit_free", "fits")
+    keys, args = store._gate_call(**INPUTS, now_s=time.time(), push=a_push())
+    store._gate_reply(store._reply_now(keys, args))  # redis-py's own call, the reload path's
+    assert redis_client.llen("free") == 2
+
+
+def test_the_fallback_pushes_once_whoever_comes_first(redis_client: redis.Redis) -> None:
+    store = GateStore(redis_client, Keys(), horizon_s=1e9)
+    push = a_push()
+    # The script ran (its reply lost): the fallback finds the push and adds nothing.
+    assert score(store, push) == ("admit_free", "fits")
+    assert store.push_fallback(push, "job", 1, "reserved", "gate_unavailable", "reserved") == (
+        "admit_free",
+        "fits",
+    )
+    assert (redis_client.llen("free"), redis_client.llen("reserved")) == (1, 0)
+    # The fallback first (the script stalled): it pushes, sent again it does not, and the
+    # script, when it runs at last, pushes nothing and takes no exposure.
+    later = a_push()
+    assert store.push_fallback(later, "job", 1, "reserved", "gate_unavailable", "reserved") is None
+    assert store.push_fallback(later, "job", 1, "reserved", "gate_unavailable", "reserved") == (
+        "reserved",
+        "gate_unavailable",
+    )
+    with pytest.raises(LedgerUnavailable, match="gate_unavailable"):  # not a gate.lua reason:
+        score(store, later)  # its caller looks the push up (fast_decision) and finds it
+    assert (redis_client.llen("free"), redis_client.llen("reserved")) == (1, 1)
+    message = json.loads(redis_client.lindex("reserved", 0) or b"")
+    assert message["headers"]["d"] == "reserved" and message["headers"]["f"] is False
+    assert message["properties"]["delivery_info"]["routing_key"] == "reserved"
     assert float(redis_client.hget(Keys().window(1), "exposure") or 0) == 1
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -15,6 +16,7 @@ from celery.signals import before_task_publish
 from click.testing import CliRunner
 from kombu.exceptions import OperationalError
 
+from gatekeeper import celery_hook
 from gatekeeper.celery_hook import install
 from gatekeeper.cli import main
 from gatekeeper.flags import in_canary
@@ -465,6 +467,67 @@ def test_a_fast_publish_whose_script_fails_is_sent_once_to_reserved(
     assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 1, "celery": 0}
 
 
+def test_a_fast_publish_through_a_redis_stall_is_published_once(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Redis stalls past the gate's timeout (0.5 s): the script's reply times out, the
+    fallback's first try too; when Redis wakes it runs the stalled script (which pushes),
+    and the fallback, sent again, finds that push instead of adding a second copy."""
+    app = make_app(redis_url, flag_cache_s=60)
+    embed = app.tasks["tests.embed"]
+    embed.delay(0)  # connections, script and flags warm
+    redis_client.delete("free")
+    staller = redis.Redis.from_url(redis_url)
+    stall = threading.Thread(target=lambda: staller.execute_command("DEBUG", "SLEEP", "1.2"))
+    stall.start()
+    time.sleep(0.1)
+    try:
+        result = embed.delay(1)
+    finally:
+        stall.join()
+    copies = {q: [m["headers"]["id"] for m in queue_messages(redis_client, q)].count(result.id)
+              for q in ("free", "defer", "reserved")}  # fmt: skip
+    assert sum(copies.values()) == 1, copies
+
+
+@pytest.mark.parametrize("fast_publish", ["auto", "off"])
+def test_a_task_id_published_twice_is_published_twice(
+    redis_url: str, redis_client: redis.Redis, fast_publish: str
+) -> None:
+    # As Celery does; the second time through redis-py's own call (the script reloaded).
+    app = make_app(redis_url, fast_publish=fast_publish)
+    embed = app.tasks["tests.embed"]
+    embed.apply_async((1,), task_id="twice")
+    redis_client.script_flush()
+    embed.apply_async((2,), task_id="twice")
+    assert [m["headers"]["id"] for m in queue_messages(redis_client, "free")] == ["twice"] * 2
+
+
+def test_after_a_publish_that_cannot_take_fast_publish_the_next_ones_ask_again(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def reads() -> int:
+        return int(redis_client.info("stats")["total_reads_processed"])
+
+    def publish_reads(n: int) -> int:
+        base = reads()
+        embed.delay(n)
+        return reads() - base - 1  # INFO is one read
+
+    monkeypatch.setattr(celery_hook, "UNFIT_RECHECK_S", 0.3)
+    app = make_app(redis_url, flag_cache_s=60)
+    embed = app.tasks["tests.embed"]
+    embed.delay(0)
+    other_db = redis_url.rsplit("/", 1)[0] + "/3"
+    with app.connection_for_write(other_db) as connection:
+        embed.apply_async((1,), connection=connection)  # another database: not fast
+    assert redis.Redis.from_url(other_db).llen("free") == 1
+    assert publish_reads(2) > 1  # for a while: the script started early, then the publish
+    time.sleep(0.35)
+    assert publish_reads(3) == 1  # asked again: fast
+    assert publish_reads(4) == 1
+
+
 def test_auto_fast_publish_is_taken_only_while_nothing_observes_publishes(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
@@ -518,6 +581,16 @@ def test_auto_fast_publish_stands_aside_for_task_sent_events(
     events.close()
     assert event["type"] == "task-sent" and event["queue"] == "reserved"
     assert lengths(redis_client)["reserved"] == 1
+
+    # The next publishes know fast publish will not be taken: their decision starts early.
+    gate = install(app)
+
+    def not_here(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("decided in the sender, not started in send_task")
+
+    gate.pipeline.route = not_here  # type: ignore[method-assign]
+    app.tasks["tests.embed"].delay(2)
+    assert lengths(redis_client)["free"] == 1
 
 
 def test_a_header_that_looks_like_a_placeholder_takes_the_ordinary_path(

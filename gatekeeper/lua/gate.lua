@@ -15,9 +15,11 @@
 --                           freeze in Redis holds for every publisher at once, cache or not)
 -- KEYS[6..8]                (fast publish only) the broker lists of the free, defer and
 --                           reserved queues: kombu's list names, on this same server
--- KEYS[9]                   (fast publish only) fast:<job_id>:<attempt>, the decision once
---                           pushed (kept 5 minutes): the caller looks it up when the reply
---                           is lost, and a re-run of this call (ARGV[18]) pushes nothing
+-- KEYS[9]                   (fast publish only) fast:<job_id>:<attempt>: "<nonce>|<decision>|
+--                           <reason>" of the publish request that pushed the message (kept 5
+--                           minutes). This request pushes nothing if it finds its own nonce
+--                           there (a re-sent request, or fallback.lua got there first); the
+--                           caller reads it when the reply is lost
 --
 -- ARGV[1]  now_ms            the caller's clock (scripts never read the time)
 -- ARGV[2]  member            <job_id>:<attempt>
@@ -36,8 +38,8 @@
 -- ARGV[15] deadline_slack_ms
 -- ARGV[16] delay_s           seconds until a delayed (ETA/countdown) task is due; 0 if not
 -- ARGV[17] window_id         this window's id, kept with the attempt's exposure
--- ARGV[18]                  (fast publish only) "1" when this request may be a re-run (a
---                            client that retries on a timeout): look up KEYS[9] first
+-- ARGV[18]                  (fast publish only) the publish request's nonce (another
+--                            publish of the same task id and attempt has another one)
 -- ARGV[19..21]              (fast publish only) the free, defer and reserved queue names
 -- ARGV[22..]                (fast publish only) the kombu message, JSON, cut at the values
 --                            the decision decides: text, name, text, name, ..., text
@@ -74,10 +76,11 @@ local retention = tonumber(ARGV[12])
 local delay = tonumber(ARGV[16])
 
 local fast = #ARGV >= 22
-if fast and ARGV[18] == '1' then
+if fast then
   local done = redis.call('GET', KEYS[9])
-  if done then  -- this publish was already decided and pushed: say so, change nothing
-    local decision, reason = string.match(done, '^([^|]+)|(.+)$')
+  if done and string.sub(done, 1, #ARGV[18] + 1) == ARGV[18] .. '|' then
+    -- This very request was already decided and pushed: say so, change nothing.
+    local decision, reason = string.match(done, '^[^|]*|([^|]+)|(.+)$')
     return {decision, reason, '0', 'nan', '0'}
   end
 end
@@ -109,7 +112,7 @@ local function push(decision, reason, dwell)
     if (i - 22) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
   end
   redis.call('LPUSH', KEYS[6 + index], table.concat(out))
-  redis.call('SET', KEYS[9], decision .. '|' .. reason, 'EX', 300)
+  redis.call('SET', KEYS[9], ARGV[18] .. '|' .. decision .. '|' .. reason, 'EX', 300)
 end
 
 local function decided(decision, reason, dwell, projected)
