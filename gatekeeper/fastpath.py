@@ -29,8 +29,8 @@ Celery's sender again (its signals fired once). Each publish request carries a n
 ``fast:<job_id>:<attempt>`` records the nonce of the request whose message was pushed: the
 fallback pushes only if this request's message is not already there, and a stalled script
 that runs after it pushes nothing, so a message is pushed once whichever comes first, and
-the fallback can be sent again safely. If Redis stays unreachable through its tries, the
-caller gets kombu's ``OperationalError`` (the broker is that Redis). A message whose
+the fallback can be sent again safely (the gate client's own retry policy does). If it
+fails, the caller gets kombu's ``OperationalError`` (the broker is that Redis). A message whose
 headers hold a value that looks like a placeholder is published the ordinary way, after
 being built once for nothing (with ``on``, its signals fire twice).
 

@@ -7,7 +7,6 @@ which the publish hook turns into a fail-closed route to reserved.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -43,7 +42,6 @@ DEFAULT_QUEUE_AGE_HORIZON_S = 300.0
 FAST_KEY_TTL_S = 300
 """How long ``fast:<job_id>:<attempt>`` is kept (gate.lua writes the same number): both of
 its uses, a re-sent request and the look-up after a lost reply, happen within the publish."""
-FALLBACK_TRIES = 3
 
 
 @cache
@@ -292,26 +290,21 @@ class GateStore:
         """Push a fast publish's message that gate.lua did not push, decided here; None when
         pushed now, else (decision, reason) of the push this request already made.
 
-        ``fallback.lua`` checks and pushes in one step, keyed by the request's nonce, so it is
-        sent again on a connection error (up to ``FALLBACK_TRIES`` times) and a stalled
-        gate.lua that runs later pushes nothing. Raises :class:`LedgerUnavailable` when
-        every try failed.
+        ``fallback.lua`` checks and pushes in one step, keyed by the request's nonce, so the
+        client's own retries (redis-py's ``retry`` policy) may send it again safely, and a
+        stalled gate.lua that runs later pushes nothing. Raises :class:`LedgerUnavailable`
+        when it failed.
         """
         target = push.lists[push.queues.index(queue)]
         keys = [self.keys.fast(job_id, attempt), target]
         args = [push.nonce, decision, reason, push.filled(decision, reason, queue)]
         args.append(str(FAST_KEY_TTL_S))
-        error: redis.RedisError | None = None
-        for attempt_no in range(FALLBACK_TRIES):
-            try:
-                return _pushed_by(evalsha(self.client, self._fallback, keys, args), push.nonce)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                error = exc
-                time.sleep(0.05 * (attempt_no + 1))
-            except redis.RedisError as exc:
-                error = exc
-                break
-        raise LedgerUnavailable(f"cannot push {job_id} after the gate script failed: {error}")
+        try:
+            return _pushed_by(evalsha(self.client, self._fallback, keys, args), push.nonce)
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(
+                f"cannot push {job_id} after the gate script failed: {exc}"
+            ) from exc
 
     def release(
         self, job_id: str, attempt: int, window_id: int, *, unpublished: bool = False
