@@ -514,7 +514,7 @@ def test_after_a_publish_that_cannot_take_fast_publish_the_next_ones_ask_again(
         embed.delay(n)
         return reads() - base - 1  # INFO is one read
 
-    monkeypatch.setattr(celery_hook, "UNFIT_RECHECK_S", 0.3)
+    monkeypatch.setattr(celery_hook, "UNFIT_RECHECK_S", 1.5)
     app = make_app(redis_url, flag_cache_s=60)
     embed = app.tasks["tests.embed"]
     embed.delay(0)
@@ -523,7 +523,7 @@ def test_after_a_publish_that_cannot_take_fast_publish_the_next_ones_ask_again(
         embed.apply_async((1,), connection=connection)  # another database: not fast
     assert redis.Redis.from_url(other_db).llen("free") == 1
     assert publish_reads(2) > 1  # for a while: the script started early, then the publish
-    time.sleep(0.35)
+    time.sleep(1.6)
     assert publish_reads(3) == 1  # asked again: fast
     assert publish_reads(4) == 1
 
