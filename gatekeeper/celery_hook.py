@@ -38,7 +38,7 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 
 from gatekeeper.early_start import EarlyStart
-from gatekeeper.errors import ConfigError, GatekeeperError, LedgerUnavailable
+from gatekeeper.errors import ConfigError, GatekeeperError, PublishFailed
 from gatekeeper.fastpath import (
     PLACEHOLDERS,
     Push,
@@ -247,29 +247,21 @@ class Installed:
                 )
                 render = self._renderer(producer, name, message, options, extra)
                 routing = self.pipeline.route(publish, render)
-            if routing.published:
-                return None  # gate.lua pushed it with its decision (fast publish)
+        except PublishFailed as exc:  # the broker is the gate's Redis: it is down too
+            raise OperationalError(str(exc)) from exc
         except Exception as exc:  # never break the caller's publish; never route to free
             stub = publish or Publish(name, "unknown", 0, None, found.spec, {})
-            routing = self.pipeline.fail_closed(stub, GATE_ERROR, f"{type(exc).__name__}: {exc}")
-        caught = render.push if render is not None else None
-        if caught is not None and publish is not None and routing.queue is not None:
-            # Fast publish whose script did not push: Celery already built and "sent" this
-            # message (its signals fired), so fallback.lua pushes that message, decided here,
-            # unless the script (stalled, or its reply lost) did push it for this request.
-            # Sending it through Celery again could publish it twice.
+            # Fast publish: Celery already built and "sent" the message (its signals fired),
+            # so the pipeline pushes that one; sending it again could publish it twice.
+            push = render.push if render is not None else None
             try:
-                earlier = self.store.push_fallback(
-                    caught, publish.job_id, publish.attempt, routing.decision, routing.reason,
-                    routing.queue,
-                )  # fmt: skip
-            except LedgerUnavailable as exc:  # the broker is this Redis: it is down too
-                raise OperationalError(f"cannot publish {publish.job_id}: {exc}") from exc
-            if earlier is not None:
-                self.log.warning("fast_publish_found_pushed", job_id=publish.job_id,
-                                 attempt=publish.attempt, decision=earlier[0],
-                                 reason=earlier[1])  # fmt: skip
-            return None
+                routing = self.pipeline.fail_closed(
+                    stub, GATE_ERROR, f"{type(exc).__name__}: {exc}", push
+                )
+            except PublishFailed as failed:
+                raise OperationalError(str(failed)) from failed
+        if routing.published:
+            return None  # gate.lua, or fallback.lua, pushed it with its decision
         if routing.queue is not None:
             options["queue"] = routing.queue
             options["exchange"] = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "GatekeeperError", "LedgerUnavailable"]
+__all__ = ["ConfigError", "GatekeeperError", "LedgerUnavailable", "PublishFailed"]
 
 
 class GatekeeperError(Exception):
@@ -15,3 +15,8 @@ class ConfigError(GatekeeperError, ValueError):
 
 class LedgerUnavailable(GatekeeperError):
     """The gate's Redis could not be reached or a script failed (wraps the redis-py error)."""
+
+
+class PublishFailed(GatekeeperError):
+    """A fast publish's message could not be pushed at all: the broker, the gate's own Redis,
+    could not be reached (the hook raises kombu's ``OperationalError`` for it)."""

@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from gatekeeper.dwell import Decision, GateInputs, Reason, decide, guards_pass, retry_tax_s
-from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.errors import LedgerUnavailable, PublishFailed
 from gatekeeper.fastpath import Push
 from gatekeeper.flags import FlagStore, in_canary
 from gatekeeper.keys import Keys
@@ -283,17 +283,10 @@ class Pipeline:
         try:
             scored = begun.pending.result()
         except LedgerUnavailable as exc:
-            if begun.push is not None:  # the script may have pushed before the reply was lost
-                try:
-                    pushed = self.store.fast_decision(
-                        publish.job_id, publish.attempt, begun.push.nonce
-                    )
-                except LedgerUnavailable:
-                    pushed = None
-                if pushed is not None:
-                    decided = Decision(pushed[0])
-                    routing = self._finish(decided, pushed[1], headers, fields, recovered=True)
-                    return replace(routing, published=True)
+            if begun.push is not None:  # fast publish: push the built message here instead
+                return self._push_instead(
+                    begun.push, publish, GATE_UNAVAILABLE, headers, fields, str(exc)
+                )
             return self._finish(
                 Decision.RESERVED, GATE_UNAVAILABLE, headers, fields, error=str(exc)
             )
@@ -325,11 +318,43 @@ class Pipeline:
         )
         self.store.count_decision(win, decision.value, reason, marks)
 
-    def fail_closed(self, publish: Publish, reason: str, error: str) -> Routing:
-        """The route for a publish the pipeline could not even start on (hook faults)."""
+    def fail_closed(
+        self, publish: Publish, reason: str, error: str, push: Push | None = None
+    ) -> Routing:
+        """The route for a publish the pipeline could not finish (hook faults); with ``push``
+        (fast publish, the message already built), that message is pushed here."""
         fields = {"task": publish.task, "job_id": publish.job_id, "attempt": publish.attempt,
                   "retries": publish.retries}  # fmt: skip
+        if push is not None:
+            return self._push_instead(push, publish, reason, {}, fields, error)
         return self._finish(Decision.RESERVED, reason, {}, fields, error=error)
+
+    def _push_instead(
+        self,
+        push: Push,
+        publish: Publish,
+        reason: str,
+        headers: dict[str, Any],
+        fields: dict[str, Any],
+        error: str,
+    ) -> Routing:
+        """A fast publish whose script did not push (it failed, or its reply was lost or
+        late): ``fallback.lua`` pushes the message Celery already built to reserved, unless
+        the script pushed it for this request after all, whose decision is then the one
+        logged. Raises :class:`PublishFailed` when Redis cannot be reached for it."""
+        reserved = self._queues[Decision.RESERVED]
+        try:
+            earlier = self.store.push_fallback(
+                push, publish.job_id, publish.attempt, Decision.RESERVED.value, reason, reserved
+            )
+        except LedgerUnavailable as down:
+            self._finish(Decision.RESERVED, reason, headers, fields, error=f"{error}; {down}")
+            raise PublishFailed(f"cannot publish {publish.job_id}: {down}") from down
+        if earlier is None:
+            routing = self._finish(Decision.RESERVED, reason, headers, fields, error=error)
+        else:
+            routing = self._finish(*earlier, headers, fields, recovered=True)
+        return replace(routing, published=True)
 
     def _finish(
         self,

@@ -275,36 +275,29 @@ class GateStore:
         except redis.RedisError:
             pass  # the decision stands; only the review loses one count
 
-    def fast_decision(self, job_id: str, attempt: int, nonce: str) -> tuple[str, str] | None:
-        """(decision, reason) if this publish request's message was already pushed (by
-        gate.lua or fallback.lua), else None."""
-        try:
-            raw = self.client.get(self.keys.fast(job_id, attempt))
-        except redis.RedisError as exc:
-            raise LedgerUnavailable(f"cannot check the fast publish of {job_id}: {exc}") from exc
-        return _pushed_by(raw, nonce)
-
     def push_fallback(
         self, push: Push, job_id: str, attempt: int, decision: str, reason: str, queue: str
-    ) -> tuple[str, str] | None:
+    ) -> tuple[Decision, str] | None:
         """Push a fast publish's message that gate.lua did not push, decided here; None when
         pushed now, else (decision, reason) of the push this request already made.
 
-        ``fallback.lua`` checks and pushes in one step, keyed by the request's nonce, so the
-        client's own retries (redis-py's ``retry`` policy) may send it again safely, and a
-        stalled gate.lua that runs later pushes nothing. Raises :class:`LedgerUnavailable`
-        when it failed.
+        ``fallback.lua`` checks and pushes in one step, keyed by the request's nonce, so it
+        is sent again after a connection error or a timeout (once here, besides the client's
+        own retry policy), and a stalled gate.lua that runs later pushes nothing. Raises
+        :class:`LedgerUnavailable` when it failed.
         """
         target = push.lists[push.queues.index(queue)]
         keys = [self.keys.fast(job_id, attempt), target]
         args = [push.nonce, decision, reason, push.filled(decision, reason, queue)]
         args.append(str(FAST_KEY_TTL_S))
         try:
-            return _pushed_by(evalsha(self.client, self._fallback, keys, args), push.nonce)
+            try:
+                reply = evalsha(self.client, self._fallback, keys, args)
+            except (redis.ConnectionError, redis.TimeoutError):
+                reply = evalsha(self.client, self._fallback, keys, args)  # safe: the nonce
         except redis.RedisError as exc:
-            raise LedgerUnavailable(
-                f"cannot push {job_id} after the gate script failed: {exc}"
-            ) from exc
+            raise LedgerUnavailable(f"cannot push {job_id}: {exc}") from exc
+        return _pushed_by(reply, push.nonce)
 
     def release(
         self, job_id: str, attempt: int, window_id: int, *, unpublished: bool = False
@@ -359,12 +352,13 @@ def text_of(value: bytes | str | int | float) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def _pushed_by(raw: Any, nonce: str) -> tuple[str, str] | None:
-    """(decision, reason) from ``fast:<job_id>:<attempt>`` when ``nonce``'s request wrote it."""
+def _pushed_by(raw: Any, nonce: str) -> tuple[Decision, str] | None:
+    """(decision, reason) from ``fast:<job_id>:<attempt>`` when ``nonce``'s request wrote it
+    (a value it cannot read counts as reserved: the message was pushed all the same)."""
     if raw is None:
         return None
     owner, _, rest = text_of(raw).partition("|")
     if owner != nonce:
         return None  # another publish of the same task id and attempt
     decision, _, reason = rest.partition("|")
-    return decision, reason
+    return _DECISIONS.get(decision, Decision.RESERVED), reason
