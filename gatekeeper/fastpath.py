@@ -29,7 +29,8 @@ Celery's sender again (its signals fired once). Each publish request carries a n
 ``fast:<job_id>:<attempt>`` records the nonce of the request whose message was pushed: the
 fallback pushes only if this request's message is not already there, and a stalled script
 that runs after it pushes nothing, so a message is pushed once whichever comes first, and
-the fallback can be sent again safely (the gate client's own retry policy does). If it
+the fallback can be sent again safely (once more after a timeout, and by the client's
+retry policy). The decision line then names whichever push happened. If it
 fails, the caller gets kombu's ``OperationalError`` (the broker is that Redis). A message whose
 headers hold a value that looks like a placeholder is published the ordinary way, after
 being built once for nothing (with ``on``, its signals fire twice).
@@ -76,6 +77,8 @@ PLACEHOLDERS = {
 }
 """Headers whose values ``gate.lua`` writes (placeholders are JSON strings it replaces)."""
 
+_CHANNEL_API = ("_put", "_q_for_pri", "_get_message_priority")
+"""What fast publish uses of kombu's virtual Redis channel (private API)."""
 _PLACEHOLDER = re.compile(r'"__gk_([a-z]+)__"')
 _ALLOWED = {"decision", "reason", "dwell", "free", "window", "queue"}
 _REQUIRED = _ALLOWED - {"free"}  # free is absent when an earlier attempt already ran free
@@ -161,9 +164,7 @@ def same_server(broker: Any, gate: redis.Redis) -> bool | None:
 
 def fast_path_possible(app: Any, producer: Any, channel: Any, queues: tuple[str, ...]) -> bool:
     """The set-ups fast publish stands aside for (see the module docstring)."""
-    if channel is None or not all(
-        hasattr(channel, name) for name in ("_put", "_q_for_pri", "_get_message_priority")
-    ):
+    if channel is None or not all(hasattr(channel, name) for name in _CHANNEL_API):
         return False
     if getattr(channel, "global_keyprefix", ""):
         return False
@@ -192,15 +193,13 @@ def capture_message(
     queues: tuple[str, str, str],
     job_id: str,
 ) -> Push | None:
-    """Run Celery's sender with kombu's final LPUSH caught; None if the channel is not one.
+    """Run Celery's sender with kombu's final LPUSH caught; None when a header value looks
+    like a placeholder (then the message must take the ordinary path).
 
-    ``options`` must already carry the placeholders and ``queue=queues[0]``.
+    The producer's channel must have passed :func:`fast_path_possible`; ``options`` must
+    already carry the placeholders and ``queue=queues[0]``.
     """
-    channel = getattr(producer, "channel", None)
-    if channel is None or not all(
-        hasattr(channel, name) for name in ("_put", "_q_for_pri", "_get_message_priority")
-    ):
-        return None
+    channel = producer.channel
     caught: list[Push] = []
     previous = channel.__dict__.get("_put")
     forward = previous or type(channel)._put.__get__(channel)
