@@ -35,6 +35,15 @@ def lengths(client: redis.Redis) -> dict[str, int]:
     return {q: client.llen(q) for q in ("free", "defer", "reserved", "celery")}
 
 
+def forbid_deciding_in_the_sender(gate: Any) -> None:
+    """Make a publish fail unless its decision was started in send_task (the early start)."""
+
+    def not_here(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("decided in the sender, not started in send_task")
+
+    gate.pipeline.route = not_here
+
+
 def only_message(client: redis.Redis, queue: str) -> dict[str, Any]:
     (message,) = queue_messages(client, queue)
     return message
@@ -366,10 +375,7 @@ def test_the_decision_started_in_send_task_is_the_one_used(
     app = make_app(redis_url, fast_publish="off")
     gate = install(app)
 
-    def not_here(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("decided in the sender, not started in send_task")
-
-    gate.pipeline.route = not_here  # type: ignore[method-assign]
+    forbid_deciding_in_the_sender(gate)
     app.tasks["tests.embed"].delay(0)  # the script loaded, whatever ran before
     redis_client.delete("free")
     redis_client.config_resetstat()
@@ -585,10 +591,7 @@ def test_auto_fast_publish_stands_aside_for_task_sent_events(
     # The next publishes know fast publish will not be taken: their decision starts early.
     gate = install(app)
 
-    def not_here(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("decided in the sender, not started in send_task")
-
-    gate.pipeline.route = not_here  # type: ignore[method-assign]
+    forbid_deciding_in_the_sender(gate)
     app.tasks["tests.embed"].delay(2)
     assert lengths(redis_client)["free"] == 1
 
