@@ -44,7 +44,7 @@ from gatekeeper.fastpath import (
     Push,
     capture_message,
     fast_path_possible,
-    publish_signals_connected,
+    publish_observed,
     same_server,
 )
 from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
@@ -162,7 +162,7 @@ class Installed:
         mode = self.settings.fast_publish
         if mode == "off" or time.monotonic() < self._fast_unfit_until:
             return True
-        return mode == "auto" and publish_signals_connected()
+        return mode == "auto" and publish_observed(self.app.amqp.Producer)
 
     def _spec(self, name: str) -> _Gated | None:
         """What the hook needs of a task by name, looked up once; None when it is not gated.
@@ -192,7 +192,7 @@ class Installed:
         mode = self.settings.fast_publish
         if mode == "off":
             return None
-        if mode == "auto" and publish_signals_connected():
+        if mode == "auto" and publish_observed(type(producer)):
             return None  # something would see this publish: Celery's own way
         channel = getattr(producer, "channel", None)
         queues = (self.settings.free_queue, self.settings.defer_queue, self.settings.reserved_queue)

@@ -35,9 +35,10 @@ fails, the caller gets kombu's ``OperationalError`` (the broker is that Redis). 
 headers hold a value that looks like a placeholder is published the ordinary way, after
 being built once for nothing (with ``on``, its signals fire twice).
 
-Not detected by ``auto``: tracers that patch kombu's ``Producer.publish`` instead of
-connecting Celery's signals would record the free queue for a gated publish (telemetry only;
-``fast_publish = "off"`` if that matters).
+Tracers that wrap kombu's ``Producer.publish`` or ``Producer._publish`` instead of connecting
+Celery's signals (ddtrace's kombu integration, Sentry's queue spans) count as observers too:
+their methods are no longer kombu's own. A tracer that patches deeper (kombu's channel, the
+Redis client) is not detected; ``fast_publish = "off"`` if that matters.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import FunctionType
 from typing import Any
 
 import redis
@@ -63,7 +65,7 @@ __all__ = [
     "capture_message",
     "fast_path_possible",
     "new_nonce",
-    "publish_signals_connected",
+    "publish_observed",
     "same_server",
 ]
 
@@ -130,14 +132,46 @@ def new_nonce() -> str:
     return f"{time.time_ns():x}.{random.getrandbits(48):012x}"
 
 
-def publish_signals_connected() -> bool:
-    """Whether anything receives Celery's publish signals (``before_task_publish``,
-    ``after_task_publish``, the old ``task_sent``): ``auto`` fast publish stands aside then."""
-    return bool(
+def publish_observed(producer_type: type) -> bool:
+    """Whether something observes a publish: receivers of Celery's publish signals
+    (``before_task_publish``, ``after_task_publish``, the old ``task_sent``), or producer
+    publish methods that are not kombu's own (a tracer wrapped them, or a subclass overrides
+    them). ``auto`` fast publish stands aside then."""
+    if (
         signals.before_task_publish.receivers
         or signals.after_task_publish.receivers
         or signals.task_sent.receivers
+    ):
+        return True
+    publish, _publish = (getattr(producer_type, name, None) for name in ("publish", "_publish"))
+    return not _kombus_own(publish, _publish)
+
+
+def _kombus_own(publish: Any, _publish: Any) -> bool:
+    """Whether a producer class's publish methods are kombu's ``Producer`` ones, unwrapped:
+    a ``functools.wraps`` wrapper and a wrapt proxy both carry ``__wrapped__``.
+
+    Remembered by the methods' identity (wrapt proxies compare equal to what they wrap), so
+    a patch made later is seen.
+    """
+    key = (id(publish), id(_publish))
+    seen = _OWN_METHODS.get(key)
+    if seen is not None and seen[0] is publish and seen[1] is _publish:
+        return seen[2]
+    own = all(
+        type(method) is FunctionType
+        and method.__module__ == "kombu.messaging"
+        and method.__qualname__ == f"Producer.{name}"
+        and not hasattr(method, "__wrapped__")
+        for method, name in ((publish, "publish"), (_publish, "_publish"))
     )
+    if len(_OWN_METHODS) >= 32:
+        _OWN_METHODS.clear()
+    _OWN_METHODS[key] = (publish, _publish, own)  # holds them: their ids stay theirs
+    return own
+
+
+_OWN_METHODS: dict[tuple[int, int], tuple[Any, Any, bool]] = {}
 
 
 def same_server(broker: Any, gate: redis.Redis) -> bool | None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import gc
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -16,6 +18,7 @@ import redis
 from celery import Celery
 from celery.signals import before_task_publish
 from click.testing import CliRunner
+from kombu import Producer
 from kombu.exceptions import OperationalError
 
 from gatekeeper import celery_hook
@@ -544,32 +547,58 @@ def test_after_a_publish_that_cannot_take_fast_publish_the_next_ones_ask_again(
     assert publish_reads(4) == 1
 
 
+@contextlib.contextmanager
+def publishes_watched(observer: str) -> Iterator[list[tuple[str, str]]]:
+    """What an observer of publishes sees of each: its routing key and decision header.
+
+    ``signal``: a ``before_task_publish`` receiver. ``tracer``: kombu's ``Producer.publish``
+    wrapped with ``functools.wraps``, as tracers without Celery signals do.
+    """
+    seen: list[tuple[str, str]] = []
+
+    def watch(sender: Any = None, routing_key: str = "", headers: Any = None, **_: Any) -> None:
+        seen.append((routing_key, headers.get("gatekeeper_decision")))
+
+    if observer == "signal":
+        before_task_publish.connect(watch, weak=False)
+        try:
+            yield seen
+        finally:
+            before_task_publish.disconnect(watch)
+        return
+    publish = Producer.publish
+
+    @functools.wraps(publish)
+    def traced(self: Producer, body: Any, *args: Any, **kwargs: Any) -> Any:
+        watch(**kwargs)
+        return publish(self, body, *args, **kwargs)
+
+    Producer.publish = traced  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        Producer.publish = publish  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("observer", ["signal", "tracer"])
 def test_auto_fast_publish_is_taken_only_while_nothing_observes_publishes(
-    redis_url: str, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis, observer: str
 ) -> None:
     app = make_app(redis_url, flag_cache_s=60)  # fast_publish = "auto", the default
     embed = app.tasks["tests.embed"]
     embed.delay(0)  # connections, declarations and flags warm
     assert reads_of(redis_client, lambda: embed.delay(1)) == 1  # fast: decided and pushed
 
-    seen: list[tuple[str, str]] = []
-
-    def watch(sender: Any = None, routing_key: str = "", headers: Any = None, **_: Any) -> None:
-        seen.append((routing_key, headers.get("gatekeeper_decision")))
-
-    before_task_publish.connect(watch, weak=False)
-    try:
+    with publishes_watched(observer) as seen:
         embed.apply_async((2,), headers={"gatekeeper_deadline_s": 1.5})
         # A task id by position: no early start, so the sender itself must stand aside.
         app.send_task("tests.embed", (3,), None, None, None, "by-position",
                       headers={"gatekeeper_deadline_s": 1.5})  # fmt: skip
-    finally:
-        before_task_publish.disconnect(watch)
-    # The receiver saw the decisions, not the free queue and placeholders.
+    # The observer saw the decisions, not the free queue and placeholders.
     assert seen == [("reserved", "reserved")] * 2
     reasons = [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "reserved")]
     assert reasons == ["dwell_over_slack"] * 2
-    assert reads_of(redis_client, lambda: embed.delay(4)) == 1  # receiver gone: fast again
+    assert reads_of(redis_client, lambda: embed.delay(4)) == 1  # observer gone: fast again
 
 
 def test_auto_fast_publish_stands_aside_for_task_sent_events(
