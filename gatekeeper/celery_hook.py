@@ -162,7 +162,7 @@ class Installed:
         mode = self.settings.fast_publish
         if mode == "off" or time.monotonic() < self._fast_unfit_until:
             return True
-        return mode == "auto" and publish_observed(self.app.amqp.Producer)
+        return mode == "auto" and publish_observed(self.app.amqp.producer_pool.Producer)
 
     def _spec(self, name: str) -> _Gated | None:
         """What the hook needs of a task by name, looked up once; None when it is not gated.

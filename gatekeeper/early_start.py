@@ -77,14 +77,16 @@ class EarlyStart:
     def send_task(self, name: str, *args: Any, **options: Any) -> Any:
         """``app.send_task``, with a gated task's decision started before Celery's work."""
         original = self.original
-        if len(args) > 4 or not self.enabled():
+        if len(args) > 4:
             return original(name, *args, **options)
         try:
             found = self.lookup(name)
+            early = found is not None and self.enabled()
         except Exception:  # an app that cannot list its tasks must not break publishing
-            found = None
-        if found is None or not self.routes_leave_headers(options):
+            early = False
+        if not early or not self.routes_leave_headers(options):
             return original(name, *args, **options)
+        assert found is not None
         try:
             task_id = str(options.get("task_id") or uuid())
             countdown = args[2] if len(args) > 2 else options.get("countdown")

@@ -36,9 +36,10 @@ headers hold a value that looks like a placeholder is published the ordinary way
 being built once for nothing (with ``on``, its signals fire twice).
 
 Tracers that wrap kombu's ``Producer.publish`` or ``Producer._publish`` instead of connecting
-Celery's signals (ddtrace's kombu integration, Sentry's queue spans) count as observers too:
-their methods are no longer kombu's own. A tracer that patches deeper (kombu's channel, the
-Redis client) is not detected; ``fast_publish = "off"`` if that matters.
+Celery's signals (ddtrace's kombu integration; Sentry's Celery integration, whenever it is on)
+count as observers too, as do producer classes that override those methods: they are no
+longer kombu's own. A tracer that patches deeper (kombu's channel, the Redis client) is not
+detected; ``fast_publish = "off"`` if that matters.
 """
 
 from __future__ import annotations
@@ -143,8 +144,16 @@ def publish_observed(producer_type: type) -> bool:
         or signals.task_sent.receivers
     ):
         return True
-    publish, _publish = (getattr(producer_type, name, None) for name in ("publish", "_publish"))
-    return not _kombus_own(publish, _publish)
+    return not _kombus_own(_stored(producer_type, "publish"), _stored(producer_type, "_publish"))
+
+
+def _stored(producer_type: type, name: str) -> Any:
+    """A class's attribute as stored (no descriptor run: a wrapt wrapper read off the class
+    would be a new bound wrapper each time)."""
+    for klass in producer_type.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    return None
 
 
 def _kombus_own(publish: Any, _publish: Any) -> bool:

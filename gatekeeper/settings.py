@@ -138,8 +138,9 @@ class GatekeeperSettings(BaseSettings):
     (gatekeeper/fastpath.py lists the set-ups where it stands aside). Celery's publish
     signals and ``task-sent`` events would then see the free queue and placeholder headers,
     so ``auto`` takes it only while nothing observes publishes (no ``before_task_publish``,
-    ``after_task_publish`` or ``task_sent`` receivers, no task-sent events, no tracer's
-    wrapper around kombu's ``Producer.publish`` or ``_publish``); ``on`` takes it
+    ``after_task_publish`` or ``task_sent`` receivers, no task-sent events, and kombu's own
+    ``Producer.publish`` and ``_publish``, neither wrapped by a tracer such as Sentry's nor
+    overridden); ``on`` takes it
     whenever it can; ``off`` never. ``true``/``false`` mean ``on``/``off``."""
 
     redis_timeout_s: float = Field(0.5, gt=0, le=30, allow_inf_nan=False)

@@ -10,9 +10,16 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from kombu import Producer
 
 from gatekeeper.errors import LedgerUnavailable
-from gatekeeper.fastpath import Push, capture_message, fast_path_possible, same_server
+from gatekeeper.fastpath import (
+    Push,
+    capture_message,
+    fast_path_possible,
+    publish_observed,
+    same_server,
+)
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import BudgetMode
 from gatekeeper.store import GateStore
@@ -137,3 +144,15 @@ def test_fast_publish_stands_aside_for_a_global_key_prefix(redis_url: str) -> No
     plain = Celery("plain", broker=redis_url)
     with plain.producer_or_acquire() as producer:
         assert fast_path_possible(plain, producer, producer.channel, QUEUES)
+
+
+def test_a_producer_subclass_that_overrides_publishing_counts_as_an_observer() -> None:
+    class Counting(Producer):
+        def _publish(self, *args: Any, **kwargs: Any) -> Any:
+            return super()._publish(*args, **kwargs)
+
+    class Plain(Producer):
+        pass
+
+    assert not publish_observed(Producer) and not publish_observed(Plain)
+    assert publish_observed(Counting)

@@ -6,9 +6,11 @@ import base64
 import contextlib
 import functools
 import gc
+import inspect
 import json
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -64,6 +66,7 @@ def reads_of(client: redis.Redis, action: Callable[[], Any]) -> int:
     def reads() -> int:
         return int(client.info("stats")["total_reads_processed"])
 
+    collecting = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
@@ -71,7 +74,8 @@ def reads_of(client: redis.Redis, action: Callable[[], Any]) -> int:
         action()
         return reads() - base - 1  # the INFO that read the counter is one read
     finally:
-        gc.enable()
+        if collecting:
+            gc.enable()
 
 
 @pytest.mark.parametrize("fast_publish", [True, False])
@@ -547,16 +551,29 @@ def test_after_a_publish_that_cannot_take_fast_publish_the_next_ones_ask_again(
     assert publish_reads(4) == 1
 
 
+class _BoundEachTime:
+    """A class attribute that, like a wrapt wrapper, gives a new bound wrapper on each read."""
+
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self.call = call
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return functools.wraps(self.call)(lambda *args, **kwargs: self.call(*args, **kwargs))
+        return types.MethodType(self.call, instance)
+
+
 @contextlib.contextmanager
 def publishes_watched(observer: str) -> Iterator[list[tuple[str, str]]]:
     """What an observer of publishes sees of each: its routing key and decision header.
 
-    ``signal``: a ``before_task_publish`` receiver. ``tracer``: kombu's ``Producer.publish``
-    wrapped with ``functools.wraps``, as tracers without Celery signals do.
+    ``signal``: a ``before_task_publish`` receiver. The others wrap one of kombu's
+    ``Producer`` methods, as tracers without Celery signals do: ``publish`` or ``_publish``
+    with ``functools.wraps``, ``wrapt-like`` ``_publish`` with :class:`_BoundEachTime`.
     """
     seen: list[tuple[str, str]] = []
 
-    def watch(sender: Any = None, routing_key: str = "", headers: Any = None, **_: Any) -> None:
+    def watch(routing_key: str = "", headers: Any = None, **_: Any) -> None:
         seen.append((routing_key, headers.get("gatekeeper_decision")))
 
     if observer == "signal":
@@ -566,31 +583,36 @@ def publishes_watched(observer: str) -> Iterator[list[tuple[str, str]]]:
         finally:
             before_task_publish.disconnect(watch)
         return
-    publish = Producer.publish
+    name = "publish" if observer == "publish" else "_publish"
+    original = Producer.__dict__[name]
+    signature = inspect.signature(original)
 
-    @functools.wraps(publish)
-    def traced(self: Producer, body: Any, *args: Any, **kwargs: Any) -> Any:
-        watch(**kwargs)
-        return publish(self, body, *args, **kwargs)
+    @functools.wraps(original)
+    def traced(self: Producer, *args: Any, **kwargs: Any) -> Any:
+        watch(**signature.bind(self, *args, **kwargs).arguments)
+        return original(self, *args, **kwargs)
 
-    Producer.publish = traced  # type: ignore[method-assign]
+    setattr(Producer, name, _BoundEachTime(traced) if observer == "wrapt-like" else traced)
     try:
         yield seen
     finally:
-        Producer.publish = publish  # type: ignore[method-assign]
+        setattr(Producer, name, original)
 
 
-@pytest.mark.parametrize("observer", ["signal", "tracer"])
+@pytest.mark.parametrize("observer", ["signal", "publish", "_publish", "wrapt-like"])
 def test_auto_fast_publish_is_taken_only_while_nothing_observes_publishes(
     redis_url: str, redis_client: redis.Redis, observer: str
 ) -> None:
     app = make_app(redis_url, flag_cache_s=60)  # fast_publish = "auto", the default
+    gate = install(app)
     embed = app.tasks["tests.embed"]
     embed.delay(0)  # connections, declarations and flags warm
     assert reads_of(redis_client, lambda: embed.delay(1)) == 1  # fast: decided and pushed
 
     with publishes_watched(observer) as seen:
+        forbid_deciding_in_the_sender(gate)  # observed: the decision starts in send_task
         embed.apply_async((2,), headers={"gatekeeper_deadline_s": 1.5})
+        del gate.pipeline.route
         # A task id by position: no early start, so the sender itself must stand aside.
         app.send_task("tests.embed", (3,), None, None, None, "by-position",
                       headers={"gatekeeper_deadline_s": 1.5})  # fmt: skip
