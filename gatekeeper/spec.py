@@ -15,6 +15,7 @@ first-publish time, once written, are never changed (a deadline is never extende
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -114,8 +115,17 @@ def gated(
     """Gate an existing task; place it above ``@app.task`` (it receives the task object).
 
     The task keeps its name, signature and ``max_retries``; only the ``gatekeeper`` attribute
-    is set. Bad values are reported at publish time, where they fail closed, and here.
+    is set. Values of the wrong type, negative or fractional token counts, and a missing or
+    doubled deadline raise :class:`BadDeclaredInput` here, at import. Values that are numbers
+    but cannot be scored (a service time of 0, a deadline already past) are the gate's to
+    judge at publish time, where they fail closed.
     """
+    _number("expected_service_s", expected_service_s)
+    _tokens("tokens_in", tokens_in)
+    _tokens("tokens_out", tokens_out)
+    for name, value in (("deadline_s", deadline_s), ("deadline_at", deadline_at)):
+        if value is not None and math.isnan(_number(name, value)):
+            raise BadDeclaredInput(name, "a number", value)
     spec = GatedSpec(
         expected_service_s=expected_service_s,
         tokens_in=tokens_in,
@@ -125,6 +135,12 @@ def gated(
     )
 
     def mark(task: T) -> T:
+        if inspect.isfunction(task) or inspect.ismethod(task):
+            raise TypeError(
+                f"gatekeeper.gated: expected a Celery task, got the function "
+                f"{getattr(task, '__qualname__', task)!r}; place @gatekeeper.gated above "
+                "@app.task, not below it"
+            )
         setattr(task, GATED_ATTRIBUTE, spec)
         return task
 
@@ -177,26 +193,34 @@ def resolve_inputs(spec: GatedSpec, headers: Mapping[str, Any], now: float) -> D
 
     A deadline and first-publish time already in the headers (a retry, a replay) win over
     everything. Non-finite service times pass through: the gate's guard defers them.
+    Errors name where the bad value came from: a header, else the declaration's field.
     """
     first = headers.get(H_FIRST_PUBLISHED_AT)
     first_published_at = now if first is None else _number(H_FIRST_PUBLISHED_AT, first)
     if headers.get(H_DEADLINE_AT) is not None:
-        deadline_at = _number(H_DEADLINE_AT, headers[H_DEADLINE_AT])
+        field, deadline_at = H_DEADLINE_AT, _number(H_DEADLINE_AT, headers[H_DEADLINE_AT])
     elif headers.get(H_DEADLINE_S) is not None:
+        field = H_DEADLINE_S
         deadline_at = first_published_at + _number(H_DEADLINE_S, headers[H_DEADLINE_S])
     elif spec.deadline_at is not None:
-        deadline_at = _number("deadline_at", spec.deadline_at)
+        field, deadline_at = "deadline_at", _number("deadline_at", spec.deadline_at)
     else:
+        field = "deadline_s"
         deadline_at = first_published_at + _number("deadline_s", spec.deadline_s)
     if math.isnan(deadline_at):
-        raise BadDeclaredInput("deadline", "a number", deadline_at)
-    service = headers.get(H_EXPECTED_SERVICE_S, spec.expected_service_s)
-    tokens_in = headers.get(H_TOKENS_IN, spec.tokens_in)
-    tokens_out = headers.get(H_TOKENS_OUT, spec.tokens_out)
+        raise BadDeclaredInput(field, "a number", deadline_at)
     return DeclaredInputs(
         deadline_at=deadline_at,
         first_published_at=first_published_at,
-        expected_service_s=_number(H_EXPECTED_SERVICE_S, service),
-        tokens_in=_tokens(H_TOKENS_IN, tokens_in),
-        tokens_out=_tokens(H_TOKENS_OUT, tokens_out),
-    )
+        expected_service_s=_number(*_source(headers, H_EXPECTED_SERVICE_S, "expected_service_s",
+                                            spec.expected_service_s)),
+        tokens_in=_tokens(*_source(headers, H_TOKENS_IN, "tokens_in", spec.tokens_in)),
+        tokens_out=_tokens(*_source(headers, H_TOKENS_OUT, "tokens_out", spec.tokens_out)),
+    )  # fmt: skip
+
+
+def _source(headers: Mapping[str, Any], header: str, field: str, declared: Any) -> tuple[str, Any]:
+    """The value a header overrides with (and the header's name), else the declared one."""
+    if header in headers:
+        return header, headers[header]
+    return field, declared

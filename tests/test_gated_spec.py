@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 import types
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -102,7 +103,7 @@ def test_a_carried_deadline_is_never_extended() -> None:
         ({"gatekeeper_tokens_in": "many"}, "gatekeeper_tokens_in"),
         ({"gatekeeper_deadline_s": "soon"}, "gatekeeper_deadline_s"),
         ({"gatekeeper_deadline_at": None, "gatekeeper_deadline_s": True}, "gatekeeper_deadline_s"),
-        ({"gatekeeper_deadline_s": math.nan}, "deadline"),
+        ({"gatekeeper_deadline_s": math.nan}, "gatekeeper_deadline_s"),
         ({"gatekeeper_expected_service_s": "8s"}, "gatekeeper_expected_service_s"),
     ],
 )
@@ -110,6 +111,39 @@ def test_bad_inputs_name_the_field(headers: dict[str, object], field: str) -> No
     with pytest.raises(BadDeclaredInput) as caught:
         resolve_inputs(SPEC, headers, now=1000.0)
     assert caught.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("declared", "field"),
+    [
+        ({"expected_service_s": "fast", "deadline_s": 60}, "expected_service_s"),
+        ({"expected_service_s": 1, "tokens_in": "lots", "deadline_s": 60}, "tokens_in"),
+        ({"expected_service_s": 1, "tokens_out": -3, "deadline_s": 60}, "tokens_out"),
+        ({"expected_service_s": 1, "deadline_s": math.nan}, "deadline_s"),
+        ({"expected_service_s": 1, "deadline_at": "tonight"}, "deadline_at"),
+    ],
+)
+def test_a_bad_declaration_names_its_own_field(declared: dict[str, Any], field: str) -> None:
+    # A task option (a dict, checked at publish) and the decorator (checked at import).
+    with pytest.raises(BadDeclaredInput) as at_publish:
+        resolve_inputs(GatedSpec(**declared), {}, now=1000.0)
+    with pytest.raises(BadDeclaredInput) as at_import:
+        gatekeeper.gated(**declared)
+    assert at_publish.value.field == at_import.value.field == field
+
+
+def test_a_service_time_the_gate_will_defer_is_still_a_declaration() -> None:
+    # A number the gate cannot score is the gate's to judge at publish time (it defers).
+    gatekeeper.gated(expected_service_s=0, deadline_s=60)
+    gatekeeper.gated(expected_service_s=math.inf, deadline_s=60)
+
+
+def test_gated_placed_below_app_task_says_so() -> None:
+    def build() -> None:
+        return None
+
+    with pytest.raises(TypeError, match=r"above @app\.task"):
+        gatekeeper.gated(expected_service_s=1, deadline_s=60)(build)
 
 
 def test_a_non_finite_service_time_passes_through_for_the_guard_to_defer() -> None:
