@@ -18,7 +18,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
@@ -60,6 +60,9 @@ class Flags:
     dwell_gate_enabled: bool
     free_path_enabled: bool
     canary_percent: float
+    unread: str | None = None
+    """Why Redis could not be read, when no read has succeeded yet: these are the settings
+    alone, and a value in Redis may override them (the gate cannot tell whether it is on)."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ class FlagStore:
         """The flags in force, at most ``flag_cache_s`` old.
 
         When Redis cannot be read the last flags read stay in force (stale beats absent);
-        before any read has succeeded the settings alone decide.
+        before any read has succeeded the settings are returned with ``unread`` set.
         """
         now = self._clock()
         cached = self._cached  # fresh most of the time: no lock to read it
@@ -163,8 +166,8 @@ class FlagStore:
                 return self._cached
             try:
                 flags = combine(self.settings, self.stored())
-            except LedgerUnavailable:
-                flags = self._cached or combine(self.settings, {})
+            except LedgerUnavailable as exc:
+                flags = self._cached or replace(combine(self.settings, {}), unread=str(exc))
                 # Retry after one cache interval, not on every publish.
             self._cached, self._read_at = flags, now
             return flags

@@ -159,12 +159,14 @@ class Pipeline:
         trip can overlap the caller's own work. Never raises for a bad input or a Redis fault.
         """
         flags = self.flags.current()
-        if not flags.dwell_gate_enabled:
+        # Flags never read: Redis may turn the gate on whatever the settings say, so the gate
+        # cannot tell whether to stand aside; it fails closed below instead.
+        if not flags.dwell_gate_enabled and flags.unread is None:
             self.log.debug(
                 "gate_skipped", task=publish.task, job_id=publish.job_id, reason=GATE_DISABLED
             )
             return Begun(publish, Routing(None, "untouched", GATE_DISABLED))
-        if not in_canary(publish.job_id, flags.canary_percent):
+        if flags.unread is None and not in_canary(publish.job_id, flags.canary_percent):
             self.log.debug(
                 "gate_skipped", task=publish.task, job_id=publish.job_id, reason=OUTSIDE_CANARY
             )
@@ -237,6 +239,11 @@ class Pipeline:
             headers[H_MAX_RETRIES] = publish.max_retries
         if publish.headers.get(H_FREE_ADMITTED):
             headers[H_FREE_ADMITTED] = True
+        if flags.unread is not None:  # Redis is unreachable: nothing to count in
+            routing = self._finish(
+                Decision.RESERVED, GATE_UNAVAILABLE, headers, fields, error=flags.unread
+            )
+            return Begun(publish, routing)
         if not flags.free_path_enabled:
             self._count(win, Decision.RESERVED, FREE_PATH_DISABLED, fields)
             return Begun(

@@ -37,6 +37,28 @@ def test_gate_redis_down_reserves_and_recovers_without_restart(
     assert "reason=gate_unavailable" in capsys.readouterr().err
 
 
+def test_a_gate_redis_down_from_the_start_fails_closed_whatever_the_settings_say(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The gate is off in the settings, but a value in Redis could turn it on: until the flags
+    # have been read once, the gate cannot tell whether to stand aside.
+    with EmbeddedRedis() as gate_server:
+        port, url = gate_server.port, gate_server.url
+        gate_server.kill()
+        settings = gate_settings(url, redis_timeout_s=0.2, dwell_gate_enabled=False,
+                                 flag_cache_s=0.3)  # fmt: skip
+        app = create_app(settings, redis_url)  # the broker stays up on redis_url
+        embed = app.tasks["tests.embed"]
+        embed.apply_async((1,), queue="free")
+        gate_server.start(port=port)
+        time.sleep(0.4)  # the flag cache
+        embed.apply_async((2,), queue="free")  # read: the gate is off, the route untouched
+    assert reasons(redis_client, "reserved") == ["gate_unavailable"]
+    (untouched,) = queue_messages(redis_client, "free")
+    assert "gatekeeper_decision" not in untouched["headers"]
+    assert "reason=gate_unavailable" in capsys.readouterr().err
+
+
 def _publisher(redis_url: str, count: int, start: multiprocessing.synchronize.Event) -> None:
     settings = gate_settings(redis_url, budget_units=1000, queue_wait_unit_per_second=0)
     app = create_app(settings, redis_url)
