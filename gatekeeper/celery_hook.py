@@ -102,11 +102,7 @@ def check_send_task_shape(app: Celery) -> Callable[..., Any]:
 
 
 def _client(settings: GatekeeperSettings) -> redis.Redis:
-    url = settings.redis_url or settings.broker_url
-    if not url:
-        raise ConfigError(
-            "GATEKEEPER_REDIS_URL: expected the gate's Redis URL (redis://host:port/db), got none"
-        )
+    url = settings.gate_redis_url()
     # Short timeouts: an unreachable gate must cost a publish milliseconds, not seconds.
     return redis.Redis.from_url(
         url,

@@ -23,7 +23,7 @@ import click
 import redis
 
 from gatekeeper.cli import main, settings_of
-from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.flags import FLAG_NAMES, FlagStore, combine
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import LedgerRow, summarize, window_id
@@ -32,6 +32,7 @@ from gatekeeper.replay import PRIORITY_STEPS, Replayer, queue_list
 from gatekeeper.review import summarize_review
 from gatekeeper.runs import RunLedger
 from gatekeeper.runs import sweep as sweep_runs
+from gatekeeper.settings import redis_url_of
 from gatekeeper.store import GateStore, read_windows, text_of
 
 __all__ = ["ledger", "redis_client", "replay", "report", "show_value", "status", "sweep"]
@@ -40,14 +41,16 @@ __all__ = ["ledger", "redis_client", "replay", "report", "show_value", "status",
 def redis_client(ctx: click.Context, broker: bool = False) -> redis.Redis:
     """A client on the gate's Redis (or, with ``broker``, the broker's), from settings."""
     settings = settings_of(ctx)
-    url = settings.redis_url or settings.broker_url
-    if broker:
-        url = settings.effective_broker_url
-    if not url:
-        raise click.UsageError(
-            "GATEKEEPER_REDIS_URL: expected the gate's Redis URL (redis://host:port/db), got none",
-            ctx=ctx,
-        )
+    try:
+        if broker:  # the replayer and status read kombu's lists: the broker must be Redis
+            url = redis_url_of(
+                "GATEKEEPER_BROKER_URL", settings.effective_broker_url, "(this command reads "
+                "the broker's queues, so the broker must be Redis)"
+            )  # fmt: skip
+        else:
+            url = settings.gate_redis_url()
+    except ConfigError as exc:
+        raise click.UsageError(str(exc), ctx=ctx) from exc
     return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
 
 
@@ -256,3 +259,5 @@ def replay(ctx: click.Context, once: bool) -> None:
     replayer.log.info("replay_started", queue=settings.defer_queue, replayer=replayer.ident)
     totals = replayer.run(stop, once=once)
     click.echo(" ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "nothing to replay")
+    if once and totals["pass_failed"]:
+        raise click.ClickException("the pass failed (replay_pass_failed above says why)")

@@ -116,10 +116,14 @@ class Replayer:
         return False
 
     def release(self) -> None:
+        """Give the lock back; when Redis cannot be reached it expires on its own."""
         gate = self.pipeline.store.client
         key = self.pipeline.store.keys.replayer_lock
-        if gate.get(key) == self.ident.encode():
-            gate.delete(key)
+        try:
+            if gate.get(key) == self.ident.encode():
+                gate.delete(key)
+        except redis.RedisError as exc:
+            self.log.warning("replay_lock_not_released", error=repr(exc))
 
     def recover(self) -> int:
         """Put back what a dead replayer left claimed; returns how many messages."""
@@ -294,6 +298,7 @@ class Replayer:
                 counts = self.pass_once()
             except Exception as exc:  # Redis down, a bug: log, wait, try again; never exit
                 self.log.warning("replay_pass_failed", error=repr(exc))
+                self.counts["pass_failed"] += 1
                 counts = Counter()
             if once:
                 break

@@ -176,10 +176,31 @@ class GatekeeperSettings(BaseSettings):
             return text
         return value
 
+    @field_validator("redis_url", mode="after")
+    @classmethod
+    def _a_redis_url(cls, value: str | None) -> str | None:
+        if value and not value.startswith(REDIS_URL_SCHEMES):
+            raise ValueError("expected a Redis URL (redis://, rediss:// or unix://)")
+        return value
+
     @property
     def effective_broker_url(self) -> str | None:
         """The broker Celery should use."""
         return self.broker_url or self.redis_url
+
+    def gate_redis_url(self) -> str:
+        """The gate's Redis URL: ``redis_url``, else the broker's; :class:`ConfigError` names
+        the variable when there is none, or the broker's is not a URL redis-py can open."""
+        if self.redis_url:
+            return self.redis_url
+        if not self.broker_url:
+            raise ConfigError(
+                "GATEKEEPER_REDIS_URL: expected the gate's Redis URL (redis://host:port/db), "
+                "got none"
+            )
+        return redis_url_of(
+            "GATEKEEPER_REDIS_URL", self.broker_url, "(unset, so the broker's URL is used)"
+        )
 
     @classmethod
     def settings_customise_sources(
@@ -195,6 +216,22 @@ class GatekeeperSettings(BaseSettings):
         if toml_file is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
         return tuple(sources)
+
+
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+"""The URLs redis-py opens (kombu's ``redis+socket://`` and ``sentinel://`` are not among them)."""
+
+
+def redis_url_of(name: str, url: str | None, note: str = "") -> str:
+    """``url`` when redis-py can open it; else :class:`ConfigError` naming ``name``."""
+    where = f"{name} {note}".strip()
+    if not url:
+        raise ConfigError(f"{where}: expected a Redis URL (redis://host:port/db), got none")
+    if not url.startswith(REDIS_URL_SCHEMES):
+        raise ConfigError(
+            f"{where}: expected a Redis URL (redis://, rediss:// or unix://), got {url!r}"
+        )
+    return url
 
 
 def _resolve_config_file(config_file: str | os.PathLike[str] | None) -> Path | None:
@@ -217,7 +254,10 @@ def _describe(error: dict[str, Any], config_file: Path | None) -> str:
         where += f" (or {'.'.join(loc)} in {config_file})"
     value = error.get("input")
     shown = "" if isinstance(value, dict) else f", got {value!r}"
-    return f"{where}: {error['msg'].lower()}{shown}"
+    message = str(error["msg"])
+    if message.startswith("Value error, "):  # a validator's own words
+        message = message[len("Value error, ") :]
+    return f"{where}: {message[:1].lower()}{message[1:]}{shown}"
 
 
 def load_settings(
@@ -232,6 +272,7 @@ def load_settings(
         problems = "; ".join(_describe(dict(err), path) for err in exc.errors())
         raise ConfigError(f"invalid settings: {problems}") from exc
     except ValueError as exc:  # a TOML syntax error, an unreadable .env
-        raise ConfigError(f"invalid settings file: {exc}") from exc
+        named = f"{path} (or .env)" if path is not None else ".env"
+        raise ConfigError(f"invalid settings file {named}: {exc}") from exc
     finally:
         _toml_file.reset(token)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -72,6 +73,13 @@ def gate_settings(redis_url: str, **overrides: Any) -> GatekeeperSettings:
     }
     values.update(overrides)
     return GatekeeperSettings(**values)
+
+
+def unused_port() -> int:
+    """A local port nothing listens on (a Redis that cannot be reached)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def queue_messages(client: redis.Redis, queue: str) -> list[dict[str, Any]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import socket
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import BudgetMode, Outcome, Path, admit, make_row
 from gatekeeper.store import GateStore
+from tests.conftest import unused_port
 
 NOW_S = 1_800_000_000.0
 WINDOW = 2_000_000
@@ -303,16 +303,10 @@ def test_a_line_the_server_closed_while_idle_reconnects_before_sending(
 
 def test_a_gate_redis_that_is_gone_raises_ledger_unavailable(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
-    store = GateStore(redis.Redis(port=_free_port(), socket_connect_timeout=0.5), KEYS)
+    store = GateStore(redis.Redis(port=unused_port(), socket_connect_timeout=0.5), KEYS)
     with pytest.raises(LedgerUnavailable):
         store.score(**_inputs("nowhere"))
     client.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_an_admission_is_counted_once_and_the_window_gets_its_ttl(

@@ -14,11 +14,20 @@ from typing import Any
 
 import pytest
 import redis
+from click.testing import CliRunner
 
+from gatekeeper.cli import main
 from gatekeeper.keys import Keys
 from gatekeeper.replay import Replayer
 from tests.apps.gated_app import RUNS_KEY, create_app
-from tests.conftest import REPO_ROOT, gate_settings, queue_messages, running_worker, wait_until
+from tests.conftest import (
+    REPO_ROOT,
+    gate_settings,
+    queue_messages,
+    running_worker,
+    unused_port,
+    wait_until,
+)
 
 KEYS = Keys()
 QUEUES = ("free", "defer", "reserved", "dead_letter", "defer:replaying")
@@ -184,3 +193,14 @@ def test_a_message_that_keeps_failing_is_dead_lettered_after_five_tries(
     assert outcomes[4] == {"dead_lettered_after_errors": 1}
     assert ids_in(redis_client, "dead_letter") == [job]
     assert "event=replay_gave_up" in capsys.readouterr().err
+
+
+def test_replay_once_with_redis_unreachable_fails_with_a_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", f"redis://127.0.0.1:{unused_port()}/0")
+    monkeypatch.delenv("GATEKEEPER_BROKER_URL", raising=False)
+    result = CliRunner().invoke(main, ["replay", "--once"])
+    assert result.exit_code == 1, result.output
+    assert "pass_failed=1" in result.output and "the pass failed" in result.output
+    assert isinstance(result.exception, SystemExit)  # not a traceback

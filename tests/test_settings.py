@@ -8,7 +8,7 @@ import pytest
 
 from gatekeeper.errors import ConfigError
 from gatekeeper.ledger import BudgetMode
-from gatekeeper.settings import load_settings
+from gatekeeper.settings import GatekeeperSettings, load_settings
 
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "config" / "gatekeeper.toml"
 
@@ -42,6 +42,8 @@ def test_defaults_match_the_spec() -> None:
         ("GATEKEEPER_FREE_PATH_ENABLED", "perhaps", "valid boolean"),
         ("GATEKEEPER_MAX_QUEUE_AGE_S", "nan", "finite number"),
         ("GATEKEEPER_DRILL__SEED", "x", "valid integer"),
+        ("GATEKEEPER_FREE_QUEUE", "fr ee", "pattern '^[A-Za-z0-9_.:\\-]+$'"),  # case kept
+        ("GATEKEEPER_REDIS_URL", "localhost:6379", "expected a Redis URL (redis://"),
     ],
 )
 def test_a_bad_value_names_the_variable_and_what_was_expected(
@@ -89,8 +91,22 @@ def test_a_named_config_file_that_is_missing_is_an_error(monkeypatch: pytest.Mon
 def test_a_toml_syntax_error_is_a_config_error(tmp_path: Path) -> None:
     config = tmp_path / "broken.toml"
     config.write_text("budget_units = = 3\n")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"broken\.toml"):
         load_settings(config)
+
+
+def test_a_broker_url_redis_py_cannot_open_is_no_gate_redis(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for variable in ("GATEKEEPER_REDIS_URL", "GATEKEEPER_BROKER_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    # Celery takes amqp:// as a broker; without GATEKEEPER_REDIS_URL the gate has no Redis.
+    settings = GatekeeperSettings(broker_url="amqp://guest@rabbit//")
+    with pytest.raises(ConfigError, match=r"GATEKEEPER_REDIS_URL .*'amqp://guest@rabbit//'"):
+        settings.gate_redis_url()
+    with pytest.raises(ConfigError, match=r"GATEKEEPER_REDIS_URL: .*got none"):
+        GatekeeperSettings().gate_redis_url()
+    assert GatekeeperSettings(broker_url="redis://b/1").gate_redis_url() == "redis://b/1"
 
 
 def test_the_shipped_toml_declares_the_source_workload() -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from workers.run import produce
+from workers.run import exit_on_config_error, produce
 
 if __name__ == "__main__":
-    ids = produce()
+    ids = exit_on_config_error(produce)
     target = os.environ.get("GATEKEEPER_DEMO_IDS_FILE")
     if target:
         Path(target).write_text("\n".join(ids) + "\n")

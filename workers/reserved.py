@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.run import worker
+from workers.run import exit_on_config_error, worker
 
 if __name__ == "__main__":
-    worker("reserved")
+    exit_on_config_error(lambda: worker("reserved"))

@@ -8,10 +8,24 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
+from gatekeeper.errors import ConfigError
 from gatekeeper.settings import load_settings
 
-__all__ = ["produce", "replayer", "worker"]
+T = TypeVar("T")
+
+__all__ = ["exit_on_config_error", "produce", "replayer", "worker"]
+
+
+def exit_on_config_error(entry: Callable[[], T]) -> T:
+    """Run an entry point; a bad setting ends it with its one-line message, no traceback."""
+    try:
+        return entry()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def worker(role: str, concurrency: int | None = None) -> None:
