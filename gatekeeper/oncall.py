@@ -25,7 +25,7 @@ import redis
 from gatekeeper.cli import main, settings_of
 from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.flags import FLAG_NAMES, FlagStore, combine
-from gatekeeper.keys import Keys
+from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, Keys
 from gatekeeper.ledger import LedgerRow, summarize, window_id
 from gatekeeper.logs import make_logger
 from gatekeeper.replay import PRIORITY_STEPS, Replayer, queue_list
@@ -174,6 +174,12 @@ def report(ctx: click.Context, since: str) -> None:  # fmt: skip
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     review = summarize_review(windows)
+    if seconds > DEFAULT_WINDOW_RETENTION_S:
+        click.echo(
+            f"note: windows are kept {DEFAULT_WINDOW_RETENTION_S // 86400} days; older ones "
+            "are gone and count as empty",
+            err=True,
+        )
     start = datetime.fromtimestamp(first * settings.window_seconds, tz=timezone.utc)
     click.echo(
         f"since={since} from={start.isoformat(timespec='minutes')} windows={len(windows)} "

@@ -86,6 +86,15 @@ def test_report_names_a_bad_duration(redis_url: str, monkeypatch: pytest.MonkeyP
     assert result.exit_code == 2 and "7d" in result.output
 
 
+def test_report_past_the_windows_retention_says_so(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    within, past = (CliRunner().invoke(main, ["report", "--since", s]) for s in ("8d", "30d"))
+    assert within.exit_code == past.exit_code == 0, past.output
+    assert "kept 8 days" not in within.output and "kept 8 days" in past.output
+
+
 @settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
