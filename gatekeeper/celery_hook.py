@@ -47,7 +47,13 @@ from gatekeeper.fastpath import (
     publish_observed,
     same_server,
 )
-from gatekeeper.pipeline import GATE_ERROR, Pipeline, Publish
+from gatekeeper.pipeline import (
+    FLAGS_UNREAD,
+    GATE_ERROR,
+    GATE_UNAVAILABLE,
+    Pipeline,
+    Publish,
+)
 from gatekeeper.settings import GatekeeperSettings, load_settings
 from gatekeeper.spec import H_FREE_ADMITTED, H_WINDOW, BadDeclaredInput, GatedSpec, spec_of
 from gatekeeper.worker import WorkerSide
@@ -256,6 +262,11 @@ class Installed:
                 )
             except PublishFailed as failed:
                 raise OperationalError(str(failed)) from failed
+        if routing.reason == FLAGS_UNREAD and _bound_for(options, self.settings.free_queue):
+            # The gate cannot tell whether it is on: the task's own route stands, except free.
+            assert publish is not None
+            error = "flags never read, and the task's own route is the free queue"
+            routing = self.pipeline.fail_closed(publish, GATE_UNAVAILABLE, error)
         if routing.published:
             return None  # gate.lua, or fallback.lua, pushed it with its decision
         if routing.queue is not None:
@@ -278,6 +289,14 @@ class Installed:
                 except (GatekeeperError, TypeError, ValueError) as exc:
                     self.log.warning("release_failed", job_id=publish.job_id, error=str(exc))
             raise
+
+
+def _bound_for(options: dict[str, Any], queue: str) -> bool:
+    """Whether Celery's options send the message to ``queue`` (by queue or routing key)."""
+    target = options.get("queue")
+    name = getattr(target, "name", target)
+    key = options.get("routing_key") or getattr(target, "routing_key", None)
+    return queue in (name, key)
 
 
 class _FastRender:

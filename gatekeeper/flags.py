@@ -47,6 +47,8 @@ class FreePathLocked(GatekeeperError):
 
 FLAG_NAMES = ("dwell_gate_enabled", "free_path_enabled", "canary_percent")
 FLAG_LOG_LENGTH = 1000
+UNREAD_RETRY_S = 1.0
+"""While the flags have never been read, how soon the next decision tries again."""
 """How many flag changes the log keeps."""
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -168,8 +170,12 @@ class FlagStore:
                 flags = combine(self.settings, self.stored())
             except LedgerUnavailable as exc:
                 flags = self._cached or replace(combine(self.settings, {}), unread=str(exc))
-                # Retry after one cache interval, not on every publish.
-            self._cached, self._read_at = flags, now
+                # Retry after one cache interval, not on every publish; while never read,
+                # within UNREAD_RETRY_S, so that Redis back means the flags back.
+            read_at = now
+            if flags.unread is not None:
+                read_at -= max(0.0, self.settings.flag_cache_s - UNREAD_RETRY_S)
+            self._cached, self._read_at = flags, read_at
             return flags
 
     def invalidate(self) -> None:

@@ -267,3 +267,5 @@ def replay(ctx: click.Context, once: bool) -> None:
     click.echo(" ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "nothing to replay")
     if once and totals["pass_failed"]:
         raise click.ClickException("the pass failed (replay_pass_failed above says why)")
+    if once and totals["lock_held"]:
+        raise click.ClickException("another replayer holds the lock: nothing replayed")

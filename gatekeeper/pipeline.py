@@ -5,6 +5,11 @@ SPEC's order: not gated -> untouched (the hook never calls this); ``dwell_gate_e
 the dwell gate's guards (in process); then, in one Redis script, the age cap, dwell against
 slack and the budget. Any fault on the way routes to reserved, never to free, and says why.
 Every routed decision writes exactly one log line.
+
+Flags never read (the gate's Redis unreachable since the process started): Redis may
+override the settings, so the gate cannot tell whether it is on. Where the settings say
+"untouched", the task keeps its own route (``flags_unread``), which the hook keeps off the
+free queue; where they turn the gate on, the task goes to reserved (``gate_unavailable``).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from gatekeeper.spec import (
 )
 from gatekeeper.store import GateStore, PendingScore
 
-__all__ = ["GATE_UNAVAILABLE", "Begun", "Pipeline", "Publish", "Routing"]
+__all__ = ["FLAGS_UNREAD", "GATE_UNAVAILABLE", "Begun", "Pipeline", "Publish", "Routing"]
 
 GATE_UNAVAILABLE = "gate_unavailable"
 GATE_ERROR = "gate_error"
@@ -55,6 +60,7 @@ BAD_INPUT = "bad_input"
 FREE_PATH_DISABLED = "free_path_disabled"
 GATE_DISABLED = "gate_disabled"
 OUTSIDE_CANARY = "outside_canary"
+FLAGS_UNREAD = "flags_unread"
 
 
 @dataclass(frozen=True)
@@ -159,18 +165,27 @@ class Pipeline:
         trip can overlap the caller's own work. Never raises for a bad input or a Redis fault.
         """
         flags = self.flags.current()
-        # Flags never read: Redis may turn the gate on whatever the settings say, so the gate
-        # cannot tell whether to stand aside; it fails closed below instead.
-        if not flags.dwell_gate_enabled and flags.unread is None:
-            self.log.debug(
-                "gate_skipped", task=publish.task, job_id=publish.job_id, reason=GATE_DISABLED
+        skip = None
+        if not flags.dwell_gate_enabled:
+            skip = GATE_DISABLED
+        elif not in_canary(publish.job_id, flags.canary_percent):
+            skip = OUTSIDE_CANARY
+        if skip is not None:
+            if flags.unread is None:
+                self.log.debug("gate_skipped", task=publish.task, job_id=publish.job_id,
+                               reason=skip)  # fmt: skip
+                return Begun(publish, Routing(None, "untouched", skip))
+            # Flags never read: Redis may turn the gate on whatever the settings say. The
+            # task keeps its own route, as the settings say, but the hook keeps it off free.
+            self.log.warning(
+                "gate_skipped",
+                task=publish.task,
+                job_id=publish.job_id,
+                reason=FLAGS_UNREAD,
+                settings_say=skip,
+                error=flags.unread,
             )
-            return Begun(publish, Routing(None, "untouched", GATE_DISABLED))
-        if flags.unread is None and not in_canary(publish.job_id, flags.canary_percent):
-            self.log.debug(
-                "gate_skipped", task=publish.task, job_id=publish.job_id, reason=OUTSIDE_CANARY
-            )
-            return Begun(publish, Routing(None, "untouched", OUTSIDE_CANARY))
+            return Begun(publish, Routing(None, "untouched", FLAGS_UNREAD))
 
         now = self.clock()
         fields: dict[str, Any] = {
@@ -239,7 +254,7 @@ class Pipeline:
             headers[H_MAX_RETRIES] = publish.max_retries
         if publish.headers.get(H_FREE_ADMITTED):
             headers[H_FREE_ADMITTED] = True
-        if flags.unread is not None:  # Redis is unreachable: nothing to count in
+        if flags.unread is not None:  # the settings turn the gate on; Redis is unreachable
             routing = self._finish(
                 Decision.RESERVED, GATE_UNAVAILABLE, headers, fields, error=flags.unread
             )

@@ -293,6 +293,9 @@ class Replayer:
             try:
                 if not self.acquire():
                     self.log.info("replay_waiting_for_lock", holder="another replayer")
+                    if once:
+                        self.counts["lock_held"] += 1
+                        break
                     stop.wait(self.settings.replay_poll_s * 4)
                     continue
                 counts = self.pass_once()

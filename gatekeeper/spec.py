@@ -197,6 +197,8 @@ def resolve_inputs(spec: GatedSpec, headers: Mapping[str, Any], now: float) -> D
     """
     first = headers.get(H_FIRST_PUBLISHED_AT)
     first_published_at = now if first is None else _number(H_FIRST_PUBLISHED_AT, first)
+    if math.isnan(first_published_at):
+        raise BadDeclaredInput(H_FIRST_PUBLISHED_AT, "a number", first)
     if headers.get(H_DEADLINE_AT) is not None:
         field, deadline_at = H_DEADLINE_AT, _number(H_DEADLINE_AT, headers[H_DEADLINE_AT])
     elif headers.get(H_DEADLINE_S) is not None:

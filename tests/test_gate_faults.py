@@ -9,10 +9,11 @@ import pytest
 import redis
 
 from gatekeeper.embedded import EmbeddedRedis
+from gatekeeper.flags import UNREAD_RETRY_S
 from gatekeeper.keys import Keys
 from gatekeeper.ledger import window_id
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, queue_messages
+from tests.conftest import gate_settings, queue_messages, unused_port
 
 
 def reasons(client: redis.Redis, queue: str) -> list[str]:
@@ -37,26 +38,40 @@ def test_gate_redis_down_reserves_and_recovers_without_restart(
     assert "reason=gate_unavailable" in capsys.readouterr().err
 
 
-def test_a_gate_redis_down_from_the_start_fails_closed_whatever_the_settings_say(
+def test_a_gate_redis_down_from_the_start_keeps_gated_tasks_off_free(
     redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The gate is off in the settings, but a value in Redis could turn it on: until the flags
-    # have been read once, the gate cannot tell whether to stand aside.
+    # have been read once, a task keeps its own route as the settings say, except free.
     with EmbeddedRedis() as gate_server:
         port, url = gate_server.port, gate_server.url
         gate_server.kill()
         settings = gate_settings(url, redis_timeout_s=0.2, dwell_gate_enabled=False,
-                                 flag_cache_s=0.3)  # fmt: skip
+                                 flag_cache_s=60)  # fmt: skip
         app = create_app(settings, redis_url)  # the broker stays up on redis_url
         embed = app.tasks["tests.embed"]
         embed.apply_async((1,), queue="free")
+        embed.apply_async((2,))  # its own route: the default queue
         gate_server.start(port=port)
-        time.sleep(0.4)  # the flag cache
-        embed.apply_async((2,), queue="free")  # read: the gate is off, the route untouched
+        time.sleep(UNREAD_RETRY_S + 0.2)  # read again well before flag_cache_s
+        embed.apply_async((3,), queue="free")  # read: the gate is off, the route untouched
     assert reasons(redis_client, "reserved") == ["gate_unavailable"]
+    (own_route,) = queue_messages(redis_client, "celery")
     (untouched,) = queue_messages(redis_client, "free")
+    assert "gatekeeper_decision" not in own_route["headers"]
     assert "gatekeeper_decision" not in untouched["headers"]
-    assert "reason=gate_unavailable" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "reason=gate_unavailable" in err and "reason=flags_unread" in err
+
+
+def test_with_the_gate_on_in_the_settings_flags_never_read_fail_closed(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = create_app(gate_settings(f"redis://127.0.0.1:{unused_port()}/0", redis_timeout_s=0.2),
+                     redis_url)  # fmt: skip
+    app.tasks["tests.embed"].apply_async((1,), queue="free")
+    app.tasks["tests.embed"].apply_async((2,))
+    assert reasons(redis_client, "reserved") == ["gate_unavailable"] * 2
 
 
 def _publisher(redis_url: str, count: int, start: multiprocessing.synchronize.Event) -> None:

@@ -104,6 +104,7 @@ def test_a_carried_deadline_is_never_extended() -> None:
         ({"gatekeeper_deadline_s": "soon"}, "gatekeeper_deadline_s"),
         ({"gatekeeper_deadline_at": None, "gatekeeper_deadline_s": True}, "gatekeeper_deadline_s"),
         ({"gatekeeper_deadline_s": math.nan}, "gatekeeper_deadline_s"),
+        ({"gatekeeper_first_published_at": math.nan}, "gatekeeper_first_published_at"),
         ({"gatekeeper_expected_service_s": "8s"}, "gatekeeper_expected_service_s"),
     ],
 )

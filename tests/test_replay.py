@@ -204,3 +204,14 @@ def test_replay_once_with_redis_unreachable_fails_with_a_message(
     assert result.exit_code == 1, result.output
     assert "pass_failed=1" in result.output and "the pass failed" in result.output
     assert isinstance(result.exception, SystemExit)  # not a traceback
+
+
+def test_replay_once_while_another_replayer_holds_the_lock_says_so(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis_client.set(Keys().replayer_lock, "another-host:1234", px=60_000)
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    monkeypatch.delenv("GATEKEEPER_BROKER_URL", raising=False)
+    result = CliRunner().invoke(main, ["replay", "--once"])
+    assert result.exit_code == 1 and "holds the lock" in result.output, result.output
+    assert redis_client.get(Keys().replayer_lock) == b"another-host:1234"
