@@ -142,14 +142,36 @@ def gated(
                 "@app.task, not below it"
             )
         setattr(task, GATED_ATTRIBUTE, spec)
+        function = _task_function(task)
+        if function is not None:  # a shared task is made again for each app, from it
+            setattr(function, GATED_ATTRIBUTE, spec)
         return task
 
     return mark
 
 
+def _task_function(task: object) -> Any:
+    """The function a decorator made the task from, or None for a task class.
+
+    ``@shared_task`` makes its task again for every app, from that function alone: a mark
+    set only on the task made for the first app would be lost. Celery keeps the function in
+    the task class: ``_decorated_fun`` (5.7, as the caller passed it) or ``__wrapped__``
+    (a staticmethod unless ``bind=True``).
+    """
+    current = getattr(task, "_get_current_object", None)  # a shared task's proxy
+    if callable(current):
+        task = current()
+    attributes = type(task).__dict__
+    held = attributes.get("_decorated_fun", attributes.get("__wrapped__"))
+    function = getattr(held, "__func__", held)
+    return function if inspect.isfunction(function) else None
+
+
 def spec_of(task: object) -> GatedSpec | None:
     """The task's spec, or None when it is not gated; raises BadDeclaredInput when malformed."""
     raw = getattr(task, GATED_ATTRIBUTE, None)
+    if raw is None:
+        raw = getattr(_task_function(task), GATED_ATTRIBUTE, None)
     if raw is None or isinstance(raw, GatedSpec):
         return raw
     if isinstance(raw, Mapping):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import subprocess
+import sys
 import types
 from typing import Any
 
@@ -12,6 +14,7 @@ from celery import Celery
 
 import gatekeeper
 from gatekeeper.spec import BadDeclaredInput, GatedSpec, resolve_inputs, spec_of
+from tests.conftest import REPO_ROOT
 
 
 def test_gated_keeps_the_tasks_name_signature_and_max_retries() -> None:
@@ -145,6 +148,37 @@ def test_gated_placed_below_app_task_says_so() -> None:
 
     with pytest.raises(TypeError, match=r"above @app\.task"):
         gatekeeper.gated(expected_service_s=1, deadline_s=60)(build)
+
+
+SHARED_TASKS_BEFORE_THEIR_APP = """
+import gatekeeper
+from celery import Celery, shared_task
+from gatekeeper.spec import spec_of
+
+@gatekeeper.gated(expected_service_s=1, deadline_s=60)
+@shared_task(name="t.shared")
+def shared():
+    return 1
+
+@gatekeeper.gated(expected_service_s=2, deadline_s=60)
+@shared_task(name="t.bound", bind=True)
+def bound(self):
+    return 1
+
+app = Celery("made-after-the-tasks", broker="memory://")
+print(spec_of(app.tasks["t.shared"]).expected_service_s,
+      spec_of(app.tasks["t.bound"]).expected_service_s)
+"""
+
+
+def test_a_shared_task_gated_before_its_app_exists_is_gated_in_that_app() -> None:
+    # Its own process: shared tasks are registered for every app made after them.
+    done = subprocess.run(
+        [sys.executable, "-c", SHARED_TASKS_BEFORE_THEIR_APP],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "2"]
 
 
 def test_a_non_finite_service_time_passes_through_for_the_guard_to_defer() -> None:
