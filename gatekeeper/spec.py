@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -115,16 +116,27 @@ def gated(
     """Gate an existing task; place it above ``@app.task`` (it receives the task object).
 
     The task keeps its name, signature and ``max_retries``; only the ``gatekeeper`` attribute
-    is set. Values of the wrong type, negative or fractional token counts, and a missing or
+    is set, on the task and on the function Celery made it from. Values of the wrong type
+    (text included), negative or fractional token counts, and a missing or
     doubled deadline raise :class:`BadDeclaredInput` here, at import. Values that are numbers
     but cannot be scored (a service time of 0, a deadline already past) are the gate's to
     judge at publish time, where they fail closed.
     """
-    _number("expected_service_s", expected_service_s)
-    _tokens("tokens_in", tokens_in)
-    _tokens("tokens_out", tokens_out)
-    for name, value in (("deadline_s", deadline_s), ("deadline_at", deadline_at)):
-        if value is not None and math.isnan(_number(name, value)):
+    declared = (
+        ("expected_service_s", expected_service_s),
+        ("tokens_in", tokens_in),
+        ("tokens_out", tokens_out),
+        ("deadline_s", deadline_s),
+        ("deadline_at", deadline_at),
+    )
+    for name, value in declared:
+        if value is None and name.startswith("deadline"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):  # "8" is no number
+            raise BadDeclaredInput(name, "a number", value)
+        if name.startswith("tokens"):
+            _tokens(name, value)
+        elif name.startswith("deadline") and math.isnan(value):
             raise BadDeclaredInput(name, "a number", value)
     spec = GatedSpec(
         expected_service_s=expected_service_s,

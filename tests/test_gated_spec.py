@@ -136,6 +136,15 @@ def test_a_bad_declaration_names_its_own_field(declared: dict[str, Any], field: 
     assert at_publish.value.field == at_import.value.field == field
 
 
+@pytest.mark.parametrize("field", ["expected_service_s", "tokens_in", "deadline_s"])
+def test_the_decorator_takes_numbers_not_numeric_text(field: str) -> None:
+    declared: dict[str, Any] = {"expected_service_s": 1, "tokens_in": 5, "deadline_s": 60}
+    declared[field] = str(declared[field])
+    with pytest.raises(BadDeclaredInput) as caught:
+        gatekeeper.gated(**declared)
+    assert caught.value.field == field
+
+
 def test_a_service_time_the_gate_will_defer_is_still_a_declaration() -> None:
     # A number the gate cannot score is the gate's to judge at publish time (it defers).
     gatekeeper.gated(expected_service_s=0, deadline_s=60)
