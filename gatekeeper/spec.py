@@ -153,37 +153,61 @@ def gated(
                 f"{getattr(task, '__qualname__', task)!r}; place @gatekeeper.gated above "
                 "@app.task, not below it"
             )
-        setattr(task, GATED_ATTRIBUTE, spec)
-        function = _task_function(task)
-        if function is not None:  # a shared task is made again for each app, from it
-            setattr(function, GATED_ATTRIBUTE, spec)
+        current = _current(task)
+        existing = getattr(current, GATED_ATTRIBUTE, None)
+        if existing is not None and existing != spec:
+            raise BadDeclaredInput(
+                "gatekeeper",
+                "one declaration (@gatekeeper.gated or the gatekeeper= task option, not both)",
+                existing,
+            )
+        setattr(current, GATED_ATTRIBUTE, spec)
+        name = getattr(current, "name", None)
+        for function in _task_functions(current):  # a shared task is made again per app
+            function.__dict__.setdefault(_BY_TASK_NAME, {})[name] = spec
         return task
 
     return mark
 
 
-def _task_function(task: object) -> Any:
-    """The function a decorator made the task from, or None for a task class.
+_BY_TASK_NAME = "_gatekeeper_by_task_name"
+"""A function attribute: the specs of the gated tasks made from it, by task name (one
+function can be registered under several names, gated or not)."""
+
+
+def _current(task: object) -> object:
+    """The task itself: a ``@shared_task`` proxy evaluated (as setting an attribute would)."""
+    current = getattr(task, "_get_current_object", None)
+    return current() if callable(current) else task
+
+
+def _task_functions(task: object) -> list[Any]:
+    """The function a decorator made the task from, and the one that wraps (pydantic).
 
     ``@shared_task`` makes its task again for every app, from that function alone: a mark
     set only on the task made for the first app would be lost. Celery keeps the function in
     the task class: ``_decorated_fun`` (5.7, as the caller passed it) or ``__wrapped__``
-    (a staticmethod unless ``bind=True``).
+    (a staticmethod unless ``bind=True``; on 5.5 and 5.6, with ``pydantic=True``, a wrapper
+    made for each app, whose ``__wrapped__`` is the function). None for a task class.
     """
-    current = getattr(task, "_get_current_object", None)  # a shared task's proxy
-    if callable(current):
-        task = current()
     attributes = type(task).__dict__
     held = attributes.get("_decorated_fun", attributes.get("__wrapped__"))
     function = getattr(held, "__func__", held)
-    return function if inspect.isfunction(function) else None
+    if not inspect.isfunction(function):
+        return []
+    inner = getattr(function, "__wrapped__", None)
+    return [function, inner] if inspect.isfunction(inner) else [function]
 
 
 def spec_of(task: object) -> GatedSpec | None:
     """The task's spec, or None when it is not gated; raises BadDeclaredInput when malformed."""
     raw = getattr(task, GATED_ATTRIBUTE, None)
     if raw is None:
-        raw = getattr(_task_function(task), GATED_ATTRIBUTE, None)
+        name = getattr(task, "name", None)
+        for function in _task_functions(_current(task)):
+            raw = function.__dict__.get(_BY_TASK_NAME, {}).get(name)
+            if raw is not None:
+                break
     if raw is None or isinstance(raw, GatedSpec):
         return raw
     if isinstance(raw, Mapping):

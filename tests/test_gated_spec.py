@@ -174,9 +174,25 @@ def shared():
 def bound(self):
     return 1
 
+@gatekeeper.gated(expected_service_s=3, deadline_s=60)
+@shared_task(name="t.typed", pydantic=True)
+def typed(n: int) -> int:
+    return n
+
+def twice():
+    return 1
+
+@gatekeeper.gated(expected_service_s=4, deadline_s=60)
+@shared_task(name="t.twice.gated")
+def gated_twice():
+    return twice()
+
+shared_task(name="t.twice.plain")(gated_twice.run)  # the same function, not gated
+
 app = Celery("made-after-the-tasks", broker="memory://")
-print(spec_of(app.tasks["t.shared"]).expected_service_s,
-      spec_of(app.tasks["t.bound"]).expected_service_s)
+for name in ("t.shared", "t.bound", "t.typed", "t.twice.gated", "t.twice.plain"):
+    spec = spec_of(app.tasks[name])
+    print(spec.expected_service_s if spec else "-")
 """
 
 
@@ -187,7 +203,26 @@ def test_a_shared_task_gated_before_its_app_exists_is_gated_in_that_app() -> Non
         capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["1", "2"]
+    assert done.stdout.split() == ["1", "2", "3", "4", "-"]
+
+
+def test_the_decorator_and_the_task_option_together_are_refused() -> None:
+    app = Celery("both", broker="memory://")
+    option = {"expected_service_s": 50, "deadline_s": 60}
+
+    @app.task(name="t.both", shared=False, gatekeeper=option)
+    def both() -> None:
+        return None
+
+    with pytest.raises(BadDeclaredInput, match="not both"):
+        gatekeeper.gated(expected_service_s=5, deadline_s=60)(both)
+
+    @app.task(name="t.once", shared=False)
+    def once() -> None:
+        return None
+
+    again = gatekeeper.gated(expected_service_s=5, deadline_s=60)
+    assert spec_of(again(again(once))) == GatedSpec(expected_service_s=5, deadline_s=60)
 
 
 def test_a_non_finite_service_time_passes_through_for_the_guard_to_defer() -> None:
