@@ -50,7 +50,6 @@ from gatekeeper.fastpath import (
 from gatekeeper.pipeline import (
     FLAGS_UNREAD,
     GATE_ERROR,
-    GATE_UNAVAILABLE,
     Pipeline,
     Publish,
 )
@@ -262,11 +261,12 @@ class Installed:
                 )
             except PublishFailed as failed:
                 raise OperationalError(str(failed)) from failed
-        if routing.reason == FLAGS_UNREAD and _bound_for(options, self.settings.free_queue):
+        if routing.reason == FLAGS_UNREAD and publish is not None:
             # The gate cannot tell whether it is on: the task's own route stands, except free.
-            assert publish is not None
-            error = "flags never read, and the task's own route is the free queue"
-            routing = self.pipeline.fail_closed(publish, GATE_UNAVAILABLE, error)
+            if _bound_for(self.app, options, self.settings.free_queue):
+                routing = self.pipeline.route(publish, off_free=True)
+            else:
+                self.pipeline.kept_own_route(publish)
         if routing.published:
             return None  # gate.lua, or fallback.lua, pushed it with its decision
         if routing.queue is not None:
@@ -291,12 +291,32 @@ class Installed:
             raise
 
 
-def _bound_for(options: dict[str, Any], queue: str) -> bool:
-    """Whether Celery's options send the message to ``queue`` (by queue or routing key)."""
-    target = options.get("queue")
-    name = getattr(target, "name", target)
-    key = options.get("routing_key") or getattr(target, "routing_key", None)
-    return queue in (name, key)
+def _bound_for(app: Celery, options: dict[str, Any], free: str) -> bool:
+    """Whether Celery's options send the message to the ``free`` queue, worked out as
+    Celery's own ``send_task_message`` does; when that cannot be told, True."""
+    queue, exchange = options.get("queue"), options.get("exchange")
+    routing_key, kind = options.get("routing_key"), options.get("exchange_type")
+    declared = app.amqp.queues
+    name = queue
+    if queue is None and exchange is None:
+        queue = app.amqp.default_queue
+    if isinstance(queue, str):
+        name, queue = queue, declared.get(queue)
+    elif queue is not None:
+        name = queue.name
+    if kind is None:
+        kind = getattr(getattr(queue, "exchange", None), "type", None) or "direct"
+    if (not exchange or not routing_key) and kind == "direct":
+        return bool(name == free)  # kombu's anonymous exchange: straight to the queue name
+    if exchange is None:
+        exchange = getattr(getattr(queue, "exchange", None), "name", None)
+        routing_key = routing_key or getattr(queue, "routing_key", None)
+    target = declared.get(free)
+    if target is None:
+        return True
+    if getattr(exchange, "name", exchange) != getattr(target.exchange, "name", None):
+        return False
+    return kind != "direct" or routing_key == target.routing_key
 
 
 class _FastRender:

@@ -47,9 +47,9 @@ class FreePathLocked(GatekeeperError):
 
 FLAG_NAMES = ("dwell_gate_enabled", "free_path_enabled", "canary_percent")
 FLAG_LOG_LENGTH = 1000
+"""How many flag changes the log keeps."""
 UNREAD_RETRY_S = 1.0
 """While the flags have never been read, how soon the next decision tries again."""
-"""How many flag changes the log keeps."""
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}

@@ -8,8 +8,9 @@ Every routed decision writes exactly one log line.
 
 Flags never read (the gate's Redis unreachable since the process started): Redis may
 override the settings, so the gate cannot tell whether it is on. Where the settings say
-"untouched", the task keeps its own route (``flags_unread``), which the hook keeps off the
-free queue; where they turn the gate on, the task goes to reserved (``gate_unavailable``).
+"untouched", the task keeps its own route (``flags_unread``) unless that route is the free
+queue; then, and where the settings turn the gate on, it goes to reserved
+(``gate_unavailable``).
 """
 
 from __future__ import annotations
@@ -146,23 +147,36 @@ class Pipeline:
         return cls(settings, store, flags, make_logger(settings, "decision"), clock)
 
     def route(
-        self, publish: Publish, render: Callable[[dict[str, Any]], Push | None] | None = None
+        self,
+        publish: Publish,
+        render: Callable[[dict[str, Any]], Push | None] | None = None,
+        *,
+        off_free: bool = False,
     ) -> Routing:
         """Decide one publish; never raises for a bad input or an unreachable Redis.
 
         ``render`` (fast publish) turns the headers into a message for the gate script to push
         with its decision; it is called only when the decision needs the script.
+        ``off_free``: see :meth:`begin`.
         """
-        return self.complete(self.begin(publish, render))
+        return self.complete(self.begin(publish, render, off_free=off_free))
 
     def begin(
-        self, publish: Publish, render: Callable[[dict[str, Any]], Push | None] | None = None
+        self,
+        publish: Publish,
+        render: Callable[[dict[str, Any]], Push | None] | None = None,
+        *,
+        off_free: bool = False,
     ) -> Begun:
         """Start deciding one publish: everything up to sending the gate script.
 
         Decisions that need no script are final here (and logged); the others wait in the
         returned :class:`Begun` until :meth:`complete` reads the script's reply, so the round
         trip can overlap the caller's own work. Never raises for a bad input or a Redis fault.
+
+        Flags never read, where the settings say untouched: a ``flags_unread`` routing, not
+        logged, for the caller to keep the task's own route (:meth:`kept_own_route`) or, when
+        that route is the free queue, to ask again with ``off_free`` (reserved, stamped).
         """
         flags = self.flags.current()
         skip = None
@@ -170,21 +184,11 @@ class Pipeline:
             skip = GATE_DISABLED
         elif not in_canary(publish.job_id, flags.canary_percent):
             skip = OUTSIDE_CANARY
-        if skip is not None:
-            if flags.unread is None:
-                self.log.debug("gate_skipped", task=publish.task, job_id=publish.job_id,
-                               reason=skip)  # fmt: skip
-                return Begun(publish, Routing(None, "untouched", skip))
-            # Flags never read: Redis may turn the gate on whatever the settings say. The
-            # task keeps its own route, as the settings say, but the hook keeps it off free.
-            self.log.warning(
-                "gate_skipped",
-                task=publish.task,
-                job_id=publish.job_id,
-                reason=FLAGS_UNREAD,
-                settings_say=skip,
-                error=flags.unread,
-            )
+        if skip is not None and flags.unread is None:
+            self.log.debug("gate_skipped", task=publish.task, job_id=publish.job_id,
+                           reason=skip)  # fmt: skip
+            return Begun(publish, Routing(None, "untouched", skip))
+        if skip is not None and not off_free:
             return Begun(publish, Routing(None, "untouched", FLAGS_UNREAD))
 
         now = self.clock()
@@ -324,6 +328,12 @@ class Pipeline:
         if begun.push is not None:
             routing = replace(routing, published=True)
         return routing
+
+    def kept_own_route(self, publish: Publish) -> None:
+        """Log a publish that keeps its own route because the flags were never read."""
+        with contextlib.suppress(Exception):  # as for decision lines: never change the route
+            self.log.warning("gate_skipped", task=publish.task, job_id=publish.job_id,
+                             reason=FLAGS_UNREAD, error=self.flags.current().unread)  # fmt: skip
 
     def _count(self, win: int, decision: Decision, reason: str, fields: dict[str, Any]) -> None:
         """Count a decision made without the gate script (the script counts its own).

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import celery
 import pytest
+import redis
 from celery import Celery
+from kombu import Exchange, Queue
 from kombu.utils.objects import cached_property
 
 from gatekeeper.celery_hook import (
     SEND_TASK_PARAMETERS,
     SENDER_PARAMETERS,
     CeleryShapeError,
+    _bound_for,
     check_celery_shape,
     check_send_task_shape,
 )
@@ -104,3 +108,38 @@ def test_kombus_redis_channel_has_what_fast_publish_catches(redis_url: str) -> N
         assert params[:2] == ["queue", "message"]
         assert channel._q_for_pri("q", 0) == "q"
         assert channel._q_for_pri("q", 5) == "q\x06\x163"
+
+
+@pytest.mark.parametrize(
+    "publish",
+    [
+        {"queue": "free"},
+        {},
+        {"routing_key": "free"},
+        {"queue": "bulk"},
+        {"exchange": "gk", "routing_key": "free.key"},
+        {"exchange": "gk", "routing_key": "other.key"},
+    ],
+)
+def test_bound_for_free_agrees_with_where_celery_puts_the_message(
+    redis_url: str, redis_client: redis.Redis, publish: dict[str, Any]
+) -> None:
+    app = Celery("bound", broker=redis_url)
+    gk = Exchange("gk", type="direct")
+    app.conf.task_queues = [
+        Queue("celery"), Queue("free", gk, routing_key="free.key"),
+        Queue("bulk", routing_key="free"), Queue("other", gk, routing_key="other.key"),
+    ]  # fmt: skip
+    with app.connection_for_write() as connection:  # bound, as a worker would have them
+        for queue in app.conf.task_queues:
+            queue.bind(connection.default_channel).declare()
+    seen: list[bool] = []
+    sender = app.amqp.send_task_message
+
+    def record(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        seen.append(_bound_for(app, options, "free"))
+        return sender(producer, name, message, **options)
+
+    app.amqp.send_task_message = record
+    app.send_task("t.plain", **publish)
+    assert seen == [redis_client.llen("free") == 1]

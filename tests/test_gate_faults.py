@@ -50,18 +50,23 @@ def test_a_gate_redis_down_from_the_start_keeps_gated_tasks_off_free(
                                  flag_cache_s=60)  # fmt: skip
         app = create_app(settings, redis_url)  # the broker stays up on redis_url
         embed = app.tasks["tests.embed"]
-        embed.apply_async((1,), queue="free")
-        embed.apply_async((2,))  # its own route: the default queue
+        to_free = embed.apply_async((1,), queue="free").id
+        own = embed.apply_async((2,)).id  # its own route: the default queue
         gate_server.start(port=port)
         time.sleep(UNREAD_RETRY_S + 0.2)  # read again well before flag_cache_s
         embed.apply_async((3,), queue="free")  # read: the gate is off, the route untouched
-    assert reasons(redis_client, "reserved") == ["gate_unavailable"]
+    (reserved,) = queue_messages(redis_client, "reserved")
+    assert reserved["headers"]["gatekeeper_reason"] == "gate_unavailable"
+    assert reserved["headers"]["gatekeeper_deadline_at"]  # stamped: a retry keeps its deadline
     (own_route,) = queue_messages(redis_client, "celery")
     (untouched,) = queue_messages(redis_client, "free")
     assert "gatekeeper_decision" not in own_route["headers"]
     assert "gatekeeper_decision" not in untouched["headers"]
-    err = capsys.readouterr().err
-    assert "reason=gate_unavailable" in err and "reason=flags_unread" in err
+    lines = capsys.readouterr().err.splitlines()
+    (line,) = [line for line in lines if f"job_id={to_free}" in line]  # one line each
+    assert "event=gate_decision" in line and "reason=gate_unavailable" in line
+    (line,) = [line for line in lines if f"job_id={own}" in line]
+    assert "event=gate_skipped" in line and "reason=flags_unread" in line
 
 
 def test_with_the_gate_on_in_the_settings_flags_never_read_fail_closed(
