@@ -263,7 +263,11 @@ class Installed:
                 raise OperationalError(str(failed)) from failed
         if routing.reason == FLAGS_UNREAD and publish is not None:
             # The gate cannot tell whether it is on: the task's own route stands, except free.
-            if _bound_for(self.app, options, self.settings.free_queue):
+            try:
+                to_free = _bound_for(self.app, options, self.settings.free_queue)
+            except Exception:  # a route this cannot read: as if it were free
+                to_free = True
+            if to_free:
                 routing = self.pipeline.route(publish, off_free=True)
             else:
                 self.pipeline.kept_own_route(publish)
