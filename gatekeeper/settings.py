@@ -140,8 +140,8 @@ class GatekeeperSettings(BaseSettings):
     so ``auto`` takes it only while nothing observes publishes (no ``before_task_publish``,
     ``after_task_publish`` or ``task_sent`` receivers, no task-sent events, and kombu's own
     ``Producer.publish`` and ``_publish``, neither wrapped by a tracer such as Sentry's nor
-    overridden); ``on`` takes it
-    whenever it can; ``off`` never. ``true``/``false`` mean ``on``/``off``."""
+    overridden); ``on`` takes it whenever it can; ``off`` never. ``true``/``false`` mean
+    ``on``/``off``."""
 
     redis_timeout_s: float = Field(0.5, gt=0, le=30, allow_inf_nan=False)
     """Connect and read timeout of the gate's Redis client: past it a publish fails closed."""
@@ -193,14 +193,8 @@ class GatekeeperSettings(BaseSettings):
         the variable when there is none, or the broker's is not a URL redis-py can open."""
         if self.redis_url:
             return self.redis_url
-        if not self.broker_url:
-            raise ConfigError(
-                "GATEKEEPER_REDIS_URL: expected the gate's Redis URL (redis://host:port/db), "
-                "got none"
-            )
-        return redis_url_of(
-            "GATEKEEPER_REDIS_URL", self.broker_url, "(unset, so the broker's URL is used)"
-        )
+        note = "(unset, so the broker's URL is used)" if self.broker_url else ""
+        return redis_url_of("GATEKEEPER_REDIS_URL", self.broker_url, note)
 
     @classmethod
     def settings_customise_sources(

@@ -122,21 +122,11 @@ def gated(
     but cannot be scored (a service time of 0, a deadline already past) are the gate's to
     judge at publish time, where they fail closed.
     """
-    declared = (
-        ("expected_service_s", expected_service_s),
-        ("tokens_in", tokens_in),
-        ("tokens_out", tokens_out),
-        ("deadline_s", deadline_s),
-        ("deadline_at", deadline_at),
-    )
-    for name, value in declared:
-        if value is None and name.startswith("deadline"):
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):  # "8" is no number
-            raise BadDeclaredInput(name, "a number", value)
-        if name.startswith("tokens"):
-            _tokens(name, value)
-        elif name.startswith("deadline") and math.isnan(value):
+    _declared_number("expected_service_s", expected_service_s)
+    _tokens("tokens_in", _declared_number("tokens_in", tokens_in))
+    _tokens("tokens_out", _declared_number("tokens_out", tokens_out))
+    for name, value in (("deadline_s", deadline_s), ("deadline_at", deadline_at)):
+        if value is not None and math.isnan(_declared_number(name, value)):
             raise BadDeclaredInput(name, "a number", value)
     spec = GatedSpec(
         expected_service_s=expected_service_s,
@@ -170,6 +160,13 @@ def gated(
     return mark
 
 
+def _declared_number(name: str, value: Any) -> Any:
+    """``value`` when it is a number in the code that declares it ("8" and True are not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise BadDeclaredInput(name, "a number", value)
+    return value
+
+
 _BY_TASK_NAME = "_gatekeeper_by_task_name"
 """A function attribute: the specs of the gated tasks made from it, by task name (one
 function can be registered under several names, gated or not)."""
@@ -188,7 +185,7 @@ def _task_functions(task: object) -> list[Any]:
     set only on the task made for the first app would be lost. Celery keeps the function in
     the task class: ``_decorated_fun`` (5.7, as the caller passed it) or ``__wrapped__``
     (a staticmethod unless ``bind=True``; on 5.5 and 5.6, with ``pydantic=True``, a wrapper
-    made for each app, whose ``__wrapped__`` is the function). None for a task class.
+    made for each app, whose ``__wrapped__`` is the function). Empty for a task class.
     """
     attributes = type(task).__dict__
     held = attributes.get("_decorated_fun", attributes.get("__wrapped__"))

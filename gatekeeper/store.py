@@ -219,15 +219,12 @@ class GateStore:
             if channel is None:
                 channel = Borrowed(pool)
             channel.send(["EVALSHA", self._gate.sha, str(len(keys)), *keys, *args])
-        except redis.RedisError as exc:
-            if channel is not None:
-                channel.close()
-                channel.release()
-            return PendingScore(self, None, exc)
-        except BaseException:
+        except BaseException as exc:
             if channel is not None:  # half a request may be on the socket
                 channel.close()
                 channel.release()
+            if isinstance(exc, redis.RedisError):
+                return PendingScore(self, None, exc)
             raise
         return PendingScore(self, channel, (keys, args))
 
