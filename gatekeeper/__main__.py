@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from gatekeeper.cli import main
+from gatekeeper.ops.cli import main
 
 main()

@@ -25,8 +25,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from gatekeeper import defaults
+from gatekeeper.core.ledger import BudgetMode
 from gatekeeper.errors import ConfigError
-from gatekeeper.ledger import BudgetMode
 
 __all__ = [
     "CONFIG_FILE_ENV",
@@ -58,7 +59,7 @@ class DrillSettings(BaseModel):
     jobs: int = Field(40, ge=1, le=100_000)
     input_tokens_per_job: int = Field(1200, ge=0)
     output_tokens_per_job: int = Field(300, ge=0)
-    window_seconds: int = Field(900, ge=1, le=86_400)
+    window_seconds: int = Field(defaults.WINDOW_SECONDS, ge=1, le=86_400)
     service_s: PositiveSeconds = 1.5
     seed: int = 7
     kill_fraction: float = Field(0.25, ge=0, le=1)
@@ -72,9 +73,9 @@ class DrillSettings(BaseModel):
     """Slack each job is granted at its first publish."""
     queue_wait_max_s: Seconds = 4.0
     """Queue waits are drawn uniformly from [0, this] under the seed."""
-    max_queue_age_s: Seconds = 30.0
-    queue_wait_unit_per_second: Units = 200.0
-    budget_units: Units = 12_000.0
+    max_queue_age_s: Seconds = defaults.MAX_QUEUE_AGE_S
+    queue_wait_unit_per_second: Units = defaults.QUEUE_WAIT_UNIT_PER_SECOND
+    budget_units: Units = defaults.BUDGET_UNITS
     """jobs x input tokens x kill_fraction = 40 x 1200 x 0.25: the source's rule (start from
     tokens times jobs, cut by the fail fraction). Under the default seed the first jobs fit and
     the later ones are rejected once their queue-wait charge has used the window up."""
@@ -106,22 +107,22 @@ class GatekeeperSettings(BaseSettings):
     reserved_queue: QueueName = "reserved"
     dead_letter_queue: QueueName = "dead_letter"
 
-    max_queue_age_s: Seconds = 30.0
-    window_seconds: int = Field(900, ge=1, le=86_400)
-    budget_units: Units = 12_000.0
+    max_queue_age_s: Seconds = defaults.MAX_QUEUE_AGE_S
+    window_seconds: int = Field(defaults.WINDOW_SECONDS, ge=1, le=86_400)
+    budget_units: Units = defaults.BUDGET_UNITS
     """Per window, in declared units; same derivation as the drill's (40 x 1200 x 0.25)."""
-    queue_wait_unit_per_second: Units = 200.0
+    queue_wait_unit_per_second: Units = defaults.QUEUE_WAIT_UNIT_PER_SECOND
     budget_mode: BudgetMode = BudgetMode.EXPOSURE
 
     dwell_gate_enabled: bool = False
     free_path_enabled: bool = True
-    canary_percent: float = Field(5.0, ge=0, le=100, allow_inf_nan=False)
-    flag_cache_s: float = Field(5.0, ge=0, le=60, allow_inf_nan=False)
+    canary_percent: float = Field(defaults.CANARY_PERCENT, ge=0, le=100, allow_inf_nan=False)
+    flag_cache_s: float = Field(defaults.FLAG_CACHE_S, ge=0, le=60, allow_inf_nan=False)
     """How stale a live flag read from Redis may be."""
-    miss_error_budget: float = Field(0.01, ge=0, le=1, allow_inf_nan=False)
-    miss_min_admissions: int = Field(20, ge=1)
+    miss_error_budget: float = Field(defaults.MISS_ERROR_BUDGET, ge=0, le=1, allow_inf_nan=False)
+    miss_min_admissions: int = Field(defaults.MISS_MIN_ADMISSIONS, ge=1)
     """A window's miss rate can freeze the free path only after this many free admissions."""
-    stale_attempt_s: float = Field(1800.0, gt=0, allow_inf_nan=False)
+    stale_attempt_s: float = Field(defaults.STALE_ATTEMPT_S, gt=0, allow_inf_nan=False)
     """``gatekeeper sweep`` records a run started longer ago than this, with no row, as killed."""
 
     replay_backoff_s: float = Field(1.0, gt=0, allow_inf_nan=False)
@@ -135,7 +136,7 @@ class GatekeeperSettings(BaseSettings):
     fast_publish: Literal["auto", "on", "off"] = "auto"
     """When the broker is the gate's Redis (same server and database), ``gate.lua`` decides
     and pushes the message Celery built, in the one round trip a plain publish costs
-    (gatekeeper/fastpath.py lists the set-ups where it stands aside). Celery's publish
+    (gatekeeper/celery/fastpath.py lists the set-ups where it stands aside). Celery's publish
     signals and ``task-sent`` events would then see the free queue and placeholder headers,
     so ``auto`` takes it only while nothing observes publishes (no ``before_task_publish``,
     ``after_task_publish`` or ``task_sent`` receivers, no task-sent events, and kombu's own
@@ -143,9 +144,9 @@ class GatekeeperSettings(BaseSettings):
     overridden); ``on`` takes it whenever it can; ``off`` never. ``true``/``false`` mean
     ``on``/``off``."""
 
-    redis_timeout_s: float = Field(0.5, gt=0, le=30, allow_inf_nan=False)
+    redis_timeout_s: float = Field(defaults.REDIS_TIMEOUT_S, gt=0, le=30, allow_inf_nan=False)
     """Connect and read timeout of the gate's Redis client: past it a publish fails closed."""
-    queue_age_horizon_s: float = Field(300.0, gt=0, allow_inf_nan=False)
+    queue_age_horizon_s: float = Field(defaults.QUEUE_AGE_HORIZON_S, gt=0, allow_inf_nan=False)
     """A free attempt published longer ago than this no longer holds the queue's age up, so a
     purged or lost message defers new work for at most this long (ten times the default age
     cap: a queue that is really stuck is seen again as soon as new admissions age)."""

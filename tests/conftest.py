@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import redis
 
-from gatekeeper.embedded import EmbeddedRedis
+from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.settings import GatekeeperSettings
 
 TEST_REDIS_URL_ENV = "GATEKEEPER_TEST_REDIS_URL"

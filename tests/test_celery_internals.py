@@ -12,14 +12,8 @@ from celery import Celery
 from kombu import Exchange, Queue
 from kombu.utils.objects import cached_property
 
-from gatekeeper.celery_hook import (
-    SEND_TASK_PARAMETERS,
-    SENDER_PARAMETERS,
-    CeleryShapeError,
-    _bound_for,
-    check_celery_shape,
-    check_send_task_shape,
-)
+from gatekeeper.celery.private import CHANNEL_API, SENDER_PARAMETERS, bound_for, check_celery_shape
+from gatekeeper.errors import CeleryShapeError
 
 
 def test_celery_is_in_the_supported_range() -> None:
@@ -72,37 +66,11 @@ def test_a_changed_sender_is_refused() -> None:
         check_celery_shape(app)
 
 
-def test_send_task_takes_what_the_early_start_reads() -> None:
-    app = Celery("h", broker="memory://")
-    params = inspect.signature(app.send_task).parameters
-    assert tuple(params)[: len(SEND_TASK_PARAMETERS)] == SEND_TASK_PARAMETERS
-    assert "retries" in params and "headers" not in params  # headers arrive in **options
-    assert check_send_task_shape(app) == app.send_task
-
-
-def test_create_task_message_receives_the_task_id_send_task_was_given() -> None:
-    # The early start fixes the id in send_task; Celery must build the message with it.
-    app = Celery("i", broker="memory://")
-    seen: dict[str, object] = {}
-    app.amqp.send_task_message = lambda producer, name, message, **options: seen.update(
-        id=message.headers["id"], retries=message.headers["retries"]
-    )
-    app.send_task("some.task", task_id="fixed", retries=3, headers={"x": 1})
-    assert seen == {"id": "fixed", "retries": 3}
-
-
-def test_a_changed_send_task_is_refused() -> None:
-    app = Celery("j", broker="memory://")
-    app.send_task = lambda name, task_id=None: None  # type: ignore[method-assign]
-    with pytest.raises(CeleryShapeError, match="send_task changed shape"):
-        check_send_task_shape(app)
-
-
 def test_kombus_redis_channel_has_what_fast_publish_catches(redis_url: str) -> None:
     app = Celery("g", broker=redis_url)
     with app.producer_or_acquire() as producer:
         channel = producer.channel
-        for name in ("_put", "_q_for_pri", "_get_message_priority"):
+        for name in CHANNEL_API:
             assert callable(getattr(channel, name)), name
         params = list(inspect.signature(channel._put).parameters)
         assert params[:2] == ["queue", "message"]
@@ -121,7 +89,7 @@ def test_kombus_redis_channel_has_what_fast_publish_catches(redis_url: str) -> N
         {"exchange": "gk", "routing_key": "other.key"},
     ],
 )
-def test_bound_for_free_agrees_with_where_celery_puts_the_message(
+def testbound_for_free_agrees_with_where_celery_puts_the_message(
     redis_url: str, redis_client: redis.Redis, publish: dict[str, Any]
 ) -> None:
     app = Celery("bound", broker=redis_url)
@@ -137,7 +105,7 @@ def test_bound_for_free_agrees_with_where_celery_puts_the_message(
     sender = app.amqp.send_task_message
 
     def record(producer: Any, name: str, message: Any, **options: Any) -> Any:
-        seen.append(_bound_for(app, options, "free"))
+        seen.append(bound_for(app, options, "free"))
         return sender(producer, name, message, **options)
 
     app.amqp.send_task_message = record

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from gatekeeper.cli import main
+from gatekeeper.ops.cli import main
 
 BASE = ["decide", "--queue-age-s", "12", "--expected-service-s", "8", "--retry-tax-s", "8"]
 

@@ -17,8 +17,8 @@ import redis
 from celery import Celery
 from click.testing import CliRunner
 
-from gatekeeper.cli import main
-from gatekeeper.flags import in_canary
+from gatekeeper.ops.cli import main
+from gatekeeper.redis.flags import in_canary
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
 

@@ -44,7 +44,7 @@ def test_the_demo_runs_the_workload_to_its_summary_and_leaves_nothing_behind(
 
 
 def test_a_job_is_accounted_for_only_by_a_final_row() -> None:
-    from gatekeeper.demo import _finished
+    from gatekeeper.ops.demo import _finished
 
     rows = [
         {"job_id": "ok", "attempt": 1, "outcome": "ok"},

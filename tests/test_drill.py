@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gatekeeper.cli import main
-from gatekeeper.drill import dwell_table_lines, ledger_json, run_ledger_drill
-from gatekeeper.ledger import Outcome, row_retry_tax
+from gatekeeper.core.ledger import Outcome, row_retry_tax
+from gatekeeper.ops.cli import main
+from gatekeeper.ops.drill import dwell_table_lines, ledger_json, run_ledger_drill
 from gatekeeper.settings import DrillSettings
 
 EXPECTED_TABLE = [

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gatekeeper.dwell import Decision, GateInputs, Reason, decide, guards_pass, retry_tax_s
+from gatekeeper.core.dwell import Decision, GateInputs, Reason, decide, guards_pass, retry_tax_s
 
 # queue_age_s, expected_service_s, retry_tax_s, deadline_slack_s, dwell_s, decision, reason
 SPEC_VECTORS = [

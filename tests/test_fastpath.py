@@ -7,22 +7,18 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import redis
 from celery import Celery
 from kombu import Producer
 
-from gatekeeper.errors import LedgerUnavailable
-from gatekeeper.fastpath import (
-    Push,
-    capture_message,
-    fast_path_possible,
-    publish_observed,
-    same_server,
-)
-from gatekeeper.keys import Keys
-from gatekeeper.ledger import BudgetMode
-from gatekeeper.store import GateStore
+from gatekeeper.celery.fastpath import possible, publish_observed, same_server
+from gatekeeper.celery.private import capture_message
+from gatekeeper.core.dwell import Decision, Reason
+from gatekeeper.core.ledger import BudgetMode
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.push import Push, new_nonce, placeholders, values_for
+from gatekeeper.redis.store import GateStore
+from tests.calls import gate_call
 
 QUEUES = ("free", "defer", "reserved")
 
@@ -35,35 +31,52 @@ INPUTS: dict[str, Any] = dict(
 
 
 def score(store: GateStore, push: Push | None) -> tuple[str, str]:
-    scored = store.score(**INPUTS, now_s=time.time(), push=push)
+    scored = store.score(gate_call(**INPUTS, now_s=time.time(), push=push))
     return scored.decision.value, scored.reason.value
 
 
 def a_push() -> Push:
+    nonce = new_nonce()
+    marks = placeholders(nonce)
     template = json.dumps(
         {
-            "headers": {"id": "job", "d": "__gk_decision__", "r": "__gk_reason__",
-                        "w": "__gk_dwell__", "f": "__gk_free__", "n": "__gk_window__"},
-            "properties": {"delivery_info": {"routing_key": "__gk_queue__"}},
+            "headers": {"id": "job", "d": marks["decision"], "r": marks["reason"],
+                        "w": marks["dwell"], "f": marks["free"], "n": marks["window"]},
+            "properties": {"delivery_info": {"routing_key": marks["queue"]}},
         }
     )  # fmt: skip
-    return Push(template, QUEUES, QUEUES)
+    push = Push.cut(template, nonce, QUEUES, QUEUES)
+    assert push is not None
+    return push
+
+
+def fallback(store: GateStore, push: Push) -> tuple[Decision, Reason] | None:
+    text = push.filled(values_for("reserved", "gate_unavailable", None, False, None, "reserved"))
+    return store.push_fallback(push, "job", 1, Decision.RESERVED, Reason.GATE_UNAVAILABLE, text, {})
+
+
+def score_with(store: GateStore, push: Push) -> tuple[str, str]:
+    scored = store.score(gate_call(**INPUTS, now_s=time.time(), push=push, nonce=push.nonce))
+    return scored.decision.value, scored.reason.value
 
 
 def test_a_retried_script_call_pushes_the_message_once(redis_client: redis.Redis) -> None:
     store = GateStore(redis_client, Keys(), horizon_s=1e9)
     push = a_push()
-    assert score(store, push) == ("admit_free", "fits")
+    assert score_with(store, push) == ("admit_free", "fits")
     # The same request sent again through redis-py, as its retry on a timeout would send it.
-    keys, args = store._gate_call(**INPUTS, now_s=time.time(), push=push)
+    keys, args = store.gate_call(
+        gate_call(**INPUTS, now_s=time.time(), push=push, nonce=push.nonce)
+    )
     again = store._gate_reply(store._reply_now(keys, args))
     assert (again.decision.value, again.reason.value) == ("admit_free", "fits")
     (raw,) = redis_client.lrange("free", 0, -1)
     message = json.loads(raw)
     assert message["headers"]["d"] == "admit_free" and message["headers"]["f"] is True
     assert message["properties"]["delivery_info"]["routing_key"] == "free"
-    # The key names this request as the one whose message was pushed, and its decision.
-    assert redis_client.get(Keys().fast("job", 1)) == f"{push.nonce}|admit_free|fits".encode()
+    # The record names this request as the one whose message was pushed, and its decision.
+    record = redis_client.hmget(Keys().run("job", 1), "nonce", "decision", "reason")
+    assert record == [push.nonce.encode(), b"admit_free", b"fits"]
     assert float(redis_client.hget(Keys().window(1), "exposure") or 0) == 1
 
 
@@ -72,8 +85,11 @@ def test_another_publish_of_the_same_task_id_and_attempt_is_pushed_too(
 ) -> None:
     # Celery publishes a task id given twice twice; so does the gate (each request its nonce).
     store = GateStore(redis_client, Keys(), horizon_s=1e9)
-    assert score(store, a_push()) == ("admit_free", "fits")
-    keys, args = store._gate_call(**INPUTS, now_s=time.time(), push=a_push())
+    assert score_with(store, a_push()) == ("admit_free", "fits")
+    again = a_push()
+    keys, args = store.gate_call(
+        gate_call(**INPUTS, now_s=time.time(), push=again, nonce=again.nonce)
+    )
     store._gate_reply(store._reply_now(keys, args))  # redis-py's own call, the reload path's
     assert redis_client.llen("free") == 2
 
@@ -82,22 +98,16 @@ def test_the_fallback_pushes_once_whoever_comes_first(redis_client: redis.Redis)
     store = GateStore(redis_client, Keys(), horizon_s=1e9)
     push = a_push()
     # The script ran (its reply lost): the fallback finds the push and adds nothing.
-    assert score(store, push) == ("admit_free", "fits")
-    assert store.push_fallback(push, "job", 1, "reserved", "gate_unavailable", "reserved") == (
-        "admit_free",
-        "fits",
-    )
+    assert score_with(store, push) == ("admit_free", "fits")
+    assert fallback(store, push) == (Decision.ADMIT_FREE, Reason.FITS)
     assert (redis_client.llen("free"), redis_client.llen("reserved")) == (1, 0)
     # The fallback first (the script stalled): it pushes, sent again it does not, and the
     # script, when it runs at last, pushes nothing and takes no exposure.
     later = a_push()
-    assert store.push_fallback(later, "job", 1, "reserved", "gate_unavailable", "reserved") is None
-    assert store.push_fallback(later, "job", 1, "reserved", "gate_unavailable", "reserved") == (
-        "reserved",
-        "gate_unavailable",
-    )
-    with pytest.raises(LedgerUnavailable, match="gate_unavailable"):  # not a gate.lua reason:
-        score(store, later)  # its caller's fallback then finds its own push
+    assert fallback(store, later) is None
+    assert fallback(store, later) == (Decision.RESERVED, Reason.GATE_UNAVAILABLE)
+    # The stalled script finds the fallback's push under its own nonce: the same answer.
+    assert score_with(store, later) == ("reserved", "gate_unavailable")
     assert (redis_client.llen("free"), redis_client.llen("reserved")) == (1, 1)
     message = json.loads(redis_client.lindex("reserved", 0) or b"")
     assert message["headers"]["d"] == "reserved" and message["headers"]["f"] is False
@@ -115,16 +125,17 @@ def test_capture_passes_on_other_publishes_on_a_shared_channel(
         def sender(producer: Any, *args: Any, **options: Any) -> None:
             other = {"headers": {"id": "someone-else"}, "body": "x",
                      "properties": {"priority": 0, "delivery_info": {}}}  # fmt: skip
-            placeholders = {k: f"__gk_{k}__" for k in ("decision", "reason", "dwell", "window")}
-            mine = {"headers": {"id": "mine", **placeholders}, "body": "y",
+            mine = {"headers": {"id": "mine", "x": "y"}, "body": "y",
                     "properties": {"priority": 0, "delivery_info": {}}}  # fmt: skip
             channel._put("other", other)
             channel._put("free", mine)
 
         message = SimpleNamespace(headers={})
-        push = capture_message(sender, producer, ("t", message), {}, QUEUES, "mine")
+        text, lists = capture_message(
+            sender, producer, ("t", message), {}, QUEUES, "mine", "QUEUE", json.dumps
+        )
         assert "_put" not in vars(channel)  # put back as it was
-    assert push is not None and '"mine"' in push.template
+    assert '"mine"' in text and '"routing_key": "QUEUE"' in text and lists == QUEUES
     assert redis_client.llen("other") == 1 and redis_client.llen("free") == 0
 
 
@@ -140,10 +151,10 @@ def test_fast_publish_stands_aside_for_a_global_key_prefix(redis_url: str) -> No
     app = Celery("prefixed", broker=redis_url)
     app.conf.broker_transport_options = {"global_keyprefix": "pfx:"}
     with app.producer_or_acquire() as producer:
-        assert not fast_path_possible(app, producer, producer.channel, QUEUES)
+        assert not possible(app, producer, QUEUES)
     plain = Celery("plain", broker=redis_url)
     with plain.producer_or_acquire() as producer:
-        assert fast_path_possible(plain, producer, producer.channel, QUEUES)
+        assert possible(plain, producer, QUEUES)
 
 
 def test_a_producer_subclass_that_overrides_publishing_counts_as_an_observer() -> None:

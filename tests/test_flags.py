@@ -6,9 +6,9 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from gatekeeper.cli import main
 from gatekeeper.errors import ConfigError
-from gatekeeper.flags import FlagStore, in_canary, parse_flag
+from gatekeeper.ops.cli import main
+from gatekeeper.redis.flags import FlagStore, in_canary, parse_flag
 from gatekeeper.settings import GatekeeperSettings
 
 

@@ -8,10 +8,10 @@ import time
 import pytest
 import redis
 
-from gatekeeper.embedded import EmbeddedRedis
-from gatekeeper.flags import UNREAD_RETRY_S
-from gatekeeper.keys import Keys
-from gatekeeper.ledger import window_id
+from gatekeeper.core.ledger import window_id
+from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis.flags import UNREAD_RETRY_S
+from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, unused_port
 

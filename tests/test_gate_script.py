@@ -10,12 +10,13 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gatekeeper import wire
-from gatekeeper.dwell import Decision, GateInputs, decide
+from gatekeeper.core.dwell import Decision, GateInputs, decide
+from gatekeeper.core.ledger import BudgetMode, Outcome, Path, admit, make_row
 from gatekeeper.errors import LedgerUnavailable
-from gatekeeper.keys import Keys
-from gatekeeper.ledger import BudgetMode, Outcome, Path, admit, make_row
-from gatekeeper.store import GateStore
+from gatekeeper.redis import wire
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.store import GateStore
+from tests.calls import gate_call
 from tests.conftest import unused_port
 
 NOW_S = 1_800_000_000.0
@@ -72,20 +73,22 @@ def script_answer(
     client.hset(KEYS.window(WINDOW), mapping={"tax_units": tax_units, "exposure": exposure})
     store = GateStore(client, KEYS, horizon_s=1e9)
     scored = store.score(
-        now_s=NOW_S,
-        window_id=WINDOW,
-        job_id="j",
-        attempt=1,
-        expected_service_s=service,
-        retry_tax_s=tax_s,
-        deadline_slack_s=slack,
-        max_queue_age_s=cap,
-        tokens_in=tokens,
-        budget_units=budget,
-        queue_wait_unit_per_second=200,
-        budget_mode=mode,
-        deadline_slack_ms=0,
-        delay_s=delay,
+        gate_call(
+            now_s=NOW_S,
+            window_id=WINDOW,
+            job_id="j",
+            attempt=1,
+            expected_service_s=service,
+            retry_tax_s=tax_s,
+            deadline_slack_s=slack,
+            max_queue_age_s=cap,
+            tokens_in=tokens,
+            budget_units=budget,
+            queue_wait_unit_per_second=200,
+            budget_mode=mode,
+            deadline_slack_ms=0,
+            delay_s=delay,
+        )
     )
     return scored.decision.value, scored.reason.value
 
@@ -190,12 +193,12 @@ def test_admission_reserves_exposure_and_marks_the_attempt_waiting(
 def test_waiting_entries_past_the_horizon_stop_counting(redis_client: redis.Redis) -> None:
     redis_client.zadd(KEYS.free_waiting, {"stale:1": NOW_S * 1000 - 10_000_000})
     store = GateStore(redis_client, KEYS, horizon_s=60)
-    scored = store.score(
+    scored = store.score(gate_call(
         now_s=NOW_S, window_id=WINDOW, job_id="j", attempt=1, expected_service_s=1,
         retry_tax_s=0, deadline_slack_s=90, max_queue_age_s=30, tokens_in=1,
         budget_units=100, queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE,
         deadline_slack_ms=0,
-    )  # fmt: skip
+    ))  # fmt: skip
     assert (scored.decision, scored.queue_age_s) == (Decision.ADMIT_FREE, 0)
     assert redis_client.zscore(KEYS.free_waiting, "stale:1") is None
 
@@ -208,16 +211,21 @@ def test_every_key_the_script_touches_shares_one_hash_tag() -> None:
 @pytest.mark.parametrize("job_id", ["plain-id", 'quote"and\\backslash', "ünïcode"])
 def test_the_scripts_rejected_row_is_the_cores_row(redis_client: redis.Redis, job_id: str) -> None:
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
-    store.score(
+    store.score(gate_call(
         now_s=NOW_S, window_id=WINDOW, job_id=job_id, attempt=3, expected_service_s=1,
-        retry_tax_s=0, deadline_slack_s=90, max_queue_age_s=30, tokens_in=500,
+        retry_tax_s=0, deadline_slack_s=-1.234, max_queue_age_s=30, tokens_in=500,
         budget_units=100, queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE,
-        deadline_slack_ms=-1234,
-    )  # fmt: skip
+    ))  # fmt: skip
+    assert store.window_rows(WINDOW) == []  # a passed deadline defers before the budget
+    store.score(gate_call(
+        now_s=NOW_S, window_id=WINDOW, job_id=job_id, attempt=3, expected_service_s=1,
+        retry_tax_s=0, deadline_slack_s=1.234, max_queue_age_s=30, tokens_in=500,
+        budget_units=100, queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE,
+    ))  # fmt: skip
     (stored,) = store.window_rows(WINDOW)
     expected = make_row(
         job_id=job_id, attempt=3, path=Path.FREE, outcome=Outcome.REJECTED, queue_wait_ms=0,
-        tokens_in=0, tokens_out=0, deadline_slack_ms=-1234,
+        tokens_in=0, tokens_out=0, deadline_slack_ms=1234,
     )  # fmt: skip
     assert stored == expected.to_json()
 
@@ -239,39 +247,13 @@ def _inputs(job: str) -> dict[str, object]:
     )  # fmt: skip
 
 
-def test_overlapping_calls_on_one_thread_each_read_their_own_reply(
-    redis_client: redis.Redis,
-) -> None:
-    # A publish inside another's decision (a router that publishes) must not take its reply.
-    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
-    store = GateStore(redis_client, KEYS, horizon_s=1e9)
-    outer = store.start_score(**_inputs("outer"))
-    inner = store.start_score(**{**_inputs("inner"), "tokens_in": 500})  # over the budget
-    assert inner.result().decision is Decision.RESERVED
-    assert outer.result().decision is Decision.ADMIT_FREE
-    assert redis_client.zscore(KEYS.free_waiting, "outer:1") is not None
-    assert store.score(**_inputs("after")).decision is Decision.ADMIT_FREE  # line free again
-
-
-def test_a_script_cache_flushed_between_send_and_read_is_reloaded(
-    redis_client: redis.Redis,
-) -> None:
-    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
-    store = GateStore(redis_client, KEYS, horizon_s=1e9)
-    store.score(**_inputs("first"))  # the line is connected and the script loaded
-    redis_client.script_flush()
-    pending = store.start_score(**_inputs("second"))
-    assert pending.result().decision is Decision.ADMIT_FREE
-    assert redis_client.zscore(KEYS.free_waiting, "second:1") is not None
-
-
 def test_the_line_talks_through_the_socket_when_hiredis_is_there(
     redis_client: redis.Redis,
 ) -> None:
-    # gatekeeper/wire.py relies on redis-py's connection keeping its socket in ``_sock``.
+    # gatekeeper/redis/wire.py relies on redis-py's connection keeping its socket in ``_sock``.
     redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
-    assert store.score(**_inputs("raw")).decision is Decision.ADMIT_FREE
+    assert store.score(gate_call(**_inputs("raw"))).decision is Decision.ADMIT_FREE
     if wire.RAW:
         assert store._line.sock is not None and store._line.sock is store._line.conn._sock
 
@@ -282,10 +264,10 @@ def test_the_line_without_hiredis_uses_redis_pys_own_calls(
     monkeypatch.setattr(wire, "RAW", False)
     redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
-    assert store.score(**_inputs("plain")).decision is Decision.ADMIT_FREE
+    assert store.score(gate_call(**_inputs("plain"))).decision is Decision.ADMIT_FREE
     assert store._line.sock is None
     redis_client.script_flush()
-    assert store.score(**_inputs("again")).decision is Decision.ADMIT_FREE
+    assert store.score(gate_call(**_inputs("again"))).decision is Decision.ADMIT_FREE
 
 
 @pytest.mark.parametrize("raw", [True, False], ids=["hiredis", "redis-py"])
@@ -295,17 +277,17 @@ def test_a_line_the_server_closed_while_idle_reconnects_before_sending(
     monkeypatch.setattr(wire, "RAW", raw and wire.RAW)
     redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
-    store.score(**_inputs("before"))
+    store.score(gate_call(**_inputs("before")))
     redis_client.client_kill_filter(_type="normal", skipme=True)  # drops the line's connection
     time.sleep(0.05)
-    assert store.score(**_inputs("after")).decision is Decision.ADMIT_FREE
+    assert store.score(gate_call(**_inputs("after"))).decision is Decision.ADMIT_FREE
 
 
 def test_a_gate_redis_that_is_gone_raises_ledger_unavailable(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     store = GateStore(redis.Redis(port=unused_port(), socket_connect_timeout=0.5), KEYS)
     with pytest.raises(LedgerUnavailable):
-        store.score(**_inputs("nowhere"))
+        store.score(gate_call(**_inputs("nowhere")))
     client.close()
 
 
@@ -314,8 +296,8 @@ def test_an_admission_is_counted_once_and_the_window_gets_its_ttl(
 ) -> None:
     redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
     store = GateStore(redis_client, KEYS, horizon_s=1e9, retention_s=1000)
-    store.score(**_inputs("one"))
-    store.score(**_inputs("two"))
+    store.score(gate_call(**_inputs("one")))
+    store.score(gate_call(**_inputs("two")))
     fields = redis_client.hgetall(KEYS.window(WINDOW))
     assert fields[b"admitted_free"] == b"2"
     assert not any(key.startswith(b"decided:") for key in fields)  # read as admit_free/fits
@@ -328,7 +310,7 @@ def test_a_fractional_exposure_left_by_another_writer_still_takes_an_admission(
     redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
     redis_client.hset(KEYS.window(WINDOW), "exposure", "2.5")
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
-    assert store.score(**_inputs("frac")).decision is Decision.ADMIT_FREE
+    assert store.score(gate_call(**_inputs("frac"))).decision is Decision.ADMIT_FREE
     assert float(redis_client.hget(KEYS.window(WINDOW), "exposure")) == 7.5
 
 
@@ -339,14 +321,14 @@ def test_a_line_out_of_step_with_its_replies_fails_closed_once_then_recovers(
         pytest.skip("the raw line needs hiredis")
     redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
-    store.score(**_inputs("first"))
+    store.score(gate_call(**_inputs("first")))
     # Something nobody asked for ahead of the next reply (a push message, a stray reply).
     store._line.reader.feed(b">2\r\n$7\r\nmessage\r\n$4\r\njunk\r\n")
     with pytest.raises(LedgerUnavailable):
-        store.score(**_inputs("second"))
+        store.score(gate_call(**_inputs("second")))
     over = {**_inputs("third"), "tokens_in": 10_000}  # over the budget: must not read a stale yes
-    assert store.score(**over).decision is Decision.RESERVED
-    assert store.score(**_inputs("fourth")).decision is Decision.ADMIT_FREE
+    assert store.score(gate_call(**over)).decision is Decision.RESERVED
+    assert store.score(gate_call(**_inputs("fourth"))).decision is Decision.ADMIT_FREE
 
 
 def test_an_interrupted_send_leaves_the_line_usable(
@@ -361,16 +343,16 @@ def test_an_interrupted_send_leaves_the_line_usable(
 
     monkeypatch.setattr(wire.Line, "send", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        store.score(**_inputs("interrupted"))
+        store.score(gate_call(**_inputs("interrupted")))
     monkeypatch.setattr(wire.Line, "send", send)
     assert not store._line.busy
-    assert store.score(**_inputs("after")).decision is Decision.ADMIT_FREE
+    assert store.score(gate_call(**_inputs("after"))).decision is Decision.ADMIT_FREE
 
 
 def test_a_single_connection_client_is_called_directly(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url, single_connection_client=True)
     client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
     store = GateStore(client, KEYS, horizon_s=1e9)
-    assert store.score(**_inputs("single")).decision is Decision.ADMIT_FREE
+    assert store.score(gate_call(**_inputs("single"))).decision is Decision.ADMIT_FREE
     assert store._line.conn is None
     client.close()

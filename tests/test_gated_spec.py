@@ -13,7 +13,9 @@ import pytest
 from celery import Celery
 
 import gatekeeper
-from gatekeeper.spec import BadDeclaredInput, GatedSpec, resolve_inputs, spec_of
+from gatekeeper.celery.gating import spec_of
+from gatekeeper.core.spec import GatedSpec, resolve_inputs
+from gatekeeper.errors import BadDeclaredInput
 from tests.conftest import REPO_ROOT
 
 
@@ -162,7 +164,7 @@ def test_gated_placed_below_app_task_says_so() -> None:
 SHARED_TASKS_BEFORE_THEIR_APP = """
 import gatekeeper
 from celery import Celery, shared_task
-from gatekeeper.spec import spec_of
+from gatekeeper.celery.gating import spec_of
 
 @gatekeeper.gated(expected_service_s=1, deadline_s=60)
 @shared_task(name="t.shared")

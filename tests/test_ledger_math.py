@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gatekeeper.dwell import Reason
-from gatekeeper.ledger import (
+from gatekeeper.core.dwell import Reason
+from gatekeeper.core.ledger import (
     BudgetMode,
     Outcome,
     Path,

@@ -23,13 +23,12 @@ from click.testing import CliRunner
 from kombu import Producer
 from kombu.exceptions import OperationalError
 
-from gatekeeper import celery_hook
-from gatekeeper.celery_hook import install
-from gatekeeper.cli import main
-from gatekeeper.flags import in_canary
-from gatekeeper.keys import Keys
-from gatekeeper.ledger import window_id
+from gatekeeper.celery.hook import install
+from gatekeeper.core.ledger import window_id
 from gatekeeper.logs import DECISION_FIELDS
+from gatekeeper.ops.cli import main
+from gatekeeper.redis.flags import in_canary
+from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages
 
@@ -40,15 +39,6 @@ def make_app(redis_url: str, **overrides: Any) -> Celery:
 
 def lengths(client: redis.Redis) -> dict[str, int]:
     return {q: client.llen(q) for q in ("free", "defer", "reserved", "celery")}
-
-
-def forbid_deciding_in_the_sender(gate: Any) -> None:
-    """Make a publish fail unless its decision was started in send_task (the early start)."""
-
-    def not_here(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("decided in the sender, not started in send_task")
-
-    gate.pipeline.route = not_here
 
 
 def only_message(client: redis.Redis, queue: str) -> dict[str, Any]:
@@ -223,26 +213,6 @@ def test_a_routes_gatekeeper_headers_are_decided_on_once(
     assert err.count("event=gate_decision") == 1 and "decision_redone" not in err
 
 
-def test_headers_that_change_after_an_early_start_redo_the_decision(
-    redis_url: str,
-    redis_client: redis.Redis,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The safety net, should a router the check trusts add headers all the same.
-    app = make_app(redis_url, fast_publish="off")
-    gate = install(app)
-    monkeypatch.setattr(gate.early, "routes_leave_headers", lambda options: True)
-    route = {"queue": "celery", "headers": {"gatekeeper_deadline_s": 1.5}}
-    app.conf.task_routes = {"tests.embed": route}
-    app.tasks["tests.embed"].delay(1)
-    assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == (
-        "dwell_over_slack"
-    )
-    assert redis_client.hlen(Keys().inflight) == 0  # the first decision's hold given back
-    assert "event=decision_redone" in capsys.readouterr().err
-
-
 def test_ungated_tasks_are_never_touched(redis_url: str, redis_client: redis.Redis) -> None:
     app = make_app(redis_url, free_path_enabled=False)
     app.tasks["tests.plain"].apply_async(queue="celery")
@@ -379,13 +349,13 @@ def test_a_publish_the_broker_refuses_gives_back_what_the_gate_took(
     assert int(window.get(b"admitted_free", 0)) == 0  # never published: not an admission
 
 
-def test_a_publish_that_fails_before_sending_gives_back_what_the_gate_took(
+def test_a_publish_celery_refuses_to_build_takes_nothing_from_the_gate(
     redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # The decision starts in send_task; Celery then refuses to build the message (args must
-    # be a list): nothing is published, and the admission is given back.
+    # Celery refuses to build the message (args must be a list) before the sender runs:
+    # nothing is published, and the gate holds nothing for it.
     app = make_app(redis_url, fast_publish="off")
-    gate = install(app)
+    install(app)
     with pytest.raises(TypeError, match="args must be a list"):
         app.send_task("tests.embed", args=5)
     keys = Keys()
@@ -394,25 +364,21 @@ def test_a_publish_that_fails_before_sending_gives_back_what_the_gate_took(
     assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 0, "celery": 0}
     window = redis_client.hgetall(keys.window(window_id(time.time(), 900)))
     assert int(window.get(b"admitted_free", 0)) == 0
-    assert "event=publish_abandoned" in capsys.readouterr().err
-    assert not gate.early.started()
+    assert "event=gate_decision" not in capsys.readouterr().err
 
 
-def test_the_decision_started_in_send_task_is_the_one_used(
+def test_one_gate_script_per_decision_on_the_ordinary_path(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     app = make_app(redis_url, fast_publish="off")
-    gate = install(app)
-
-    forbid_deciding_in_the_sender(gate)
+    install(app)
     app.tasks["tests.embed"].delay(0)  # the script loaded, whatever ran before
     redis_client.delete("free")
     redis_client.config_resetstat()
-    result = app.tasks["tests.embed"].apply_async((1,), task_id="early-1")
+    result = app.tasks["tests.embed"].apply_async((1,), task_id="ordinary-1")
     calls = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
-    assert calls == 1  # one gate script per decision, started early and read once
-    assert only_message(redis_client, "free")["headers"]["id"] == result.id == "early-1"
-    assert not gate.early.started()
+    assert calls == 1  # one gate script per decision
+    assert only_message(redis_client, "free")["headers"]["id"] == result.id == "ordinary-1"
 
 
 @pytest.mark.parametrize("fast_publish", ["auto", "off"])
@@ -537,7 +503,6 @@ def test_after_a_publish_that_cannot_take_fast_publish_the_next_ones_ask_again(
     def publish_reads(n: int) -> int:
         return reads_of(redis_client, lambda: embed.delay(n))
 
-    monkeypatch.setattr(celery_hook, "UNFIT_RECHECK_S", 1.5)
     app = make_app(redis_url, flag_cache_s=60)
     embed = app.tasks["tests.embed"]
     embed.delay(0)
@@ -545,9 +510,8 @@ def test_after_a_publish_that_cannot_take_fast_publish_the_next_ones_ask_again(
     with app.connection_for_write(other_db) as connection:
         embed.apply_async((1,), connection=connection)  # another database: not fast
     assert redis.Redis.from_url(other_db).llen("free") == 1
-    assert publish_reads(2) > 1  # for a while: the script started early, then the publish
-    time.sleep(1.6)
-    assert publish_reads(3) == 1  # asked again: fast
+    assert publish_reads(2) == 1  # asked again at once: fast
+    assert publish_reads(3) == 1
     assert publish_reads(4) == 1
 
 
@@ -604,16 +568,14 @@ def test_auto_fast_publish_is_taken_only_while_nothing_observes_publishes(
     redis_url: str, redis_client: redis.Redis, observer: str
 ) -> None:
     app = make_app(redis_url, flag_cache_s=60)  # fast_publish = "auto", the default
-    gate = install(app)
+    install(app)
     embed = app.tasks["tests.embed"]
     embed.delay(0)  # connections, declarations and flags warm
     assert reads_of(redis_client, lambda: embed.delay(1)) == 1  # fast: decided and pushed
 
     with publishes_watched(observer) as seen:
-        forbid_deciding_in_the_sender(gate)  # observed: the decision starts in send_task
         embed.apply_async((2,), headers={"gatekeeper_deadline_s": 1.5})
-        del gate.pipeline.route
-        # A task id by position: no early start, so the sender itself must stand aside.
+        # A task id by position: the sender itself stands aside, whatever called it.
         app.send_task("tests.embed", (3,), None, None, None, "by-position",
                       headers={"gatekeeper_deadline_s": 1.5})  # fmt: skip
     # The observer saw the decisions, not the free queue and placeholders.
@@ -642,11 +604,7 @@ def test_auto_fast_publish_stands_aside_for_task_sent_events(
     assert event["type"] == "task-sent" and event["queue"] == "reserved"
     assert lengths(redis_client)["reserved"] == 1
 
-    # The next publishes know fast publish will not be taken: their decision starts early.
-    gate = install(app)
-
-    forbid_deciding_in_the_sender(gate)
-    app.tasks["tests.embed"].delay(2)
+    app.tasks["tests.embed"].delay(2)  # and the next one, decided the ordinary way
     assert lengths(redis_client)["free"] == 1
 
 

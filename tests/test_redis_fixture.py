@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from gatekeeper.embedded import EmbeddedRedis, find_redis_server
+from gatekeeper.ops.embedded import EmbeddedRedis, find_redis_server
 
 
 def test_the_fixture_server_runs_lua(redis_client: redis.Redis) -> None:

@@ -8,11 +8,12 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from gatekeeper.cli import main
-from gatekeeper.flags import FlagStore, FreePathLocked
-from gatekeeper.health import WindowHealth, clean_hour, hour_windows, should_freeze
-from gatekeeper.keys import Keys
-from gatekeeper.ledger import window_id
+from gatekeeper.core.health import WindowHealth, clean_hour, hour_windows, should_freeze
+from gatekeeper.core.ledger import window_id
+from gatekeeper.errors import FreePathLocked
+from gatekeeper.ops.cli import main
+from gatekeeper.redis.flags import FlagStore
+from gatekeeper.redis.keys import Keys
 from gatekeeper.settings import GatekeeperSettings
 
 KEYS = Keys()

@@ -16,9 +16,9 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from gatekeeper.cli import main
-from gatekeeper.keys import Keys
-from gatekeeper.replay import Replayer
+from gatekeeper.celery.replay import Replayer
+from gatekeeper.ops.cli import main
+from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import (
     REPO_ROOT,
@@ -85,8 +85,13 @@ def test_a_task_deferred_again_waits_out_its_backoff(
 def test_a_passed_deadline_goes_to_dead_letter_with_an_abandoned_row_and_an_alert(
     redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    headers = {"gatekeeper_deadline_s": 2.5, "gatekeeper_free_admitted": True}
-    (job,) = defer_tasks(redis_url, redis_client, 1, headers=headers)
+    # Attempt 1 of the job was admitted to free (the gate's record says so); its retry,
+    # attempt 2, is deferred and its deadline passes there.
+    redis_client.hset(KEYS.run("ran-free", 1), mapping={"decision": "admit_free",
+                                                        "free_admitted": "1"})  # fmt: skip
+    headers = {"gatekeeper_deadline_s": 2.5}
+    (job,) = defer_tasks(redis_url, redis_client, 1, headers=headers, task_id="ran-free",
+                         retries=1)  # fmt: skip
     time.sleep(2.6)
     assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
     assert ids_in(redis_client, "dead_letter") == [job]
@@ -98,6 +103,20 @@ def test_a_passed_deadline_goes_to_dead_letter_with_an_abandoned_row_and_an_aler
     assert "event=task_abandoned" in err
     (miss,) = [line for line in err.splitlines() if "slack_miss=true" in line]
     assert "decision=admit_free" in miss and f"job_id={job}" in miss
+
+
+def test_a_callers_free_admitted_header_makes_no_slack_miss_when_abandoned(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Only the gate's record can say a job ran free: a header claiming it is not believed.
+    headers = {"gatekeeper_deadline_s": 2.5, "gatekeeper_free_admitted": True}
+    (_job,) = defer_tasks(redis_url, redis_client, 1, headers=headers)
+    time.sleep(2.6)
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    err = capsys.readouterr().err
+    assert "event=task_abandoned" in err and "slack_miss=true" not in err
+    windows = redis_client.scan_iter(match="gatekeeper:*:window:*", _type="hash")
+    assert not any(int(redis_client.hget(key, "slack_misses") or 0) for key in windows)
 
 
 def test_nothing_goes_to_free_while_the_free_path_is_disabled(

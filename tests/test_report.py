@@ -10,12 +10,14 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gatekeeper.cli import main
-from gatekeeper.keys import Keys
-from gatekeeper.ledger import BudgetMode, Outcome, window_id
-from gatekeeper.review import DEFER_FIT, RESERVED_AGE_SHIFT, review_marks, summarize_review
-from gatekeeper.runs import RunLedger, RunRecord
-from gatekeeper.store import GateStore
+from gatekeeper.core.dwell import Decision, Reason
+from gatekeeper.core.ledger import BudgetMode, Outcome, window_id
+from gatekeeper.core.review import DEFER_FIT, RESERVED_AGE_SHIFT, review_marks, summarize_review
+from gatekeeper.ops.cli import main
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger, RunRecord
+from gatekeeper.redis.store import GateStore
+from tests.calls import gate_call
 
 KEYS = Keys()
 
@@ -27,12 +29,12 @@ def score(store: GateStore, client: redis.Redis, job: str, *, age_s: float = 0.0
     client.delete(KEYS.free_waiting)
     if age_s:
         client.zadd(KEYS.free_waiting, {"old:1": (now - age_s) * 1000})
-    scored = store.score(
+    scored = store.score(gate_call(
         now_s=now, window_id=window_id(now, 900), job_id=job, attempt=1,
         expected_service_s=service, retry_tax_s=tax, deadline_slack_s=slack,
         max_queue_age_s=30, tokens_in=10, budget_units=1e9, queue_wait_unit_per_second=0,
         budget_mode=BudgetMode.EXPOSURE, deadline_slack_ms=round(slack * 1000),
-    )  # fmt: skip
+    ))  # fmt: skip
     return f"{scored.decision.value}/{scored.reason.value}"
 
 
@@ -54,15 +56,16 @@ def test_report_gives_the_hand_computed_ratios(
     # Three defers: two by the age cap, of which one still fit its slack; one bad guess.
     assert score(store, redis_client, "d0", age_s=40, slack=60) == "defer/queue_age_cap"  # fits
     assert score(store, redis_client, "d1", age_s=40, slack=30) == "defer/queue_age_cap"
-    store.count_decision(window_id(time.time(), 900), "defer", "bad_service_guess",
-                         review_marks("defer", "bad_service_guess", 0.0, 60, 0, 0))  # fmt: skip
+    marks = review_marks("defer", "bad_service_guess", 0.0, 60, 0, 0)
+    store.record_decision(window_id(time.time(), 900), "b0", 1, Decision.DEFER,
+                          Reason.BAD_SERVICE_GUESS, marks, {})  # fmt: skip
     # Three shifts to reserved: two for dwell over slack, one only because of the queue's age.
     assert score(store, redis_client, "r0", age_s=20, service=5, slack=10) == (
         "reserved/dwell_over_slack"  # 5 s of service fit 10 s: the age sent it away
     )
     assert score(store, redis_client, "r1", service=12, slack=10) == "reserved/dwell_over_slack"
-    store.count_decision(window_id(time.time(), 900), "reserved", "free_path_disabled",
-                         (False, False))  # fmt: skip
+    store.record_decision(window_id(time.time(), 900), "f0", 1, Decision.RESERVED,
+                          Reason.FREE_PATH_DISABLED, (False, False), {})  # fmt: skip
 
     monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
     result = CliRunner().invoke(main, ["report", "--since", "1h"])
@@ -111,12 +114,12 @@ def test_the_scripts_review_marks_are_the_cores(
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
     now = time.time()
     redis_client.zadd(KEYS.free_waiting, {"old:1": round((now - age_s) * 1000)})
-    scored = store.score(
+    scored = store.score(gate_call(
         now_s=now, window_id=1, job_id="j", attempt=1, expected_service_s=service,
         retry_tax_s=tax, deadline_slack_s=slack, max_queue_age_s=30, tokens_in=1,
         budget_units=1e9, queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE,
         deadline_slack_ms=0,
-    )  # fmt: skip
+    ))  # fmt: skip
     expected = review_marks(
         scored.decision.value, scored.reason.value, scored.dwell_s, slack, service, tax
     )

@@ -9,11 +9,11 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from gatekeeper.cli import main
-from gatekeeper.keys import Keys
-from gatekeeper.ledger import Outcome, window_id
-from gatekeeper.runs import RunLedger, RunRecord, sweep
-from gatekeeper.store import GateStore
+from gatekeeper.core.ledger import Outcome, window_id
+from gatekeeper.ops.cli import main
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger, RunRecord, Started, sweep
+from gatekeeper.redis.store import GateStore
 
 KEYS = Keys()
 T0_MS = 1_800_000_000_000
@@ -34,6 +34,24 @@ def record(**changes: object) -> RunRecord:
     return RunRecord(**values)  # type: ignore[arg-type]
 
 
+def start_run(
+    runs: RunLedger, client: redis.Redis, job: str, attempt: int, rec: RunRecord, now_ms: int
+) -> Started:
+    """Start a run as a worker would, after writing the record the gate writes when it
+    decides (the worker trusts only that, through the message's nonce)."""
+    nonce = f"nonce-{job}-{attempt}"
+    free = rec.path == "free"
+    client.hset(KEYS.run(job, attempt), mapping={
+        "nonce": nonce, "decision": rec.decision, "window": rec.window if free else "",
+        "tokens_in": rec.tokens_in, "admitted_ms": rec.admitted_ms,
+        "published_ms": rec.published_ms, "deadline_ms": rec.deadline_ms,
+        "dwell_s": rec.dwell_s, "free_admitted": "1" if free or rec.free_admitted else "0",
+    })  # fmt: skip
+    own = {"task": rec.task, "retries": str(rec.retries), "max_retries": str(rec.max_retries),
+           "time_limit_s": str(rec.time_limit_s), "tokens_out": str(rec.tokens_out)}  # fmt: skip
+    return runs.start(job, attempt, nonce, own, now_ms)
+
+
 def admit(client: redis.Redis, member: str, tokens: int) -> None:
     """What gate.lua leaves behind for an admitted free attempt."""
     client.hset(KEYS.inflight, member, tokens)
@@ -47,7 +65,7 @@ def window_hash(client: redis.Redis, at_ms: int) -> dict[bytes, bytes]:
 def test_the_worked_vector_through_the_run_ledger(redis_client: redis.Redis) -> None:
     runs = ledger(redis_client)
     admit(redis_client, "job:1", 1200)
-    started = runs.start("job", 1, record(), T0_MS + 2100)
+    started = start_run(runs, redis_client, "job", 1, record(), T0_MS + 2100)
     assert (started.run, started.dead) == (1, None)
     stored = runs.record("job", 1)
     assert stored is not None
@@ -63,7 +81,7 @@ def test_the_worked_vector_through_the_run_ledger(redis_client: redis.Redis) -> 
 def test_a_second_finish_of_the_same_run_writes_nothing(redis_client: redis.Redis) -> None:
     runs = ledger(redis_client)
     admit(redis_client, "job:1", 1200)
-    runs.start("job", 1, record(), T0_MS + 100)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
     _, rec = runs.record("job", 1) or (0, record())
     row = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200)
     assert runs.finish(row, 1, rec, T0_MS + 200).written
@@ -75,18 +93,18 @@ def test_a_second_finish_of_the_same_run_writes_nothing(redis_client: redis.Redi
 
 def test_a_second_start_without_a_row_reveals_the_dead_run(redis_client: redis.Redis) -> None:
     runs = ledger(redis_client)
-    runs.start("job", 1, record(), T0_MS + 100)
-    again = runs.start("job", 1, record(), T0_MS + 60_000)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
+    again = start_run(runs, redis_client, "job", 1, record(), T0_MS + 60_000)
     assert (again.run, again.dead_run) == (2, 1)
     assert again.dead is not None and again.dead.started_ms == T0_MS + 100
 
 
 def test_a_second_start_after_a_row_is_just_another_run(redis_client: redis.Redis) -> None:
     runs = ledger(redis_client)
-    runs.start("job", 1, record(), T0_MS + 100)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
     _, rec = runs.record("job", 1) or (0, record())
     runs.finish(runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200), 1, rec, T0_MS + 200)
-    again = runs.start("job", 1, record(), T0_MS + 300)
+    again = start_run(runs, redis_client, "job", 1, record(), T0_MS + 300)
     assert (again.run, again.dead) == (2, None)
 
 
@@ -100,8 +118,8 @@ def test_reserved_rows_are_recorded_but_not_charged(redis_client: redis.Redis) -
 
 def test_sweep_records_only_stale_runs(redis_client: redis.Redis) -> None:
     runs = ledger(redis_client)
-    runs.start("old", 1, record(), T0_MS)
-    runs.start("new", 1, record(), T0_MS + 50_000)
+    start_run(runs, redis_client, "old", 1, record(), T0_MS)
+    start_run(runs, redis_client, "new", 1, record(), T0_MS + 50_000)
     swept = sweep(runs, T0_MS + 60_000, older_than_s=30)
     assert [(row.job_id, row.outcome) for row in swept] == [("old", Outcome.KILLED)]
     assert sweep(runs, T0_MS + 60_000, older_than_s=30) == []
@@ -111,7 +129,7 @@ def test_ledger_command_prints_the_summary_and_writes_the_rows(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runs = ledger(redis_client)
-    runs.start("job", 1, record(), T0_MS + 2100)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 2100)
     _, rec = runs.record("job", 1) or (0, record())
     runs.finish(runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 3000), 1, rec, T0_MS + 3000)
     monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
@@ -151,8 +169,10 @@ def test_a_run_after_the_attempt_has_its_row_is_counted_as_a_rerun(
     redis_client: redis.Redis,
 ) -> None:
     runs = ledger(redis_client)
-    runs.start("job", 1, record(), T0_MS + 100)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
     _, rec = runs.record("job", 1) or (0, record())
     runs.finish(runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 200), 1, rec, T0_MS + 200)
-    runs.start("job", 1, record(), T0_MS + 300)  # delivered again after it finished
+    start_run(
+        runs, redis_client, "job", 1, record(), T0_MS + 300
+    )  # delivered again after it finished
     assert redis_client.hget(KEYS.stats, "reruns_after_row") == b"1"

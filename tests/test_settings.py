@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from gatekeeper.core.ledger import BudgetMode
 from gatekeeper.errors import ConfigError
-from gatekeeper.ledger import BudgetMode
 from gatekeeper.settings import GatekeeperSettings, load_settings
 
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "config" / "gatekeeper.toml"

@@ -8,8 +8,8 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from gatekeeper.cli import main
-from gatekeeper.ledger import window_id
+from gatekeeper.core.ledger import window_id
+from gatekeeper.ops.cli import main
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from gatekeeper.keys import Keys
+from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
 

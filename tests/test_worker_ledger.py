@@ -15,8 +15,8 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from gatekeeper.cli import main
-from gatekeeper.keys import Keys
+from gatekeeper.ops.cli import main
+from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import gate_settings, running_worker, wait_until
 

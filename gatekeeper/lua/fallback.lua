@@ -4,18 +4,23 @@
 -- the same task id and attempt, so a stalled gate.lua that runs after this, or this script
 -- sent again, never pushes the message a second time.
 --
--- KEYS[1] fast:<job_id>:<attempt>  "<nonce>|<decision>|<reason>" of the request that pushed
+-- KEYS[1] run:<job_id>:<attempt>  hash: the gate's record of the attempt (nonce, decision, ...)
 -- KEYS[2] the broker list to push to (kombu's name, priority sub-list included)
 --
 -- ARGV[1] nonce     ARGV[2] decision     ARGV[3] reason
--- ARGV[4] the message, JSON             ARGV[5] how long the key is kept, seconds
+-- ARGV[4] the message, JSON             ARGV[5] how long the record is kept, seconds
+-- ARGV[6..] field, value pairs of the record (what the caller knows of the attempt)
 --
--- Returns nil when it pushed the message, else what KEYS[1] holds.
+-- Returns false when it pushed the message, else {decision, reason} of the push this request
+-- already made.
 
-local done = redis.call('GET', KEYS[1])
-if done and string.sub(done, 1, #ARGV[1] + 1) == ARGV[1] .. '|' then
-  return done
+local done = redis.call('HMGET', KEYS[1], 'nonce', 'decision', 'reason')
+if done[1] == ARGV[1] then
+  return {done[2], done[3]}
 end
 redis.call('LPUSH', KEYS[2], ARGV[4])
-redis.call('SET', KEYS[1], ARGV[1] .. '|' .. ARGV[2] .. '|' .. ARGV[3], 'EX', tonumber(ARGV[5]))
+local fields = {'nonce', ARGV[1], 'decision', ARGV[2], 'reason', ARGV[3]}
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
 return false

@@ -13,13 +13,14 @@
 -- KEYS[4] inflight          hash: <job_id>:<attempt> -> "<tokens>|<window id>|<admitted ms>"
 -- KEYS[5] flags             hash: live flag overrides (free_path_enabled read here, so a
 --                           freeze in Redis holds for every publisher at once, cache or not)
--- KEYS[6..8]                (fast publish only) the broker lists of the free, defer and
+-- KEYS[6] run:<job_id>:<attempt>    hash: the gate's record of this attempt (what its ledger
+--                           row needs, written here; the worker trusts a message only when it
+--                           carries the record's nonce). A request that finds its own nonce
+--                           here was already decided: it changes nothing and pushes nothing
+-- KEYS[7] run:<job_id>:<attempt-1>  the previous attempt's record (KEYS[6] again for attempt
+--                           1): its free_admitted carries over
+-- KEYS[8..10]               (fast publish only) the broker lists of the free, defer and
 --                           reserved queues: kombu's list names, on this same server
--- KEYS[9]                   (fast publish only) fast:<job_id>:<attempt>: "<nonce>|<decision>|
---                           <reason>" of the publish request that pushed the message (kept 5
---                           minutes). This request pushes nothing if it finds its own nonce
---                           there (a re-sent request, or fallback.lua got there first); the
---                           caller reads it when the reply is lost
 --
 -- ARGV[1]  now_ms            the caller's clock (scripts never read the time)
 -- ARGV[2]  member            <job_id>:<attempt>
@@ -38,12 +39,13 @@
 -- ARGV[15] deadline_slack_ms
 -- ARGV[16] delay_s           seconds until a delayed (ETA/countdown) task is due; 0 if not
 -- ARGV[17] window_id         this window's id, kept with the attempt's exposure
--- ARGV[18]                  (fast publish only) the publish request's nonce (another
---                            publish of the same task id and attempt has another one)
--- ARGV[19..21]              (fast publish only) the free, defer and reserved queue names
--- ARGV[22..]                (fast publish only) the kombu message, JSON, cut at the values
+-- ARGV[18] nonce             this publish request's random value (the message carries it)
+-- ARGV[19] published_ms      this attempt's first publish (its queue wait starts there)
+-- ARGV[20] record_ttl_s      TTL of the record
+-- ARGV[21..23]              (fast publish only) the free, defer and reserved queue names
+-- ARGV[24..]                (fast publish only) the kombu message, JSON, cut at the values
 --                            the decision decides: text, name, text, name, ..., text
---                            (gatekeeper/fastpath.py); the names are decision, reason,
+--                            (gatekeeper/redis/push.py); the names are decision, reason,
 --                            dwell, free, window and queue
 --
 -- Fast publish: when the broker is this Redis, the decided message is pushed here, in the
@@ -52,8 +54,9 @@
 -- A refused attempt appends its `rejected` row (the same JSON as LedgerRow.to_json(): no
 -- tokens, no wait charge), built here so that admissions pay nothing for it.
 --
--- Returns {decision, reason, queue_age_s, dwell_s, projected_tax}, numbers as strings
--- (Redis would truncate a Lua float reply to an integer).
+-- Returns {decision, reason, queue_age_s, dwell_s, projected_tax, free_admitted}, numbers as
+-- strings (Redis would truncate a Lua float reply to an integer); dwell_s as '%.6f' (the
+-- text the message carries), 'nan' when unknown.
 
 local function finite(x)
   return x ~= nil and x == x and x ~= math.huge and x ~= -math.huge
@@ -75,14 +78,15 @@ local horizon = tonumber(ARGV[11])
 local retention = tonumber(ARGV[12])
 local delay = tonumber(ARGV[16])
 
-local fast = #ARGV >= 22
-if fast then
-  local done = redis.call('GET', KEYS[9])
-  if done and string.sub(done, 1, #ARGV[18] + 1) == ARGV[18] .. '|' then
-    -- This very request was already decided and pushed: say so, change nothing.
-    local decision, reason = string.match(done, '^[^|]*|([^|]+)|(.+)$')
-    return {decision, reason, '0', 'nan', '0'}
-  end
+local fast = #ARGV >= 24
+local done = redis.call('HMGET', KEYS[6], 'nonce', 'decision', 'reason', 'free_admitted')
+if done[1] == ARGV[18] then
+  -- This very request was already decided (a re-sent call): say so, change nothing.
+  return {done[2], done[3], '0', 'nan', '0', done[4] or '0'}
+end
+local carried = '0'
+if KEYS[7] ~= KEYS[6] and redis.call('HGET', KEYS[7], 'free_admitted') == '1' then
+  carried = '1'
 end
 
 local age = 0
@@ -96,29 +100,42 @@ if oldest[2] then
   age = math.max(0, now - tonumber(oldest[2])) / 1000
 end
 
-local function push(decision, reason, dwell)
+local function dwell_text(dwell)
+  if finite(dwell) then return string.format('%.6f', dwell) end
+  return 'nan'
+end
+
+local function push(decision, reason, dwell, free)
   local index = ({admit_free = 0, defer = 1, reserved = 2})[decision]
   local admitted = decision == 'admit_free'
   local values = {
     decision = '"' .. decision .. '"',
     reason = '"' .. reason .. '"',
-    dwell = finite(dwell) and fmt(dwell) or 'null',
-    free = admitted and 'true' or 'false',
+    dwell = finite(dwell) and dwell_text(dwell) or 'null',
+    free = free == '1' and 'true' or 'false',
     window = admitted and ARGV[17] or 'null',
-    queue = '"' .. ARGV[19 + index] .. '"',
+    queue = cjson.encode(ARGV[21 + index]),
   }
   local out = {}
-  for i = 22, #ARGV do
-    if (i - 22) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
+  for i = 24, #ARGV do
+    if (i - 24) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
   end
-  redis.call('LPUSH', KEYS[6 + index], table.concat(out))
-  redis.call('SET', KEYS[9], ARGV[18] .. '|' .. decision .. '|' .. reason, 'EX', 300)
+  redis.call('LPUSH', KEYS[8 + index], table.concat(out))
 end
 
 local function decided(decision, reason, dwell, projected)
+  local admitted = decision == 'admit_free'
+  local free = (admitted or carried == '1') and '1' or '0'
   if fast then
-    push(decision, reason, dwell)
+    push(decision, reason, dwell, free)
   end
+  -- The gate's record: what the attempt's ledger row needs, and the nonce that proves a
+  -- message is the one decided here.
+  redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
+    'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[1],
+    'published_ms', ARGV[19], 'deadline_ms', fmt(now + slack * 1000),
+    'dwell_s', dwell_text(dwell), 'free_admitted', free)
+  redis.call('EXPIRE', KEYS[6], tonumber(ARGV[20]))
   -- An admission is counted in admitted_free alone (the review reads it as
   -- decided:admit_free:fits). The window's TTL is set by the write that creates the counter.
   local counter = decision == 'admit_free' and 'admitted_free'
@@ -134,7 +151,7 @@ local function decided(decision, reason, dwell, projected)
       redis.call('HINCRBY', KEYS[2], 'review:reserved_age_shift', 1)
     end
   end
-  return {decision, reason, fmt(age), fmt(dwell), fmt(projected)}
+  return {decision, reason, fmt(age), dwell_text(dwell), fmt(projected), free}
 end
 
 if redis.call('HGET', KEYS[5], 'free_path_enabled') == 'false' then

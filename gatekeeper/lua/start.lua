@@ -1,39 +1,56 @@
 -- start.lua: a worker started a run of a gated attempt.
 --
--- Counts the run, remembers what its row will need, marks it started (for the sweep) and
--- drops the attempt from the free queue's waiting set. When an earlier run of the same
--- attempt never got its row (its worker died and the broker redelivered the message), that
--- run's record is returned before it is overwritten, so the caller can record it as killed.
+-- The message is the gate's only when it carries the nonce of the gate's record of the
+-- attempt (written by gate.lua, record.lua or fallback.lua when it was decided): a caller
+-- chooses task ids and headers, so neither proves anything. A message without a nonce (a
+-- publisher that predates records, or a decision made without Redis) is counted as
+-- unverified; one whose nonce is not the record's is counted as forged; neither touches the
+-- record, the started set or the free queue's wait.
 --
--- KEYS[1] run:<job_id>:<attempt>   hash: runs, rowed, started_ms, and the fields below
+-- For the gate's message: counts the run, adds what the worker knows of it to the record,
+-- marks it started (for the sweep) and drops the attempt from the free queue's waiting set.
+-- When an earlier run of the same attempt never got its row (its worker died and the broker
+-- redelivered the message), that run's start time is returned, so the caller can record it
+-- as killed.
+--
+-- KEYS[1] run:<job_id>:<attempt>   hash: the gate's record, then runs, rowed, started_ms and
+--                                  the worker's fields below
 -- KEYS[2] started                   sorted set: <job_id>:<attempt> -> start time (ms)
 -- KEYS[3] free:waiting              sorted set: admitted free attempts not yet started
--- KEYS[4] stats                     hash: reruns_after_row (a run of an attempt that already
---                                   had its row: the broker delivered a finished message again)
+-- KEYS[4] stats                     hash: unverified_runs, forged_runs, reruns_after_row (a run
+--                                   of an attempt that already had its row: the broker
+--                                   delivered a finished message again)
 --
 -- ARGV[1] member          <job_id>:<attempt>
 -- ARGV[2] now_ms
--- ARGV[3] retention_s     TTL of the run hash
--- ARGV[4..] field, value pairs describing the run (published_ms, deadline_ms, path, ...)
+-- ARGV[3] nonce           the message's gatekeeper_nonce ('' when it has none)
+-- ARGV[4..] field, value pairs the worker knows itself (task, retries, max_retries, ...)
 --
--- Returns {run, dead_run, dead_fields...}: dead_run is 0 when no earlier run is missing its
--- row; otherwise dead_fields are the earlier run's field, value pairs.
+-- Returns {0, 'unverified' | 'forged'} for a message that is not the gate's, else
+-- {1, run, dead_run, dead_started_ms, record field, value, ...}: dead_run is 0 when no
+-- earlier run is missing its row.
 
+local nonce = redis.call('HGET', KEYS[1], 'nonce')
+if ARGV[3] == '' or nonce ~= ARGV[3] then
+  local kind = ARGV[3] == '' and 'unverified' or 'forged'
+  redis.call('HINCRBY', KEYS[4], kind .. '_runs', 1)
+  return {0, kind}
+end
 local run = redis.call('HINCRBY', KEYS[1], 'runs', 1)
 local rowed = tonumber(redis.call('HGET', KEYS[1], 'rowed') or '0')
-local reply = {run, 0}
+local reply = {1, run, 0, '0'}
 if run > 1 and rowed >= run - 1 then
   redis.call('HINCRBY', KEYS[4], 'reruns_after_row', 1)
 end
 if run > 1 and rowed < run - 1 then
-  reply[2] = run - 1
-  local previous = redis.call('HGETALL', KEYS[1])
-  for i = 1, #previous do reply[#reply + 1] = previous[i] end
+  reply[3] = run - 1
+  reply[4] = redis.call('HGET', KEYS[1], 'started_ms') or '0'
 end
 local fields = {'started_ms', ARGV[2]}
 for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
+local record = redis.call('HGETALL', KEYS[1])
+for i = 1, #record do reply[#reply + 1] = record[i] end
 return reply

@@ -20,11 +20,10 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
-from gatekeeper.dwell import Reason
+from gatekeeper.core.dwell import Reason
+from gatekeeper.defaults import QUEUE_WAIT_UNIT_PER_SECOND, WINDOW_SECONDS
 
 __all__ = [
-    "DEFAULT_QUEUE_WAIT_UNIT_PER_SECOND",
-    "DEFAULT_WINDOW_SECONDS",
     "Admission",
     "BudgetMode",
     "LedgerRow",
@@ -37,12 +36,6 @@ __all__ = [
     "summarize",
     "window_id",
 ]
-
-DEFAULT_WINDOW_SECONDS = 900
-"""Width of a ledger window; windows are aligned to the Unix epoch."""
-
-DEFAULT_QUEUE_WAIT_UNIT_PER_SECOND = 200.0
-"""Declared weight that lets a second of queue wait compete with a chunk of tokens."""
 
 
 class Outcome(str, Enum):
@@ -82,7 +75,7 @@ class BudgetMode(str, Enum):
         return self.value
 
 
-def window_id(timestamp_s: float, window_seconds: int = DEFAULT_WINDOW_SECONDS) -> int:
+def window_id(timestamp_s: float, window_seconds: int = WINDOW_SECONDS) -> int:
     """The epoch-aligned window a Unix timestamp falls in."""
     if window_seconds <= 0:
         raise ValueError(f"window_seconds: expected a positive integer, got {window_seconds!r}")
@@ -93,7 +86,7 @@ def row_retry_tax(
     outcome: Outcome,
     tokens_in: int,
     queue_wait_ms: int,
-    queue_wait_unit_per_second: float = DEFAULT_QUEUE_WAIT_UNIT_PER_SECOND,
+    queue_wait_unit_per_second: float = QUEUE_WAIT_UNIT_PER_SECOND,
 ) -> float:
     """This attempt's contribution to its window's tax.
 
@@ -153,9 +146,16 @@ def make_row(
     tokens_in: int,
     tokens_out: int,
     deadline_slack_ms: int,
-    queue_wait_unit_per_second: float = DEFAULT_QUEUE_WAIT_UNIT_PER_SECOND,
+    queue_wait_unit_per_second: float = QUEUE_WAIT_UNIT_PER_SECOND,
+    charged_wait_ms: int | None = None,
+    charged_tokens_in: int | None = None,
 ) -> LedgerRow:
-    """Build a row and price it; rejected and abandoned rows are stored with no tokens or wait."""
+    """Build a row and price it; rejected and abandoned rows are stored with no tokens or wait.
+
+    ``charged_wait_ms`` and ``charged_tokens_in`` price the row where what it is charged
+    differs from what it records (a free row: the wait since its admission to free, and no
+    more tokens than its admission reserved); by default the recorded ones are charged.
+    """
     if attempt < 1:
         raise ValueError(f"attempt: expected an integer >= 1, got {attempt!r}")
     if outcome in (Outcome.REJECTED, Outcome.ABANDONED):
@@ -165,7 +165,9 @@ def make_row(
             "tokens_in, tokens_out and queue_wait_ms: expected non-negative integers, got "
             f"{tokens_in!r}, {tokens_out!r}, {queue_wait_ms!r}"
         )
-    tax = row_retry_tax(outcome, tokens_in, queue_wait_ms, queue_wait_unit_per_second)
+    wait = queue_wait_ms if charged_wait_ms is None else max(0, min(charged_wait_ms, queue_wait_ms))
+    charged = tokens_in if charged_tokens_in is None else max(0, min(charged_tokens_in, tokens_in))
+    tax = row_retry_tax(outcome, charged, wait, queue_wait_unit_per_second)
     return LedgerRow(
         job_id=job_id,
         attempt=attempt,
@@ -195,7 +197,7 @@ def admit(
     queue_age_s: float,
     tokens_in: int,
     budget_units: float,
-    queue_wait_unit_per_second: float = DEFAULT_QUEUE_WAIT_UNIT_PER_SECOND,
+    queue_wait_unit_per_second: float = QUEUE_WAIT_UNIT_PER_SECOND,
     mode: BudgetMode = BudgetMode.EXPOSURE,
 ) -> Admission:
     """Whether the window's budget can carry one more free attempt of ``tokens_in`` tokens.

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path as FilePath
 from typing import Any
 
-from gatekeeper.dwell import Decision, GateInputs, decide, retry_tax_s
-from gatekeeper.ledger import (
+from gatekeeper.core.dwell import Decision, GateInputs, decide, retry_tax_s
+from gatekeeper.core.ledger import (
     LedgerRow,
     Outcome,
     Path,

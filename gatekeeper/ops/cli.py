@@ -6,42 +6,22 @@ Settings are read here, at the edge, from the environment, ``.env`` and the TOML
 
 from __future__ import annotations
 
-import math
 import tempfile
 from pathlib import Path
 
 import click
 
-from gatekeeper.drill import dwell_table_lines, run_ledger_drill, write_ledger
-from gatekeeper.dwell import GateInputs, decide
-from gatekeeper.errors import ConfigError
-from gatekeeper.settings import GatekeeperSettings, load_settings
+from gatekeeper.core.dwell import GateInputs, decide
+from gatekeeper.ops.context import format_number, settings_of
+from gatekeeper.ops.demo import demo
+from gatekeeper.ops.drill import dwell_table_lines, run_ledger_drill, write_ledger
+from gatekeeper.ops.flag_commands import flags
+from gatekeeper.ops.oncall import ledger, replay, report, status, sweep
 
 __all__ = ["main"]
 
 DEFAULT_LEDGER_FILE = Path(tempfile.gettempdir()) / "retry-tax-ledger.json"
 """Where ``gatekeeper drill`` writes its JSON ledger unless ``--out`` says otherwise."""
-
-
-def settings_of(ctx: click.Context) -> GatekeeperSettings:
-    """Load settings once per invocation; a bad value is a usage error naming the variable."""
-    obj = ctx.ensure_object(dict)
-    if "settings" not in obj:
-        try:
-            obj["settings"] = load_settings(obj.get("config"))
-        except ConfigError as exc:
-            raise click.UsageError(str(exc), ctx=ctx) from exc
-    settings: GatekeeperSettings = obj["settings"]
-    return settings
-
-
-def format_number(value: float) -> str:
-    """Whole numbers without a decimal point (``28``), others to the millisecond (``28.5``)."""
-    if not math.isfinite(value):
-        return str(value)
-    if float(value).is_integer():
-        return str(int(value))
-    return str(round(value, 3))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -120,7 +100,5 @@ def decide_command(
     click.echo(line)
 
 
-# The on-call's commands register themselves on ``main``; imported last (they import main).
-from gatekeeper import demo as _demo  # noqa: E402, F401
-from gatekeeper import flag_commands as _flag_commands  # noqa: E402, F401
-from gatekeeper import oncall as _oncall  # noqa: E402, F401
+for _command in (demo, flags, ledger, replay, report, status, sweep):
+    main.add_command(_command)

@@ -1,8 +1,8 @@
 """The on-call's commands: ledger, sweep, status, report and the replayer.
 
-The flag commands are in :mod:`gatekeeper.flag_commands`.
+The flag commands are in :mod:`gatekeeper.ops.flag_commands`.
 
-Registered on the ``gatekeeper`` group by :mod:`gatekeeper.cli`. Each reads settings at the edge
+Registered on the ``gatekeeper`` group by :mod:`gatekeeper.ops.cli`. Each reads settings at the edge
 and talks to the gate's Redis (``GATEKEEPER_REDIS_URL``) and, for queue lengths and the
 replayer, the broker (``GATEKEEPER_BROKER_URL``, else the same Redis).
 """
@@ -22,18 +22,20 @@ from typing import Any
 import click
 import redis
 
-from gatekeeper.cli import main, settings_of
+from gatekeeper.celery.replay import PRIORITY_STEPS, Replayer, queue_list
+from gatekeeper.core.ledger import LedgerRow, summarize, window_id
+from gatekeeper.core.review import summarize_review
+from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import ConfigError, LedgerUnavailable
-from gatekeeper.flags import FLAG_NAMES, FlagStore, combine
-from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, Keys
-from gatekeeper.ledger import LedgerRow, summarize, window_id
 from gatekeeper.logs import make_logger
-from gatekeeper.replay import PRIORITY_STEPS, Replayer, queue_list
-from gatekeeper.review import summarize_review
-from gatekeeper.runs import RunLedger
-from gatekeeper.runs import sweep as sweep_runs
+from gatekeeper.ops.context import settings_of
+from gatekeeper.redis.flags import FLAG_NAMES, FlagStore, combine
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.runs import sweep as sweep_runs
+from gatekeeper.redis.scripts import read_windows, text_of
+from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import redis_url_of
-from gatekeeper.store import GateStore, read_windows, text_of
 
 __all__ = ["ledger", "redis_client", "replay", "report", "show_value", "status", "sweep"]
 
@@ -73,7 +75,7 @@ def _window_option(value: str, now: float, window_seconds: int) -> int:
         ) from None
 
 
-@main.command()
+@click.command()
 @click.option(
     "--window",
     "window",
@@ -119,7 +121,7 @@ def ledger(ctx: click.Context, window: str, json_path: Path | None) -> None:  # 
     click.echo(f"wrote {out}")
 
 
-@main.command()
+@click.command()
 @click.option(
     "--older-than-s",
     type=float,
@@ -154,7 +156,7 @@ def _since(value: str) -> float:
     return float(match.group(1)) * unit
 
 
-@main.command()
+@click.command()
 @click.option(
     "--since", "since", default="7d", show_default=True, help="How far back: 7d, 24h, 90m, 900s."
 )
@@ -174,9 +176,9 @@ def report(ctx: click.Context, since: str) -> None:  # fmt: skip
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     review = summarize_review(windows)
-    if seconds > DEFAULT_WINDOW_RETENTION_S:
+    if seconds > WINDOW_RETENTION_S:
         click.echo(
-            f"note: windows are kept {DEFAULT_WINDOW_RETENTION_S // 86400} days; older ones "
+            f"note: windows are kept {WINDOW_RETENTION_S // 86400} days; older ones "
             "are gone and count as empty",
             err=True,
         )
@@ -189,7 +191,7 @@ def report(ctx: click.Context, since: str) -> None:  # fmt: skip
         click.echo(line)
 
 
-@main.command()
+@click.command()
 @click.pass_context
 def status(ctx: click.Context) -> None:
     """Flags (who changed them, when, why), queue age and lengths, this window's budget."""
@@ -248,7 +250,7 @@ def status(ctx: click.Context) -> None:
     click.echo(f"reruns_after_row={stats.get('reruns_after_row', 0)}")
 
 
-@main.command()
+@click.command()
 @click.option("--once", is_flag=True, help="One pass over defer, then exit.")
 @click.pass_context
 def replay(ctx: click.Context, once: bool) -> None:

@@ -23,12 +23,12 @@ from typing import Any
 
 import redis
 
-from gatekeeper.errors import ConfigError, GatekeeperError, LedgerUnavailable
-from gatekeeper.health import CleanHour, WindowHealth, clean_hour, hour_windows
-from gatekeeper.keys import Keys
-from gatekeeper.ledger import window_id
+from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_windows
+from gatekeeper.core.ledger import window_id
+from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.scripts import read_windows, text_of
 from gatekeeper.settings import GatekeeperSettings
-from gatekeeper.store import read_windows, text_of
 
 __all__ = [
     "FLAG_NAMES",
@@ -39,10 +39,6 @@ __all__ = [
     "in_canary",
     "parse_flag",
 ]
-
-
-class FreePathLocked(GatekeeperError):
-    """Re-enabling the free path was refused: the last hour of windows is not clean."""
 
 
 FLAG_NAMES = ("dwell_gate_enabled", "free_path_enabled", "canary_percent")

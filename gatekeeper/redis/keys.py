@@ -61,12 +61,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_WINDOW_RETENTION_S", "RUN_RETENTION_S", "Keys"]
-
-DEFAULT_WINDOW_RETENTION_S = 8 * 24 * 3600
-"""Windows are kept eight days: a week of review (``gatekeeper report``) plus a day's margin."""
-RUN_RETENTION_S = 2 * 24 * 3600
-"""An attempt's run record outlives any sane visibility timeout and retry delay."""
+__all__ = ["Keys"]
 
 
 @dataclass(frozen=True)

@@ -15,18 +15,15 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gatekeeper.defaults import MISS_MIN_ADMISSIONS
+
 __all__ = [
-    "DEFAULT_MISS_MIN_ADMISSIONS",
     "CleanHour",
     "WindowHealth",
     "clean_hour",
     "hour_windows",
     "should_freeze",
 ]
-
-DEFAULT_MISS_MIN_ADMISSIONS = 20
-"""A window needs this many free admissions before its miss rate can freeze the free path:
-at the default 1% budget, one miss in fewer than 20 would be a 5%+ rate from noise alone."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ class WindowHealth:
 def should_freeze(
     health: WindowHealth,
     miss_error_budget: float,
-    min_admissions: int = DEFAULT_MISS_MIN_ADMISSIONS,
+    min_admissions: int = MISS_MIN_ADMISSIONS,
 ) -> bool:
     """Whether a window's slack misses exceed the error budget of its free admissions."""
     if health.admitted_free < max(min_admissions, 1):

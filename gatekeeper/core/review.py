@@ -11,7 +11,7 @@ Over a fixed window (a week by default), from the per-window decision counters:
    service and retry tax fit the slack (the free queue's age, not the deadline, sent it away)
    / shifts to reserved. High: the age cap is stricter than the deadline.
 
-``gate.lua`` counts the marks for the decisions it makes; :mod:`gatekeeper.pipeline` counts
+``gate.lua`` counts the marks for the decisions it makes; :mod:`gatekeeper.redis.gate` counts
 the others with :func:`review_marks`. A test holds the two to the same answers.
 """
 
@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gatekeeper.dwell import Decision, Reason
+from gatekeeper.core.dwell import Decision, Reason
 
 __all__ = ["DEFER_FIT", "RESERVED_AGE_SHIFT", "Review", "review_marks", "summarize_review"]
 

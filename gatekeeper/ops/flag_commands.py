@@ -1,8 +1,8 @@
 """The on-call's flag commands: ``gatekeeper flags``, ``flags set``, ``flags unset``.
 
-Registered on the ``gatekeeper`` group by :mod:`gatekeeper.cli`. Every change is written to
+Registered on the ``gatekeeper`` group by :mod:`gatekeeper.ops.cli`. Every change is written to
 the flag log with its reason and actor, and logged; re-opening the free path needs a clean
-ledger hour or ``--force`` (:class:`gatekeeper.flags.FreePathLocked`).
+ledger hour or ``--force`` (:class:`gatekeeper.redis.flags.FreePathLocked`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from datetime import datetime, timezone
 
 import click
 
-from gatekeeper.cli import main, settings_of
-from gatekeeper.errors import ConfigError, LedgerUnavailable
-from gatekeeper.flags import FLAG_NAMES, FlagStore, FreePathLocked, combine
+from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
 from gatekeeper.logs import make_logger
-from gatekeeper.oncall import redis_client, show_value
+from gatekeeper.ops.context import settings_of
+from gatekeeper.ops.oncall import redis_client, show_value
+from gatekeeper.redis.flags import FLAG_NAMES, FlagStore, combine
 
 __all__ = ["flags"]
 
@@ -35,7 +35,7 @@ def _actor() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-@main.group(invoke_without_command=True)
+@click.group(invoke_without_command=True)
 @click.pass_context
 def flags(ctx: click.Context) -> None:
     """Show the live flags: the settings, the Redis overrides, and what is in force."""

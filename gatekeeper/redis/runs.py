@@ -4,29 +4,31 @@ An attempt (``job_id``, ``attempt``) normally runs once. A message redelivered a
 worker died (``acks_late``, a visibility timeout) is another *run* of the same attempt: it keeps
 the attempt number Celery gave it (``retries + 1``, unchanged by a redelivery) and gets its own
 row, after the dead run's ``killed`` row. Rows are built from the Python core
-(:func:`gatekeeper.ledger.make_row`) and applied by ``finish.lua``, once per run.
+(:func:`gatekeeper.core.ledger.make_row`) and applied by ``finish.lua``, once per run.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 import redis
 
+from gatekeeper.core.ledger import LedgerRow, Outcome, Path, make_row, window_id
+from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
-from gatekeeper.keys import DEFAULT_WINDOW_RETENTION_S, RUN_RETENTION_S, Keys
-from gatekeeper.ledger import LedgerRow, Outcome, Path, make_row, window_id
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.scripts import evalsha, load_lua, text_of
+from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
-from gatekeeper.store import GateStore, evalsha, load_lua, text_of
 
 __all__ = ["Finished", "RunLedger", "RunRecord", "Started", "sweep"]
 
 
 @dataclass(frozen=True)
 class RunRecord:
-    """What a run's row needs, known when the run starts (from the message headers)."""
+    """What a run's row needs: the gate's record of the attempt (written when it was decided,
+    read back when the run starts) and what the worker adds of its own."""
 
     task: str
     path: str
@@ -34,7 +36,8 @@ class RunRecord:
     published_ms: int
     """This attempt's first publish (defer parking included in its wait)."""
     admitted_ms: int
-    """This attempt's last publish."""
+    """When the gate admitted (or routed) this attempt, plus any delay it asked for: a free
+    row is charged the wait from here, not the time the gate parked it in defer."""
     window: int
     """The ledger window that holds the attempt's exposure (its admission's window)."""
     deadline_ms: int
@@ -49,25 +52,31 @@ class RunRecord:
     time_limit_s: float = 0.0
     """The task's hard time limit (0: none); the sweep waits at least this long."""
     started_ms: int = 0
+    nonce: str = ""
+    """The gate record's nonce: a message that carries another one is not this attempt's."""
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> RunRecord:
+        """Read a record as stored (missing fields take their defaults)."""
+        decision = fields.get("decision", "")
+        path = Path.FREE if decision == "admit_free" else Path.RESERVED
         return cls(
             task=fields.get("task", ""),
-            path=fields.get("path", Path.RESERVED.value),
-            decision=fields.get("decision", ""),
+            path=fields.get("path", path.value),
+            decision=decision,
             published_ms=int(float(fields.get("published_ms", 0))),
             admitted_ms=int(float(fields.get("admitted_ms", 0))),
-            window=int(fields.get("window", 0)),
+            window=int(fields.get("window") or 0),
             deadline_ms=int(float(fields.get("deadline_ms", 0))),
             tokens_in=int(fields.get("tokens_in", 0)),
             tokens_out=int(fields.get("tokens_out", 0)),
             dwell_s=float(fields.get("dwell_s", "nan")),
             retries=int(fields.get("retries", 0)),
-            free_admitted=fields.get("free_admitted") == "True",
+            free_admitted=fields.get("free_admitted") in ("1", "True"),
             max_retries=int(fields.get("max_retries", -1)),
             time_limit_s=float(fields.get("time_limit_s", 0)),
             started_ms=int(float(fields.get("started_ms", 0))),
+            nonce=fields.get("nonce", ""),
         )
 
 
@@ -78,6 +87,10 @@ class Started:
     run: int
     dead_run: int
     dead: RunRecord | None
+    record: RunRecord | None = None
+    """The run's record; None when the message is not the gate's (``refused`` says why)."""
+    refused: str = ""
+    """``unverified`` (no nonce: an old publisher, or decided without Redis) or ``forged``."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +112,7 @@ class RunLedger:
         *,
         window_seconds: int,
         queue_wait_unit_per_second: float,
-        retention_s: int = DEFAULT_WINDOW_RETENTION_S,
+        retention_s: int = WINDOW_RETENTION_S,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -120,12 +133,14 @@ class RunLedger:
             queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
         )
 
-    def start(self, job_id: str, attempt: int, record: RunRecord, now_ms: int) -> Started:
-        """Record that a run began; returns its run number and any dead run it reveals."""
+    def start(
+        self, job_id: str, attempt: int, nonce: str, own: dict[str, str], now_ms: int
+    ) -> Started:
+        """Record that a run began, if the message is the gate's (its ``nonce`` is the gate
+        record's); ``own`` are the fields the worker knows itself (task, retries, ...)."""
         member = f"{job_id}:{attempt}"
-        fields = {k: v for k, v in asdict(record).items() if k != "started_ms"}
-        args: list[Any] = [member, now_ms, RUN_RETENTION_S]
-        for name, value in fields.items():
+        args: list[str] = [member, str(now_ms), nonce]
+        for name, value in own.items():
             args += [name, value]
         keys = [
             self.keys.run(job_id, attempt),
@@ -134,23 +149,28 @@ class RunLedger:
             self.keys.stats,
         ]
         try:
-            reply = evalsha(self.client, self._start, keys, [str(a) for a in args])
+            reply = evalsha(self.client, self._start, keys, args)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot record the start of {member}: {exc}") from exc
-        run, dead_run = int(reply[0]), int(reply[1])
-        dead = None
-        if dead_run:
-            flat = [text_of(part) for part in reply[2:]]
-            dead = RunRecord.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
-        return Started(run=run, dead_run=dead_run, dead=dead)
+        if not int(reply[0]):
+            return Started(run=0, dead_run=0, dead=None, record=None, refused=text_of(reply[1]))
+        run, dead_run, dead_started = int(reply[1]), int(reply[2]), int(float(reply[3]))
+        flat = [text_of(part) for part in reply[4:]]
+        record = RunRecord.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
+        dead = replace(record, started_ms=dead_started) if dead_run else None
+        return Started(run=run, dead_run=dead_run, dead=dead, record=record)
 
-    def record(self, job_id: str, attempt: int) -> tuple[int, RunRecord] | None:
-        """The attempt's latest run number and record, or None when it never started."""
+    def fields(self, job_id: str, attempt: int) -> dict[str, str]:
+        """The attempt's record as stored (empty when there is none)."""
         try:
             raw = self.client.hgetall(self.keys.run(job_id, attempt))
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read run {job_id}:{attempt}: {exc}") from exc
-        fields = {text_of(k): text_of(v) for k, v in raw.items()}
+        return {text_of(k): text_of(v) for k, v in raw.items()}
+
+    def record(self, job_id: str, attempt: int) -> tuple[int, RunRecord] | None:
+        """The attempt's latest run number and record, or None when it never started."""
+        fields = self.fields(job_id, attempt)
         if "runs" not in fields:
             return None
         return int(fields["runs"]), RunRecord.from_fields(fields)
@@ -165,20 +185,43 @@ class RunLedger:
         tokens_in: int | None = None,
         tokens_out: int | None = None,
     ) -> LedgerRow:
-        """The core's row for a run that ended now (metered tokens win over declared ones)."""
+        """The core's row for a run that ended now (metered tokens win over declared ones).
+
+        A free row is charged the wait since its admission to free, and at most the tokens
+        its admission reserved; a meter that reports more is recorded, uncharged.
+        """
         default_out = 0 if outcome is Outcome.KILLED else record.tokens_out
+        used = record.tokens_in if tokens_in is None else tokens_in
+        free = record.path == Path.FREE.value
         return make_row(
             job_id=job_id,
             attempt=attempt,
             path=Path(record.path),
             outcome=outcome,
             queue_wait_ms=max(0, record.started_ms - record.published_ms),
-            tokens_in=record.tokens_in if tokens_in is None else tokens_in,
+            tokens_in=used,
             tokens_out=default_out if tokens_out is None else tokens_out,
             # A deadline that could not be read (a bad-input route) is written as slack 0.
             deadline_slack_ms=record.deadline_ms - now_ms if record.deadline_ms else 0,
             queue_wait_unit_per_second=self.unit,
+            charged_wait_ms=max(0, record.started_ms - record.admitted_ms) if free else None,
+            charged_tokens_in=min(used, record.tokens_in) if free else None,
         )
+
+    def unverified(self, row: LedgerRow, now_ms: int) -> None:
+        """Write the row of a run the gate has no record of (unpriced: no tax, no exposure,
+        never counted toward a freeze or against a clean hour)."""
+        window = window_id(now_ms / 1000, self.window_seconds)
+        entry = {**row.to_json(), "retry_tax": 0.0, "verified": False}
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.rpush(self.keys.window_rows(window), json.dumps(entry))
+            pipe.expire(self.keys.window_rows(window), self.retention_s)
+            pipe.hincrby(self.keys.window(window), f"unverified:{row.outcome.value}", 1)
+            pipe.expire(self.keys.window(window), self.retention_s)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot write an unverified row: {exc}") from exc
 
     def finish(
         self,

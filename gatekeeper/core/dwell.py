@@ -24,8 +24,9 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from gatekeeper.defaults import MAX_QUEUE_AGE_S
+
 __all__ = [
-    "DEFAULT_MAX_QUEUE_AGE_S",
     "Decision",
     "GateInputs",
     "GateResult",
@@ -34,9 +35,6 @@ __all__ = [
     "guards_pass",
     "retry_tax_s",
 ]
-
-DEFAULT_MAX_QUEUE_AGE_S = 30.0
-"""The queue-age cap of the source's declared workload, in seconds."""
 
 
 class Decision(str, Enum):
@@ -51,7 +49,10 @@ class Decision(str, Enum):
 
 
 class Reason(str, Enum):
-    """Why the gate (or the pipeline around it) chose what it chose; machine-readable."""
+    """Why the gate (or the pipeline around it) chose what it chose; machine-readable.
+
+    The one list of reasons: the decision lines, the headers, the review's counters and the
+    Lua scripts all use these values."""
 
     NON_FINITE_INPUT = "non_finite_input"
     BAD_SERVICE_GUESS = "bad_service_guess"
@@ -61,8 +62,22 @@ class Reason(str, Enum):
     DWELL_OVER_SLACK = "dwell_over_slack"
     FITS = "fits"
     RETRY_TAX_BUDGET = "retry_tax_budget"
+    # Not the dwell gate's own: the publish pipeline's steps around it
+    # (gatekeeper/redis/gate.py), in the order they are checked.
+    GATE_DISABLED = "gate_disabled"
+    """``dwell_gate_enabled`` is off: the task keeps its normal route (untouched)."""
+    OUTSIDE_CANARY = "outside_canary"
+    """The job is outside ``canary_percent``: its normal route (untouched)."""
+    FLAGS_UNREAD = "flags_unread"
+    """The flags were never read (Redis unreachable since start): its own route, unless free."""
+    BAD_INPUT = "bad_input"
+    """A declared input cannot be scored: reserved, with the field named."""
     FREE_PATH_DISABLED = "free_path_disabled"
-    """Not the dwell gate's: the pipeline's (and gate.lua's) flag check, before the gate."""
+    """``free_path_enabled`` is off (settings or Redis): reserved."""
+    GATE_UNAVAILABLE = "gate_unavailable"
+    """The gate's Redis could not be reached or its script failed: reserved."""
+    GATE_ERROR = "gate_error"
+    """A fault in the gate itself: reserved, with the error."""
 
     def __str__(self) -> str:
         return self.value
@@ -76,7 +91,7 @@ class GateInputs:
     expected_service_s: float
     retry_tax_s: float
     deadline_slack_s: float
-    max_queue_age_s: float = DEFAULT_MAX_QUEUE_AGE_S
+    max_queue_age_s: float = MAX_QUEUE_AGE_S
     delay_s: float = 0.0
 
     @property

@@ -34,29 +34,30 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from redis.exceptions import LockError
 
-from gatekeeper.ledger import Outcome, Path, make_row, window_id
-from gatekeeper.logs import make_logger
-from gatekeeper.pipeline import Pipeline, Publish
-from gatekeeper.runs import RunLedger, sweep
-from gatekeeper.settings import GatekeeperSettings
-from gatekeeper.spec import (
+from gatekeeper.celery.freeze import maybe_freeze
+from gatekeeper.celery.message import nonce_of
+from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_DEADLINE_AT,
     H_DECISION,
     H_DWELL_S,
     H_EXPECTED_SERVICE_S,
-    H_FREE_ADMITTED,
     H_MAX_RETRIES,
     H_REASON,
     H_REPLAY_AFTER,
     H_REPLAYS,
     H_TOKENS_IN,
-    BadDeclaredInput,
-    GatedSpec,
 )
-from gatekeeper.store import evalsha, load_lua
-from gatekeeper.worker import maybe_freeze
+from gatekeeper.core.ledger import Outcome, Path, make_row, window_id
+from gatekeeper.core.spec import GatedSpec
+from gatekeeper.errors import BadDeclaredInput
+from gatekeeper.logs import make_logger
+from gatekeeper.redis.gate import Pipeline, Publish
+from gatekeeper.redis.runs import Finished, RunLedger, sweep
+from gatekeeper.redis.scripts import evalsha, load_lua
+from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["PRIORITY_SEP", "PRIORITY_STEPS", "Replayer", "queue_list"]
 
@@ -98,31 +99,42 @@ class Replayer:
         self.ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._move = broker.register_script(load_lua("move.lua"))
         self._last_sweep = -math.inf
-        self._lock_ttl_ms = round(settings.replay_lock_ttl_s * 1000)
+        self._lock = gate.lock(
+            self.pipeline.store.keys.replayer_lock,
+            timeout=settings.replay_lock_ttl_s,
+            blocking=False,
+            thread_local=False,
+        )
+        self._held = False
         self.counts: Counter[str] = Counter()
 
     # -- the lock and recovery ----------------------------------------------------------
 
     def acquire(self) -> bool:
-        """Take (or keep) the namespace's replayer lock."""
-        gate = self.pipeline.store.client
-        key = self.pipeline.store.keys.replayer_lock
-        if gate.set(key, self.ident, nx=True, px=self._lock_ttl_ms):
+        """Take (or keep) the namespace's replayer lock (redis-py's ``Lock``: its refresh and
+        release check the token atomically, so a replayer that lost the lock can never
+        extend or drop its successor's)."""
+        if self._held:
+            try:
+                self._lock.reacquire()
+                return True
+            except LockError:  # expired and taken by another: recover nothing, wait
+                self._held = False
+                self.log.warning("replay_lock_lost", holder="another replayer")
+        if self._lock.acquire(blocking=False):
+            self._held = True
             self.recover()
-            return True
-        if gate.get(key) == self.ident.encode():
-            gate.pexpire(key, self._lock_ttl_ms)
             return True
         return False
 
     def release(self) -> None:
         """Give the lock back; when Redis cannot be reached it expires on its own."""
-        gate = self.pipeline.store.client
-        key = self.pipeline.store.keys.replayer_lock
+        if not self._held:
+            return
+        self._held = False
         try:
-            if gate.get(key) == self.ident.encode():
-                gate.delete(key)
-        except redis.RedisError as exc:
+            self._lock.release()
+        except (LockError, redis.RedisError) as exc:
             self.log.warning("replay_lock_not_released", error=repr(exc))
 
     def recover(self) -> int:
@@ -262,8 +274,16 @@ class Replayer:
             job_id=job_id, attempt=attempt, path=Path.FREE, outcome=Outcome.ABANDONED,
             queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=slack_ms,
         )  # fmt: skip
-        was_free = bool(headers.get(H_FREE_ADMITTED))
-        done = self.runs.abandon(row, round(now * 1000), slack_miss=was_free)
+        # Whether a free admission is abandoned (a slack miss) is the gate's record's word,
+        # and only for the message that carries its nonce; another gets an unverified row.
+        record = self.runs.fields(job_id, attempt)
+        trusted = bool(record) and record.get("nonce") == nonce_of(headers)
+        was_free = trusted and record.get("free_admitted") == "1"
+        if trusted:
+            done = self.runs.abandon(row, round(now * 1000), slack_miss=was_free)
+        else:
+            self.runs.unverified(row, round(now * 1000))
+            done = Finished(False, 0, 0)
         headers.update({H_DECISION: "abandoned", H_REASON: "deadline_passed"})
         self._send(raw, message, self.settings.dead_letter_queue, "deadline_passed")
         fields = {

@@ -1,5 +1,12 @@
 """The Celery adapter's worker side: one ledger row per run, slack misses, auto-freeze.
 
+The gate's own record of an attempt (written in Redis when it was decided) is the truth, not
+the message: a run is priced only when its message carries the record's nonce. A message that
+claims gatekeeper headers with another nonce (forged: a caller chooses task ids and headers)
+runs as an ordinary task, counted and logged once, and charges nothing; one with no nonce (a
+publisher that predates records, or a decision made without Redis) gets an unverified row,
+unpriced and never counted toward a freeze or against a clean hour.
+
 Which signal ends a run, and where it fires (prefork):
 
 =====================================  ==============  ===================================
@@ -23,11 +30,10 @@ one row per run. Nothing here raises into Celery: a fault is logged and the task
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
@@ -41,103 +47,32 @@ from celery.signals import (
     task_success,
 )
 
-from gatekeeper.errors import GatekeeperError
-from gatekeeper.flags import FlagStore
-from gatekeeper.health import WindowHealth, should_freeze
-from gatekeeper.keys import Keys
-from gatekeeper.ledger import Outcome, Path
+from gatekeeper.celery.freeze import maybe_freeze
+from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers, unverified
+from gatekeeper.celery.metering import take_metered
+from gatekeeper.core.headers import H_ATTEMPT
+from gatekeeper.core.ledger import Outcome
 from gatekeeper.logs import make_logger
-from gatekeeper.metering import take_metered
-from gatekeeper.runs import RunLedger, RunRecord
+from gatekeeper.redis.flags import FlagStore
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger, RunRecord
+from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
-from gatekeeper.spec import (
-    H_ATTEMPT,
-    H_ATTEMPT_PUBLISHED_AT,
-    H_DEADLINE_AT,
-    H_DECISION,
-    H_DWELL_S,
-    H_FREE_ADMITTED,
-    H_MAX_RETRIES,
-    H_PUBLISHED_AT,
-    H_TOKENS_IN,
-    H_TOKENS_OUT,
-    H_WINDOW,
-    spec_of,
-)
-from gatekeeper.store import GateStore
 
-__all__ = ["WorkerSide", "maybe_freeze", "record_from_headers"]
+__all__ = ["WorkerSide", "maybe_freeze"]
 
 RECEIVED_CACHE_SIZE = 10_000
 """Headers kept per task id in the worker's main process, for signals that lose the request."""
-HEADERS = (
-    H_ATTEMPT,
-    H_FREE_ADMITTED,
-    H_MAX_RETRIES,
-    H_WINDOW,
-    H_ATTEMPT_PUBLISHED_AT,
-    H_DEADLINE_AT,
-    H_DECISION,
-    H_DWELL_S,
-    H_PUBLISHED_AT,
-    H_TOKENS_IN,
-    H_TOKENS_OUT,
-    "retries",
-)
 
 
-def _whole(value: Any) -> int:
-    """A token count from a header; a bad one (the publish was routed for it) counts 0."""
-    try:
-        number = int(value or 0)
-    except (TypeError, ValueError):
-        return 0
-    return max(number, 0)
+@dataclass(frozen=True)
+class _Running:
+    """A run this process is executing: verified (the gate's record) or not."""
 
-
-def record_from_headers(task: Any, headers: Mapping[str, Any]) -> tuple[int, RunRecord] | None:
-    """(attempt, record) for a message the gate routed; None for untouched messages."""
-    attempt, decision = headers.get(H_ATTEMPT), headers.get(H_DECISION)
-    if attempt is None or decision is None:
-        return None
-    published = headers.get(H_ATTEMPT_PUBLISHED_AT) or headers.get(H_PUBLISHED_AT) or 0
-    try:
-        spec = spec_of(task)
-    except GatekeeperError:
-        spec = None
-    tokens_out = headers.get(H_TOKENS_OUT, spec.tokens_out if spec else 0)
-    dwell = headers.get(H_DWELL_S)
-    admitted_ms = round(float(headers.get(H_PUBLISHED_AT) or published) * 1000)
-    max_retries = headers.get(H_MAX_RETRIES)
-    time_limit = getattr(task, "time_limit", None) or getattr(
-        getattr(getattr(task, "app", None), "conf", None), "task_time_limit", None
-    )
-    record = RunRecord(
-        task=getattr(task, "name", "") or "",
-        path=(Path.FREE if decision == "admit_free" else Path.RESERVED).value,
-        decision=str(decision),
-        published_ms=round(float(published) * 1000),
-        admitted_ms=admitted_ms,
-        window=int(headers.get(H_WINDOW) or 0),
-        deadline_ms=round(float(headers.get(H_DEADLINE_AT) or 0) * 1000),
-        tokens_in=_whole(headers.get(H_TOKENS_IN)),
-        tokens_out=_whole(tokens_out),
-        dwell_s=math.nan if dwell is None else float(dwell),
-        retries=int(headers.get("retries") or 0),
-        free_admitted=bool(headers.get(H_FREE_ADMITTED)) or decision == "admit_free",
-        max_retries=-1 if max_retries is None else int(max_retries),
-        time_limit_s=float(time_limit or 0),
-    )
-    return int(attempt), record
-
-
-def _request_headers(request: Any) -> dict[str, Any]:
-    """Gatekeeper's headers (and ``retries``) from a task's request context."""
-    return {
-        name: getattr(request, name, None)
-        for name in HEADERS
-        if getattr(request, name, None) is not None
-    }
+    attempt: int
+    run: int
+    record: RunRecord
+    verified: bool
 
 
 class WorkerSide:
@@ -159,7 +94,7 @@ class WorkerSide:
         self.store = GateStore(client, Keys(settings.key_prefix, settings.namespace))
         self.log = make_logger(settings, "worker")
         self.alerts = make_logger(settings, "alert")
-        self._running: dict[str, tuple[int, int, RunRecord]] = {}
+        self._running: dict[str, _Running] = {}
         self._received: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     def connect(self) -> None:
@@ -190,11 +125,10 @@ class WorkerSide:
         task = getattr(request, "task", None)
         if not self._ours(task):
             return
-        message = getattr(request, "message", None)
-        headers = dict(getattr(message, "headers", None) or {})
-        if H_ATTEMPT not in headers:
+        headers = dict(getattr(getattr(request, "message", None), "headers", None) or {})
+        if not claims(headers):
             return
-        self._received[request.id] = {k: headers[k] for k in HEADERS if k in headers}
+        self._received[request.id] = headers
         while len(self._received) > RECEIVED_CACHE_SIZE:
             self._received.popitem(last=False)
 
@@ -202,7 +136,7 @@ class WorkerSide:
         self, sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
     ) -> None:
         """Revoked while running (``terminate=True``): killed. Before it ran: no row, and
-        the exposure it held is given back."""
+        the exposure its admission held is given back."""
         task = sender if self._ours(sender) else getattr(request, "task", None)
         if not self._ours(task) or request is None:
             return
@@ -211,29 +145,32 @@ class WorkerSide:
                 "revoked", request.id, lambda: self._finish_elsewhere(task, request.id, "revoked")
             )
             return
-        self._guarded("revoked", request.id, lambda: self._release(task, request))
+        self._guarded("revoked", request.id, lambda: self._release(request))
 
-    def _release(self, task: Any, request: Any) -> None:
-        headers = self._received.pop(request.id, None) or _request_headers(request)
-        found = record_from_headers(task, headers)
-        if found is None or found[1].path != Path.FREE.value:
+    def _headers_of(self, job_id: str, request: Any) -> dict[str, Any]:
+        return self._received.pop(job_id, None) or request_headers(request)
+
+    def _release(self, request: Any) -> None:
+        headers = self._headers_of(request.id, request)
+        if not claims(headers):
             return
-        attempt, record = found
-        if self.runs.record(request.id, attempt) is None:  # it never started
+        attempt = int(headers.get(H_ATTEMPT) or 1)
+        fields = self.runs.fields(request.id, attempt)
+        if not fields or fields.get("nonce") != nonce_of(headers) or "runs" in fields:
+            return  # not the gate's message, or it started: its run ends it
+        record = RunRecord.from_fields(fields)
+        if record.path == "free":
             self.store.release(request.id, attempt, record.window)
 
     def _finish_elsewhere(self, task: Any, job_id: str, reason: str) -> None:
         """End the latest run of an attempt from the main process, where no run is in memory."""
-        headers = self._received.pop(job_id, None) or _request_headers(
-            getattr(task, "request", None)
-        )
-        found = record_from_headers(task, headers)
-        if found is None:
+        headers = self._headers_of(job_id, getattr(task, "request", None))
+        if not claims(headers):
             return
-        attempt, _ = found
+        attempt = int(headers.get(H_ATTEMPT) or 1)
         stored = self.runs.record(job_id, attempt)
-        if stored is None:
-            return  # never started: no row (its exposure ages out with the attempt)
+        if stored is None or stored[1].nonce != nonce_of(headers):
+            return  # never started, or not the gate's message (an unverified run: no row)
         run, record = stored
         self._end(job_id, attempt, run, record, Outcome.KILLED, reason, current=True)
 
@@ -243,15 +180,19 @@ class WorkerSide:
         """A run starts: count it, and record a dead earlier run of the same attempt."""
         if not self._ours(sender) or task_id is None:
             return
-        found = record_from_headers(sender, _request_headers(sender.request))
-        if found is None:
+        headers = request_headers(sender.request)
+        if not claims(headers):
             return
-        attempt, record = found
+        attempt = int(headers.get(H_ATTEMPT) or 1)
 
         def start() -> None:
             now = self._now_ms()
-            started = self.runs.start(task_id, attempt, record, now)
-            self._running[task_id] = (attempt, started.run, _with_start(record, now))
+            started = self.runs.start(task_id, attempt, nonce_of(headers),
+                                      own_fields(sender, headers), now)  # fmt: skip
+            if started.record is None:
+                self._refused(sender, task_id, attempt, headers, started.refused, now)
+                return
+            self._running[task_id] = _Running(attempt, started.run, started.record, True)
             if started.dead is not None:
                 self._end(
                     task_id, attempt, started.dead_run, started.dead, Outcome.KILLED,
@@ -260,19 +201,34 @@ class WorkerSide:
 
         self._guarded("start", task_id, start)
 
+    def _refused(
+        self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], kind: str, now: int
+    ) -> None:
+        """A message the gate has no record of: logged once; unverified runs get a row."""
+        self.log.warning("ledger_unverified_message", task=task.name, job_id=job_id,
+                         attempt=attempt, kind=kind)  # fmt: skip
+        if kind == "unverified":
+            record = replace(unverified(task, headers), started_ms=now)
+            self._running[job_id] = _Running(attempt, 1, record, False)
+
     def _end_running(self, job_id: str | None, outcome: Outcome, reason: str) -> bool:
         """End the run this process is executing; False when it is not one of ours."""
         if job_id is None or job_id not in self._running:
             return False
-        attempt, run, record = self._running.pop(job_id)
+        running = self._running.pop(job_id)
         tokens_in, tokens_out = take_metered(job_id)
+        if not running.verified:
+            self._guarded("finish", job_id, lambda: self._end_unverified(
+                job_id, running, outcome, reason, tokens_in, tokens_out))  # fmt: skip
+            return True
         self._guarded(
             "finish",
             job_id,
             lambda: self._end(
-                job_id, attempt, run, record, outcome, reason, True, tokens_in, tokens_out
+                job_id, running.attempt, running.run, running.record, outcome, reason, True,
+                tokens_in, tokens_out,
             ),
-        )
+        )  # fmt: skip
         return True
 
     def on_success(self, sender: Any = None, **_: Any) -> None:
@@ -300,6 +256,18 @@ class WorkerSide:
 
     # -- both ---------------------------------------------------------------------------
 
+    def _end_unverified(
+        self, job_id: str, running: _Running, outcome: Outcome, reason: str,
+        tokens_in: int | None, tokens_out: int | None,
+    ) -> None:  # fmt: skip
+        now = self._now_ms()
+        row = self.runs.row_for(job_id, running.attempt, running.record, outcome, now,
+                                tokens_in, tokens_out)  # fmt: skip
+        self.runs.unverified(row, now)
+        self.log.info("ledger_row", task=running.record.task, job_id=job_id,
+                      attempt=running.attempt, path=row.path.value, outcome=row.outcome.value,
+                      reason=reason, verified=False, retry_tax=0.0)  # fmt: skip
+
     def _end(
         self,
         job_id: str,
@@ -321,59 +289,18 @@ class WorkerSide:
         if not done.written:
             return
         self.log.info(
-            "ledger_row",
-            task=record.task,
-            job_id=job_id,
-            attempt=attempt,
-            run=run,
-            path=row.path.value,
-            outcome=row.outcome.value,
-            reason=reason,
-            queue_wait_ms=row.queue_wait_ms,
-            tokens_in=row.tokens_in,
-            retry_tax=row.retry_tax,
+            "ledger_row", task=record.task, job_id=job_id, attempt=attempt, run=run,
+            path=row.path.value, outcome=row.outcome.value, reason=reason,
+            queue_wait_ms=row.queue_wait_ms, tokens_in=row.tokens_in, retry_tax=row.retry_tax,
             deadline_slack_ms=row.deadline_slack_ms,
-        )
+        )  # fmt: skip
         if miss:
             self.alerts.error(
-                "slack_miss",
-                decision="admit_free",
-                slack_miss=True,
-                task=record.task,
-                job_id=job_id,
-                attempt=attempt,
-                dwell_s=record.dwell_s,
-                deadline_slack_s=row.deadline_slack_ms / 1000,
-                retries=record.retries,
-            )
+                "slack_miss", decision="admit_free", slack_miss=True, task=record.task,
+                job_id=job_id, attempt=attempt, dwell_s=record.dwell_s,
+                deadline_slack_s=row.deadline_slack_ms / 1000, retries=record.retries,
+            )  # fmt: skip
             maybe_freeze(
                 self.flags, self.alerts, record.window, done.slack_misses, done.admitted_free,
                 self.clock(),
             )  # fmt: skip
-
-
-def maybe_freeze(
-    flags: FlagStore, alerts: Any, window: int, misses: int, admitted: int, now: float
-) -> bool:
-    """Freeze the free path when a window's misses exceed the error budget; True if frozen."""
-    settings = flags.settings
-    health = WindowHealth(window_id=window, admitted_free=admitted, slack_misses=misses)
-    budget = settings.miss_error_budget
-    if not should_freeze(health, budget, settings.miss_min_admissions):
-        return False
-    if flags.stored().get("free_path_enabled") == "false":
-        return False
-    reason = (
-        f"slack misses {misses}/{admitted} = {misses / admitted:.1%} of free admissions in "
-        f"window {window} exceed miss_error_budget {budget:.1%}"
-    )
-    flags.set("free_path_enabled", "false", reason, "gatekeeper:auto-freeze", now)
-    alerts.error(
-        "free_path_frozen", window=window, slack_misses=misses, admitted_free=admitted,
-        miss_error_budget=budget, reason=reason,
-    )  # fmt: skip
-    return True
-
-
-def _with_start(record: RunRecord, started_ms: int) -> RunRecord:
-    return replace(record, started_ms=started_ms)

@@ -17,13 +17,9 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from gatekeeper.errors import GatekeeperError
+from gatekeeper.errors import EmbeddedRedisError
 
 __all__ = ["EmbeddedRedis", "EmbeddedRedisError", "find_redis_server"]
-
-
-class EmbeddedRedisError(GatekeeperError):
-    """No ``redis-server`` binary could be found, or it did not start."""
 
 
 def find_redis_server() -> str:

@@ -9,9 +9,9 @@ Without hiredis, or when redis-py's connection lacks the socket attribute this r
 (``_sock``, checked by the test suite), the line uses redis-py's own ``send_command``
 and ``read_response``.
 
-A call made while this thread's line awaits a reply (a publish inside another's decision)
-borrows a connection from the pool instead (:class:`Borrowed`): replies come back in order,
-so two calls in flight on one socket could swap answers.
+A call made while this thread's line awaits a reply (a signal handler that publishes
+mid-decision) goes through redis-py instead (the store's fallback): replies come back in
+order, so two calls in flight on one socket could swap answers.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ try:
 except ImportError:  # pragma: no cover - hiredis is optional
     hiredis = None
 
-__all__ = ["Borrowed", "Line"]
+__all__ = ["Line"]
 
 RAW = hiredis is not None and hasattr(hiredis, "pack_command")
 """hiredis packs and parses; without it, redis-py's connection does both."""
@@ -141,26 +141,6 @@ def _stale(conn: Any) -> bool:
         return bool(conn.can_read())
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return True
-
-
-class Borrowed:
-    """A pool connection for one call, through redis-py's own send and read."""
-
-    def __init__(self, pool: redis.ConnectionPool) -> None:
-        self.pool = pool
-        self.conn = _get_connection(pool)
-
-    def send(self, parts: Sequence[str]) -> None:
-        self.conn.send_command(*parts, check_health=False)
-
-    def read(self) -> Any:
-        return self.conn.read_response()
-
-    def close(self) -> None:
-        self.conn.disconnect()
-
-    def release(self) -> None:
-        self.pool.release(self.conn)
 
 
 def _get_connection(pool: redis.ConnectionPool) -> Any:

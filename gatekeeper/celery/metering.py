@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 
-from gatekeeper.spec import BadDeclaredInput
+from gatekeeper.errors import BadDeclaredInput
 
 __all__ = ["meter", "take_metered"]
 

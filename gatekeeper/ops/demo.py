@@ -29,13 +29,14 @@ from typing import Any
 import click
 import redis
 
-from gatekeeper.cli import main, settings_of
-from gatekeeper.embedded import EmbeddedRedis, EmbeddedRedisError
-from gatekeeper.keys import Keys
-from gatekeeper.ledger import LedgerRow, Outcome, summarize, window_id
-from gatekeeper.review import Review, summarize_review
+from gatekeeper.core.ledger import LedgerRow, Outcome, summarize, window_id
+from gatekeeper.core.review import Review, summarize_review
+from gatekeeper.errors import EmbeddedRedisError
+from gatekeeper.ops.context import settings_of
+from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
-from gatekeeper.store import GateStore
 
 __all__ = ["demo"]
 
@@ -133,7 +134,7 @@ def _wait_ready(child: Child, timeout_s: float = 60) -> None:
     raise click.ClickException(f"the {child.name} did not start in {timeout_s:.0f}s")
 
 
-@main.command()
+@click.command()
 @click.option(
     "--timeout-s",
     type=float,

@@ -1,0 +1,111 @@
+"""What the worker side reads of a message: whether it claims to be gated, its nonce, and
+what the worker adds to the gate's record itself.
+
+Nothing read here is trusted for pricing: a message is the gate's only when its nonce is the
+one in the gate's record (``start.lua`` checks). :func:`unverified` builds the row of a
+message with no nonce at all (an old publisher, or a decision made without Redis) from its
+headers, for a row that is marked unverified and charges nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from gatekeeper.celery.gating import spec_of
+from gatekeeper.core.headers import (
+    H_ATTEMPT,
+    H_ATTEMPT_PUBLISHED_AT,
+    H_DEADLINE_AT,
+    H_DECISION,
+    H_NONCE,
+    H_PUBLISHED_AT,
+    H_TOKENS_IN,
+    H_TOKENS_OUT,
+)
+from gatekeeper.core.ledger import Path
+from gatekeeper.errors import GatekeeperError
+from gatekeeper.redis.runs import RunRecord
+
+__all__ = ["claims", "nonce_of", "own_fields", "request_headers", "unverified"]
+
+READ = (H_ATTEMPT, H_DECISION, H_NONCE, H_ATTEMPT_PUBLISHED_AT, H_PUBLISHED_AT, H_DEADLINE_AT,
+        H_TOKENS_IN, H_TOKENS_OUT, "retries")  # fmt: skip
+"""The headers the worker side reads (from the request context, or the received message)."""
+
+
+def claims(headers: Mapping[str, Any]) -> bool:
+    """Whether a message claims to be one the gate routed."""
+    return headers.get(H_ATTEMPT) is not None and headers.get(H_DECISION) is not None
+
+
+def nonce_of(headers: Mapping[str, Any]) -> str:
+    """The message's nonce, '' when it has none (or one that is not text)."""
+    nonce = headers.get(H_NONCE)
+    return nonce if isinstance(nonce, str) else ""
+
+
+def request_headers(request: Any) -> dict[str, Any]:
+    """Gatekeeper's headers (and ``retries``) from a task's request context."""
+    found = {name: getattr(request, name, None) for name in READ}
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def _whole(value: Any) -> int:
+    """A token count from a header; a bad one counts 0."""
+    try:
+        number = int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+    return max(number, 0)
+
+
+def _declared_out(task: Any) -> int:
+    try:
+        spec = spec_of(task)
+    except GatekeeperError:
+        spec = None
+    return spec.tokens_out if spec is not None else 0
+
+
+def own_fields(task: Any, headers: Mapping[str, Any]) -> dict[str, str]:
+    """What the worker knows of a run itself, added to the gate's record when it starts."""
+    limit = getattr(task, "time_limit", None) or getattr(
+        getattr(getattr(task, "app", None), "conf", None), "task_time_limit", None
+    )
+    max_retries = getattr(task, "max_retries", None)
+    return {
+        "task": getattr(task, "name", "") or "",
+        "retries": str(_whole(headers.get("retries"))),
+        "max_retries": str(-1 if max_retries is None else int(max_retries)),
+        "time_limit_s": str(float(limit or 0)),
+        "tokens_out": str(_declared_out(task)),
+    }
+
+
+def _seconds(value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return number if math.isfinite(number) else 0.0
+
+
+def unverified(task: Any, headers: Mapping[str, Any]) -> RunRecord:
+    """A run record from a message's own headers, for its unverified (unpriced) row."""
+    published = _seconds(headers.get(H_ATTEMPT_PUBLISHED_AT) or headers.get(H_PUBLISHED_AT))
+    decision = str(headers.get(H_DECISION))
+    return RunRecord(
+        task=getattr(task, "name", "") or "",
+        path=(Path.FREE if decision == "admit_free" else Path.RESERVED).value,
+        decision=decision,
+        published_ms=round(published * 1000),
+        admitted_ms=round(published * 1000),
+        window=0,
+        deadline_ms=round(_seconds(headers.get(H_DEADLINE_AT)) * 1000),
+        tokens_in=_whole(headers.get(H_TOKENS_IN)),
+        tokens_out=_whole(headers.get(H_TOKENS_OUT, _declared_out(task))),
+        dwell_s=math.nan,
+        retries=_whole(headers.get("retries")),
+    )

@@ -1,0 +1,187 @@
+"""Every touch of private Celery and kombu API, each with the check that fails loudly when its
+shape changes (``tests/test_celery_internals.py`` runs them on both ends of the pinned range).
+
+What is touched, and why (``docs/design.md`` has the longer story):
+
+- ``app.amqp.send_task_message``: a cached property holding the function that
+  ``app.amqp._create_task_sender()`` returned. It sees every publish (retries and canvas
+  included) with the built headers and takes ``queue=``, which neither routers nor
+  ``before_task_publish`` can offer. Setting the attribute on one app's ``amqp`` replaces it
+  for that app alone. :func:`check_celery_shape` checks its parameters at install.
+- Where Celery keeps a task's function (``_decorated_fun`` on 5.7, ``__wrapped__`` before):
+  ``@shared_task`` makes its task again for every app, so ``@gated`` marks that function too
+  (:func:`task_functions`).
+- kombu's virtual Redis channel (``_put``, ``_q_for_pri``, ``_get_message_priority``,
+  ``_expires``, ``global_keyprefix``) and the producer's publish batch: fast publish catches
+  the serialized message at ``_put`` (:func:`capture_message`) and stands aside where the
+  channel would not put it as one plain list push (:func:`channel_fits`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery
+
+from gatekeeper.errors import CeleryShapeError
+
+__all__ = [
+    "CHANNEL_API",
+    "SENDER_PARAMETERS",
+    "bound_for",
+    "capture_message",
+    "channel_fits",
+    "check_celery_shape",
+    "current_task",
+    "replace_sender",
+    "task_functions",
+]
+
+SENDER_PARAMETERS = ("producer", "name", "message", "exchange", "routing_key", "queue", "headers")
+"""Parameters of Celery's task sender that the wrapper relies on, in this order."""
+CHANNEL_API = ("_put", "_q_for_pri", "_get_message_priority")
+"""What fast publish uses of kombu's virtual Redis channel."""
+
+
+def check_celery_shape(app: Celery) -> Callable[..., Any]:
+    """Return the app's current task sender after checking the shape gatekeeper relies on."""
+    amqp = app.amqp
+    if not hasattr(type(amqp), "send_task_message") or not hasattr(amqp, "_create_task_sender"):
+        raise CeleryShapeError(
+            "celery's AMQP.send_task_message/_create_task_sender are gone; gatekeeper supports "
+            "celery 5.5 to 5.7"
+        )
+    sender: Callable[..., Any] = amqp.send_task_message
+    params = list(inspect.signature(sender).parameters)
+    if tuple(p for p in params if p in SENDER_PARAMETERS) != SENDER_PARAMETERS or params[
+        :3
+    ] != list(SENDER_PARAMETERS[:3]):
+        raise CeleryShapeError(f"celery's task sender changed shape: parameters {params}")
+    return sender
+
+
+def replace_sender(app: Celery, sender: Callable[..., Any]) -> None:
+    """Make ``sender`` this app's task sender (the cached property, set on one instance)."""
+    app.amqp.send_task_message = sender
+
+
+def bound_for(app: Celery, options: dict[str, Any], free: str) -> bool:
+    """Whether Celery's options send the message to the ``free`` queue, worked out as
+    Celery's own ``send_task_message`` does; when that cannot be told, True."""
+    queue, exchange = options.get("queue"), options.get("exchange")
+    routing_key, kind = options.get("routing_key"), options.get("exchange_type")
+    declared = app.amqp.queues
+    name = queue
+    if queue is None and exchange is None:
+        queue = app.amqp.default_queue
+    if isinstance(queue, str):
+        name, queue = queue, declared.get(queue)
+    elif queue is not None:
+        name = queue.name
+    if kind is None:
+        kind = getattr(getattr(queue, "exchange", None), "type", None) or "direct"
+    if (not exchange or not routing_key) and kind == "direct":
+        return bool(name == free)  # kombu's anonymous exchange: straight to the queue name
+    if exchange is None:
+        exchange = getattr(getattr(queue, "exchange", None), "name", None)
+        routing_key = routing_key or getattr(queue, "routing_key", None)
+    target = declared.get(free)
+    if target is None:
+        return True
+    if getattr(exchange, "name", exchange) != getattr(target.exchange, "name", None):
+        return False
+    return kind != "direct" or routing_key == target.routing_key
+
+
+def current_task(task: object) -> object:
+    """The task itself: a ``@shared_task`` proxy evaluated (as setting an attribute would)."""
+    current = getattr(task, "_get_current_object", None)
+    return current() if callable(current) else task
+
+
+def task_functions(task: object) -> list[Any]:
+    """The function a decorator made the task from, and the one that wraps (pydantic).
+
+    ``@shared_task`` makes its task again for every app, from that function alone: a mark
+    set only on the task made for the first app would be lost. Celery keeps the function in
+    the task class: ``_decorated_fun`` (5.7, as the caller passed it) or ``__wrapped__``
+    (a staticmethod unless ``bind=True``; on 5.5 and 5.6, with ``pydantic=True``, a wrapper
+    made for each app, whose ``__wrapped__`` is the function). Empty for a task class.
+    """
+    attributes = type(task).__dict__
+    held = attributes.get("_decorated_fun", attributes.get("__wrapped__"))
+    function = getattr(held, "__func__", held)
+    if not inspect.isfunction(function):
+        return []
+    inner = getattr(function, "__wrapped__", None)
+    return [function, inner] if inspect.isfunction(inner) else [function]
+
+
+def channel_fits(producer: Any, queues: tuple[str, ...]) -> bool:
+    """Whether kombu would put a message for any of ``queues`` as one plain list push on this
+    producer's channel: a virtual Redis channel with the API fast publish catches, no
+    ``global_keyprefix``, no queue expiry, and no publish batch under way."""
+    channel = getattr(producer, "channel", None)
+    if channel is None or not all(hasattr(channel, name) for name in CHANNEL_API):
+        return False
+    if getattr(channel, "global_keyprefix", ""):
+        return False
+    expires = getattr(channel, "_expires", None) or {}
+    if any(queue in expires for queue in queues):
+        return False
+    return getattr(getattr(producer, "_batch_local", None), "current", None) is None
+
+
+def capture_message(
+    sender: Callable[..., Any],
+    producer: Any,
+    args: tuple[Any, ...],
+    options: dict[str, Any],
+    queues: tuple[str, ...],
+    job_id: str,
+    routing_key: str,
+    serialize: Callable[[Any], str],
+) -> tuple[str, tuple[str, ...]]:
+    """Run Celery's sender with kombu's final list push caught, and return what it would have
+    pushed: ``(text, lists)``, the message serialized with ``serialize`` after its
+    ``delivery_info.routing_key`` is set to ``routing_key``, and the broker list of each of
+    ``queues`` at the message's priority.
+
+    The producer must have passed :func:`channel_fits`. Celery merges ``options['headers']``
+    into the message's own headers; they are put back afterwards, so a later publish of the
+    same message object carries none of them.
+    """
+    channel = producer.channel
+    caught: list[tuple[str, tuple[str, ...]]] = []
+    previous = channel.__dict__.get("_put")
+    forward = previous or type(channel)._put.__get__(channel)
+
+    def catch(queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        if caught or str(message.get("headers", {}).get("id")) != job_id:
+            # Not ours (another publish on a shared channel): on its way, untouched.
+            forward(queue, message, **kwargs)
+            return
+        message["properties"]["delivery_info"]["routing_key"] = routing_key
+        priority = channel._get_message_priority(message, reverse=False)
+        lists = tuple(channel._q_for_pri(name, priority) for name in queues)
+        # Serialized here, before the headers (shared with Celery's message) are put back.
+        caught.append((serialize(message), lists))
+
+    headers = getattr(args[1], "headers", None) if len(args) > 1 else None
+    saved = dict(headers) if isinstance(headers, dict) else None
+    channel._put = catch
+    try:
+        sender(producer, *args, **options)
+    finally:
+        if previous is None:
+            del channel._put
+        else:
+            channel._put = previous
+        if saved is not None and isinstance(headers, dict):
+            headers.clear()
+            headers.update(saved)
+    if not caught:  # with the default exchange kombu always ends in _put
+        raise CeleryShapeError("kombu published without its Redis channel's _put")
+    return caught[0]

@@ -1,0 +1,55 @@
+"""Every default gatekeeper has, named once, with why it is what it is.
+
+The settings model (:mod:`gatekeeper.settings`), the pure core's keyword defaults and the Redis
+adapter's script arguments all read these; nothing else writes the numbers again.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BUDGET_UNITS",
+    "CANARY_PERCENT",
+    "FLAG_CACHE_S",
+    "MAX_QUEUE_AGE_S",
+    "MISS_ERROR_BUDGET",
+    "MISS_MIN_ADMISSIONS",
+    "QUEUE_AGE_HORIZON_S",
+    "QUEUE_WAIT_UNIT_PER_SECOND",
+    "RECORD_RETENTION_S",
+    "REDIS_TIMEOUT_S",
+    "STALE_ATTEMPT_S",
+    "WINDOW_RETENTION_S",
+    "WINDOW_SECONDS",
+]
+
+MAX_QUEUE_AGE_S = 30.0
+"""The queue-age cap of the source's declared workload, in seconds (a veto, not the vote)."""
+WINDOW_SECONDS = 900
+"""Width of a ledger window; windows are aligned to the Unix epoch."""
+QUEUE_WAIT_UNIT_PER_SECOND = 200.0
+"""Declared weight that lets a second of queue wait compete with a chunk of tokens."""
+BUDGET_UNITS = 12_000.0
+"""Retry-tax budget per window: jobs x input tokens x fail fraction = 40 x 1200 x 0.25, the
+source's rule for its declared workload (start from tokens times jobs, cut by the fail
+fraction)."""
+CANARY_PERCENT = 5.0
+"""Share of jobs (a stable hash of the task id) that go through the gate once it is on."""
+FLAG_CACHE_S = 5.0
+"""How stale a live flag read from Redis may be: a rollback binds new tasks within this."""
+MISS_ERROR_BUDGET = 0.01
+"""Share of a window's free admissions that may miss slack before the free path freezes."""
+MISS_MIN_ADMISSIONS = 20
+"""A window needs this many free admissions before its miss rate can freeze the free path:
+at the default 1% budget, one miss in fewer than 20 would be a 5%+ rate from noise alone."""
+STALE_ATTEMPT_S = 1800.0
+"""``gatekeeper sweep`` records a run started longer ago than this, with no row, as killed."""
+QUEUE_AGE_HORIZON_S = 300.0
+"""A free attempt published longer ago than this no longer holds the queue's age up, so a
+purged or lost message defers new work for at most this long (ten times the age cap)."""
+REDIS_TIMEOUT_S = 0.5
+"""Connect and read timeout of the gate's Redis: past it a publish fails closed."""
+WINDOW_RETENTION_S = 8 * 24 * 3600
+"""Windows are kept eight days: a week of review (``gatekeeper report``) plus a day's margin."""
+RECORD_RETENTION_S = 2 * 24 * 3600
+"""An attempt's record (the gate's, then its runs') outlives any sane visibility timeout,
+retry delay or deadline."""

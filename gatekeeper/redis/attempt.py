@@ -1,0 +1,161 @@
+"""One publish of a gated task, and the attempt it becomes once its inputs are resolved.
+
+Pure bookkeeping between the hook and the gate's steps (:mod:`gatekeeper.redis.gate`): the
+inputs from the spec and the headers (:func:`gatekeeper.core.spec.resolve_inputs`), the
+headers the message will carry, the fields of its decision line, and the gate's record of
+the attempt (what its ledger row needs, written to Redis with the decision).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from gatekeeper.core.dwell import retry_tax_s
+from gatekeeper.core.headers import (
+    H_ATTEMPT,
+    H_ATTEMPT_PUBLISHED_AT,
+    H_DEADLINE_AT,
+    H_EXPECTED_SERVICE_S,
+    H_FIRST_PUBLISHED_AT,
+    H_MAX_RETRIES,
+    H_NONCE,
+    H_PUBLISHED_AT,
+    H_TOKENS_IN,
+)
+from gatekeeper.core.ledger import window_id
+from gatekeeper.core.spec import DeclaredInputs, GatedSpec, resolve_inputs
+from gatekeeper.errors import BadDeclaredInput
+
+__all__ = ["Attempt", "Publish", "bad_input_stamp", "delay_of", "identity", "resolve"]
+
+
+@dataclass(frozen=True)
+class Publish:
+    """One publish of a gated task, as the hook (or the replayer) saw it."""
+
+    task: str
+    job_id: str
+    retries: int
+    max_retries: int | None
+    spec: GatedSpec | None
+    headers: Mapping[str, Any]
+    """Headers the message carries (retries, replays) and the caller's overrides."""
+    spec_error: BadDeclaredInput | None = None
+    origin: str = "publish"
+    """``publish`` (the hook) or ``replay`` (the replayer re-scoring a deferred task)."""
+
+    @property
+    def attempt(self) -> int:
+        return self.retries + 1
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """A publish whose inputs resolved: what every later step of the decision reads."""
+
+    publish: Publish
+    now: float
+    window: int
+    inputs: DeclaredInputs
+    delay_s: float
+    tax_s: float
+    slack_s: float
+    published_s: float
+    """This attempt's first publish: a replayed (deferred) attempt keeps it, so its wait
+    includes parking; a delayed one starts waiting when it is due."""
+    nonce: str
+    headers: dict[str, Any]
+    fields: dict[str, Any]
+
+    def record(self, dwell_s: float) -> dict[str, str]:
+        """The gate's record of this attempt, for a decision made without ``gate.lua`` (the
+        script writes the same fields itself)."""
+        return {
+            "nonce": self.nonce,
+            "tokens_in": str(self.inputs.tokens_in),
+            "admitted_ms": str(round((self.now + self.delay_s) * 1000)),
+            "published_ms": str(round(self.published_s * 1000)),
+            "deadline_ms": str(round(self.inputs.deadline_at * 1000)),
+            "dwell_s": f"{dwell_s:.6f}" if math.isfinite(dwell_s) else "nan",
+        }
+
+
+def identity(publish: Publish) -> dict[str, Any]:
+    """The fields every decision line starts with."""
+    fields: dict[str, Any] = {"task": publish.task, "job_id": publish.job_id,
+                              "attempt": publish.attempt, "retries": publish.retries}  # fmt: skip
+    if publish.origin != "publish":
+        fields["origin"] = publish.origin
+    return fields
+
+
+def resolve(publish: Publish, now: float, window_seconds: int, nonce: str) -> Attempt:
+    """The attempt's inputs and headers; raises :class:`BadDeclaredInput` naming the field."""
+    if publish.spec_error is not None:
+        raise publish.spec_error
+    if publish.spec is None:
+        raise BadDeclaredInput("gatekeeper", "a GatedSpec", None)
+    inputs = resolve_inputs(publish.spec, publish.headers, now)
+    delay = delay_of(publish.headers.get("eta"), now)
+    left = 0 if publish.max_retries is None else publish.max_retries - publish.retries
+    tax_s = retry_tax_s(left, inputs.expected_service_s)
+    slack = inputs.deadline_at - now
+    fields = identity(publish)
+    if delay:
+        fields["delay_s"] = delay
+    fields.update(expected_service_s=inputs.expected_service_s, retry_tax_s=tax_s,
+                  deadline_slack_s=slack, tokens=inputs.tokens_in)  # fmt: skip
+    same_attempt = publish.headers.get(H_ATTEMPT) == publish.attempt
+    carried = publish.headers.get(H_ATTEMPT_PUBLISHED_AT) if same_attempt else None
+    published = now + delay if not isinstance(carried, (int, float)) else float(carried)
+    headers: dict[str, Any] = {
+        H_DEADLINE_AT: inputs.deadline_at,
+        H_FIRST_PUBLISHED_AT: inputs.first_published_at,
+        H_PUBLISHED_AT: now,
+        H_ATTEMPT_PUBLISHED_AT: published,
+        H_ATTEMPT: publish.attempt,
+        H_EXPECTED_SERVICE_S: inputs.expected_service_s,
+        H_TOKENS_IN: inputs.tokens_in,
+        H_NONCE: nonce,
+    }
+    if publish.max_retries is not None:
+        headers[H_MAX_RETRIES] = publish.max_retries
+    return Attempt(publish, now, window_id(now, window_seconds), inputs, delay, tax_s, slack,
+                   published, nonce, headers, fields)  # fmt: skip
+
+
+def bad_input_stamp(publish: Publish, now: float) -> dict[str, Any]:
+    """What can be known of an attempt whose inputs are bad, so that it still gets its
+    (unverified) row and a retry cannot start a new deadline; the bad input is left as it
+    was."""
+    carried_first = publish.headers.get(H_FIRST_PUBLISHED_AT)
+    stamp: dict[str, Any] = {
+        H_FIRST_PUBLISHED_AT: now if carried_first is None else carried_first,
+        H_PUBLISHED_AT: now,
+        H_ATTEMPT_PUBLISHED_AT: now,
+        H_ATTEMPT: publish.attempt,
+    }
+    if isinstance(publish.headers.get(H_DEADLINE_AT), (int, float)):
+        stamp[H_DEADLINE_AT] = publish.headers[H_DEADLINE_AT]
+    return stamp
+
+
+def delay_of(eta: Any, now: float) -> float:
+    """Seconds until a delayed task is due (Celery's ``eta`` header, ISO 8601); 0 if none.
+
+    An ``eta`` that cannot be read counts as no delay (Celery itself writes this header, and
+    would not have built the message with a bad one).
+    """
+    if not eta:
+        return 0.0
+    try:
+        due = datetime.fromisoformat(str(eta))
+    except ValueError:
+        return 0.0
+    if due.tzinfo is None:
+        due = due.replace(tzinfo=timezone.utc)
+    return max(0.0, due.timestamp() - now)

@@ -1,0 +1,315 @@
+"""The decision for one publish of a gated task: the flags, the core and the gate script.
+
+:meth:`Pipeline.route` takes the steps in SPEC's order, the first that decides wins:
+
+1. :meth:`~Pipeline._skipped`: ``dwell_gate_enabled`` off, or the job outside the canary ->
+   untouched (its normal route). Flags never read (the gate's Redis unreachable since the
+   process started): Redis may override the settings, so where they say "untouched" the task
+   keeps its own route (``flags_unread``) unless that route is the free queue (the hook asks
+   again with ``off_free``);
+2. :meth:`~Pipeline._resolved`: a declared input that cannot be scored -> reserved
+   (``bad_input``, unverified: the gate writes no record for it);
+3. :meth:`~Pipeline._in_process`: the settings turn the gate on but the flags are unread ->
+   reserved (``gate_unavailable``); ``free_path_enabled`` off -> reserved; the dwell gate's
+   guards (:func:`gatekeeper.core.dwell.decide`, no round trip) -> defer;
+4. :meth:`~Pipeline._scored`: in one Redis script (``gate.lua``), the age cap, dwell against
+   slack and the budget, with the attempt's exposure reserved atomically.
+
+Every decision made with Redis writes the gate's record of the attempt (keyed by job id and
+attempt, with a random nonce that the message carries); every routed decision writes exactly
+one log line; any fault routes to reserved, never to free, and says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import redis
+
+from gatekeeper.core.dwell import Decision, GateInputs, Reason, decide, guards_pass
+from gatekeeper.core.headers import (
+    H_DECISION,
+    H_DWELL_S,
+    H_FREE_ADMITTED,
+    H_NONCE,
+    H_REASON,
+    H_WINDOW,
+)
+from gatekeeper.core.ledger import window_id
+from gatekeeper.core.review import review_marks
+from gatekeeper.errors import BadDeclaredInput, LedgerUnavailable, PublishFailed
+from gatekeeper.logs import make_logger
+from gatekeeper.redis.attempt import Attempt, Publish, bad_input_stamp, identity, resolve
+from gatekeeper.redis.flags import Flags, FlagStore, in_canary
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.push import Push, dwell_text, new_nonce, values_for
+from gatekeeper.redis.store import GateCall, GateStore
+from gatekeeper.settings import GatekeeperSettings
+
+__all__ = ["Pipeline", "Publish", "Render", "Routing"]
+
+Render = Callable[[dict[str, Any], str], Push | None]
+"""Fast publish: the message for these headers, cut at this nonce's placeholders."""
+_WARN = {Reason.GATE_UNAVAILABLE, Reason.GATE_ERROR, Reason.BAD_INPUT}
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where the publish goes; ``decision`` None means untouched (its normal route)."""
+
+    queue: str | None
+    decision: Decision | None
+    reason: Reason
+    headers: dict[str, Any] = field(default_factory=dict)
+    published: bool = False
+    """True when a script already pushed the message (fast publish)."""
+
+
+class Pipeline:
+    """Scores publishes of gated tasks with the flags, the core and the gate's Redis."""
+
+    def __init__(
+        self,
+        settings: GatekeeperSettings,
+        store: GateStore,
+        flags: FlagStore,
+        logger: Any,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.flags = flags
+        self.log = logger
+        self.clock = clock
+        self._queues = {
+            Decision.ADMIT_FREE: settings.free_queue,
+            Decision.DEFER: settings.defer_queue,
+            Decision.RESERVED: settings.reserved_queue,
+        }
+
+    @classmethod
+    def create(
+        cls, settings: GatekeeperSettings, client: redis.Redis, clock: Callable[[], float]
+    ) -> Pipeline:
+        """A pipeline on one Redis client with gatekeeper's own decision logger."""
+        keys = Keys(settings.key_prefix, settings.namespace)
+        store = GateStore(client, keys, horizon_s=settings.queue_age_horizon_s)
+        flags = FlagStore(client, settings, keys)
+        return cls(settings, store, flags, make_logger(settings, "decision"), clock)
+
+    def route(
+        self, publish: Publish, render: Render | None = None, *, off_free: bool = False
+    ) -> Routing:
+        """Decide one publish; never raises for a bad input or an unreachable Redis.
+
+        ``render`` (fast publish) builds the message for the gate script to push with its
+        decision; it is called only when the decision needs the script. ``off_free``: the
+        flags are unread and the task's own route is the free queue, so it is decided as if
+        the settings had turned the gate on (reserved, with its headers stamped).
+        """
+        flags = self.flags.current()
+        skipped = self._skipped(publish, flags, off_free)
+        if skipped is not None:
+            return skipped
+        attempt = self._resolved(publish)
+        if isinstance(attempt, Routing):
+            return attempt
+        decided = self._in_process(attempt, flags)
+        if decided is not None:
+            return decided
+        return self._scored(attempt, render)
+
+    # -- the steps -----------------------------------------------------------------------
+
+    def _skipped(self, publish: Publish, flags: Flags, off_free: bool) -> Routing | None:
+        """Step 1: untouched by the flags (``gate_disabled``, ``outside_canary``)."""
+        if not flags.dwell_gate_enabled:
+            skip = Reason.GATE_DISABLED
+        elif not in_canary(publish.job_id, flags.canary_percent):
+            skip = Reason.OUTSIDE_CANARY
+        else:
+            return None
+        if flags.unread is None:
+            self.log.debug("gate_skipped", task=publish.task, job_id=publish.job_id,
+                           reason=skip.value)  # fmt: skip
+            return Routing(None, None, skip)
+        return None if off_free else Routing(None, None, Reason.FLAGS_UNREAD)
+
+    def _resolved(self, publish: Publish) -> Attempt | Routing:
+        """Step 2: the attempt's inputs, or reserved for a declared input that is bad."""
+        now = self.clock()
+        try:
+            return resolve(publish, now, self.settings.window_seconds, new_nonce())
+        except BadDeclaredInput as exc:
+            fields = identity(publish)
+            marks = review_marks(Decision.RESERVED.value, Reason.BAD_INPUT.value, *[math.nan] * 4)
+            win = window_id(now, self.settings.window_seconds)
+            self.store.record_decision(win, publish.job_id, publish.attempt, Decision.RESERVED,
+                                       Reason.BAD_INPUT, marks, {})  # fmt: skip
+            stamp = bad_input_stamp(publish, now)
+            return self._finish(Decision.RESERVED, Reason.BAD_INPUT, stamp, fields,
+                                error=str(exc), field=exc.field)  # fmt: skip
+
+    def _in_process(self, attempt: Attempt, flags: Flags) -> Routing | None:
+        """Step 3: decisions made without the gate script."""
+        if flags.unread is not None:  # the settings turn the gate on; Redis is unreachable
+            return self._finish(Decision.RESERVED, Reason.GATE_UNAVAILABLE, attempt.headers,
+                                attempt.fields, error=flags.unread)  # fmt: skip
+        if not flags.free_path_enabled:
+            return self._recorded(attempt, Decision.RESERVED, Reason.FREE_PATH_DISABLED)
+        cap = self.settings.max_queue_age_s
+        service, tax_s, slack, delay = (attempt.inputs.expected_service_s, attempt.tax_s,
+                                        attempt.slack_s, attempt.delay_s)  # fmt: skip
+        if guards_pass(service, tax_s, slack, cap, delay):
+            return None
+        guard = decide(GateInputs(0.0, service, tax_s, slack, cap, delay))  # names the reason
+        if guard.decision is not Decision.DEFER:
+            return None
+        attempt.fields.update(queue_age_s=0.0, dwell_s=guard.dwell_s, field=guard.field)
+        return self._recorded(attempt, guard.decision, guard.reason)
+
+    def _recorded(self, attempt: Attempt, decision: Decision, reason: Reason) -> Routing:
+        """A decision made in process: counted, recorded (the message carries the nonce
+        when the record was written), routed."""
+        fields = attempt.fields
+        marks = review_marks(decision.value, reason.value, *(
+            _number(fields.get(name))
+            for name in ("dwell_s", "deadline_slack_s", "expected_service_s", "retry_tax_s")
+        ))  # fmt: skip
+        free = self.store.record_decision(
+            attempt.window, attempt.publish.job_id, attempt.publish.attempt, decision, reason,
+            marks, attempt.record(_number(fields.get("dwell_s"))),
+        )  # fmt: skip
+        headers = dict(attempt.headers)
+        if free is None:  # not recorded: the message must not claim a record
+            headers.pop(H_NONCE, None)
+        return self._finish(decision, reason, headers, fields, free=bool(free))
+
+    def _scored(self, attempt: Attempt, render: Render | None) -> Routing:
+        """Step 4: the gate script decides the rest atomically (and pushes, fast publish)."""
+        push = render(attempt.headers, attempt.nonce) if render is not None else None
+        publish, inputs, fields = attempt.publish, attempt.inputs, attempt.fields
+        call = GateCall(
+            now_s=attempt.now, window_id=attempt.window, job_id=publish.job_id,
+            attempt=publish.attempt, expected_service_s=inputs.expected_service_s,
+            retry_tax_s=attempt.tax_s, deadline_slack_s=attempt.slack_s,
+            max_queue_age_s=self.settings.max_queue_age_s, tokens_in=inputs.tokens_in,
+            budget_units=self.settings.budget_units,
+            queue_wait_unit_per_second=self.settings.queue_wait_unit_per_second,
+            budget_mode=self.settings.budget_mode, nonce=attempt.nonce,
+            published_s=attempt.published_s, delay_s=attempt.delay_s, push=push,
+        )  # fmt: skip
+        try:
+            scored = self.store.score(call)
+        except LedgerUnavailable as exc:
+            headers = {k: v for k, v in attempt.headers.items() if k != H_NONCE}
+            if push is not None:  # fast publish: push the built message here instead
+                return self._push_instead(push, publish, Reason.GATE_UNAVAILABLE, headers,
+                                          fields, str(exc), attempt.record(math.nan))  # fmt: skip
+            return self._finish(Decision.RESERVED, Reason.GATE_UNAVAILABLE, headers, fields,
+                                error=str(exc))  # fmt: skip
+        fields.update(queue_age_s=scored.queue_age_s, dwell_s=scored.dwell_s)
+        if scored.reason is Reason.RETRY_TAX_BUDGET:
+            fields.update(projected_tax=scored.projected_tax,
+                          budget_units=self.settings.budget_units)  # fmt: skip
+        window = attempt.window if scored.decision is Decision.ADMIT_FREE else None
+        routing = self._finish(scored.decision, scored.reason, attempt.headers, fields,
+                               free=scored.free_admitted, window=window)  # fmt: skip
+        return replace(routing, published=True) if push is not None else routing
+
+    # -- faults and the one line per decision ----------------------------------------------
+
+    def kept_own_route(self, publish: Publish) -> None:
+        """Log a publish that keeps its own route because the flags were never read."""
+        with contextlib.suppress(Exception):  # as for decision lines: never change the route
+            self.log.warning("gate_skipped", task=publish.task, job_id=publish.job_id,
+                             reason=Reason.FLAGS_UNREAD.value,
+                             error=self.flags.current().unread)  # fmt: skip
+
+    def fail_closed(
+        self, publish: Publish, reason: Reason, error: str, push: Push | None = None
+    ) -> Routing:
+        """The route for a publish the pipeline could not finish (hook faults); with ``push``
+        (fast publish, the message already built), that message is pushed here."""
+        fields = identity(publish)
+        if push is not None:
+            return self._push_instead(push, publish, reason, {}, fields, error, {})
+        return self._finish(Decision.RESERVED, reason, {}, fields, error=error)
+
+    def _push_instead(
+        self,
+        push: Push,
+        publish: Publish,
+        reason: Reason,
+        headers: dict[str, Any],
+        fields: dict[str, Any],
+        error: str,
+        record: dict[str, str],
+    ) -> Routing:
+        """A fast publish whose script did not push (it failed, or its reply was lost or
+        late): ``fallback.lua`` pushes the message Celery already built to reserved, unless
+        the script pushed it for this request after all, whose decision is then the one
+        logged. Raises :class:`PublishFailed` when Redis cannot be reached for it."""
+        reserved = self._queues[Decision.RESERVED]
+        text = push.filled(values_for(Decision.RESERVED.value, reason.value, None, False, None,
+                                      reserved))  # fmt: skip
+        try:
+            earlier = self.store.push_fallback(push, publish.job_id, publish.attempt,
+                                               Decision.RESERVED, reason, text, record)  # fmt: skip
+        except LedgerUnavailable as down:
+            self._finish(Decision.RESERVED, reason, headers, fields, error=f"{error}; {down}")
+            raise PublishFailed(f"cannot publish {publish.job_id}: {down}") from down
+        if earlier is None:
+            routing = self._finish(Decision.RESERVED, reason, headers, fields, error=error)
+        else:
+            routing = self._finish(*earlier, headers, fields, recovered=True)
+        return replace(routing, published=True)
+
+    def _finish(
+        self,
+        decision: Decision,
+        reason: Reason,
+        headers: Mapping[str, Any],
+        fields: dict[str, Any],
+        *,
+        free: bool = False,
+        window: int | None = None,
+        **extra: Any,
+    ) -> Routing:
+        """Stamp the decided headers (the same values fast publish's script writes) and write
+        the decision's one log line."""
+        queue = self._queues[decision]
+        dwell = fields.get("dwell_s")
+        shown = dwell_text(dwell if isinstance(dwell, (int, float)) else None)
+        headers = {
+            **headers,
+            H_DECISION: decision.value,
+            H_REASON: reason.value,
+            H_DWELL_S: None if shown == "null" else float(shown),
+            H_FREE_ADMITTED: free,
+            H_WINDOW: window,
+        }
+        tokens = fields.get("tokens")
+        finite = isinstance(dwell, float) and math.isfinite(dwell)
+        line = {
+            "queue_age_s": None, "expected_service_s": None, "retry_tax_s": None,
+            "dwell_s": None, "deadline_slack_s": None, "tokens": None,
+            **fields,
+            "decision": decision.value, "reason": reason.value,
+            "token_pressure": tokens * dwell if finite and tokens is not None else None,
+            "queue": queue,
+            **extra,
+        }  # fmt: skip
+        # A closed or full log stream must not change where the task goes.
+        with contextlib.suppress(Exception):
+            level = "warning" if reason in _WARN else "info"
+            getattr(self.log, level)("gate_decision", **line)
+        return Routing(queue, decision, reason, headers)
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else math.nan

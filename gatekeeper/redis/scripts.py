@@ -1,0 +1,56 @@
+"""Gatekeeper's Lua scripts as package files, and the small helpers every store shares.
+
+Each script under ``gatekeeper/lua/`` opens with a header listing its KEYS, ARGV and reply;
+every key it touches is passed in KEYS (one hash tag per namespace, so Redis Cluster can run
+it) and ``now`` always comes in ARGV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
+
+from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.redis.keys import Keys
+
+__all__ = ["evalsha", "load_lua", "read_windows", "text_of"]
+
+
+@cache
+def load_lua(name: str) -> str:
+    """The text of ``gatekeeper/lua/<name>``."""
+    return resources.files("gatekeeper").joinpath("lua").joinpath(name).read_text(encoding="utf-8")
+
+
+def evalsha(
+    client: redis.Redis, script: Script, keys: list[str], args: Sequence[str | bytes]
+) -> Any:
+    """EVALSHA without redis-py's per-call Script wrapper; loads the script when missing."""
+    try:
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        client.script_load(script.script)
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+
+
+def read_windows(client: redis.Redis, keys: Keys, ids: Iterable[int]) -> list[dict[str, str]]:
+    """Window hashes as text, in the order of ``ids``, in one pipelined round trip."""
+    try:
+        pipe = client.pipeline(transaction=False)
+        for ident in ids:
+            pipe.hgetall(keys.window(ident))
+        raw = pipe.execute()
+    except redis.RedisError as exc:
+        raise LedgerUnavailable(f"cannot read the ledger windows: {exc}") from exc
+    return [{text_of(k): text_of(v) for k, v in fields.items()} for fields in raw]
+
+
+def text_of(value: bytes | str | int | float) -> str:
+    """A Redis reply as text (replies are bytes unless the client decodes them)."""
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)

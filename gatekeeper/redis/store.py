@@ -1,0 +1,294 @@
+"""The gate's side of Redis: the decision script, its fallback, and what the publish path
+writes besides (in-process decisions' records, released admissions).
+
+Every redis-py error is wrapped at this boundary in :class:`~gatekeeper.errors.LedgerUnavailable`,
+which the publish hook turns into a fail-closed route to reserved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
+
+from gatekeeper.core.dwell import Decision, Reason
+from gatekeeper.core.ledger import BudgetMode
+from gatekeeper.defaults import (
+    QUEUE_AGE_HORIZON_S,
+    RECORD_RETENTION_S,
+    WINDOW_RETENTION_S,
+)
+from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.push import Push
+from gatekeeper.redis.scripts import evalsha, load_lua, read_windows, text_of
+from gatekeeper.redis.wire import Line
+
+__all__ = ["GateCall", "GateStore", "ScoredAttempt"]
+
+
+@dataclass(frozen=True)
+class GateCall:
+    """One decision's inputs to ``gate.lua`` (documented at the top of the script)."""
+
+    now_s: float
+    window_id: int
+    job_id: str
+    attempt: int
+    expected_service_s: float
+    retry_tax_s: float
+    deadline_slack_s: float
+    max_queue_age_s: float
+    tokens_in: int
+    budget_units: float
+    queue_wait_unit_per_second: float
+    budget_mode: BudgetMode
+    nonce: str
+    published_s: float
+    """This attempt's first publish (a replayed attempt keeps it: its wait includes defer)."""
+    delay_s: float = 0.0
+    push: Push | None = None
+
+
+@dataclass(frozen=True)
+class ScoredAttempt:
+    """What the gate script decided for one attempt."""
+
+    decision: Decision
+    reason: Reason
+    queue_age_s: float
+    dwell_s: float
+    projected_tax: float
+    free_admitted: bool
+    """This attempt or an earlier one of the job was admitted to free (the gate's record)."""
+
+
+_DECISIONS: dict[bytes | str, Decision] = {
+    **{d.value: d for d in Decision},
+    **{d.value.encode(): d for d in Decision},
+}
+_REASONS: dict[bytes | str, Reason] = {
+    **{r.value: r for r in Reason},
+    **{r.value.encode(): r for r in Reason},
+}
+"""The scripts' replies (bytes, or text from a decoding client) to the core's enums."""
+
+
+class GateStore:
+    """Gatekeeper's state in one Redis, as the publish path uses it."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        horizon_s: float = QUEUE_AGE_HORIZON_S,
+        retention_s: int = WINDOW_RETENTION_S,
+        record_ttl_s: int = RECORD_RETENTION_S,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.horizon_s = horizon_s
+        self.retention_s = retention_s
+        self.record_ttl_s = record_ttl_s
+        self._gate: Script = client.register_script(load_lua("gate.lua"))
+        self._record: Script = client.register_script(load_lua("record.lua"))
+        self._release: Script = client.register_script(load_lua("release.lua"))
+        self._fallback: Script = client.register_script(load_lua("fallback.lua"))
+        self._line = Line()
+
+    def _records(self, job_id: str, attempt: int) -> list[str]:
+        """This attempt's record key and the previous attempt's (the same key for attempt 1)."""
+        mine = self.keys.run(job_id, attempt)
+        return [mine, self.keys.run(job_id, attempt - 1) if attempt > 1 else mine]
+
+    def gate_call(self, call: GateCall) -> tuple[list[str], list[str]]:
+        """The gate script's keys and arguments (documented at the top of gate.lua)."""
+        keys = [
+            self.keys.free_waiting,
+            self.keys.window(call.window_id),
+            self.keys.window_rows(call.window_id),
+            self.keys.inflight,
+            self.keys.flags,
+            *self._records(call.job_id, call.attempt),
+        ]
+        args = [
+            repr(call.now_s * 1000),
+            f"{call.job_id}:{call.attempt}",
+            repr(float(call.expected_service_s)),
+            repr(float(call.retry_tax_s)),
+            repr(float(call.deadline_slack_s)),
+            repr(float(call.max_queue_age_s)),
+            str(call.tokens_in),
+            repr(float(call.budget_units)),
+            repr(float(call.queue_wait_unit_per_second)),
+            call.budget_mode.value,
+            repr(self.horizon_s * 1000),
+            str(self.retention_s),
+            call.job_id,
+            str(call.attempt),
+            str(_ms(call.deadline_slack_s)),
+            repr(float(call.delay_s)),
+            str(call.window_id),
+            call.nonce,
+            str(_ms(call.published_s)),
+            str(self.record_ttl_s),
+        ]
+        if call.push is not None:  # fast publish: the script pushes the decided message too
+            keys += call.push.lists
+            args += [*call.push.queues, *call.push.pieces]
+        return keys, args
+
+    def score(self, call: GateCall) -> ScoredAttempt:
+        """Run the gate script: age cap, dwell against slack, then the budget, atomically.
+
+        It goes through this thread's own connection (:mod:`gatekeeper.redis.wire`); cluster
+        and single-connection clients, and a call made while that connection awaits a reply
+        (a signal handler publishing mid-decision), go through redis-py. Raises
+        :class:`LedgerUnavailable` when Redis or the script fails.
+        """
+        keys, args = self.gate_call(call)
+        pool = getattr(self.client, "connection_pool", None)
+        if pool is None or getattr(self.client, "connection", None) is not None:
+            return self._gate_reply(self._reply_now(keys, args))
+        channel = self._line.take(pool)
+        if channel is None:
+            return self._gate_reply(self._reply_now(keys, args))
+        try:
+            channel.send(["EVALSHA", self._gate.sha, str(len(keys)), *keys, *args])
+            reply = channel.read()
+            if not (isinstance(reply, list) and len(reply) == 6):
+                # Not gate.lua's answer: this channel is out of step with its replies.
+                raise redis.ResponseError(f"unexpected reply {reply!r}")
+        except NoScriptError:  # a restarted or flushed Redis: load it and call again
+            reply = self._reply_now(keys, args, load=True)
+        except redis.RedisError as exc:
+            channel.close()
+            reply = exc
+        except BaseException:
+            channel.close()  # the reply may still be on its way: never reuse the socket
+            raise
+        finally:
+            channel.release()
+        return self._gate_reply(reply)
+
+    def _reply_now(self, keys: list[str], args: list[str], load: bool = False) -> Any:
+        """The gate script's reply through redis-py, or the Redis error instead of raising it.
+
+        ``load``: the server just said it does not have the script, so load it first.
+        """
+        try:
+            if load:
+                self.client.script_load(self._gate.script)
+            return evalsha(self.client, self._gate, keys, args)
+        except redis.RedisError as exc:
+            return exc
+
+    def _gate_reply(self, reply: Any) -> ScoredAttempt:
+        if isinstance(reply, redis.RedisError):
+            raise LedgerUnavailable(f"gate script failed: {reply}") from reply
+        try:
+            decision, reason, age, dwell, projected, free = reply
+            return ScoredAttempt(
+                decision=_DECISIONS[decision],
+                reason=_REASONS[reason],
+                queue_age_s=float(age),
+                dwell_s=float(dwell),
+                projected_tax=float(projected),
+                free_admitted=text_of(free) == "1",
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LedgerUnavailable(f"gate script replied {reply!r}") from exc
+
+    def record_decision(
+        self,
+        window_id: int,
+        job_id: str,
+        attempt: int,
+        decision: Decision,
+        reason: Reason,
+        marks: tuple[bool, bool],
+        record: dict[str, str],
+    ) -> bool | None:
+        """Count a decision made in process and write the gate's record of the attempt
+        (``record.lua``); returns the record's ``free_admitted``, None when Redis failed (the
+        decision stands, unrecorded: its row will be unverified)."""
+        keys = [self.keys.window(window_id), *self._records(job_id, attempt)]
+        args = [decision.value, reason.value, "1" if marks[0] else "0", "1" if marks[1] else "0",
+                str(self.retention_s), str(self.record_ttl_s)]  # fmt: skip
+        for name, value in record.items():
+            args += [name, value]
+        try:
+            return text_of(evalsha(self.client, self._record, keys, args)) == "1"
+        except redis.RedisError:
+            return None
+
+    def push_fallback(
+        self, push: Push, job_id: str, attempt: int, decision: Decision, reason: Reason,
+        text: str, record: dict[str, str],
+    ) -> tuple[Decision, Reason] | None:  # fmt: skip
+        """Push a fast publish's message that gate.lua did not push, as ``text``; None when
+        pushed now, else (decision, reason) of the push this request already made.
+
+        ``fallback.lua`` checks and pushes in one step, keyed by the request's nonce, so it
+        is sent again after a connection error or a timeout (once here, besides the client's
+        own retry policy), and a stalled gate.lua that runs later pushes nothing. Raises
+        :class:`LedgerUnavailable` when it failed.
+        """
+        index = {Decision.ADMIT_FREE: 0, Decision.DEFER: 1, Decision.RESERVED: 2}[decision]
+        keys = [self.keys.run(job_id, attempt), push.lists[index]]
+        args = [push.nonce, decision.value, reason.value, text, str(self.record_ttl_s)]
+        for name, value in record.items():
+            args += [name, value]
+        try:
+            try:
+                reply = evalsha(self.client, self._fallback, keys, args)
+            except (redis.ConnectionError, redis.TimeoutError):
+                reply = evalsha(self.client, self._fallback, keys, args)  # safe: the nonce
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot push {job_id}: {exc}") from exc
+        if not reply:
+            return None
+        return _DECISIONS.get(reply[0], Decision.RESERVED), _REASONS.get(
+            reply[1], Reason.GATE_UNAVAILABLE
+        )
+
+    def release(
+        self, job_id: str, attempt: int, window_id: int, *, unpublished: bool = False
+    ) -> int:
+        """Give back an admitted attempt's exposure (it will not run); returns the tokens.
+
+        ``unpublished``: the message never reached the broker, so the admission is taken back
+        from the window's ``admitted_free`` too.
+        """
+        member = f"{job_id}:{attempt}"
+        keys = [self.keys.inflight, self.keys.free_waiting, self.keys.window(window_id)]
+        args = [member, "1" if unpublished else "0"]
+        try:
+            return int(float(evalsha(self.client, self._release, keys, args)))
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot release {member}: {exc}") from exc
+
+    def window_rows(self, window_id: int) -> list[dict[str, Any]]:
+        """The rows stored for one window, oldest first."""
+        try:
+            raw = self.client.lrange(self.keys.window_rows(window_id), 0, -1)
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot read window {window_id}: {exc}") from exc
+        return [json.loads(text_of(item)) for item in raw]
+
+    def windows(self, ids: Iterable[int]) -> list[dict[str, str]]:
+        """The window hashes as text (``tax_units``, ``exposure``, counters), one round trip."""
+        return read_windows(self.client, self.keys, ids)
+
+
+def _ms(seconds: float) -> int:
+    """Seconds as whole milliseconds; 0 for a value that is not finite (the script fails
+    such a decision closed before it uses the number)."""
+    return round(seconds * 1000) if math.isfinite(seconds) else 0
