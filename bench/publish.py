@@ -32,19 +32,20 @@ How to read the output:
     The yardstick's throughput divided by plain throughput: what a gate that did nothing but
     one round trip of its own would reach on this machine.
 ``gate_route_us``
-    Time spent in ``Pipeline.begin`` (flags, inputs, sending the gate script) plus
-    ``Pipeline.complete`` (waiting for and reading its reply, the decision log line) per gated
-    publish: the gate's own time on the publishing thread, p50/p99 in microseconds. Celery
-    builds the message between the two, so the part of the round trip it covers is not here.
+    Time spent in ``Pipeline.route`` per gated publish (flags, inputs, the gate script's round
+    trip and reply, the decision log line), minus the time Celery's own sender runs inside it
+    (fast publish builds the message there, for the script to push): the gate's own time on
+    the publishing thread, p50/p99 in microseconds.
 ``gate_hook_us``
-    Time spent in gatekeeper's wrapped sender minus the time in Celery's own sender: reading
-    the decision started in ``send_task``, the header merge and re-addressing for gated
-    publishes, and the pass-through cost the hook adds to plain ones.
+    Time spent in gatekeeper's wrapped sender (``Installed.send_task_message``) minus the time
+    in Celery's own sender: the decision (``gate_route_us``), the header merge and
+    re-addressing for gated publishes, and the pass-through cost the hook adds to plain ones.
 ``redis_ping_us``
     A ``PING`` to the gate's Redis back to back, and after the client spent 1 ms on other work
     (as a publisher does between its calls). On some virtual machines an idle server's CPU
     takes hundreds of microseconds to wake, and every Redis call a publish makes pays that:
-    plain Celery once (its ``LPUSH``), the gate a second time unless Celery's own work covers it.
+    plain Celery once (its ``LPUSH``), the gate's ordinary path a second time (its script);
+    fast publish has no round trip of its own.
 ``redis_round_trips_per_decision=``
     Measured on the gate's Redis server: the rise of ``total_reads_processed`` (one socket read
     per request for a synchronous client) per gated publish minus its rise per plain publish,
@@ -55,8 +56,19 @@ How to read the output:
 ``broker per publish``
     The same counters on the broker (two-server mode only): what one ``delay()`` costs Celery.
 ``decisions``
-    The gate's reasons over the measured publishes; anything but ``fits`` means the numbers
-    are not those of the admit path.
+    The routing of every timed gated publish, as ``decision/reason=count``: what
+    ``Pipeline.route`` returned (or ``Pipeline.fail_closed``, when the hook caught a fault).
+``fast_publish=``
+    The setting, the path the run claims (``fast`` when the setting is ``auto`` or ``on`` and
+    broker and gate are one server, else ``ordinary``), and for how many timed gated publishes
+    that path was taken (``Routing.published``: ``gate.lua`` pushed the message itself).
+
+The bench checks what it measured before it reports a number: every timed gated publish must
+have been decided ``admit_free`` with reason ``fits`` on the path the run claims, and there must
+be exactly one recorded decision per timed gated publish (and none for the plain ones).
+Otherwise it prints the ``decisions:`` and ``fast_publish=`` lines, one ``bench: ...`` line per
+failed check to stderr, and exits with status 1 without printing ``ratio=``: a gate that
+failed closed, or a path not taken, must not pass for a measurement of the admit path.
 
 The gate writes one log line per decision to stderr; the bench points that stream at
 ``os.devnull`` while installing the gate (the logger keeps the file it was built with), so the
@@ -88,8 +100,10 @@ import redis
 from celery import Celery
 
 import gatekeeper
-from gatekeeper import wire
-from gatekeeper.embedded import EmbeddedRedis
+from gatekeeper.core.dwell import Decision, Reason
+from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis import wire
+from gatekeeper.redis.gate import Routing
 from gatekeeper.settings import GatekeeperSettings
 
 COUNTERS = ("total_reads_processed", "total_commands_processed")
@@ -126,6 +140,9 @@ class Phase:
     call_ns: list[int] = field(default_factory=list)
     hook_ns: list[int] = field(default_factory=list)
     sender_ns: list[int] = field(default_factory=list)
+    route_ns: list[int] = field(default_factory=list)
+    routings: list[Routing] = field(default_factory=list)
+    """What the gate returned for each publish of this kind (none for ungated ones)."""
     gate_server: Counter[str] = field(default_factory=Counter)
     broker_server: Counter[str] = field(default_factory=Counter)
     round_rates: list[float] = field(default_factory=list)
@@ -139,21 +156,28 @@ class Phase:
 
 @dataclass
 class Probes:
-    """Timing wrappers around the gate: ``Pipeline.route`` and the whole hook."""
+    """Wrappers around the gate: ``Pipeline.route`` (and ``fail_closed``), the whole hook and
+    Celery's own sender; what they saw since the last :meth:`take`."""
 
     route_ns: list[int] = field(default_factory=list)
     hook_ns: list[int] = field(default_factory=list)
     sender_ns: list[int] = field(default_factory=list)
-    reasons: Counter[str] = field(default_factory=Counter)
-    pushed_by_script: int = 0
-    """Gated publishes whose message ``gate.lua`` pushed itself (fast publish taken)."""
+    routings: list[Routing] = field(default_factory=list)
+    """Every routing the pipeline returned to the hook, in order: one per gated publish."""
+
+    def take(self, phase: Phase) -> None:
+        """Move what was seen into ``phase``."""
+        phase.route_ns.extend(self.route_ns)
+        phase.hook_ns.extend(self.hook_ns)
+        phase.sender_ns.extend(self.sender_ns)
+        phase.routings.extend(self.routings)
+        self.clear()
 
     def clear(self) -> None:
         self.route_ns.clear()
         self.hook_ns.clear()
         self.sender_ns.clear()
-        self.reasons.clear()
-        self.pushed_by_script = 0
+        self.routings.clear()
 
 
 def percentiles_us(samples_ns: list[int]) -> tuple[float, float]:
@@ -166,27 +190,36 @@ def percentiles_us(samples_ns: list[int]) -> tuple[float, float]:
 
 
 def install_probes(app: Celery, installed: gatekeeper.Installed) -> Probes:
-    """Time ``pipeline.route`` and the wrapped sender minus Celery's sender, per publish."""
+    """Wrap the installed gate's ``pipeline.route``, ``pipeline.fail_closed``, its sender and
+    Celery's sender under it, on this instance only.
+
+    The wrappers pass every argument through as given (whatever ``route`` takes next, they
+    take too) and record each routing the hook gets back: from ``route``, or from
+    ``fail_closed`` when the hook caught a fault (``reserved/gate_error``), so that a broken
+    probe or gate shows in ``decisions:`` instead of vanishing.
+    """
     probes = Probes()
     clock = time.perf_counter_ns
     pipeline = installed.pipeline
-    begin, complete = pipeline.begin, pipeline.complete
+    route, fail_closed = pipeline.route, pipeline.fail_closed
     inner = installed.original_sender
     hook = app.amqp.send_task_message
-    began: dict[int, int] = {}
 
-    def timed_begin(publish: Any, render: Any = None) -> Any:
-        start = clock()
-        begun = begin(publish, render)
-        began[id(begun)] = clock() - start
-        return begun
+    def celery_ns(since: int) -> int:
+        """Time in Celery's sender since ``since`` samples (fast publish renders with it)."""
+        return sum(probes.sender_ns[since:])
 
-    def timed_complete(begun: Any) -> Any:
+    def timed_route(*args: Any, **kwargs: Any) -> Routing:
+        senders = len(probes.sender_ns)
         start = clock()
-        routing = complete(begun)
-        probes.route_ns.append(clock() - start + began.pop(id(begun), 0))
-        probes.reasons[routing.reason] += 1
-        probes.pushed_by_script += routing.published
+        routing = route(*args, **kwargs)
+        probes.route_ns.append(clock() - start - celery_ns(senders))
+        probes.routings.append(routing)
+        return routing
+
+    def recorded_fail_closed(*args: Any, **kwargs: Any) -> Routing:
+        routing = fail_closed(*args, **kwargs)
+        probes.routings.append(routing)
         return routing
 
     def timed_inner(*args: Any, **kwargs: Any) -> Any:
@@ -197,16 +230,92 @@ def install_probes(app: Celery, installed: gatekeeper.Installed) -> Probes:
             probes.sender_ns.append(clock() - start)
 
     def timed_hook(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        senders = len(probes.sender_ns)
         start = clock()
         result = hook(producer, name, message, **options)
-        probes.hook_ns.append(clock() - start - probes.sender_ns[-1])
+        probes.hook_ns.append(clock() - start - celery_ns(senders))
         return result
 
-    pipeline.begin = timed_begin  # type: ignore[method-assign]
-    pipeline.complete = timed_complete  # type: ignore[method-assign]
+    pipeline.route = timed_route  # type: ignore[method-assign]
+    pipeline.fail_closed = recorded_fail_closed  # type: ignore[method-assign]
     installed.original_sender = timed_inner
     app.amqp.send_task_message = timed_hook
     return probes
+
+
+def label(routing: Routing) -> str:
+    """``decision/reason`` of one routing (``untouched`` when it kept its own route)."""
+    decision = routing.decision.value if routing.decision is not None else "untouched"
+    return f"{decision}/{routing.reason.value}"
+
+
+def tally(routings: list[Routing]) -> str:
+    """``label xcount`` for each kind of routing, the most frequent first."""
+    counts = Counter(label(routing) for routing in routings)
+    return ", ".join(f"{name} x{count}" for name, count in counts.most_common())
+
+
+def check(bench: Bench, phases: dict[str, Phase]) -> list[str]:
+    """Why the timed phases do not measure what the run claims; empty when they do."""
+    gated = phases["gated"]
+    problems = []
+    if len(gated.routings) != gated.count:
+        problems.append(
+            f"recorded {len(gated.routings)} gate decisions for {gated.count} timed gated "
+            "publishes (expected one each: are the probes on the hook's path?)"
+        )
+    for phase in phases.values():
+        if phase is not gated and phase.routings:
+            problems.append(
+                f"recorded {len(phase.routings)} gate decisions for {phase.count} timed "
+                f"{phase.name} publishes, which must not be gated: {tally(phase.routings)}"
+            )
+    if not gated.routings:
+        return problems
+    total = len(gated.routings)
+    unfit = [
+        routing
+        for routing in gated.routings
+        if routing.decision is not Decision.ADMIT_FREE or routing.reason is not Reason.FITS
+    ]
+    if unfit:
+        problems.append(
+            f"{len(unfit)} of {total} gated publishes were not admit_free/fits: {tally(unfit)}"
+        )
+    setting = bench.installed.settings.fast_publish
+    off_path = [routing for routing in gated.routings if routing.published != bench.claims_fast]
+    if off_path and bench.claims_fast:
+        problems.append(
+            f"{len(off_path)} of {total} gated publishes did not take the fast path (gate.lua "
+            f"did not push the message) though fast_publish={setting} claims it: "
+            f"{tally(off_path)}"
+        )
+    elif off_path:
+        problems.append(
+            f"{len(off_path)} of {total} gated publishes were pushed by a gate script though "
+            f"fast_publish={setting} claims the ordinary path ({bench.path_note}): "
+            f"{tally(off_path)}"
+        )
+    return problems
+
+
+def checked_lines(bench: Bench, phases: dict[str, Phase]) -> list[str]:
+    """The ``decisions:`` and ``fast_publish=`` lines: what :func:`check` looked at."""
+    gated = phases["gated"]
+    counts = Counter(label(routing) for routing in gated.routings)
+    decisions = " ".join(f"{name}={count}" for name, count in sorted(counts.items()))
+    taken = sum(routing.published == bench.claims_fast for routing in gated.routings)
+    path = "fast" if bench.claims_fast else "ordinary"
+    how = (
+        "gate.lua pushed the message"
+        if bench.claims_fast
+        else "the gate script decided, then Celery's own publish"
+    )
+    return [
+        f"decisions: {decisions}",
+        f"fast_publish={bench.installed.settings.fast_publish} path={path} taken for "
+        f"{taken}/{gated.count} timed gated publishes ({how}; {bench.path_note})",
+    ]
 
 
 def ping_us(client: redis.Redis, idle_us: int, count: int) -> float:
@@ -262,6 +371,15 @@ class Bench:
         finally:
             sys.stderr = saved
         self.probes = install_probes(self.app, self.installed)
+        self.claims_fast = fast != "off" and not separate
+        """The path this run claims to measure: fast publish needs broker and gate on one
+        server (and ``auto`` needs nothing observing publishes, as here)."""
+        if fast == "off":
+            self.path_note = "fast publish off"
+        elif separate:
+            self.path_note = "broker and gate are two servers: fast publish cannot apply"
+        else:
+            self.path_note = "broker and gate are one server"
         self.broker = redis.Redis.from_url(broker_url)
         self.gate = redis.Redis.from_url(gate_url)
         self.waiting_key = self.installed.keys.free_waiting
@@ -327,10 +445,7 @@ class Bench:
         return phases
 
     def take_probes(self, phase: Phase) -> None:
-        phase.hook_ns.extend(self.probes.hook_ns)
-        phase.sender_ns.extend(self.probes.sender_ns)
-        self.probes.hook_ns.clear()
-        self.probes.sender_ns.clear()
+        self.probes.take(phase)
 
     def count_round_trips(self, phases: dict[str, Phase], count: int) -> None:
         """Server counters over ``count`` publishes of each kind, untimed, scaled to a phase."""
@@ -351,7 +466,7 @@ class Bench:
 
     def ping_then_plain(self, i: int) -> Any:
         """The yardstick: a plain publish after one PING to the gate's Redis, sent the way the
-        gate sends its script (:mod:`gatekeeper.wire`), so it pays one round trip and nothing
+        gate sends its script (:mod:`gatekeeper.redis.wire`), so it pays one round trip and nothing
         else a gate does."""
         line = self.ping_line.take(self.gate.connection_pool)
         assert line is not None
@@ -400,17 +515,13 @@ class Bench:
         stats = pstats.Stats(profiler, stream=out).sort_stats("cumulative")
         out.write(f"== cProfile of {count} gated publishes: gatekeeper's own functions ==\n")
         stats.print_stats(r"/gatekeeper/", top)
-        out.write(
-            "== where begin, complete, the script call and the log line spend it (callees) ==\n"
-        )
-        stats.print_callees(
-            r"pipeline.py:\d+\((begin|complete|_finish)\)|store.py:\d+\(start_score\)"
-        )
+        out.write("== where route, the script call and the log line spend it (callees) ==\n")
+        stats.print_callees(r"gate.py:\d+\((route|_scored|_finish)\)|store.py:\d+\(score\)")
         stats.print_callees(r"structlog/_base.py:\d+\(_process_event\)")
         return out.getvalue()
 
 
-def report(bench: Bench, phases: dict[str, Phase], n: int) -> list[str]:
+def report(bench: Bench, phases: dict[str, Phase]) -> list[str]:
     plain, gated = phases["plain"], phases["gated"]
     lines = []
     for phase in (plain, gated):
@@ -430,9 +541,10 @@ def report(bench: Bench, phases: dict[str, Phase], n: int) -> list[str]:
             "after one PING to the gate's Redis: what any gate with a round trip of its own "
             "could reach on this machine)"
         )
-    p50, p99 = percentiles_us(bench.probes.route_ns)
+    p50, p99 = percentiles_us(gated.route_ns)
     lines.append(
-        f"gate_route_us p50={p50:.1f} p99={p99:.1f} (Pipeline.begin + complete per gated publish)"
+        f"gate_route_us p50={p50:.1f} p99={p99:.1f} (Pipeline.route per gated publish, "
+        "less Celery's sender inside it)"
     )
     g50, g99 = percentiles_us(gated.hook_ns)
     h50, h99 = percentiles_us(plain.hook_ns)
@@ -464,13 +576,7 @@ def report(bench: Bench, phases: dict[str, Phase], n: int) -> list[str]:
             cmds = phase.broker_server["total_commands_processed"] / counted
             parts.append(f"{phase.name} round_trips={reads:.3f} commands={cmds:.3f}")
         lines.append("broker per publish: " + "; ".join(parts))
-    reasons = " ".join(f"{k}={v}" for k, v in sorted(bench.probes.reasons.items()))
-    lines.append(f"decisions: {reasons}")
-    decided = sum(bench.probes.reasons.values())
-    lines.append(
-        f"fast_publish={bench.installed.settings.fast_publish} taken for "
-        f"{bench.probes.pushed_by_script}/{decided} gated publishes (gate.lua pushed the message)"
-    )
+    lines.extend(checked_lines(bench, phases))
     return lines
 
 
@@ -543,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         f"celery={celery.__version__} gatekeeper={gatekeeper.__version__} cpus={os.cpu_count()}"
     )
     started = time.perf_counter()
+    status = 0
     with redis_urls(args.redis_url, args.separate_gate) as (broker_url, gate_url, where):
         bench = Bench(broker_url, gate_url, separate=broker_url != gate_url, fast=args.fast_publish)
         try:
@@ -553,14 +660,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"after_1ms_busy p50={ping_us(bench.gate, 1000, 300):.0f}"
             )
             phases = bench.run(args.n, args.rounds, args.interleave)
-            for line in report(bench, phases, args.n):
-                print(line)
-            if args.profile:
-                print(bench.profile(args.profile, top=30))
+            problems = check(bench, phases)
+            if problems:
+                # No numbers: they would not be those of the path this run claims.
+                for line in checked_lines(bench, phases):
+                    print(line)
+                sys.stdout.flush()
+                for problem in problems:
+                    print(f"bench: {problem}", file=sys.stderr)
+                status = 1
+            else:
+                for line in report(bench, phases):
+                    print(line)
+                if args.profile:
+                    print(bench.profile(args.profile, top=30))
         finally:
             bench.close()
     print(f"elapsed={time.perf_counter() - started:.1f}s")
-    return 0
+    return status
 
 
 if __name__ == "__main__":
