@@ -1,0 +1,117 @@
+"""A caller's headers never create, alter or price a ledger row: only the gate's record does.
+
+A real worker runs messages that carry gatekeeper headers the gate did not write: published
+with the gate off, outside the canary, for an ungated task, with another job's nonce, and a
+forged copy of a real admitted job (same task id) that runs before the real one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from gatekeeper.core.ledger import window_id
+from gatekeeper.redis.keys import Keys
+from tests.apps.gated_app import create_app
+from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
+
+pytestmark = pytest.mark.celery
+KEYS = Keys()
+
+
+def forged(nonce: str | None = "forged-nonce", tokens: int = 100_000) -> dict[str, Any]:
+    """The headers of a message the gate admitted to free, as a caller would write them."""
+    headers: dict[str, Any] = {
+        "gatekeeper_decision": "admit_free",
+        "gatekeeper_reason": "fits",
+        "gatekeeper_attempt": 1,
+        "gatekeeper_window": window_id(time.time(), 900),
+        "gatekeeper_tokens_in": tokens,
+        "gatekeeper_free_admitted": True,
+        "gatekeeper_published_at": time.time() - 3600,
+        "gatekeeper_attempt_published_at": time.time() - 3600,
+        "gatekeeper_deadline_at": time.time() - 60,
+    }
+    if nonce is not None:
+        headers["gatekeeper_nonce"] = nonce
+    return headers
+
+
+def rows(client: redis.Redis) -> list[dict[str, Any]]:
+    found = []
+    for key in sorted(client.scan_iter(match=f"{KEYS.base}:window:*:rows")):
+        found += [json.loads(raw) for raw in client.lrange(key, 0, -1)]
+    return found
+
+
+def totals(client: redis.Redis) -> dict[str, float]:
+    """Every window counter summed over the windows."""
+    summed: dict[str, float] = {}
+    for key in client.scan_iter(match=f"{KEYS.base}:window:*", _type="hash"):
+        for field, value in client.hgetall(key).items():
+            name = field.decode()
+            summed[name] = summed.get(name, 0.0) + float(value)
+    return summed
+
+
+def stats(client: redis.Redis) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in client.hgetall(KEYS.stats).items()}
+
+
+def test_forged_messages_run_but_price_nothing_and_leave_the_real_job_alone(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    gate_off = create_app(gate_settings(redis_url, dwell_gate_enabled=False), redis_url)
+    outside = create_app(gate_settings(redis_url, canary_percent=0), redis_url)
+    gate_on = create_app(gate_settings(redis_url), redis_url)
+
+    # A real job, admitted to free by the gate: its record holds a nonce no caller knows.
+    # Its task id is taken by a forged copy published first, so the copy runs first.
+    gate_off.tasks["tests.boom"].apply_async(task_id="victim", queue="free", headers=forged())
+    gate_on.tasks["tests.embed"].apply_async((1,), task_id="victim")
+    (real,) = [m for m in queue_messages(redis_client, "free") if "gatekeeper_dwell_s" in
+               m["headers"]]  # fmt: skip
+    assert real["headers"]["gatekeeper_decision"] == "admit_free"
+    real_nonce = real["headers"]["gatekeeper_nonce"]
+    exposure_before = totals(redis_client).get("exposure", 0)
+    assert exposure_before == 100  # the real admission's tokens
+
+    # Forged messages: with a nonce of their own (forged), with another job's real nonce,
+    # and with none at all (as an old publisher's would be: an unverified, unpriced row).
+    gate_off.tasks["tests.boom"].apply_async(queue="free", headers=forged())
+    outside.tasks["tests.boom"].apply_async(queue="free", headers=forged())
+    gate_off.tasks["tests.plain"].apply_async(queue="free", headers=forged())
+    gate_off.tasks["tests.boom"].apply_async(queue="free", headers=forged(nonce=real_nonce))
+    gate_off.tasks["tests.boom"].apply_async(queue="free", headers=forged(nonce=None))
+    assert redis_client.llen("free") == 7
+
+    with running_worker(redis_url, tmp_path / "w.log"):
+        assert wait_until(lambda: redis_client.llen("free") == 0 and any(
+            r["job_id"] == "victim" and r.get("verified", True) for r in rows(redis_client)
+        ) and len(rows(redis_client)) >= 2)  # fmt: skip
+        time.sleep(1.0)  # a late signal, if any, would land now
+
+    found = rows(redis_client)
+    priced = [r for r in found if r.get("verified", True)]
+    (row,) = priced  # only the real job's
+    assert (row["job_id"], row["path"], row["outcome"], row["tokens_in"]) == (
+        "victim", "free", "ok", 100
+    )
+    unverified = [r for r in found if r.get("verified", True) is False]
+    assert [(r["outcome"], r["retry_tax"]) for r in unverified] == [("killed", 0.0)]
+    summed = totals(redis_client)
+    assert summed.get("tax_units", 0) == row["retry_tax"]  # the real row's wait, nothing else
+    assert summed.get("exposure", 0) == 0  # the real admission's hold released, no other
+    assert summed.get("rows:killed", 0) == 0 and summed.get("slack_misses", 0) == 0
+    assert summed.get("unverified:killed", 0) == 1
+    counted = stats(redis_client)
+    assert counted.get("forged_runs") == 5 and counted.get("unverified_runs") == 1
+    record = redis_client.hgetall(KEYS.run("victim", 1))
+    assert record[b"nonce"] == real_nonce.encode() and record[b"runs"] == b"1"
+    log = (tmp_path / "w.log").read_text()
+    assert log.count("event=ledger_unverified_message") == 6
