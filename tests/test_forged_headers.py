@@ -100,7 +100,10 @@ def test_forged_messages_run_but_price_nothing_and_leave_the_real_job_alone(
     priced = [r for r in found if r.get("verified", True)]
     (row,) = priced  # only the real job's
     assert (row["job_id"], row["path"], row["outcome"], row["tokens_in"]) == (
-        "victim", "free", "ok", 100
+        "victim",
+        "free",
+        "ok",
+        100,
     )
     unverified = [r for r in found if r.get("verified", True) is False]
     assert [(r["outcome"], r["retry_tax"]) for r in unverified] == [("killed", 0.0)]

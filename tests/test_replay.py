@@ -234,3 +234,22 @@ def test_replay_once_while_another_replayer_holds_the_lock_says_so(
     result = CliRunner().invoke(main, ["replay", "--once"])
     assert result.exit_code == 1 and "holds the lock" in result.output, result.output
     assert redis_client.get(Keys().replayer_lock) == b"another-host:1234"
+
+
+def test_a_replayer_whose_lock_expired_never_drops_or_extends_its_successors(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    settings = gate_settings(redis_url, replay_lock_ttl_s=0.2)
+    first = Replayer(settings, broker=redis_client, gate=redis_client)
+    second = Replayer(settings, broker=redis_client, gate=redis_client)
+    assert first.acquire()
+    time.sleep(0.3)  # first stalled past its lock's TTL
+    assert second.acquire()
+    successor = redis_client.get(Keys().replayer_lock)
+    first.release()  # too late: the lock is the successor's now
+    assert redis_client.get(Keys().replayer_lock) == successor
+    assert not first.acquire()  # and it cannot take or refresh it back
+    assert redis_client.pttl(Keys().replayer_lock) > 0
+    assert second.acquire()  # refreshed by its holder
+    second.release()
+    assert redis_client.get(Keys().replayer_lock) is None

@@ -12,8 +12,9 @@ from click.testing import CliRunner
 from gatekeeper.core.ledger import Outcome, window_id
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.runs import RunLedger, RunRecord, Started, sweep
+from gatekeeper.redis.runs import RunLedger, RunRecord, Started
 from gatekeeper.redis.store import GateStore
+from gatekeeper.redis.sweep import sweep
 
 KEYS = Keys()
 T0_MS = 1_800_000_000_000

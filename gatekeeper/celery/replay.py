@@ -55,8 +55,10 @@ from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.gate import Pipeline, Publish
-from gatekeeper.redis.runs import Finished, RunLedger, sweep
+from gatekeeper.redis.lock import OneHolder
+from gatekeeper.redis.runs import Finished, RunLedger
 from gatekeeper.redis.scripts import evalsha, load_lua
+from gatekeeper.redis.sweep import sweep
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["PRIORITY_SEP", "PRIORITY_STEPS", "Replayer", "queue_list"]
@@ -99,41 +101,25 @@ class Replayer:
         self.ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._move = broker.register_script(load_lua("move.lua"))
         self._last_sweep = -math.inf
-        self._lock = gate.lock(
-            self.pipeline.store.keys.replayer_lock,
-            timeout=settings.replay_lock_ttl_s,
-            blocking=False,
-            thread_local=False,
-        )
-        self._held = False
+        self._holder = OneHolder(gate, self.pipeline.store.keys.replayer_lock,
+                                 settings.replay_lock_ttl_s)  # fmt: skip
         self.counts: Counter[str] = Counter()
 
     # -- the lock and recovery ----------------------------------------------------------
 
     def acquire(self) -> bool:
-        """Take (or keep) the namespace's replayer lock (redis-py's ``Lock``: its refresh and
-        release check the token atomically, so a replayer that lost the lock can never
-        extend or drop its successor's)."""
-        if self._held:
-            try:
-                self._lock.reacquire()
-                return True
-            except LockError:  # expired and taken by another: recover nothing, wait
-                self._held = False
-                self.log.warning("replay_lock_lost", holder="another replayer")
-        if self._lock.acquire(blocking=False):
-            self._held = True
+        """Take (or keep) the namespace's replayer lock; recover a dead one's claims."""
+        state = self._holder.take()
+        if state == "lost":
+            self.log.warning("replay_lock_lost", holder="another replayer")
+        if state == "taken":
             self.recover()
-            return True
-        return False
+        return state in ("taken", "kept")
 
     def release(self) -> None:
         """Give the lock back; when Redis cannot be reached it expires on its own."""
-        if not self._held:
-            return
-        self._held = False
         try:
-            self._lock.release()
+            self._holder.give_back()
         except (LockError, redis.RedisError) as exc:
             self.log.warning("replay_lock_not_released", error=repr(exc))
 

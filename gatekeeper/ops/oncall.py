@@ -32,9 +32,9 @@ from gatekeeper.ops.context import settings_of
 from gatekeeper.redis.flags import FLAG_NAMES, FlagStore, combine
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
-from gatekeeper.redis.runs import sweep as sweep_runs
 from gatekeeper.redis.scripts import read_windows, text_of
 from gatekeeper.redis.store import GateStore
+from gatekeeper.redis.sweep import sweep as sweep_runs
 from gatekeeper.settings import redis_url_of
 
 __all__ = ["ledger", "redis_client", "replay", "report", "show_value", "status", "sweep"]
@@ -247,7 +247,11 @@ def status(ctx: click.Context) -> None:
         f"budget_left={settings.budget_units - tax:.0f} admitted_free={admitted} "
         f"slack_misses={misses} miss_rate={rate}"
     )
-    click.echo(f"reruns_after_row={stats.get('reruns_after_row', 0)}")
+    # Runs of messages the gate has no record of: forged (a nonce that is not the record's:
+    # run as ordinary tasks, priced nothing) and unverified (no nonce: an older publisher,
+    # or a decision made without Redis; unpriced rows).
+    counters = ("reruns_after_row", "forged_runs", "unverified_runs")
+    click.echo(" ".join(f"{name}={stats.get(name, 0)}" for name in counters))
 
 
 @click.command()

@@ -19,10 +19,9 @@ from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
-from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["Finished", "RunLedger", "RunRecord", "Started", "sweep"]
+__all__ = ["Finished", "RunLedger", "RunRecord", "Started"]
 
 
 @dataclass(frozen=True)
@@ -290,35 +289,3 @@ class RunLedger:
             job_id, _, attempt = text_of(member).rpartition(":")  # type: ignore[arg-type]
             found.append((job_id, int(attempt)))
         return found
-
-
-def sweep(
-    ledger: RunLedger, now_ms: int, older_than_s: float, store: GateStore | None = None
-) -> list[LedgerRow]:
-    """Record runs started more than ``older_than_s`` ago with no row as killed.
-
-    A run of a task with a hard time limit is given at least that limit (plus a minute)
-    before it counts as vanished. With ``store``, also give back the exposure of attempts
-    admitted more than ``older_than_s`` ago that never started (a purged or lost message).
-    """
-    rows = []
-    for job_id, attempt in ledger.stale(now_ms, older_than_s):
-        stored = ledger.record(job_id, attempt)
-        if stored is None:  # the run hash expired: nothing to price, just forget it
-            ledger.client.zrem(ledger.keys.started, f"{job_id}:{attempt}")
-            continue
-        run, record = stored
-        if record.time_limit_s and now_ms - record.started_ms < (record.time_limit_s + 60) * 1000:
-            continue
-        row = ledger.row_for(job_id, attempt, record, Outcome.KILLED, now_ms)
-        if ledger.finish(row, run, record, now_ms).written:
-            rows.append(row)
-    if store is not None:
-        for member, held in ledger.client.hgetall(ledger.keys.inflight).items():
-            job_id, _, number = text_of(member).rpartition(":")
-            _, window, admitted_ms = [*text_of(held).split("|"), "0", "0"][:3]
-            if now_ms - float(admitted_ms) < older_than_s * 1000:
-                continue
-            if ledger.record(job_id, int(number)) is None:  # admitted, never started
-                store.release(job_id, int(number), int(window))
-    return rows
