@@ -21,4 +21,5 @@ def gate_call(now_s: float, **fields: Any) -> GateCall:
     values = {**DEFAULTS, **fields}
     values.setdefault("nonce", new_nonce())
     values.setdefault("published_s", now_s)
+    values.setdefault("deadline_s", now_s + values["deadline_slack_s"])
     return GateCall(now_s=now_s, **values)

@@ -38,4 +38,4 @@ def test_status_shows_flags_with_who_when_why_queues_age_and_budget(
     window = window_id(time.time(), 900)
     budget = next(line for line in lines if line.startswith(f"window={window}"))
     assert "exposure=100" in budget and "budget_left=1000" in budget and "admitted_free=1" in budget
-    assert "reruns_after_row=0" in lines
+    assert "reruns_after_row=0 forged_runs=0 unverified_runs=0" in lines

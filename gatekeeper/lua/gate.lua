@@ -15,8 +15,9 @@
 --                           freeze in Redis holds for every publisher at once, cache or not)
 -- KEYS[6] run:<job_id>:<attempt>    hash: the gate's record of this attempt (what its ledger
 --                           row needs, written here; the worker trusts a message only when it
---                           carries the record's nonce). A request that finds its own nonce
---                           here was already decided: it changes nothing and pushes nothing
+--                           carries the record's nonce). A re-sent (ARGV[23]) or fast
+--                           request that finds its own nonce here was already decided: it
+--                           changes nothing and pushes nothing
 -- KEYS[7] run:<job_id>:<attempt-1>  the previous attempt's record (KEYS[6] again for attempt
 --                           1): its free_admitted carries over
 -- KEYS[8..10]               (fast publish only) the broker lists of the free, defer and
@@ -42,8 +43,14 @@
 -- ARGV[18] nonce             this publish request's random value (the message carries it)
 -- ARGV[19] published_ms      this attempt's first publish (its queue wait starts there)
 -- ARGV[20] record_ttl_s      TTL of the record
--- ARGV[21..23]              (fast publish only) the free, defer and reserved queue names
--- ARGV[24..]                (fast publish only) the kombu message, JSON, cut at the values
+-- ARGV[21] deadline_ms       the attempt's deadline (for the record)
+-- ARGV[22] admitted_ms       when a free wait would start: now, or when a delayed task is due
+-- ARGV[23] rerun             '1' when this request may have run already (sent through a
+--                            client that retries): its nonce is looked up first, as it
+--                            always is for fast publish (a stalled script must not push a
+--                            message that fallback.lua pushed meanwhile)
+-- ARGV[24..26]              (fast publish only) the free, defer and reserved queue names
+-- ARGV[27..]                (fast publish only) the kombu message, JSON, cut at the values
 --                            the decision decides: text, name, text, name, ..., text
 --                            (gatekeeper/redis/push.py); the names are decision, reason,
 --                            dwell, free, window and queue
@@ -78,11 +85,13 @@ local horizon = tonumber(ARGV[11])
 local retention = tonumber(ARGV[12])
 local delay = tonumber(ARGV[16])
 
-local fast = #ARGV >= 24
-local done = redis.call('HMGET', KEYS[6], 'nonce', 'decision', 'reason', 'free_admitted')
-if done[1] == ARGV[18] then
-  -- This very request was already decided (a re-sent call): say so, change nothing.
-  return {done[2], done[3], '0', 'nan', '0', done[4] or '0'}
+local fast = #ARGV >= 27
+if fast or ARGV[23] == '1' then
+  local done = redis.call('HMGET', KEYS[6], 'nonce', 'decision', 'reason', 'free_admitted')
+  if done[1] == ARGV[18] then
+    -- This very request was already decided (a re-sent call): say so, change nothing.
+    return {done[2], done[3], '0', 'nan', '0', done[4] or '0'}
+  end
 end
 local carried = '0'
 if KEYS[7] ~= KEYS[6] and redis.call('HGET', KEYS[7], 'free_admitted') == '1' then
@@ -105,20 +114,20 @@ local function dwell_text(dwell)
   return 'nan'
 end
 
-local function push(decision, reason, dwell, free)
+local function push(decision, reason, shown, free)
   local index = ({admit_free = 0, defer = 1, reserved = 2})[decision]
   local admitted = decision == 'admit_free'
   local values = {
     decision = '"' .. decision .. '"',
     reason = '"' .. reason .. '"',
-    dwell = finite(dwell) and dwell_text(dwell) or 'null',
+    dwell = shown == 'nan' and 'null' or shown,
     free = free == '1' and 'true' or 'false',
     window = admitted and ARGV[17] or 'null',
-    queue = cjson.encode(ARGV[21 + index]),
+    queue = cjson.encode(ARGV[24 + index]),
   }
   local out = {}
-  for i = 24, #ARGV do
-    if (i - 24) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
+  for i = 27, #ARGV do
+    if (i - 27) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
   end
   redis.call('LPUSH', KEYS[8 + index], table.concat(out))
 end
@@ -126,15 +135,15 @@ end
 local function decided(decision, reason, dwell, projected)
   local admitted = decision == 'admit_free'
   local free = (admitted or carried == '1') and '1' or '0'
+  local shown = dwell_text(dwell)
   if fast then
-    push(decision, reason, dwell, free)
+    push(decision, reason, shown, free)
   end
   -- The gate's record: what the attempt's ledger row needs, and the nonce that proves a
   -- message is the one decided here.
   redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
-    'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[1],
-    'published_ms', ARGV[19], 'deadline_ms', fmt(now + slack * 1000),
-    'dwell_s', dwell_text(dwell), 'free_admitted', free)
+    'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],
+    'published_ms', ARGV[19], 'deadline_ms', ARGV[21], 'dwell_s', shown, 'free_admitted', free)
   redis.call('EXPIRE', KEYS[6], tonumber(ARGV[20]))
   -- An admission is counted in admitted_free alone (the review reads it as
   -- decided:admit_free:fits). The window's TTL is set by the write that creates the counter.
@@ -151,7 +160,7 @@ local function decided(decision, reason, dwell, projected)
       redis.call('HINCRBY', KEYS[2], 'review:reserved_age_shift', 1)
     end
   end
-  return {decision, reason, fmt(age), dwell_text(dwell), fmt(projected), free}
+  return {decision, reason, fmt(age), shown, fmt(projected), free}
 end
 
 if redis.call('HGET', KEYS[5], 'free_path_enabled') == 'false' then

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -201,7 +201,8 @@ class Pipeline:
             budget_units=self.settings.budget_units,
             queue_wait_unit_per_second=self.settings.queue_wait_unit_per_second,
             budget_mode=self.settings.budget_mode, nonce=attempt.nonce,
-            published_s=attempt.published_s, delay_s=attempt.delay_s, push=push,
+            published_s=attempt.published_s, deadline_s=attempt.inputs.deadline_at,
+            delay_s=attempt.delay_s, push=push,
         )  # fmt: skip
         try:
             scored = self.store.score(call)
@@ -217,9 +218,9 @@ class Pipeline:
             fields.update(projected_tax=scored.projected_tax,
                           budget_units=self.settings.budget_units)  # fmt: skip
         window = attempt.window if scored.decision is Decision.ADMIT_FREE else None
-        routing = self._finish(scored.decision, scored.reason, attempt.headers, fields,
-                               free=scored.free_admitted, window=window)  # fmt: skip
-        return replace(routing, published=True) if push is not None else routing
+        return self._finish(scored.decision, scored.reason, attempt.headers, fields,
+                            free=scored.free_admitted, window=window,
+                            published=push is not None)  # fmt: skip
 
     # -- faults and the one line per decision ----------------------------------------------
 
@@ -264,10 +265,9 @@ class Pipeline:
             self._finish(Decision.RESERVED, reason, headers, fields, error=f"{error}; {down}")
             raise PublishFailed(f"cannot publish {publish.job_id}: {down}") from down
         if earlier is None:
-            routing = self._finish(Decision.RESERVED, reason, headers, fields, error=error)
-        else:
-            routing = self._finish(*earlier, headers, fields, recovered=True)
-        return replace(routing, published=True)
+            return self._finish(Decision.RESERVED, reason, headers, fields, published=True,
+                                error=error)  # fmt: skip
+        return self._finish(*earlier, headers, fields, published=True, recovered=True)
 
     def _finish(
         self,
@@ -278,6 +278,7 @@ class Pipeline:
         *,
         free: bool = False,
         window: int | None = None,
+        published: bool = False,
         **extra: Any,
     ) -> Routing:
         """Stamp the decided headers (the same values fast publish's script writes) and write
@@ -308,7 +309,7 @@ class Pipeline:
         with contextlib.suppress(Exception):
             level = "warning" if reason in _WARN else "info"
             getattr(self.log, level)("gate_decision", **line)
-        return Routing(queue, decision, reason, headers)
+        return Routing(queue, decision, reason, headers, published)
 
 
 def _number(value: Any) -> float:

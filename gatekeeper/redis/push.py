@@ -19,6 +19,7 @@ __all__ = ["FILLED", "Push", "dwell_text", "new_nonce", "placeholders", "values_
 
 FILLED = ("decision", "reason", "dwell", "free", "window", "queue")
 """What the decision fills in, in the order ``gate.lua`` documents."""
+SORTED_FILLED = sorted(FILLED)
 
 
 def new_nonce() -> str:
@@ -70,19 +71,17 @@ class Push:
         cls, text: str, nonce: str, lists: tuple[str, str, str], queues: tuple[str, str, str]
     ) -> Push | None:
         """``text`` cut at this nonce's quoted placeholders; None unless each occurs once."""
-        marks = {f'"{mark}"': name for name, mark in placeholders(nonce).items()}
-        found = []
-        for mark, name in marks.items():
-            at = text.find(mark)
-            if at < 0 or text.find(mark, at + 1) >= 0:
+        head, *rest = text.split(f'"__gk_{nonce}_')
+        if len(rest) != len(FILLED):
+            return None
+        pieces = [head]
+        for part in rest:
+            name, closed, after = part.partition('__"')
+            if not closed:
                 return None
-            found.append((at, mark, name))
-        pieces: list[str] = []
-        start = 0
-        for at, mark, name in sorted(found):
-            pieces += [text[start:at], name]
-            start = at + len(mark)
-        pieces.append(text[start:])
+            pieces += [name, after]
+        if sorted(pieces[1::2]) != SORTED_FILLED:
+            return None
         return cls(tuple(pieces), lists, queues, nonce)
 
     def filled(self, values: dict[str, str]) -> str:

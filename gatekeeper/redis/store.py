@@ -32,6 +32,9 @@ from gatekeeper.redis.wire import Line
 
 __all__ = ["GateCall", "GateStore", "ScoredAttempt"]
 
+RERUN = 22
+"""Index of gate.lua's ARGV[23], the request-may-have-run flag, in the argument list."""
+
 
 @dataclass(frozen=True)
 class GateCall:
@@ -52,6 +55,8 @@ class GateCall:
     nonce: str
     published_s: float
     """This attempt's first publish (a replayed attempt keeps it: its wait includes defer)."""
+    deadline_s: float = 0.0
+    """The attempt's deadline, Unix seconds (kept in the record)."""
     delay_s: float = 0.0
     push: Push | None = None
 
@@ -139,6 +144,9 @@ class GateStore:
             call.nonce,
             str(_ms(call.published_s)),
             str(self.record_ttl_s),
+            str(_ms(call.deadline_s)),
+            str(_ms(call.now_s + call.delay_s)),
+            "0",  # rerun: set by _reply_now, whose client may send the request again
         ]
         if call.push is not None:  # fast publish: the script pushes the decided message too
             keys += call.push.lists
@@ -183,6 +191,7 @@ class GateStore:
 
         ``load``: the server just said it does not have the script, so load it first.
         """
+        args = [*args[:RERUN], "1", *args[RERUN + 1 :]]
         try:
             if load:
                 self.client.script_load(self._gate.script)
