@@ -123,7 +123,7 @@ local function push(decision, reason, shown, free)
     dwell = shown == 'nan' and 'null' or shown,
     free = free == '1' and 'true' or 'false',
     window = admitted and ARGV[17] or 'null',
-    queue = cjson.encode(ARGV[24 + index]),
+    queue = '"' .. ARGV[24 + index] .. '"',  -- queue names need no escaping (settings)
   }
   local out = {}
   for i = 27, #ARGV do

@@ -33,7 +33,7 @@ from gatekeeper.errors import BadDeclaredInput
 __all__ = ["Attempt", "Publish", "bad_input_stamp", "delay_of", "identity", "resolve"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Publish:
     """One publish of a gated task, as the hook (or the replayer) saw it."""
 
@@ -53,7 +53,7 @@ class Publish:
         return self.retries + 1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Attempt:
     """A publish whose inputs resolved: what every later step of the decision reads."""
 

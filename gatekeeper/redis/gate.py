@@ -57,7 +57,7 @@ Render = Callable[[dict[str, Any], str], Push | None]
 _WARN = {Reason.GATE_UNAVAILABLE, Reason.GATE_ERROR, Reason.BAD_INPUT}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Routing:
     """Where the publish goes; ``decision`` None means untouched (its normal route)."""
 

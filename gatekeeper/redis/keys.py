@@ -21,31 +21,37 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     Runs of gated attempts that started and have no row yet: member ``<job_id>:<attempt>``,
     score = start time in ms. ``gatekeeper sweep`` records the stale ones as killed.
 ``gatekeeper:{default}:run:<job_id>:<attempt>`` - hash, TTL = 2 days
-    One attempt's runs: ``runs`` (how many times a worker started it: more than one after a
-    redelivery), ``rowed`` (the last run that has its row), and what the current run's row
-    needs (``started_ms``, ``published_ms``, ``deadline_ms``, ``path``, ``tokens_in``, ...).
+    The gate's record of one attempt, the only source a ledger row is priced from. Written by
+    the script that decided it (``gate.lua``; ``record.lua`` for a decision made in process;
+    ``fallback.lua`` for a fast publish whose script failed): ``nonce`` (random per publish;
+    the message carries it as ``gatekeeper_nonce``, and a worker trusts a message only when
+    they match), ``decision``, ``reason``, ``window`` (the admission's window, empty unless
+    admitted), ``tokens_in``, ``admitted_ms``, ``published_ms``, ``deadline_ms``, ``dwell_s``,
+    ``free_admitted`` (``1`` once an attempt of the job was admitted to free). Then the
+    worker's runs: ``runs`` (how many times a worker started it: more than one after a
+    redelivery), ``rowed`` (the last run that has its row), ``started_ms`` and what the worker
+    knows itself (``task``, ``retries``, ``max_retries``, ``time_limit_s``, ``tokens_out``).
+    A decision made without Redis, or a bad input, writes none: its row is unverified.
 ``gatekeeper:{default}:window:<id>`` - hash, TTL = window retention
     One ledger window (``id`` = epoch seconds // ``window_seconds``): ``tax_units``
     (free rows' retry tax), ``exposure`` (tokens of free attempts admitted and not finished),
     ``admitted_free``, ``rejected``, ``rows:<outcome>`` (rows by outcome, both paths),
-    ``killed_free``, ``slack_misses`` and ``decided:<decision>:<reason>`` counters
+    ``killed_free``, ``slack_misses``, ``unverified:<outcome>`` (unverified rows, counted apart:
+    never toward a freeze or against a clean hour) and ``decided:<decision>:<reason>`` counters
     (admissions are counted in ``admitted_free`` only). The TTL is set by the write that
     creates a counter, so a window lives about its retention from its first decisions.
 ``gatekeeper:{default}:window:<id>:rows`` - list, TTL = window retention
     The window's ledger rows, one JSON object each, oldest first.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
     Marks an attempt whose ``abandoned`` row is written (the replayer writes it once).
-``gatekeeper:{default}:fast:<job_id>:<attempt>`` - string, TTL 5 minutes
-    (fast publish only) ``<nonce>|<decision>|<reason>`` of the publish request whose message
-    ``gate.lua`` or ``fallback.lua`` pushed, so that a re-sent request, a stalled script or a
-    lost reply never publishes it twice; another publish of the same task id and attempt has
-    another nonce. All of this happens within the publish call; the short TTL keeps one key
-    per publish from piling up.
 ``gatekeeper:{default}:stats`` - hash, no TTL
     Counters an operator should see in ``gatekeeper status``: ``reruns_after_row``, runs of
     an attempt that already had its row (a message the broker delivered again after it
     finished, e.g. an ack lost with ``acks_late``): Celery can run such a task twice, and
-    gatekeeper counts it rather than hide it.
+    gatekeeper counts it rather than hide it; ``forged_runs``, runs of messages whose
+    ``gatekeeper_nonce`` is not their record's (run as ordinary tasks, priced nothing);
+    ``unverified_runs``, runs of messages with gatekeeper headers and no nonce (an older
+    publisher, or a decision made without Redis: unpriced rows).
 ``gatekeeper:{default}:replayer:lock`` - string, TTL ``replay_lock_ttl_s`` (30 s)
     Only one replayer works a namespace at a time; the live one refreshes the lock every
     pass, and a dead one's lock simply expires.
@@ -91,9 +97,6 @@ class Keys:
     @property
     def inflight(self) -> str:
         return f"{self.base}:inflight"
-
-    def fast(self, job_id: str, attempt: int) -> str:
-        return f"{self.base}:fast:{job_id}:{attempt}"
 
     @property
     def stats(self) -> str:

@@ -36,9 +36,12 @@ RERUN = 22
 """Index of gate.lua's ARGV[23], the request-may-have-run flag, in the argument list."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GateCall:
-    """One decision's inputs to ``gate.lua`` (documented at the top of the script)."""
+    """One decision's inputs to ``gate.lua`` (documented at the top of the script).
+
+    Not frozen, like the other objects made on every publish: a frozen dataclass's
+    ``__init__`` costs several times a plain one's."""
 
     now_s: float
     window_id: int
@@ -61,7 +64,7 @@ class GateCall:
     push: Push | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScoredAttempt:
     """What the gate script decided for one attempt."""
 
@@ -107,6 +110,7 @@ class GateStore:
         self._release: Script = client.register_script(load_lua("release.lua"))
         self._fallback: Script = client.register_script(load_lua("fallback.lua"))
         self._line = Line()
+        self._fixed_args: tuple[tuple[Any, ...], tuple[str, ...]] | None = None
 
     def _records(self, job_id: str, attempt: int) -> list[str]:
         """This attempt's record key and the previous attempt's (the same key for attempt 1)."""
@@ -123,19 +127,20 @@ class GateStore:
             self.keys.flags,
             *self._records(call.job_id, call.attempt),
         ]
+        cap, budget, unit, mode, horizon, retention, ttl = self._fixed(call)
         args = [
             repr(call.now_s * 1000),
             f"{call.job_id}:{call.attempt}",
             repr(float(call.expected_service_s)),
             repr(float(call.retry_tax_s)),
             repr(float(call.deadline_slack_s)),
-            repr(float(call.max_queue_age_s)),
+            cap,
             str(call.tokens_in),
-            repr(float(call.budget_units)),
-            repr(float(call.queue_wait_unit_per_second)),
-            call.budget_mode.value,
-            repr(self.horizon_s * 1000),
-            str(self.retention_s),
+            budget,
+            unit,
+            mode,
+            horizon,
+            retention,
             call.job_id,
             str(call.attempt),
             str(_ms(call.deadline_slack_s)),
@@ -143,7 +148,7 @@ class GateStore:
             str(call.window_id),
             call.nonce,
             str(_ms(call.published_s)),
-            str(self.record_ttl_s),
+            ttl,
             str(_ms(call.deadline_s)),
             str(_ms(call.now_s + call.delay_s)),
             "0",  # rerun: set by _reply_now, whose client may send the request again
@@ -152,6 +157,18 @@ class GateStore:
             keys += call.push.lists
             args += [*call.push.queues, *call.push.pieces]
         return keys, args
+
+    def _fixed(self, call: GateCall) -> tuple[str, ...]:
+        """The arguments that come from settings, as text: formatted once per value."""
+        key = (call.max_queue_age_s, call.budget_units, call.queue_wait_unit_per_second,
+               call.budget_mode)  # fmt: skip
+        if self._fixed_args is None or self._fixed_args[0] != key:
+            self._fixed_args = (key, (
+                repr(float(call.max_queue_age_s)), repr(float(call.budget_units)),
+                repr(float(call.queue_wait_unit_per_second)), call.budget_mode.value,
+                repr(self.horizon_s * 1000), str(self.retention_s), str(self.record_ttl_s),
+            ))  # fmt: skip
+        return self._fixed_args[1]
 
     def score(self, call: GateCall) -> ScoredAttempt:
         """Run the gate script: age cap, dwell against slack, then the budget, atomically.
