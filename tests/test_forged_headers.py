@@ -18,7 +18,7 @@ import redis
 from gatekeeper.core.ledger import window_id
 from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
+from tests.conftest import gate_settings, queue_messages, running_worker, unused_port, wait_until
 
 pytestmark = pytest.mark.celery
 KEYS = Keys()
@@ -118,3 +118,24 @@ def test_forged_messages_run_but_price_nothing_and_leave_the_real_job_alone(
     assert record[b"nonce"] == real_nonce.encode() and record[b"runs"] == b"1"
     log = (tmp_path / "w.log").read_text()
     assert log.count("event=ledger_unverified_message") == 6
+
+
+def test_a_decision_made_without_redis_gets_an_unverified_unpriced_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # The gate's Redis is unreachable at publish: reserved, gate_unavailable, no record and
+    # no nonce. The worker (whose Redis is up) still gives the run a row, unverified.
+    down = f"redis://127.0.0.1:{unused_port()}/0"
+    app = create_app(gate_settings(down, redis_timeout_s=0.2), redis_url)
+    job = app.tasks["tests.boom"].delay().id
+    (message,) = queue_messages(redis_client, "reserved")
+    assert message["headers"]["gatekeeper_reason"] == "gate_unavailable"
+    assert "gatekeeper_nonce" not in message["headers"]
+    with running_worker(redis_url, tmp_path / "w.log", queues="reserved"):
+        assert wait_until(lambda: len(rows(redis_client)) == 1)
+    (row,) = rows(redis_client)
+    assert (row["job_id"], row["outcome"], row["path"]) == (job, "killed", "reserved")
+    assert (row["verified"], row["retry_tax"]) == (False, 0.0)
+    summed = totals(redis_client)
+    assert summed.get("rows:killed", 0) == 0 and summed.get("unverified:killed") == 1
+    assert stats(redis_client).get("unverified_runs") == 1

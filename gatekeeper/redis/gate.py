@@ -157,8 +157,9 @@ class Pipeline:
     def _in_process(self, attempt: Attempt, flags: Flags) -> Routing | None:
         """Step 3: decisions made without the gate script."""
         if flags.unread is not None:  # the settings turn the gate on; Redis is unreachable
-            return self._finish(Decision.RESERVED, Reason.GATE_UNAVAILABLE, attempt.headers,
-                                attempt.fields, error=flags.unread)  # fmt: skip
+            return self._finish(Decision.RESERVED, Reason.GATE_UNAVAILABLE,
+                                _unrecorded(attempt.headers), attempt.fields,
+                                error=flags.unread)  # fmt: skip
         if not flags.free_path_enabled:
             return self._recorded(attempt, Decision.RESERVED, Reason.FREE_PATH_DISABLED)
         cap = self.settings.max_queue_age_s
@@ -184,9 +185,7 @@ class Pipeline:
             attempt.window, attempt.publish.job_id, attempt.publish.attempt, decision, reason,
             marks, attempt.record(_number(fields.get("dwell_s"))),
         )  # fmt: skip
-        headers = dict(attempt.headers)
-        if free is None:  # not recorded: the message must not claim a record
-            headers.pop(H_NONCE, None)
+        headers = attempt.headers if free is not None else _unrecorded(attempt.headers)
         return self._finish(decision, reason, headers, fields, free=bool(free))
 
     def _scored(self, attempt: Attempt, render: Render | None) -> Routing:
@@ -207,7 +206,7 @@ class Pipeline:
         try:
             scored = self.store.score(call)
         except LedgerUnavailable as exc:
-            headers = {k: v for k, v in attempt.headers.items() if k != H_NONCE}
+            headers = _unrecorded(attempt.headers)
             if push is not None:  # fast publish: push the built message here instead
                 return self._push_instead(push, publish, Reason.GATE_UNAVAILABLE, headers,
                                           fields, str(exc), attempt.record(math.nan))  # fmt: skip
@@ -310,6 +309,12 @@ class Pipeline:
             level = "warning" if reason in _WARN else "info"
             getattr(self.log, level)("gate_decision", **line)
         return Routing(queue, decision, reason, headers, published)
+
+
+def _unrecorded(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """Headers for a decision the gate could not record: no nonce, so the message claims no
+    record (its row is unverified, not mistaken for a forgery)."""
+    return {key: value for key, value in headers.items() if key != H_NONCE}
 
 
 def _number(value: Any) -> float:
