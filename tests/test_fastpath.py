@@ -83,15 +83,22 @@ def test_a_retried_script_call_pushes_the_message_once(redis_client: redis.Redis
 def test_another_publish_of_the_same_task_id_and_attempt_is_pushed_too(
     redis_client: redis.Redis,
 ) -> None:
-    # Celery publishes a task id given twice twice; so does the gate (each request its nonce).
+    # Celery publishes a task id given twice twice; so does the gate (each request its
+    # nonce), the second to reserved: the first's record is live, and must not be orphaned.
     store = GateStore(redis_client, Keys(), horizon_s=1e9)
-    assert score_with(store, a_push()) == ("admit_free", "fits")
+    first = a_push()
+    assert score_with(store, first) == ("admit_free", "fits")
     again = a_push()
     keys, args = store.gate_call(
         gate_call(**INPUTS, now_s=time.time(), push=again, nonce=again.nonce)
     )
-    store._gate_reply(store._reply_now(keys, args))  # redis-py's own call, the reload path's
-    assert redis_client.llen("free") == 2
+    scored = store._gate_reply(store._reply_now(keys, args))  # redis-py's call, as on reload
+    assert (scored.decision, scored.reason) == (Decision.RESERVED, Reason.DUPLICATE_PUBLISH)
+    assert redis_client.llen("free") == 1 and redis_client.llen("reserved") == 1
+    assert redis_client.hget(Keys().run("job", 1), "nonce") == first.nonce.encode()
+    # The duplicate, sent again, is not pushed again.
+    assert score_with(store, again) == ("reserved", "duplicate_publish")
+    assert redis_client.llen("reserved") == 1
 
 
 def test_the_fallback_pushes_once_whoever_comes_first(redis_client: redis.Redis) -> None:
@@ -125,14 +132,14 @@ def test_capture_passes_on_other_publishes_on_a_shared_channel(
         def sender(producer: Any, *args: Any, **options: Any) -> None:
             other = {"headers": {"id": "someone-else"}, "body": "x",
                      "properties": {"priority": 0, "delivery_info": {}}}  # fmt: skip
-            mine = {"headers": {"id": "mine", "x": "y"}, "body": "y",
+            mine = {"headers": {"id": "mine", "mark": "ours"}, "body": "y",
                     "properties": {"priority": 0, "delivery_info": {}}}  # fmt: skip
             channel._put("other", other)
             channel._put("free", mine)
 
         message = SimpleNamespace(headers={})
         text, lists = capture_message(
-            sender, producer, ("t", message), {}, QUEUES, "mine", "QUEUE", json.dumps
+            sender, producer, ("t", message), {}, QUEUES, ("mark", "ours"), "QUEUE", json.dumps
         )
         assert "_put" not in vars(channel)  # put back as it was
     assert '"mine"' in text and '"routing_key": "QUEUE"' in text and lists == QUEUES

@@ -139,3 +139,61 @@ def test_a_decision_made_without_redis_gets_an_unverified_unpriced_row(
     summed = totals(redis_client)
     assert summed.get("rows:killed", 0) == 0 and summed.get("unverified:killed") == 1
     assert stats(redis_client).get("unverified_runs") == 1
+
+
+def test_a_second_publish_of_a_live_attempt_cannot_orphan_its_record(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # The same task id published twice through the gate (idempotent ids are common): the
+    # first, admitted to free, keeps its record; the second goes to reserved unrecorded.
+    app = create_app(gate_settings(redis_url), redis_url)
+    app.tasks["tests.boom"].apply_async(task_id="victim")  # admitted, will be killed
+    app.tasks["tests.embed"].apply_async((1,), task_id="victim")
+    (second,) = queue_messages(redis_client, "reserved")
+    assert second["headers"]["gatekeeper_reason"] == "duplicate_publish"
+    with running_worker(redis_url, tmp_path / "w.log", queues="free,reserved"):
+        assert wait_until(lambda: redis_client.llen("free") + redis_client.llen("reserved") == 0
+                          and len(rows(redis_client)) >= 1)  # fmt: skip
+        time.sleep(1.0)
+    (row,) = rows(redis_client)  # the duplicate ran unpriced, with no row
+    assert (row["job_id"], row["path"], row["outcome"]) == ("victim", "free", "killed")
+    assert row["retry_tax"] > 0
+    summed = totals(redis_client)
+    assert summed.get("tax_units") == row["retry_tax"] and summed.get("exposure", 0) == 0
+    assert stats(redis_client).get("forged_runs") == 1
+
+
+def test_a_copy_of_a_running_jobs_id_killed_in_the_main_process_leaves_its_row_alone(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # A hard time limit (seen in the worker's main process, by task id alone) ends a plain
+    # copy that carries a running gated job's id: the gated job's run is not the one killed.
+    gate_on = create_app(gate_settings(redis_url), redis_url)
+    gate_off = create_app(gate_settings(redis_url, dwell_gate_enabled=False), redis_url)
+    gate_on.tasks["tests.sleepy"].apply_async((4,), task_id="victim")  # admitted to free
+    gate_off.tasks["tests.hard"].apply_async(task_id="victim", queue="free")  # dies at 1 s
+    with running_worker(redis_url, tmp_path / "w.log", concurrency=2):
+        assert wait_until(lambda: len(rows(redis_client)) >= 1, timeout_s=30)
+        time.sleep(1.0)
+    log = (tmp_path / "w.log").read_text()
+    assert "TimeLimitExceeded" in log or "Hard time limit" in log  # the copy did die
+    (row,) = rows(redis_client)
+    assert (row["job_id"], row["path"], row["outcome"]) == ("victim", "free", "ok")
+    summed = totals(redis_client)
+    assert summed.get("rows:killed", 0) == 0 and summed.get("exposure", 0) == 0
+
+
+def test_a_copys_meter_never_prices_the_real_jobs_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # An ungated copy that meters its tokens runs first in the same child, then the real
+    # gated attempt with that id: its row has the real attempt's tokens, not the copy's.
+    gate_on = create_app(gate_settings(redis_url), redis_url)
+    gate_off = create_app(gate_settings(redis_url, dwell_gate_enabled=False), redis_url)
+    gate_off.tasks["tests.metered"].apply_async(task_id="victim", queue="free")
+    gate_on.tasks["tests.boom"].apply_async(task_id="victim")  # declares 1200, killed
+    with running_worker(redis_url, tmp_path / "w.log"):
+        assert wait_until(lambda: len(rows(redis_client)) >= 1)
+        time.sleep(0.5)
+    (row,) = rows(redis_client)
+    assert (row["job_id"], row["outcome"], row["tokens_in"]) == ("victim", "killed", 1200)

@@ -137,9 +137,9 @@ def publish_both_ways(
     job = str(uuid.uuid4())
     seen = []
     for app in (fast, ordinary):
-        stale = [KEYS.free_waiting, KEYS.inflight,
+        stale = [KEYS.free_waiting, KEYS.inflight, KEYS.run(job, 1),
                  *client.scan_iter(match=f"{KEYS.base}:window:*")]  # fmt: skip
-        client.delete(*stale)  # each decision sees an empty queue and window
+        client.delete(*stale)  # each decision sees an empty queue and window, and no record
         before = {q: client.llen(q) for q in QUEUES}
         app.tasks["tests.embed"].apply_async((argument,), task_id=job, headers=dict(headers))
         seen.append(newest(client, before))

@@ -67,7 +67,9 @@ def script_answer(
     mode: BudgetMode,
     delay: float = 0.0,
 ) -> tuple[str, str]:
-    client.delete(KEYS.free_waiting, KEYS.window(WINDOW), KEYS.window_rows(WINDOW))
+    client.delete(
+        KEYS.free_waiting, KEYS.window(WINDOW), KEYS.window_rows(WINDOW), KEYS.run("j", 1)
+    )
     if age_ms is not None:
         client.zadd(KEYS.free_waiting, {"older:1": NOW_S * 1000 - age_ms})
     client.hset(KEYS.window(WINDOW), mapping={"tax_units": tax_units, "exposure": exposure})
@@ -217,6 +219,7 @@ def test_the_scripts_rejected_row_is_the_cores_row(redis_client: redis.Redis, jo
         budget_units=100, queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE,
     ))  # fmt: skip
     assert store.window_rows(WINDOW) == []  # a passed deadline defers before the budget
+    redis_client.delete(KEYS.run(job_id, 3))  # a new publish of the attempt, not a duplicate
     store.score(gate_call(
         now_s=NOW_S, window_id=WINDOW, job_id=job_id, attempt=3, expected_service_s=1,
         retry_tax_s=0, deadline_slack_s=1.234, max_queue_age_s=30, tokens_in=500,

@@ -488,13 +488,17 @@ def test_a_fast_publish_through_a_redis_stall_is_published_once(
 def test_a_task_id_published_twice_is_published_twice(
     redis_url: str, redis_client: redis.Redis, fast_publish: str
 ) -> None:
-    # As Celery does; the second time through redis-py's own call (the script reloaded).
+    # As Celery does; the second time through redis-py's own call (the script reloaded). The
+    # first publish's record is live, so the second goes to reserved, unrecorded.
     app = make_app(redis_url, fast_publish=fast_publish)
     embed = app.tasks["tests.embed"]
     embed.apply_async((1,), task_id="twice")
     redis_client.script_flush()
     embed.apply_async((2,), task_id="twice")
-    assert [m["headers"]["id"] for m in queue_messages(redis_client, "free")] == ["twice"] * 2
+    assert [m["headers"]["id"] for m in queue_messages(redis_client, "free")] == ["twice"]
+    (second,) = queue_messages(redis_client, "reserved")
+    assert second["headers"]["id"] == "twice"
+    assert second["headers"]["gatekeeper_reason"] == "duplicate_publish"
 
 
 def test_after_a_publish_that_cannot_take_fast_publish_the_next_ones_ask_again(
@@ -615,3 +619,18 @@ def test_a_header_that_looks_like_a_placeholder_takes_the_ordinary_path(
     app.tasks["tests.embed"].apply_async((1,), headers={"x_note": "__gk_queue__"})
     headers = only_message(redis_client, "free")["headers"]
     assert headers["x_note"] == "__gk_queue__" and headers["gatekeeper_decision"] == "admit_free"
+
+
+@pytest.mark.parametrize("fast_publish", ["on", "off"])
+def test_a_callers_id_header_is_the_id_decided_and_the_message_published_once(
+    redis_url: str, redis_client: redis.Redis, fast_publish: str
+) -> None:
+    # Celery lets a caller's headers override its own, id included: the gate decides for the
+    # id the message carries, and fast publish still recognises its own message.
+    app = make_app(redis_url, fast_publish=fast_publish)
+    app.tasks["tests.embed"].apply_async((1,), task_id="a", headers={"id": "b"})
+    (message,) = [m for q in ("free", "defer", "reserved") for m in queue_messages(redis_client, q)]
+    headers = message["headers"]
+    assert headers["id"] == "b" and headers["gatekeeper_decision"] == "admit_free"
+    nonce = redis_client.hget(Keys().run("b", 1), "nonce")
+    assert nonce is not None and nonce.decode() == headers["gatekeeper_nonce"]

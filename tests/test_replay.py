@@ -253,3 +253,18 @@ def test_a_replayer_whose_lock_expired_never_drops_or_extends_its_successors(
     assert second.acquire()  # refreshed by its holder
     second.release()
     assert redis_client.get(Keys().replayer_lock) is None
+
+
+def test_a_message_put_in_defer_by_a_caller_runs_on_reserved_unscored(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # An ungated task published straight to defer with gatekeeper headers of its own: the
+    # replayer does not score it from them (no record of the gate's deferred it).
+    app = create_app(gate_settings(redis_url, dwell_gate_enabled=False), redis_url)
+    app.tasks["tests.plain"].apply_async(task_id="intruder", queue="defer", headers={
+        "gatekeeper_attempt": 1, "gatekeeper_expected_service_s": 0.1,
+        "gatekeeper_tokens_in": 5, "gatekeeper_deadline_at": time.time() + 60,
+        "gatekeeper_nonce": "made-up"})  # fmt: skip
+    assert replay_once(redis_url, redis_client) == {"unverified": 1}
+    assert ids_in(redis_client, "reserved") == ["intruder"] and redis_client.llen("free") == 0
+    assert not redis_client.exists(KEYS.run("intruder", 1))

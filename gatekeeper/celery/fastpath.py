@@ -202,10 +202,9 @@ class FastRender:
         options.pop("exchange_type", None)
         filled = {header: marks[name] for header, name in FILLED_HEADERS.items()}
         options["headers"] = {**(self.options.get("headers") or {}), **headers, **filled}
-        job_id = str(self.message.headers.get("id"))
         text, lists = capture_message(
             self.sender, self.producer, (self.name, self.message), options, self.queues,
-            job_id, marks["queue"], dumps,
+            (H_DECISION, marks["decision"]), marks["queue"], dumps,
         )  # fmt: skip
         self.push = Push.cut(text, nonce, lists, self.queues)  # type: ignore[arg-type]
         return self.push

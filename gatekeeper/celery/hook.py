@@ -141,14 +141,16 @@ class Installed:
         publish: Publish | None = None
         render: FastRender | None = None
         try:
-            headers = message.headers
+            # The id the message will carry: a caller's ``id`` header overrides Celery's own
+            # when Celery merges the headers, and the record must be the message's.
+            headers = {**message.headers, **extra}
             publish = Publish(
                 task=name,
                 job_id=str(headers["id"]),
                 retries=int(headers.get("retries") or 0),
                 max_retries=found.max_retries,
                 spec=found.spec,
-                headers={**headers, **extra},
+                headers=headers,
                 spec_error=found.error,
             )
             render = self._renderer(producer, name, message, options)

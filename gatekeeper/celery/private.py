@@ -11,6 +11,11 @@ What is touched, and why (``docs/design.md`` has the longer story):
 - Where Celery keeps a task's function (``_decorated_fun`` on 5.7, ``__wrapped__`` before):
   ``@shared_task`` makes its task again for every app, so ``@gated`` marks that function too
   (:func:`task_functions`).
+- The worker's ``celery.worker.state.active_requests`` and ``reserved_requests``: a failure
+  or revocation seen in the worker's main process names only a task id (``sender.request``
+  is empty on 5.5 and 5.6), and two messages can share one; Celery discards the request that
+  ended from these sets before it sends the signal (``task_ready``, on 5.5 to 5.7), so the
+  received messages still in them are not the one that ended (:func:`outstanding`).
 - kombu's virtual Redis channel (``_put``, ``_q_for_pri``, ``_get_message_priority``,
   ``_expires``, ``global_keyprefix``) and the producer's publish batch: fast publish catches
   the serialized message at ``_put`` (:func:`capture_message`) and stands aside where the
@@ -35,6 +40,7 @@ __all__ = [
     "channel_fits",
     "check_celery_shape",
     "current_task",
+    "outstanding",
     "replace_sender",
     "task_functions",
 ]
@@ -140,7 +146,7 @@ def capture_message(
     args: tuple[Any, ...],
     options: dict[str, Any],
     queues: tuple[str, ...],
-    job_id: str,
+    mark: tuple[str, str],
     routing_key: str,
     serialize: Callable[[Any], str],
 ) -> tuple[str, tuple[str, ...]]:
@@ -149,7 +155,9 @@ def capture_message(
     ``delivery_info.routing_key`` is set to ``routing_key``, and the broker list of each of
     ``queues`` at the message's priority.
 
-    The producer must have passed :func:`channel_fits`. Celery merges ``options['headers']``
+    ``mark`` is a header and value only this publish's message carries (a placeholder with
+    its nonce). The producer must have passed :func:`channel_fits`. Celery merges
+    ``options['headers']``
     into the message's own headers; they are put back afterwards, so a later publish of the
     same message object carries none of them.
     """
@@ -159,8 +167,11 @@ def capture_message(
     forward = previous or type(channel)._put.__get__(channel)
 
     def catch(queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        if caught or str(message.get("headers", {}).get("id")) != job_id:
-            # Not ours (another publish on a shared channel): on its way, untouched.
+        headers = message.get("headers")
+        if caught or not isinstance(headers, dict) or headers.get(mark[0]) != mark[1]:
+            # Not ours (another publish on a shared channel): on its way, untouched. Ours is
+            # told by a placeholder only this publish carries, not by its id, which a
+            # caller's ``id`` header can change.
             forward(queue, message, **kwargs)
             return
         message["properties"]["delivery_info"]["routing_key"] = routing_key
@@ -185,3 +196,14 @@ def capture_message(
     if not caught:  # with the default exchange kombu always ends in _put
         raise CeleryShapeError("kombu published without its Redis channel's _put")
     return caught[0]
+
+
+def outstanding(request: Any) -> bool:
+    """Whether the worker still holds this request (reserved or running): a request that has
+    just ended is no longer held when its signal fires."""
+    from celery.worker import state
+
+    active, reserved = state.active_requests, state.reserved_requests
+    if not isinstance(active, (set, frozenset)) or not hasattr(reserved, "__contains__"):
+        raise CeleryShapeError("celery.worker.state's active/reserved requests changed shape")
+    return request in active or request in reserved

@@ -203,6 +203,12 @@ class Replayer:
         deadline = headers.get(H_DEADLINE_AT)
         if isinstance(deadline, (int, float)) and deadline <= now:
             return self._abandon(raw, message, now)
+        if not self._deferred_by_the_gate(job_id, headers):
+            # Not a message the gate parked here (put in defer by hand or by a caller, or by
+            # a publisher older than records): its headers are not the gate's, so it is not
+            # scored from them. It runs on reserved, and its row is unverified or none.
+            self.log.warning("replay_unverified", job_id=job_id, queue=self.defer)
+            return self._send(raw, message, self.settings.reserved_queue, "unverified")
         try:
             # Types are checked where the pipeline resolves these (bad ones fail closed there).
             carried: dict[str, Any] = {
@@ -244,13 +250,25 @@ class Replayer:
         headers.pop(H_REPLAY_AFTER, None)
         return self._send(raw, message, queue, routing.reason)
 
+    def _deferred_by_the_gate(self, job_id: str, headers: dict[str, Any]) -> bool:
+        """Whether the gate's record of this attempt deferred it, and the message carries
+        the record's nonce."""
+        nonce = nonce_of(headers)
+        if not nonce:
+            return False
+        attempt = headers.get(H_ATTEMPT)
+        if isinstance(attempt, bool) or not isinstance(attempt, int):
+            return False
+        record = self.runs.fields(job_id, attempt)
+        return record.get("nonce") == nonce and record.get("decision") == "defer"
+
     def _send(self, raw: bytes, message: dict[str, Any], queue: str, why: str) -> str:
         properties = message["properties"]
         properties["delivery_info"] = {"exchange": "", "routing_key": queue}
         properties["delivery_tag"] = str(uuid.uuid4())
         target = queue_list(queue, int(properties.get("priority") or 0))
         self._push(raw, target, message)
-        return f"to_{queue}" if why != "not_gated" else "not_gated"
+        return f"to_{queue}" if why not in ("not_gated", "unverified") else why
 
     def _abandon(self, raw: bytes, message: dict[str, Any], now: float) -> str:
         headers = message["headers"]

@@ -31,7 +31,6 @@ one row per run. Nothing here raises into Celery: a fault is logged and the task
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,6 +49,7 @@ from celery.signals import (
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers, unverified
 from gatekeeper.celery.metering import take_metered
+from gatekeeper.celery.received import Received
 from gatekeeper.core.headers import H_ATTEMPT
 from gatekeeper.core.ledger import Outcome
 from gatekeeper.logs import make_logger
@@ -60,9 +60,6 @@ from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["WorkerSide", "maybe_freeze"]
-
-RECEIVED_CACHE_SIZE = 10_000
-"""Headers kept per task id in the worker's main process, for signals that lose the request."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +92,7 @@ class WorkerSide:
         self.log = make_logger(settings, "worker")
         self.alerts = make_logger(settings, "alert")
         self._running: dict[str, _Running] = {}
-        self._received: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._received = Received()
 
     def connect(self) -> None:
         """Connect the handlers (each ignores other apps' tasks)."""
@@ -126,11 +123,7 @@ class WorkerSide:
         if not self._ours(task):
             return
         headers = dict(getattr(getattr(request, "message", None), "headers", None) or {})
-        if not claims(headers):
-            return
-        self._received[request.id] = headers
-        while len(self._received) > RECEIVED_CACHE_SIZE:
-            self._received.popitem(last=False)
+        self._received.add(request, headers)
 
     def on_revoked(
         self, sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
@@ -148,7 +141,12 @@ class WorkerSide:
         self._guarded("revoked", request.id, lambda: self._release(request))
 
     def _headers_of(self, job_id: str, request: Any) -> dict[str, Any]:
-        return self._received.pop(job_id, None) or request_headers(request)
+        """The headers of the request that just ended (see :class:`Received`)."""
+        ended = self._received.ended(job_id)
+        if ended is None:
+            self.log.warning("ledger_ambiguous_end", job_id=job_id)
+            return {}
+        return ended or request_headers(request)
 
     def _release(self, request: Any) -> None:
         headers = self._headers_of(request.id, request)
@@ -180,6 +178,7 @@ class WorkerSide:
         """A run starts: count it, and record a dead earlier run of the same attempt."""
         if not self._ours(sender) or task_id is None:
             return
+        take_metered(task_id)  # a meter left by an earlier run of this id is not this run's
         headers = request_headers(sender.request)
         if not claims(headers):
             return
@@ -214,6 +213,8 @@ class WorkerSide:
     def _end_running(self, job_id: str | None, outcome: Outcome, reason: str) -> bool:
         """End the run this process is executing; False when it is not one of ours."""
         if job_id is None or job_id not in self._running:
+            if job_id is not None:
+                take_metered(job_id)  # a run with no row (forged, ungated): its meter goes
             return False
         running = self._running.pop(job_id)
         tokens_in, tokens_out = take_metered(job_id)

@@ -78,6 +78,9 @@ class Reason(str, Enum):
     """The gate's Redis could not be reached or its script failed: reserved."""
     GATE_ERROR = "gate_error"
     """A fault in the gate itself: reserved, with the error."""
+    DUPLICATE_PUBLISH = "duplicate_publish"
+    """Another publish of the same task id and attempt is still live: reserved, unrecorded
+    (its run is priced nothing; the live one's record stands)."""
 
     def __str__(self) -> str:
         return self.value

@@ -9,18 +9,31 @@
 --
 -- ARGV[1] nonce     ARGV[2] decision     ARGV[3] reason
 -- ARGV[4] the message, JSON             ARGV[5] how long the record is kept, seconds
--- ARGV[6..] field, value pairs of the record (what the caller knows of the attempt)
+-- ARGV[6] prev_nonce (the nonce a replayed attempt's message carries, else '')
+-- ARGV[7..] field, value pairs of the record (what the caller knows of the attempt)
+--
+-- As in gate.lua, a live record of another publish of the attempt is left alone (the
+-- message is pushed all the same, and runs unpriced).
 --
 -- Returns false when it pushed the message, else {decision, reason} of the push this request
 -- already made.
 
-local done = redis.call('HMGET', KEYS[1], 'nonce', 'decision', 'reason')
+local done = redis.call('HMGET', KEYS[1], 'nonce', 'decision', 'reason', 'runs', 'rowed',
+  'dup:' .. ARGV[1])
 if done[1] == ARGV[1] then
   return {done[2], done[3]}
 end
+if done[6] then  -- pushed already as a duplicate of a live record
+  return {string.match(done[6], '^([^|]*)|(.*)$')}
+end
 redis.call('LPUSH', KEYS[2], ARGV[4])
+local runs, rowed = tonumber(done[4] or '0'), tonumber(done[5] or '0')
+if done[1] and done[1] ~= ARGV[6] and (runs == 0 or rowed < runs) then
+  redis.call('HSET', KEYS[1], 'dup:' .. ARGV[1], ARGV[2] .. '|' .. ARGV[3])
+  return false
+end
 local fields = {'nonce', ARGV[1], 'decision', ARGV[2], 'reason', ARGV[3]}
-for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
 return false

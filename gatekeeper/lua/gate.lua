@@ -49,8 +49,10 @@
 --                            client that retries): its nonce is looked up first, as it
 --                            always is for fast publish (a stalled script must not push a
 --                            message that fallback.lua pushed meanwhile)
--- ARGV[24..26]              (fast publish only) the free, defer and reserved queue names
--- ARGV[27..]                (fast publish only) the kombu message, JSON, cut at the values
+-- ARGV[24] prev_nonce        the nonce the message already carries for this attempt (a
+--                            replay of a deferred attempt), '' for a first publish
+-- ARGV[25..27]              (fast publish only) the free, defer and reserved queue names
+-- ARGV[28..]                (fast publish only) the kombu message, JSON, cut at the values
 --                            the decision decides: text, name, text, name, ..., text
 --                            (gatekeeper/redis/push.py); the names are decision, reason,
 --                            dwell, free, window and queue
@@ -85,14 +87,24 @@ local horizon = tonumber(ARGV[11])
 local retention = tonumber(ARGV[12])
 local delay = tonumber(ARGV[16])
 
-local fast = #ARGV >= 27
-if fast or ARGV[23] == '1' then
-  local done = redis.call('HMGET', KEYS[6], 'nonce', 'decision', 'reason', 'free_admitted')
-  if done[1] == ARGV[18] then
-    -- This very request was already decided (a re-sent call): say so, change nothing.
-    return {done[2], done[3], '0', 'nan', '0', done[4] or '0'}
-  end
+local fast = #ARGV >= 28
+local held = redis.call('HMGET', KEYS[6], 'nonce', 'decision', 'reason', 'free_admitted',
+  'runs', 'rowed', 'dup:' .. ARGV[18])
+if held[1] == ARGV[18] then
+  -- This very request was already decided (a re-sent call, or fallback.lua pushed its
+  -- message first): say so, change nothing.
+  return {held[2], held[3], '0', 'nan', '0', held[4] or '0'}
 end
+if held[7] then  -- this request was decided as a duplicate already (dup:<nonce> below)
+  local decision, reason = string.match(held[7], '^([^|]*)|(.*)$')
+  return {decision, reason, '0', 'nan', '0', '0'}
+end
+-- Another publish of this attempt holds a live record (not yet run to its row): a second
+-- publish of the same task id and attempt must not orphan it, so it goes to reserved with
+-- no record of its own (its run is priced nothing; the live record keeps dup:<nonce> so that
+-- this request is never pushed twice). A replay presents the record's nonce.
+local runs, rowed = tonumber(held[5] or '0'), tonumber(held[6] or '0')
+local duplicate = held[1] and held[1] ~= ARGV[24] and (runs == 0 or rowed < runs)
 local carried = '0'
 if KEYS[7] ~= KEYS[6] and redis.call('HGET', KEYS[7], 'free_admitted') == '1' then
   carried = '1'
@@ -123,11 +135,11 @@ local function push(decision, reason, shown, free)
     dwell = shown == 'nan' and 'null' or shown,
     free = free == '1' and 'true' or 'false',
     window = admitted and ARGV[17] or 'null',
-    queue = '"' .. ARGV[24 + index] .. '"',  -- queue names need no escaping (settings)
+    queue = '"' .. ARGV[25 + index] .. '"',  -- queue names need no escaping (settings)
   }
   local out = {}
-  for i = 27, #ARGV do
-    if (i - 27) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
+  for i = 28, #ARGV do
+    if (i - 28) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
   end
   redis.call('LPUSH', KEYS[8 + index], table.concat(out))
 end
@@ -141,10 +153,14 @@ local function decided(decision, reason, dwell, projected)
   end
   -- The gate's record: what the attempt's ledger row needs, and the nonce that proves a
   -- message is the one decided here.
-  redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
-    'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],
-    'published_ms', ARGV[19], 'deadline_ms', ARGV[21], 'dwell_s', shown, 'free_admitted', free)
-  redis.call('EXPIRE', KEYS[6], tonumber(ARGV[20]))
+  if duplicate then  -- remembered in the live record, for a re-sent request or fallback.lua
+    redis.call('HSET', KEYS[6], 'dup:' .. ARGV[18], decision .. '|' .. reason)
+  else
+    redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
+      'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],
+      'published_ms', ARGV[19], 'deadline_ms', ARGV[21], 'dwell_s', shown, 'free_admitted', free)
+    redis.call('EXPIRE', KEYS[6], tonumber(ARGV[20]))
+  end
   -- An admission is counted in admitted_free alone (the review reads it as
   -- decided:admit_free:fits). The window's TTL is set by the write that creates the counter.
   local counter = decision == 'admit_free' and 'admitted_free'
@@ -163,6 +179,9 @@ local function decided(decision, reason, dwell, projected)
   return {decision, reason, fmt(age), shown, fmt(projected), free}
 end
 
+if duplicate then
+  return decided('reserved', 'duplicate_publish', 0 / 0, 0)
+end
 if redis.call('HGET', KEYS[5], 'free_path_enabled') == 'false' then
   return decided('reserved', 'free_path_disabled', 0 / 0, 0)
 end

@@ -7,23 +7,30 @@
 --
 -- ARGV[1] decision   ARGV[2] reason   ARGV[3] defer_fit (0|1)   ARGV[4] reserved_age_shift (0|1)
 -- ARGV[5] retention_s (the window's TTL)   ARGV[6] record_ttl_s
--- ARGV[7..] field, value pairs of the record (nonce, tokens_in, deadline_ms, ...)
+-- ARGV[7] prev_nonce (the nonce a replayed attempt's message carries, else '')
+-- ARGV[8..] field, value pairs of the record (nonce, tokens_in, deadline_ms, ...)
 --
--- Returns the record's free_admitted ('1' when an earlier attempt of the job was admitted).
--- With no record fields it only counts (a bad input: its row stays unverified).
+-- Returns the record's free_admitted ('1' when an earlier attempt of the job was admitted),
+-- or 'unrecorded': no record fields (a bad input: its row stays unverified), or another
+-- publish of the attempt holds a live record (as in gate.lua, it is left alone).
 
 if redis.call('HINCRBY', KEYS[1], 'decided:' .. ARGV[1] .. ':' .. ARGV[2], 1) == 1 then
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
 end
 if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[1], 'review:defer_fit', 1) end
 if ARGV[4] == '1' then redis.call('HINCRBY', KEYS[1], 'review:reserved_age_shift', 1) end
-if #ARGV < 7 then return '0' end  -- counted only: no record (a bad input's row is unverified)
+if #ARGV < 8 then return 'unrecorded' end  -- counted only (a bad input's row is unverified)
+local held = redis.call('HMGET', KEYS[2], 'nonce', 'runs', 'rowed')
+local runs, rowed = tonumber(held[2] or '0'), tonumber(held[3] or '0')
+if held[1] and held[1] ~= ARGV[7] and (runs == 0 or rowed < runs) then
+  return 'unrecorded'
+end
 local free = '0'
 if KEYS[3] ~= KEYS[2] and redis.call('HGET', KEYS[3], 'free_admitted') == '1' then
   free = '1'
 end
 local fields = {'decision', ARGV[1], 'reason', ARGV[2], 'window', '', 'free_admitted', free}
-for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[6]))
 return free

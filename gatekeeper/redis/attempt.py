@@ -70,6 +70,8 @@ class Attempt:
     nonce: str
     headers: dict[str, Any]
     fields: dict[str, Any]
+    prev_nonce: str = ""
+    """The nonce a replayed attempt's message carries (its record's, if it is the gate's)."""
 
     def record(self, dwell_s: float) -> dict[str, str]:
         """The gate's record of this attempt, for a decision made without ``gate.lua`` (the
@@ -111,6 +113,7 @@ def resolve(publish: Publish, now: float, window_seconds: int, nonce: str) -> At
                   deadline_slack_s=slack, tokens=inputs.tokens_in)  # fmt: skip
     same_attempt = publish.headers.get(H_ATTEMPT) == publish.attempt
     carried = publish.headers.get(H_ATTEMPT_PUBLISHED_AT) if same_attempt else None
+    prev = publish.headers.get(H_NONCE) if same_attempt else None
     published = now + delay if not isinstance(carried, (int, float)) else float(carried)
     headers: dict[str, Any] = {
         H_DEADLINE_AT: inputs.deadline_at,
@@ -125,7 +128,8 @@ def resolve(publish: Publish, now: float, window_seconds: int, nonce: str) -> At
     if publish.max_retries is not None:
         headers[H_MAX_RETRIES] = publish.max_retries
     return Attempt(publish, now, window_id(now, window_seconds), inputs, delay, tax_s, slack,
-                   published, nonce, headers, fields)  # fmt: skip
+                   published, nonce, headers, fields,
+                   prev if isinstance(prev, str) else "")  # fmt: skip
 
 
 def bad_input_stamp(publish: Publish, now: float) -> dict[str, Any]:

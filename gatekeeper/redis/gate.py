@@ -183,7 +183,7 @@ class Pipeline:
         ))  # fmt: skip
         free = self.store.record_decision(
             attempt.window, attempt.publish.job_id, attempt.publish.attempt, decision, reason,
-            marks, attempt.record(_number(fields.get("dwell_s"))),
+            marks, attempt.record(_number(fields.get("dwell_s"))), attempt.prev_nonce,
         )  # fmt: skip
         headers = attempt.headers if free is not None else _unrecorded(attempt.headers)
         return self._finish(decision, reason, headers, fields, free=bool(free))
@@ -201,7 +201,7 @@ class Pipeline:
             queue_wait_unit_per_second=self.settings.queue_wait_unit_per_second,
             budget_mode=self.settings.budget_mode, nonce=attempt.nonce,
             published_s=attempt.published_s, deadline_s=attempt.inputs.deadline_at,
-            delay_s=attempt.delay_s, push=push,
+            delay_s=attempt.delay_s, push=push, prev_nonce=attempt.prev_nonce,
         )  # fmt: skip
         try:
             scored = self.store.score(call)
@@ -209,7 +209,8 @@ class Pipeline:
             headers = _unrecorded(attempt.headers)
             if push is not None:  # fast publish: push the built message here instead
                 return self._push_instead(push, publish, Reason.GATE_UNAVAILABLE, headers,
-                                          fields, str(exc), attempt.record(math.nan))  # fmt: skip
+                                          fields, str(exc), attempt.record(math.nan),
+                                          attempt.prev_nonce)  # fmt: skip
             return self._finish(Decision.RESERVED, Reason.GATE_UNAVAILABLE, headers, fields,
                                 error=str(exc))  # fmt: skip
         fields.update(queue_age_s=scored.queue_age_s, dwell_s=scored.dwell_s)
@@ -249,6 +250,7 @@ class Pipeline:
         fields: dict[str, Any],
         error: str,
         record: dict[str, str],
+        prev_nonce: str = "",
     ) -> Routing:
         """A fast publish whose script did not push (it failed, or its reply was lost or
         late): ``fallback.lua`` pushes the message Celery already built to reserved, unless
@@ -259,7 +261,8 @@ class Pipeline:
                                       reserved))  # fmt: skip
         try:
             earlier = self.store.push_fallback(push, publish.job_id, publish.attempt,
-                                               Decision.RESERVED, reason, text, record)  # fmt: skip
+                                               Decision.RESERVED, reason, text, record,
+                                               prev_nonce)  # fmt: skip
         except LedgerUnavailable as down:
             self._finish(Decision.RESERVED, reason, headers, fields, error=f"{error}; {down}")
             raise PublishFailed(f"cannot publish {publish.job_id}: {down}") from down

@@ -60,6 +60,8 @@ class GateCall:
     """This attempt's first publish (a replayed attempt keeps it: its wait includes defer)."""
     deadline_s: float = 0.0
     """The attempt's deadline, Unix seconds (kept in the record)."""
+    prev_nonce: str = ""
+    """The nonce the message already carries for this attempt (a replay), else ''."""
     delay_s: float = 0.0
     push: Push | None = None
 
@@ -152,6 +154,7 @@ class GateStore:
             str(_ms(call.deadline_s)),
             str(_ms(call.now_s + call.delay_s)),
             "0",  # rerun: set by _reply_now, whose client may send the request again
+            call.prev_nonce,
         ]
         if call.push is not None:  # fast publish: the script pushes the decided message too
             keys += call.push.lists
@@ -241,23 +244,26 @@ class GateStore:
         reason: Reason,
         marks: tuple[bool, bool],
         record: dict[str, str],
+        prev_nonce: str = "",
     ) -> bool | None:
         """Count a decision made in process and write the gate's record of the attempt
-        (``record.lua``); returns the record's ``free_admitted``, None when Redis failed (the
-        decision stands, unrecorded: its row will be unverified)."""
+        (``record.lua``); returns the record's ``free_admitted``, None when it was not
+        recorded (Redis failed, a bad input, or another publish of the attempt holds a live
+        record): the decision stands, and its row will be unverified."""
         keys = [self.keys.window(window_id), *self._records(job_id, attempt)]
         args = [decision.value, reason.value, "1" if marks[0] else "0", "1" if marks[1] else "0",
-                str(self.retention_s), str(self.record_ttl_s)]  # fmt: skip
+                str(self.retention_s), str(self.record_ttl_s), prev_nonce]  # fmt: skip
         for name, value in record.items():
             args += [name, value]
         try:
-            return text_of(evalsha(self.client, self._record, keys, args)) == "1"
+            free = text_of(evalsha(self.client, self._record, keys, args))
         except redis.RedisError:
             return None
+        return None if free == "unrecorded" else free == "1"
 
     def push_fallback(
         self, push: Push, job_id: str, attempt: int, decision: Decision, reason: Reason,
-        text: str, record: dict[str, str],
+        text: str, record: dict[str, str], prev_nonce: str = "",
     ) -> tuple[Decision, Reason] | None:  # fmt: skip
         """Push a fast publish's message that gate.lua did not push, as ``text``; None when
         pushed now, else (decision, reason) of the push this request already made.
@@ -269,7 +275,8 @@ class GateStore:
         """
         index = {Decision.ADMIT_FREE: 0, Decision.DEFER: 1, Decision.RESERVED: 2}[decision]
         keys = [self.keys.run(job_id, attempt), push.lists[index]]
-        args = [push.nonce, decision.value, reason.value, text, str(self.record_ttl_s)]
+        args = [push.nonce, decision.value, reason.value, text, str(self.record_ttl_s),
+                prev_nonce]  # fmt: skip
         for name, value in record.items():
             args += [name, value]
         try:

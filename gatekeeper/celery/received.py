@@ -1,0 +1,73 @@
+"""The worker's main process: which received message a failure or revocation was about.
+
+Those signals fire in the main process naming only a task id (``sender.request`` is empty
+on Celery 5.5 and 5.6), and two messages can carry one id: a caller's copy of a gated job's
+id must never be taken for the gate's message. Every request of the app is kept here with
+its headers, gated or not; Celery stops holding a request just before it sends its end
+signal (:func:`gatekeeper.celery.private.outstanding`), so the one that ended is among those
+it no longer holds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from gatekeeper.celery.message import claims, nonce_of
+from gatekeeper.celery.private import outstanding
+
+__all__ = ["RECEIVED_CACHE_SIZE", "Received"]
+
+RECEIVED_CACHE_SIZE = 10_000
+"""Task ids kept at most (the oldest are forgotten first)."""
+PRUNE_EVERY = 100
+"""Ended requests are forgotten every this many arrivals (a pass over what is kept)."""
+
+
+class Received:
+    """Per task id, the requests received and their headers, while the worker holds them."""
+
+    def __init__(self) -> None:
+        self._by_id: OrderedDict[str, list[tuple[Any, dict[str, Any]]]] = OrderedDict()
+        self._arrivals = 0
+
+    def add(self, request: Any, headers: dict[str, Any]) -> None:
+        self._arrivals += 1
+        if self._arrivals % PRUNE_EVERY == 0:
+            self._prune()
+        self._by_id.setdefault(request.id, []).append((request, headers))
+        while len(self._by_id) > RECEIVED_CACHE_SIZE:
+            self._by_id.popitem(last=False)
+
+    def ended(self, job_id: str) -> dict[str, Any] | None:
+        """The gatekeeper headers of the request with this id that just ended; ``{}`` when
+        none of ours claims any; None when the ended ones disagree (two messages with one
+        id, both ended since the last prune): nothing may be attributed then."""
+        held = self._by_id.get(job_id)
+        if not held:
+            return {}
+        try:
+            ended = [entry for entry in held if not outstanding(entry[0])]
+        except Exception:  # a changed Celery: only a lone request can be told
+            ended = held if len(held) == 1 else []
+        left = [entry for entry in held if entry not in ended]
+        if left:
+            self._by_id[job_id] = left
+        else:
+            del self._by_id[job_id]
+        headers = [h for _, h in ended]
+        if not any(claims(h) for h in headers):
+            return {}
+        if len({nonce_of(h) for h in headers}) != 1 or not all(claims(h) for h in headers):
+            return None
+        return headers[0]
+
+    def _prune(self) -> None:
+        """Forget the requests the worker no longer holds."""
+        try:
+            gone = [job_id for job_id, held in self._by_id.items()
+                    if not any(outstanding(request) for request, _ in held)]  # fmt: skip
+        except Exception:  # a changed Celery: keep them; the cache is bounded anyway
+            return
+        for job_id in gone:
+            del self._by_id[job_id]
