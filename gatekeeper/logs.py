@@ -63,13 +63,15 @@ _CONSTANTS = {None: "", True: "true", False: "false"}
 
 def _kv_value(value: Any) -> str:
     kind = type(value)
+    if kind is str:  # the commonest first: most of a decision line's values are text
+        return value if value and not _NEEDS_QUOTES.search(value) else json.dumps(value)
     if kind is float:
         return repr(round(value, 3))  # digits, a dot, "e", "-", "inf" or "nan": never quoted
     if kind is int:
         return str(value)
     if kind is bool or value is None:
         return _CONSTANTS[value]
-    text = value if kind is str else str(value)
+    text = str(value)
     return json.dumps(text) if not text or _NEEDS_QUOTES.search(text) else text
 
 
@@ -104,8 +106,9 @@ class KeyValueRenderer:
         self.key_order = key_order
 
     def __call__(self, _: Any, __: str, event: MutableMapping[str, Any]) -> str:
-        parts = [f"{key}={_kv_value(event.pop(key))}" for key in self.key_order if key in event]
-        parts.extend(f"{key}={_kv_value(value)}" for key, value in event.items())
+        pop = event.pop
+        parts = [key + "=" + _kv_value(pop(key)) for key in self.key_order if key in event]
+        parts += [key + "=" + _kv_value(value) for key, value in event.items()]
         return " ".join(parts)
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import redis
 from celery import Celery
+from hypothesis import given
+from hypothesis import strategies as st
 from kombu import Producer
 
 from gatekeeper.celery.fastpath import possible, publish_observed, same_server
@@ -16,7 +18,7 @@ from gatekeeper.celery.private import capture_message
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.ledger import BudgetMode
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.push import Push, new_nonce, placeholders, values_for
+from gatekeeper.redis.push import Push, dwell_text, new_nonce, placeholders, values_for
 from gatekeeper.redis.store import GateStore
 from tests.calls import gate_call
 
@@ -174,3 +176,9 @@ def test_a_producer_subclass_that_overrides_publishing_counts_as_an_observer() -
 
     assert not publish_observed(Producer) and not publish_observed(Plain)
     assert publish_observed(Counting)
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False))
+def test_the_ordinary_paths_dwell_is_the_double_the_scripts_text_reads_back_as(x: float) -> None:
+    # The ordinary path stamps round(dwell, 6); gate.lua writes string.format('%.6f', dwell).
+    assert round(x, 6) == float(dwell_text(x)) == json.loads(dwell_text(x))

@@ -46,7 +46,7 @@ from gatekeeper.logs import make_logger
 from gatekeeper.redis.attempt import Attempt, Publish, bad_input_stamp, identity, resolve
 from gatekeeper.redis.flags import Flags, FlagStore, in_canary
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.push import Push, dwell_text, new_nonce, values_for
+from gatekeeper.redis.push import Push, new_nonce, values_for
 from gatekeeper.redis.store import GateCall, GateStore
 from gatekeeper.settings import GatekeeperSettings
 
@@ -55,6 +55,13 @@ __all__ = ["Pipeline", "Publish", "Render", "Routing"]
 Render = Callable[[dict[str, Any], str], Push | None]
 """Fast publish: the message for these headers, cut at this nonce's placeholders."""
 _WARN = {Reason.GATE_UNAVAILABLE, Reason.GATE_ERROR, Reason.BAD_INPUT}
+_VALUES: dict[Decision | Reason, str] = {**{d: d.value for d in Decision},
+                                         **{r: r.value for r in Reason}}  # fmt: skip
+"""The enums' values, looked up once (an enum's ``.value`` is a descriptor call)."""
+_LINE_DEFAULTS: dict[str, Any] = dict.fromkeys(
+    ("queue_age_s", "expected_service_s", "retry_tax_s", "dwell_s", "deadline_slack_s", "tokens")
+)
+"""Fields every decision line carries, empty when the decision did not get that far."""
 
 
 @dataclass(slots=True)
@@ -286,31 +293,27 @@ class Pipeline:
         """Stamp the decided headers (the same values fast publish's script writes) and write
         the decision's one log line."""
         queue = self._queues[decision]
+        decided, why = _VALUES[decision], _VALUES[reason]
         dwell = fields.get("dwell_s")
-        shown = dwell_text(dwell if isinstance(dwell, (int, float)) else None)
-        headers = {
-            **headers,
-            H_DECISION: decision.value,
-            H_REASON: reason.value,
-            H_DWELL_S: None if shown == "null" else float(shown),
-            H_FREE_ADMITTED: free,
-            H_WINDOW: window,
-        }
-        tokens = fields.get("tokens")
         finite = isinstance(dwell, float) and math.isfinite(dwell)
-        line = {
-            "queue_age_s": None, "expected_service_s": None, "retry_tax_s": None,
-            "dwell_s": None, "deadline_slack_s": None, "tokens": None,
-            **fields,
-            "decision": decision.value, "reason": reason.value,
-            "token_pressure": tokens * dwell if finite and tokens is not None else None,
-            "queue": queue,
-            **extra,
-        }  # fmt: skip
-        # A closed or full log stream must not change where the task goes.
-        with contextlib.suppress(Exception):
-            level = "warning" if reason in _WARN else "info"
-            getattr(self.log, level)("gate_decision", **line)
+        # round(x, 6) is the double '%.6f' reads back as: the text gate.lua writes.
+        shown = round(dwell, 6) if isinstance(dwell, float) and finite else None
+        headers = {**headers, H_DECISION: decided, H_REASON: why, H_DWELL_S: shown,
+                   H_FREE_ADMITTED: free, H_WINDOW: window}  # fmt: skip
+        line = dict(_LINE_DEFAULTS)
+        line.update(fields)
+        tokens = fields.get("tokens")
+        line["decision"], line["reason"], line["queue"] = decided, why, queue
+        line["token_pressure"] = tokens * dwell if finite and tokens is not None else None
+        if extra:
+            line.update(extra)
+        try:  # a closed or full log stream must not change where the task goes
+            if reason in _WARN:
+                self.log.warning("gate_decision", **line)
+            else:
+                self.log.info("gate_decision", **line)
+        except Exception:
+            pass
         return Routing(queue, decision, reason, headers, published)
 
 
