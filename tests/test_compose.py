@@ -5,9 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-import pytest
-
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, missing_server
 
 
 def _compose() -> list[str] | None:
@@ -23,7 +21,7 @@ def _compose() -> list[str] | None:
 def test_compose_file_is_valid_and_has_every_service() -> None:
     compose = _compose()
     if compose is None:
-        pytest.skip("neither `docker compose` nor `docker-compose` is installed")
+        missing_server("neither `docker compose` nor `docker-compose` is installed")
     check = subprocess.run([*compose, "config", "-q"], cwd=REPO_ROOT, capture_output=True)
     assert check.returncode == 0, check.stderr.decode()
     services = subprocess.run(
