@@ -189,14 +189,19 @@ class FastRender:
         message: Any,
         options: dict[str, Any],
         queues: tuple[str, str, str],
+        fits: Callable[[], bool] = lambda: True,
     ) -> None:
         self.sender, self.producer, self.name, self.message = sender, producer, name, message
-        self.options, self.queues = options, queues
+        self.options, self.queues, self.fits = options, queues, fits
         self.push: Push | None = None
 
     def __call__(self, headers: dict[str, Any], nonce: str) -> Push | None:
         """The message Celery would publish with ``headers`` to the free queue, with the
-        decided values left as this nonce's placeholders; None when it cannot be cut."""
+        decided values left as this nonce's placeholders; None when this publish cannot take
+        fast publish (``fits``, asked only now: a decision the flags or a guard make never
+        pays for the checks) or the message cannot be cut."""
+        if not self.fits():
+            return None
         marks = placeholders(nonce)
         options = {**self.options, "queue": self.queues[0], "exchange": None, "routing_key": None}
         options.pop("exchange_type", None)

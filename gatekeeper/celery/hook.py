@@ -103,7 +103,7 @@ class Installed:
             found = None
         if found is None:
             return self.original_sender(producer, name, message, **options)
-        publish, _render, routing = self._decide(found, producer, name, message, options)
+        publish, routing = self._decide(found, producer, name, message, options)
         if routing.published:
             return None  # gate.lua (or fallback.lua) pushed it with its decision
         self._address(options, routing)
@@ -134,7 +134,7 @@ class Installed:
 
     def _decide(
         self, found: _Gated, producer: Any, name: str, message: Any, options: dict[str, Any]
-    ) -> tuple[Publish | None, FastRender | None, Routing]:
+    ) -> tuple[Publish | None, Routing]:
         """The routing of one gated publish; never raises but for a fast publish that could
         not be pushed at all (the broker, the gate's own Redis, is down)."""
         extra = dict(options.get("headers") or {})
@@ -168,31 +168,36 @@ class Installed:
                 routing = self.pipeline.fail_closed(stub, Reason.GATE_ERROR, repr(exc), push)
             except PublishFailed as failed:
                 raise OperationalError(str(failed)) from failed
-        return publish, render, routing
+        return publish, routing
 
     def _renderer(
         self, producer: Any, name: str, message: Any, options: dict[str, Any]
     ) -> FastRender | None:
-        """The fast-publish renderer when this publish can take it, else None."""
-        mode = self.settings.fast_publish
-        if mode == "off" or (mode == "auto" and publish_observed(type(producer))):
-            return None  # "auto": something would see this publish, so Celery's own way
-        if mode == "auto" and getattr(message, "sent_event", None) is not None:
+        """The fast-publish renderer, unless the setting is off; whether this publish can
+        take it is asked only when the decision needs the gate script (:meth:`_fits`)."""
+        if self.settings.fast_publish == "off":
             return None
+        return FastRender(self.original_sender, producer, name, message, options, self.queues,
+                          lambda: self._fits(producer, message))  # fmt: skip
+
+    def _fits(self, producer: Any, message: Any) -> bool:
+        """Whether this publish can take fast publish (see :mod:`gatekeeper.celery.fastpath`)."""
+        if self.settings.fast_publish == "auto" and (
+            publish_observed(type(producer)) or getattr(message, "sent_event", None) is not None
+        ):
+            return False  # "auto": something would see this publish, so Celery's own way
         if not possible(self.app, producer, self.queues):
-            return None
+            return False
         broker = getattr(getattr(producer, "channel", None), "client", None)
         pool = getattr(broker, "connection_pool", None)
         if pool is None:
-            return None
+            return False
         same = self._same_server.get(pool)
         if same is None:
             same = same_server(broker, self.client)
             if same is not None:  # unknown (a server unreachable): asked again next time
                 self._same_server[pool] = same
-        if not same:
-            return None
-        return FastRender(self.original_sender, producer, name, message, options, self.queues)
+        return bool(same)
 
     def _flags_unread(self, publish: Publish, options: dict[str, Any]) -> Routing:
         """The flags were never read: the task's own route stands, unless it reaches free."""
