@@ -107,7 +107,19 @@ def test_a_carried_deadline_is_never_extended() -> None:
         ({"gatekeeper_tokens_in": 1.5}, "gatekeeper_tokens_in"),
         ({"gatekeeper_tokens_in": "many"}, "gatekeeper_tokens_in"),
         ({"gatekeeper_deadline_s": "soon"}, "gatekeeper_deadline_s"),
-        ({"gatekeeper_deadline_at": None, "gatekeeper_deadline_s": True}, "gatekeeper_deadline_s"),
+        ({"gatekeeper_deadline_s": True}, "gatekeeper_deadline_s"),
+        ({"gatekeeper_deadline_at": None, "gatekeeper_deadline_s": 60}, "gatekeeper_deadline_at"),
+        ({"gatekeeper_deadline_s": "60"}, "gatekeeper_deadline_s"),
+        ({"gatekeeper_deadline_s": " 5 "}, "gatekeeper_deadline_s"),
+        ({"gatekeeper_deadline_s": "5\n"}, "gatekeeper_deadline_s"),
+        ({"gatekeeper_deadline_s": "\u0666\u0660"}, "gatekeeper_deadline_s"),
+        ({"gatekeeper_deadline_s": 1e308}, "gatekeeper_deadline_s"),
+        ({"gatekeeper_deadline_at": math.inf}, "gatekeeper_deadline_at"),
+        ({"gatekeeper_tokens_in": 10**100}, "gatekeeper_tokens_in"),
+        ({"gatekeeper_tokens_in": "100"}, "gatekeeper_tokens_in"),
+        ({"gatekeeper_tokens_in": None}, "gatekeeper_tokens_in"),
+        ({"gatekeeper_expected_service_s": math.inf}, "gatekeeper_expected_service_s"),
+        ({"gatekeeper_expected_service_s": False}, "gatekeeper_expected_service_s"),
         ({"gatekeeper_deadline_s": math.nan}, "gatekeeper_deadline_s"),
         ({"gatekeeper_first_published_at": math.nan}, "gatekeeper_first_published_at"),
         ({"gatekeeper_expected_service_s": "8s"}, "gatekeeper_expected_service_s"),
@@ -227,6 +239,16 @@ def test_the_decorator_and_the_task_option_together_are_refused() -> None:
     assert spec_of(again(again(once))) == GatedSpec(expected_service_s=5, deadline_s=60)
 
 
-def test_a_non_finite_service_time_passes_through_for_the_guard_to_defer() -> None:
-    headers = {"gatekeeper_expected_service_s": math.inf}
-    assert resolve_inputs(SPEC, headers, now=1.0).expected_service_s == math.inf
+def test_a_non_finite_declared_service_time_passes_through_for_the_guard_to_defer() -> None:
+    # Declared in code (a task option's dict): the guard defers it. In a header it is a bad
+    # input (above): headers take finite numbers only.
+    spec = GatedSpec(expected_service_s=math.inf, deadline_s=60)
+    assert resolve_inputs(spec, {}, now=1.0).expected_service_s == math.inf
+
+
+def test_a_declaration_too_large_to_count_is_refused_at_import_and_at_publish() -> None:
+    with pytest.raises(BadDeclaredInput, match="tokens_in: expected a number of at most"):
+        gatekeeper.gated(expected_service_s=1, tokens_in=10**100, deadline_s=60)
+    with pytest.raises(BadDeclaredInput) as caught:
+        resolve_inputs(GatedSpec(expected_service_s=1, deadline_s=1e308), {}, now=1.0)
+    assert caught.value.field == "deadline_s"

@@ -106,7 +106,7 @@ class Installed:
         publish, routing = self._decide(found, producer, name, message, options)
         if routing.published:
             return None  # gate.lua (or fallback.lua) pushed it with its decision
-        self._address(options, routing)
+        self._address(message, options, routing)
         return self._send(producer, name, message, options, publish, routing)
 
     # -- the steps, in the order a publish takes them ---------------------------------------
@@ -211,15 +211,20 @@ class Installed:
         return Routing(None, None, Reason.FLAGS_UNREAD)
 
     @staticmethod
-    def _address(options: dict[str, Any], routing: Routing) -> None:
-        """Point the publish at the chosen queue by name, whatever else asked for another."""
+    def _address(message: Any, options: dict[str, Any], routing: Routing) -> None:
+        """Point the publish at the chosen queue by name, whatever else asked for another;
+        headers that were bad inputs are not forwarded (from the caller's or Celery's)."""
         if routing.queue is None:
             return  # untouched: its normal route
         options["queue"] = routing.queue
         options["exchange"] = None
         options["routing_key"] = None
         options.pop("exchange_type", None)
-        options["headers"] = {**(options.get("headers") or {}), **routing.headers}
+        headers = {**(options.get("headers") or {}), **routing.headers}
+        for name in routing.drop:
+            headers.pop(name, None)
+            message.headers.pop(name, None)
+        options["headers"] = headers
 
     def _send(
         self,

@@ -236,6 +236,8 @@ class Replayer:
             self.log.warning("replay_route_failed", job_id=job_id, error=repr(exc))
             return self._send(raw, message, self.settings.reserved_queue, "gate_error")
         headers.update(routing.headers)
+        for name in routing.drop:
+            headers.pop(name, None)
         replays = int(headers.get(H_REPLAYS) or 0) + 1
         headers[H_REPLAYS] = replays
         queue = routing.queue or self.settings.reserved_queue

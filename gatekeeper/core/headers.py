@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "H_ATTEMPT",
     "H_ATTEMPT_PUBLISHED_AT",
+    "H_BAD_INPUT",
     "H_DEADLINE_AT",
     "H_DEADLINE_S",
     "H_DECISION",
@@ -27,6 +28,7 @@ __all__ = [
     "H_TOKENS_IN",
     "H_TOKENS_OUT",
     "H_WINDOW",
+    "NUMERIC",
     "OVERRIDES",
 ]
 
@@ -54,3 +56,10 @@ H_NONCE = "gatekeeper_nonce"
 
 OVERRIDES = frozenset({"gatekeeper_deadline_s", H_DEADLINE_AT, H_EXPECTED_SERVICE_S, H_TOKENS_IN})
 """The headers a caller may set: per-call overrides of the declared inputs."""
+
+NUMERIC = (H_DEADLINE_S, H_DEADLINE_AT, H_EXPECTED_SERVICE_S, H_TOKENS_IN, H_TOKENS_OUT,
+           H_FIRST_PUBLISHED_AT, H_ATTEMPT_PUBLISHED_AT)  # fmt: skip
+"""The headers the gate reads as numbers; one that is not a number is not forwarded."""
+H_BAD_INPUT = "gatekeeper_bad_input"
+"""Set on a message whose gatekeeper header was not a number (named here) and was dropped:
+its retries stay on reserved (``bad_input``) rather than fall back to the declared values."""

@@ -11,6 +11,11 @@ in ``apply_async(headers={...})`` (:mod:`gatekeeper.core.headers`):
 
 The hook writes the other headers; they survive retries and deferral, and the deadline and
 first-publish time, once written, are never changed (a deadline is never extended).
+
+A header takes numbers only, as the decorator does: an ``int`` or a ``float``, finite and of
+at most :data:`MAX_MAGNITUDE` (text such as ``"60"``, booleans, ``nan`` and ``10**100`` are
+refused, naming the header). A declared value may be infinite (the gate's guard defers it),
+never larger than that.
 """
 
 from __future__ import annotations
@@ -31,7 +36,21 @@ from gatekeeper.core.headers import (
 )
 from gatekeeper.errors import BadDeclaredInput
 
-__all__ = ["DeclaredInputs", "GatedSpec", "declared_number", "resolve_inputs", "whole_tokens"]
+__all__ = [
+    "MAX_MAGNITUDE",
+    "DeclaredInputs",
+    "GatedSpec",
+    "declared_number",
+    "header_number",
+    "resolve_inputs",
+    "whole_tokens",
+]
+
+MAX_MAGNITUDE = 1e12
+"""The largest number of seconds or tokens an input may be: ample for a Unix time (the year
+33658) or a night's tokens, small enough that milliseconds and sums of tokens stay exact in a
+double and in Redis's 64-bit counters (``10**100`` tokens or a deadline of ``1e308`` s would
+overflow them)."""
 
 
 @dataclass(frozen=True)
@@ -65,12 +84,30 @@ class DeclaredInputs:
 
 
 def _number(field: str, value: Any) -> float:
+    """A declared value as a float (infinity passes, for the guard); text that reads as a
+    number passes here only for a declared value a dict task option gave."""
     if isinstance(value, bool):
         raise BadDeclaredInput(field, "a number", value)
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise BadDeclaredInput(field, "a number", value) from None
+    if math.isfinite(number) and abs(number) > MAX_MAGNITUDE:
+        raise BadDeclaredInput(field, f"a number of at most {MAX_MAGNITUDE:g}", value)
+    return number
+
+
+def header_number(field: str, value: Any) -> float:
+    """A header's value: an ``int`` or ``float`` (never text or a boolean), finite, of at
+    most :data:`MAX_MAGNITUDE`; raises :class:`BadDeclaredInput` naming the header."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadDeclaredInput(field, "a number (not text or a boolean)", value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or abs(number) > MAX_MAGNITUDE:
+        raise BadDeclaredInput(field, f"a finite number of at most {MAX_MAGNITUDE:g}", value)
     return number
 
 
@@ -89,14 +126,12 @@ def resolve_inputs(spec: GatedSpec, headers: Mapping[str, Any], now: float) -> D
     Errors name where the bad value came from: a header, else the declaration's field.
     """
     first = headers.get(H_FIRST_PUBLISHED_AT)
-    first_published_at = now if first is None else _number(H_FIRST_PUBLISHED_AT, first)
-    if math.isnan(first_published_at):
-        raise BadDeclaredInput(H_FIRST_PUBLISHED_AT, "a number", first)
-    if headers.get(H_DEADLINE_AT) is not None:
-        field, deadline_at = H_DEADLINE_AT, _number(H_DEADLINE_AT, headers[H_DEADLINE_AT])
-    elif headers.get(H_DEADLINE_S) is not None:
+    first_published_at = now if first is None else header_number(H_FIRST_PUBLISHED_AT, first)
+    if H_DEADLINE_AT in headers:
+        field, deadline_at = H_DEADLINE_AT, header_number(H_DEADLINE_AT, headers[H_DEADLINE_AT])
+    elif H_DEADLINE_S in headers:
         field = H_DEADLINE_S
-        deadline_at = first_published_at + _number(H_DEADLINE_S, headers[H_DEADLINE_S])
+        deadline_at = first_published_at + header_number(H_DEADLINE_S, headers[H_DEADLINE_S])
     elif spec.deadline_at is not None:
         field, deadline_at = "deadline_at", _number("deadline_at", spec.deadline_at)
     else:
@@ -115,9 +150,10 @@ def resolve_inputs(spec: GatedSpec, headers: Mapping[str, Any], now: float) -> D
 
 
 def _source(headers: Mapping[str, Any], header: str, field: str, declared: Any) -> tuple[str, Any]:
-    """The value a header overrides with (and the header's name), else the declared one."""
+    """The value a header overrides with (and the header's name), checked as a header's
+    number, else the declared one."""
     if header in headers:
-        return header, headers[header]
+        return header, header_number(header, headers[header])
     return field, declared
 
 
@@ -125,4 +161,6 @@ def declared_number(name: str, value: Any) -> Any:
     """``value`` when it is a number in the code that declares it ("8" and True are not)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise BadDeclaredInput(name, "a number", value)
+    if math.isfinite(value) and abs(value) > MAX_MAGNITUDE:
+        raise BadDeclaredInput(name, f"a number of at most {MAX_MAGNITUDE:g}", value)
     return value

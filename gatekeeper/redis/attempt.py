@@ -18,6 +18,7 @@ from gatekeeper.core.dwell import retry_tax_s
 from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_ATTEMPT_PUBLISHED_AT,
+    H_BAD_INPUT,
     H_DEADLINE_AT,
     H_EXPECTED_SERVICE_S,
     H_FIRST_PUBLISHED_AT,
@@ -25,12 +26,21 @@ from gatekeeper.core.headers import (
     H_NONCE,
     H_PUBLISHED_AT,
     H_TOKENS_IN,
+    NUMERIC,
 )
 from gatekeeper.core.ledger import window_id
-from gatekeeper.core.spec import DeclaredInputs, GatedSpec, resolve_inputs
+from gatekeeper.core.spec import DeclaredInputs, GatedSpec, header_number, resolve_inputs
 from gatekeeper.errors import BadDeclaredInput
 
-__all__ = ["Attempt", "Publish", "bad_input_stamp", "delay_of", "identity", "resolve"]
+__all__ = [
+    "Attempt",
+    "Publish",
+    "bad_headers",
+    "bad_input_stamp",
+    "delay_of",
+    "identity",
+    "resolve",
+]
 
 
 @dataclass(slots=True)
@@ -101,6 +111,9 @@ def resolve(publish: Publish, now: float, window_seconds: int, nonce: str) -> At
         raise publish.spec_error
     if publish.spec is None:
         raise BadDeclaredInput("gatekeeper", "a GatedSpec", None)
+    dropped = publish.headers.get(H_BAD_INPUT)
+    if dropped is not None:  # an earlier attempt's header was not a number, and was dropped
+        raise BadDeclaredInput(str(dropped), "a number (an earlier attempt's was not)", None)
     inputs = resolve_inputs(publish.spec, publish.headers, now)
     delay = delay_of(publish.headers.get("eta"), now)
     left = 0 if publish.max_retries is None else publish.max_retries - publish.retries
@@ -114,7 +127,9 @@ def resolve(publish: Publish, now: float, window_seconds: int, nonce: str) -> At
     same_attempt = publish.headers.get(H_ATTEMPT) == publish.attempt
     carried = publish.headers.get(H_ATTEMPT_PUBLISHED_AT) if same_attempt else None
     prev = publish.headers.get(H_NONCE) if same_attempt else None
-    published = now + delay if not isinstance(carried, (int, float)) else float(carried)
+    if carried is not None:
+        carried = header_number(H_ATTEMPT_PUBLISHED_AT, carried)
+    published = now + delay if carried is None else carried
     headers: dict[str, Any] = {
         H_DEADLINE_AT: inputs.deadline_at,
         H_FIRST_PUBLISHED_AT: inputs.first_published_at,
@@ -136,16 +151,34 @@ def bad_input_stamp(publish: Publish, now: float) -> dict[str, Any]:
     """What can be known of an attempt whose inputs are bad, so that it still gets its
     (unverified) row and a retry cannot start a new deadline; the bad input is left as it
     was."""
+    bad = bad_headers(publish.headers)
     carried_first = publish.headers.get(H_FIRST_PUBLISHED_AT)
     stamp: dict[str, Any] = {
-        H_FIRST_PUBLISHED_AT: now if carried_first is None else carried_first,
+        H_FIRST_PUBLISHED_AT: now if carried_first is None or H_FIRST_PUBLISHED_AT in bad
+        else carried_first,
         H_PUBLISHED_AT: now,
         H_ATTEMPT_PUBLISHED_AT: now,
         H_ATTEMPT: publish.attempt,
-    }
-    if isinstance(publish.headers.get(H_DEADLINE_AT), (int, float)):
+    }  # fmt: skip
+    if H_DEADLINE_AT in publish.headers and H_DEADLINE_AT not in bad:
         stamp[H_DEADLINE_AT] = publish.headers[H_DEADLINE_AT]
+    if bad or publish.headers.get(H_BAD_INPUT) is not None:
+        stamp[H_BAD_INPUT] = ",".join(bad) or str(publish.headers[H_BAD_INPUT])
     return stamp
+
+
+def bad_headers(headers: Mapping[str, Any]) -> list[str]:
+    """The gatekeeper headers present that are not a header's number: they are dropped from
+    the message (py-amqp cannot even encode ``10**100``), named in ``gatekeeper_bad_input``."""
+    bad = []
+    for name in NUMERIC:
+        if name not in headers:
+            continue
+        try:
+            header_number(name, headers[name])
+        except BadDeclaredInput:
+            bad.append(name)
+    return bad
 
 
 def delay_of(eta: Any, now: float) -> float:

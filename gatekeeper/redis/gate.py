@@ -43,7 +43,14 @@ from gatekeeper.core.ledger import window_id
 from gatekeeper.core.review import review_marks
 from gatekeeper.errors import BadDeclaredInput, LedgerUnavailable, PublishFailed
 from gatekeeper.logs import make_logger
-from gatekeeper.redis.attempt import Attempt, Publish, bad_input_stamp, identity, resolve
+from gatekeeper.redis.attempt import (
+    Attempt,
+    Publish,
+    bad_headers,
+    bad_input_stamp,
+    identity,
+    resolve,
+)
 from gatekeeper.redis.flags import Flags, FlagStore, in_canary
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.push import Push, new_nonce, values_for
@@ -74,6 +81,8 @@ class Routing:
     headers: dict[str, Any] = field(default_factory=dict)
     published: bool = False
     """True when a script already pushed the message (fast publish)."""
+    drop: tuple[str, ...] = ()
+    """Headers not to forward (gatekeeper headers that were not numbers: ``bad_input``)."""
 
 
 class Pipeline:
@@ -158,8 +167,10 @@ class Pipeline:
             self.store.record_decision(win, publish.job_id, publish.attempt, Decision.RESERVED,
                                        Reason.BAD_INPUT, marks, {})  # fmt: skip
             stamp = bad_input_stamp(publish, now)
-            return self._finish(Decision.RESERVED, Reason.BAD_INPUT, stamp, fields,
-                                error=str(exc), field=exc.field)  # fmt: skip
+            routing = self._finish(Decision.RESERVED, Reason.BAD_INPUT, stamp, fields,
+                                   error=str(exc), field=exc.field)  # fmt: skip
+            routing.drop = tuple(bad_headers(publish.headers))
+            return routing
 
     def _in_process(self, attempt: Attempt, flags: Flags) -> Routing | None:
         """Step 3: decisions made without the gate script."""
