@@ -155,8 +155,10 @@ class Installed:
             )
             render = self._renderer(producer, name, message, options)
             routing = self.pipeline.route(publish, render)
-            if routing.reason == Reason.FLAGS_UNREAD:
-                routing = self._flags_unread(publish, options)
+            if routing.decision is None and (
+                routing.reason is Reason.FLAGS_UNREAD or not self.flags.current().free_path_enabled
+            ):
+                routing = self._own_route(publish, options, routing)
         except PublishFailed as exc:
             raise OperationalError(str(exc)) from exc
         except Exception as exc:  # never break the caller's publish; never route to free
@@ -199,16 +201,19 @@ class Installed:
                 self._same_server[pool] = same
         return bool(same)
 
-    def _flags_unread(self, publish: Publish, options: dict[str, Any]) -> Routing:
-        """The flags were never read: the task's own route stands, unless it reaches free."""
+    def _own_route(self, publish: Publish, options: dict[str, Any], routing: Routing) -> Routing:
+        """A gated task left on its own route (the gate off, outside the canary, or the flags
+        never read) keeps it, unless that route is the free queue and the free path may be
+        closed: then it is decided as if the gate were on (reserved while it is closed)."""
         try:
             to_free = bound_for(self.app, options, self.settings.free_queue)
         except Exception:  # a route this cannot read: as if it were free
             to_free = True
         if to_free:
             return self.pipeline.route(publish, off_free=True)
-        self.pipeline.kept_own_route(publish)
-        return Routing(None, None, Reason.FLAGS_UNREAD)
+        if routing.reason is Reason.FLAGS_UNREAD:
+            self.pipeline.kept_own_route(publish)
+        return routing
 
     @staticmethod
     def _address(message: Any, options: dict[str, Any], routing: Routing) -> None:

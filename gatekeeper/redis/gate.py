@@ -5,8 +5,10 @@
 1. :meth:`~Pipeline._skipped`: ``dwell_gate_enabled`` off, or the job outside the canary ->
    untouched (its normal route). Flags never read (the gate's Redis unreachable since the
    process started): Redis may override the settings, so where they say "untouched" the task
-   keeps its own route (``flags_unread``) unless that route is the free queue (the hook asks
-   again with ``off_free``);
+   keeps its own route (``flags_unread``). Either way, when that route is the free queue and
+   the free path is closed (or the flags unread), the hook asks again with ``off_free``: the
+   task is then decided as if the gate were on, so ``free_path_enabled=false`` binds every
+   gated task (SPEC section 4);
 2. :meth:`~Pipeline._resolved`: a declared input that cannot be scored -> reserved
    (``bad_input``, unverified: the gate writes no record for it);
 3. :meth:`~Pipeline._in_process`: the settings turn the gate on but the flags are unread ->
@@ -124,8 +126,8 @@ class Pipeline:
 
         ``render`` (fast publish) builds the message for the gate script to push with its
         decision; it is called only when the decision needs the script. ``off_free``: the
-        flags are unread and the task's own route is the free queue, so it is decided as if
-        the settings had turned the gate on (reserved, with its headers stamped).
+        task's own route is the free queue and the free path is closed (or the flags are
+        unread), so it is decided as if the gate were on (reserved, its headers stamped).
         """
         flags = self.flags.current()
         skipped = self._skipped(publish, flags, off_free)
@@ -149,11 +151,13 @@ class Pipeline:
             skip = Reason.OUTSIDE_CANARY
         else:
             return None
+        if off_free:
+            return None  # its own route is the free queue: decided as if the gate were on
         if flags.unread is None:
             self.log.debug("gate_skipped", task=publish.task, job_id=publish.job_id,
                            reason=skip.value)  # fmt: skip
             return Routing(None, None, skip)
-        return None if off_free else Routing(None, None, Reason.FLAGS_UNREAD)
+        return Routing(None, None, Reason.FLAGS_UNREAD)
 
     def _resolved(self, publish: Publish) -> Attempt | Routing:
         """Step 2: the attempt's inputs, or reserved for a declared input that is bad."""
