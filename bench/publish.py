@@ -368,6 +368,8 @@ class Bench:
         saved, sys.stderr = sys.stderr, self.devnull
         try:
             self.installed = gatekeeper.install(self.app, settings)
+            # A scratch namespace, like a new deployment: initialised, so the gate may admit.
+            self.installed.flags.initialise("bench: a scratch namespace", "bench", time.time())
         finally:
             sys.stderr = saved
         self.probes = install_probes(self.app, self.installed)

@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis.keys import Keys
 from gatekeeper.settings import GatekeeperSettings
 
 TEST_REDIS_URL_ENV = "GATEKEEPER_TEST_REDIS_URL"
@@ -43,10 +44,18 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     """A client on an empty database."""
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
+    initialised(client)
     try:
         yield client
     finally:
         client.close()
+
+
+def initialised(client: redis.Redis, keys: Keys | None = None) -> None:
+    """What ``gatekeeper init`` writes, as a deployment initialised before any ledger window
+    would have it (``-inf``: every window counts toward a clean hour, whatever a test's
+    clock). Tests of the state marker itself flush it and run the real command."""
+    client.hset((keys or Keys()).flags, "initialised_at", "-inf")
 
 
 @pytest.fixture(autouse=True)

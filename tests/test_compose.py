@@ -27,7 +27,8 @@ def test_compose_file_is_valid_and_has_every_service() -> None:
     services = subprocess.run(
         [*compose, "config", "--services"], cwd=REPO_ROOT, capture_output=True, text=True
     ).stdout.split()
-    assert set(services) == {"redis", "free-worker", "reserved-worker", "replayer", "producer"}
+    assert set(services) == {"redis", "init", "free-worker", "reserved-worker", "replayer",
+                             "producer"}  # fmt: skip
 
 
 def test_redis_never_evicts_gatekeepers_keys() -> None:

@@ -13,7 +13,7 @@ from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.flags import UNREAD_RETRY_S
 from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, queue_messages, unused_port
+from tests.conftest import gate_settings, initialised, queue_messages, unused_port
 
 
 def reasons(client: redis.Redis, queue: str) -> list[str]:
@@ -27,14 +27,18 @@ def test_gate_redis_down_reserves_and_recovers_without_restart(
         settings = gate_settings(gate_server.url, redis_timeout_s=0.2)
         app = create_app(settings, redis_url)  # the broker stays up on redis_url
         embed = app.tasks["tests.embed"]
+        gate = redis.Redis.from_url(gate_server.url)
+        initialised(gate)
         embed.delay(1)
         gate_server.kill()
         result = embed.delay(2)  # the caller's publish still succeeds
         assert result.id
-        gate_server.start(port=gate_server.port)
-        embed.delay(3)
+        gate_server.start(port=gate_server.port)  # without persistence: it comes back empty
+        embed.delay(3)  # the state is missing: not to free until it is initialised again
+        initialised(gate)
+        embed.delay(4)
     assert reasons(redis_client, "free") == ["fits", "fits"]
-    assert reasons(redis_client, "reserved") == ["gate_unavailable"]
+    assert reasons(redis_client, "reserved") == ["gate_unavailable", "state_missing"]
     assert "reason=gate_unavailable" in capsys.readouterr().err
 
 
@@ -53,6 +57,7 @@ def test_a_gate_redis_down_from_the_start_keeps_gated_tasks_off_free(
         to_free = embed.apply_async((1,), queue="free").id
         own = embed.apply_async((2,)).id  # its own route: the default queue
         gate_server.start(port=port)
+        initialised(redis.Redis.from_url(url))
         time.sleep(UNREAD_RETRY_S + 0.2)  # read again well before flag_cache_s
         embed.apply_async((3,), queue="free")  # read: the gate is off, the route untouched
     (reserved,) = queue_messages(redis_client, "reserved")

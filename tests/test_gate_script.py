@@ -17,11 +17,16 @@ from gatekeeper.redis import wire
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.store import GateStore
 from tests.calls import gate_call
-from tests.conftest import unused_port
+from tests.conftest import initialised, unused_port
 
 NOW_S = 1_800_000_000.0
 WINDOW = 2_000_000
 KEYS = Keys("gktest", "script")
+
+
+@pytest.fixture(autouse=True)
+def _initialised(redis_client: redis.Redis) -> None:
+    initialised(redis_client, KEYS)
 
 
 def core_answer(

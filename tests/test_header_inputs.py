@@ -56,12 +56,11 @@ def test_every_non_number_in_each_override_header_is_a_bad_input(
     assert redis_client.llen("reserved") == len(NOT_NUMBERS)
 
 
-def test_numbers_in_headers_are_still_taken(
-    redis_url: str, redis_client: redis.Redis
-) -> None:
+def test_numbers_in_headers_are_still_taken(redis_url: str, redis_client: redis.Redis) -> None:
     app = create_app(gate_settings(redis_url), redis_url)
-    app.tasks["tests.embed"].apply_async((1,), headers={"gatekeeper_tokens_in": 5.0,
-                                                        "gatekeeper_deadline_s": 120})
+    app.tasks["tests.embed"].apply_async(
+        (1,), headers={"gatekeeper_tokens_in": 5.0, "gatekeeper_deadline_s": 120}
+    )
     (message,) = queue_messages(redis_client, "free")
     assert message["headers"]["gatekeeper_tokens_in"] == 5
     assert H_BAD_INPUT not in message["headers"]

@@ -18,6 +18,7 @@ from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.store import GateStore
 from tests.calls import gate_call
+from tests.conftest import initialised
 
 KEYS = Keys()
 
@@ -111,6 +112,7 @@ def test_the_scripts_review_marks_are_the_cores(
     redis_client: redis.Redis, age_s: float, service: float, tax: float, slack: float
 ) -> None:
     redis_client.flushdb()
+    initialised(redis_client)
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
     now = time.time()
     redis_client.zadd(KEYS.free_waiting, {"old:1": round((now - age_s) * 1000)})

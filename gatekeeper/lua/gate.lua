@@ -13,6 +13,8 @@
 -- KEYS[4] inflight          hash: <job_id>:<attempt> -> "<tokens>|<window id>|<admitted ms>"
 -- KEYS[5] flags             hash: live flag overrides (free_path_enabled read here, so a
 --                           freeze in Redis holds for every publisher at once, cache or not)
+--                           and the state marker initialised_at: without it (a Redis that
+--                           lost its data) nothing is admitted (state_missing)
 -- KEYS[6] run:<job_id>:<attempt>    hash: the gate's record of this attempt (what its ledger
 --                           row needs, written here; the worker trusts a message only when it
 --                           carries the record's nonce). A re-sent (ARGV[23]) or fast
@@ -182,7 +184,11 @@ end
 if duplicate then
   return decided('reserved', 'duplicate_publish', 0 / 0, 0)
 end
-if redis.call('HGET', KEYS[5], 'free_path_enabled') == 'false' then
+local flags = redis.call('HMGET', KEYS[5], 'free_path_enabled', 'initialised_at')
+if not flags[2] then  -- the state marker is gone (lost, flushed) or was never written
+  return decided('reserved', 'state_missing', 0 / 0, 0)
+end
+if flags[1] == 'false' then
   return decided('reserved', 'free_path_disabled', 0 / 0, 0)
 end
 if not (finite(service) and finite(tax) and finite(slack) and finite(cap) and finite(delay)) then

@@ -15,7 +15,7 @@ from gatekeeper.core.dwell import GateInputs, decide
 from gatekeeper.ops.context import format_number, settings_of
 from gatekeeper.ops.demo import demo
 from gatekeeper.ops.drill import dwell_table_lines, run_ledger_drill, write_ledger
-from gatekeeper.ops.flag_commands import flags
+from gatekeeper.ops.flag_commands import flags, init
 from gatekeeper.ops.oncall import ledger, replay, report, status, sweep
 
 __all__ = ["main"]
@@ -100,5 +100,5 @@ def decide_command(
     click.echo(line)
 
 
-for _command in (demo, flags, ledger, replay, report, status, sweep):
+for _command in (demo, flags, init, ledger, replay, report, status, sweep):
     main.add_command(_command)

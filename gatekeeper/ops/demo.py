@@ -34,6 +34,7 @@ from gatekeeper.core.review import Review, summarize_review
 from gatekeeper.errors import EmbeddedRedisError
 from gatekeeper.ops.context import settings_of
 from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
@@ -180,6 +181,11 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt
             PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")])),
         )
         settings = GatekeeperSettings(**_from_env(env), drill=base.drill)
+        # A namespace of its own, new like a fresh deployment: initialised here (``gatekeeper
+        # init``), or nothing could go to free.
+        FlagStore(redis.Redis.from_url(url), settings).initialise(
+            "gatekeeper demo: a new namespace", "gatekeeper demo", time.time()
+        )
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gatekeeper-demo-")))
         children: list[Child] = []
         stack.callback(_stop, children)

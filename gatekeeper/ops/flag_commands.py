@@ -1,4 +1,5 @@
-"""The on-call's flag commands: ``gatekeeper flags``, ``flags set``, ``flags unset``.
+"""The on-call's flag commands: ``gatekeeper flags``, ``flags set``, ``flags unset``, and
+``gatekeeper init`` (the state marker).
 
 Registered on the ``gatekeeper`` group by :mod:`gatekeeper.ops.cli`. Every change is written to
 the flag log with its reason and actor, and logged; re-opening the free path needs a clean
@@ -18,9 +19,9 @@ from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import settings_of
 from gatekeeper.ops.oncall import redis_client, show_value
-from gatekeeper.redis.flags import FLAG_NAMES, FlagStore, combine
+from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
 
-__all__ = ["flags"]
+__all__ = ["flags", "init"]
 
 
 def _flag_store(ctx: click.Context) -> FlagStore:
@@ -48,6 +49,8 @@ def flags(ctx: click.Context) -> None:
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     effective = combine(store.settings, stored)
+    if effective.state_missing:
+        click.echo(f"state: MISSING: {STATE_MISSING}")
     for name in FLAG_NAMES:
         setting = getattr(store.settings, name)
         now = show_value(getattr(effective, name))
@@ -114,3 +117,31 @@ def flags_unset(ctx: click.Context, name: str, reason: str, force: bool) -> None
         "flag_changed", name=name, value=None, reason=change.reason, actor=change.actor
     )
     click.echo(f"{name} unset (reason: {change.reason})")
+
+
+@click.command()
+@click.option("--reason", default="", help="Why: written to the flag log and the log line.")
+@click.pass_context
+def init(ctx: click.Context, reason: str) -> None:
+    """Initialise the gate's state in Redis, or acknowledge that it was lost.
+
+    Until this has run on a namespace (a new deployment, one upgraded from a version without
+    the state marker, or a Redis that lost its data: a restart without persistence, a flush,
+    a failover to an empty replica), nothing is sent to free. It changes no flag: a re-open
+    of the free path still needs a clean hour of ledger windows recorded after it (or
+    --force). Running it again on an initialised namespace changes nothing.
+    """
+    store = _flag_store(ctx)
+    why = reason or "(no reason given)"
+    try:
+        change = store.initialise(why, _actor(), time.time())
+        since = store.stored().get(STATE_FIELD)
+    except LedgerUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
+    if change is None:
+        click.echo(f"state: initialised already ({STATE_FIELD}={since}); nothing changed")
+        return
+    make_logger(store.settings, "flags").warning(
+        "state_initialised", namespace=store.settings.namespace, reason=why, actor=change.actor
+    )
+    click.echo(f"state: initialised ({STATE_FIELD}={change.value}, reason: {why})")

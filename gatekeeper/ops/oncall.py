@@ -29,7 +29,7 @@ from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import settings_of
-from gatekeeper.redis.flags import FLAG_NAMES, FlagStore, combine
+from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import read_windows, text_of
@@ -210,8 +210,14 @@ def status(ctx: click.Context) -> None:
     except (redis.RedisError, LedgerUnavailable) as exc:
         raise click.ClickException(f"cannot read the gate's Redis: {exc}") from exc
     effective = combine(settings, stored)
+    if effective.state_missing:
+        click.echo(f"state=MISSING: {STATE_MISSING}")
+    else:
+        click.echo(f"state=initialised {STATE_FIELD}={stored[STATE_FIELD]}")
     for name in FLAG_NAMES:
         source = "redis" if name in stored else "settings"
+        if name == "free_path_enabled" and effective.state_missing:
+            source += ", state missing"
         line = f"flag {name}={show_value(getattr(effective, name))} ({source})"
         last = next((c for c in history if c.name == name), None)
         if last is not None:

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 from typing import Any
 
 import redis
@@ -32,6 +33,7 @@ from gatekeeper.settings import GatekeeperSettings
 
 __all__ = [
     "FLAG_NAMES",
+    "STATE_FIELD",
     "FlagChange",
     "FlagStore",
     "Flags",
@@ -42,6 +44,13 @@ __all__ = [
 
 
 FLAG_NAMES = ("dwell_gate_enabled", "free_path_enabled", "canary_percent")
+STATE_FIELD = "initialised_at"
+"""The state marker: a field of the flags hash (so one key holds both, and whatever loses the
+flags loses the marker with them), written only by ``gatekeeper init``."""
+STATE_MISSING = (
+    "the gate's state is missing from Redis (lost, flushed, or never initialised): nothing "
+    "goes to free until an operator runs `gatekeeper init`"
+)
 FLAG_LOG_LENGTH = 1000
 """How many flag changes the log keeps."""
 UNREAD_RETRY_S = 1.0
@@ -61,6 +70,8 @@ class Flags:
     unread: str | None = None
     """Why Redis could not be read, when no read has succeeded yet: these are the settings
     alone, and a value in Redis may override them (the gate cannot tell whether it is on)."""
+    state_missing: bool = False
+    """The state marker is missing: the free path is closed until ``gatekeeper init``."""
 
 
 @dataclass(frozen=True)
@@ -116,10 +127,14 @@ def combine(settings: GatekeeperSettings, stored: dict[str, str]) -> Flags:
             values[name] = False if name == "free_path_enabled" else None
     gate = values["dwell_gate_enabled"]
     canary = values["canary_percent"]
+    missing = STATE_FIELD not in stored
     return Flags(
         dwell_gate_enabled=settings.dwell_gate_enabled if gate is None else bool(gate),
-        free_path_enabled=settings.free_path_enabled and values["free_path_enabled"] is not False,
+        free_path_enabled=settings.free_path_enabled
+        and values["free_path_enabled"] is not False
+        and not missing,
         canary_percent=settings.canary_percent if canary is None else float(canary),
+        state_missing=missing,
     )
 
 
@@ -165,7 +180,9 @@ class FlagStore:
             try:
                 flags = combine(self.settings, self.stored())
             except LedgerUnavailable as exc:
-                flags = self._cached or replace(combine(self.settings, {}), unread=str(exc))
+                flags = self._cached or replace(
+                    combine(self.settings, {STATE_FIELD: "unread"}), unread=str(exc)
+                )
                 # Retry after one cache interval, not on every publish; while never read,
                 # within UNREAD_RETRY_S, so that Redis back means the flags back.
             read_at = now
@@ -199,9 +216,19 @@ class FlagStore:
         return self._write(name, None, reason, actor, now)
 
     def clean_hour(self, now: float) -> CleanHour:
-        """Whether the last hour of ledger windows (ending in the one ``now`` is in) is clean."""
+        """Whether the last hour of ledger windows (ending in the one ``now`` is in) is clean.
+
+        Only windows recorded after the state was initialised count: a window from before
+        ``gatekeeper init`` may have been lost with the state, so an empty one proves nothing
+        (initialising is not a re-open)."""
         current = window_id(now, self.settings.window_seconds)
         ids = list(hour_windows(current, self.settings.window_seconds))
+        since = self.stored().get(STATE_FIELD)
+        if since is not None and _float(since) > ids[0] * self.settings.window_seconds:
+            when = datetime.fromtimestamp(_float(since), tz=timezone.utc)
+            return CleanHour(False, f"the state was initialised at "
+                                    f"{when.isoformat(timespec='seconds')}: the hour of windows "
+                                    "before now was not all recorded after it")  # fmt: skip
         found = read_windows(self.client, self.keys, ids)
         windows = [
             WindowHealth.from_hash(ident, fields) for ident, fields in zip(ids, found, strict=True)
@@ -218,6 +245,15 @@ class FlagStore:
                 "or pass --force"
             )
         return f"{reason} (forced: {verdict.reason})"
+
+    def initialise(self, reason: str, actor: str, now: float) -> FlagChange | None:
+        """Write the state marker (``gatekeeper init``); None when it is there already.
+
+        It changes no flag: what the settings and any override in Redis say is in force
+        again, and a re-open still needs a clean hour of windows recorded after this."""
+        if STATE_FIELD in self.stored():
+            return None
+        return self._write(STATE_FIELD, repr(now), reason, actor, now)
 
     def _write(
         self, name: str, value: str | None, reason: str, actor: str, now: float
@@ -236,6 +272,7 @@ class FlagStore:
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot write flag {name}: {exc}") from exc
         self.invalidate()
+        replicated(self.client, self.settings.redis_timeout_s)
         return change
 
     def history(self, limit: int = 20) -> list[FlagChange]:
@@ -245,3 +282,27 @@ class FlagStore:
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read the flag log: {exc}") from exc
         return [FlagChange(**json.loads(text_of(item))) for item in raw]
+
+
+def replicated(client: redis.Redis, timeout_s: float) -> int | None:
+    """Wait (``WAIT``) until every connected replica has the writes made so far, so that a
+    failover cannot drop the last rollback; returns how many acknowledged (None: no
+    replicas, or the server cannot say). A replica that does not answer in ``timeout_s``
+    is left behind: the write stands on the primary, and the caller is not failed."""
+    try:
+        replicas = int(client.info("replication").get("connected_slaves", 0))
+        if not replicas:
+            return None
+        acked = client.execute_command(  # type: ignore[no-untyped-call]
+            "WAIT", replicas, max(1, round(timeout_s * 1000))
+        )
+        return int(acked)
+    except (redis.RedisError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.inf  # an unreadable marker: as if initialised just now (nothing counts)

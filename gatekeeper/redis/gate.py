@@ -63,7 +63,7 @@ __all__ = ["Pipeline", "Publish", "Render", "Routing"]
 
 Render = Callable[[dict[str, Any], str], Push | None]
 """Fast publish: the message for these headers, cut at this nonce's placeholders."""
-_WARN = {Reason.GATE_UNAVAILABLE, Reason.GATE_ERROR, Reason.BAD_INPUT}
+_WARN = {Reason.GATE_UNAVAILABLE, Reason.GATE_ERROR, Reason.BAD_INPUT, Reason.STATE_MISSING}
 _VALUES: dict[Decision | Reason, str] = {**{d: d.value for d in Decision},
                                          **{r: r.value for r in Reason}}  # fmt: skip
 """The enums' values, looked up once (an enum's ``.value`` is a descriptor call)."""
@@ -182,6 +182,8 @@ class Pipeline:
             return self._finish(Decision.RESERVED, Reason.GATE_UNAVAILABLE,
                                 _unrecorded(attempt.headers), attempt.fields,
                                 error=flags.unread)  # fmt: skip
+        if flags.state_missing:
+            return self._recorded(attempt, Decision.RESERVED, Reason.STATE_MISSING)
         if not flags.free_path_enabled:
             return self._recorded(attempt, Decision.RESERVED, Reason.FREE_PATH_DISABLED)
         cap = self.settings.max_queue_age_s

@@ -7,6 +7,9 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
 ``gatekeeper:{default}:flags`` - hash, no TTL
     Live flag overrides (``dwell_gate_enabled``, ``free_path_enabled``, ``canary_percent``):
     a field present overrides the settings (``free_path_enabled`` can only turn the path off).
+    And the state marker ``initialised_at`` (Unix seconds), written by ``gatekeeper init``:
+    without it (a Redis that lost its data, or a namespace never initialised) nothing goes to
+    free. In the same key as the flags, so whatever loses one loses both.
 ``gatekeeper:{default}:flags:log`` - list, no TTL, newest first, capped at 1000 entries
     One JSON object per flag change: ``name``, ``value``, ``reason``, ``actor``, ``at``.
 ``gatekeeper:{default}:free:waiting`` - sorted set, no TTL (members expire by score)
