@@ -11,12 +11,16 @@ needs a Redis broker) and, for each message that is due:
   message: an ETA past the visibility timeout would run twice). While the free path is off,
   the pipeline never answers ``free``.
 
-Nothing is lost when the replayer is killed at any moment: a message is claimed into
-``defer:replaying`` (RPOPLPUSH) and leaves it only by ``move.lua``, which removes the claimed
-copy and pushes the rewritten one in one atomic step, so a message is never in two places and
-never published twice. A replayer that takes the lock first puts back what a dead one left
-claimed. Gate state is written before the move; a crash between the two re-scores the message
-later, and ``gate.lua`` holds an attempt's exposure once (``abandon.lua`` writes one row).
+Nothing is lost when the replayer is killed at any moment: a message is claimed into its
+lock tenure's processing list ``defer:replaying:<tenure>`` (RPOPLPUSH) and leaves it only by
+``move.lua``, which removes the claimed copy and pushes the rewritten one in one atomic step,
+so a message is never in two places and never published twice. The lock is checked before
+every decision (:mod:`gatekeeper.redis.lock`): a replayer that lost it decides, moves and
+writes nothing more. The holder takes back only what dead tenures left claimed (heartbeat
+expired), never a live one's; a replayer stalled past the TTL inside one decision finishes
+that scoring, and its move fails if a successor took the message back. Gate state is written
+before the move; a crash between the two re-scores the message later, and ``gate.lua`` holds
+an attempt's exposure once (``abandon.lua`` writes one row).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.gate import Pipeline, Publish
-from gatekeeper.redis.lock import OneHolder
+from gatekeeper.redis.lock import Claims, OneHolder
 from gatekeeper.redis.runs import Finished, RunLedger
 from gatekeeper.redis.scripts import evalsha, load_lua
 from gatekeeper.redis.sweep import sweep
@@ -87,6 +91,7 @@ class Replayer:
         broker: redis.Redis,
         gate: redis.Redis,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.broker = broker
@@ -96,25 +101,31 @@ class Replayer:
         self.log = make_logger(settings, "replay")
         self.alerts = make_logger(settings, "alert")
         self.defer = settings.defer_queue
-        self.processing = f"{self.defer}:replaying"
         self.sources = [queue_list(self.defer, p) for p in PRIORITY_STEPS]
         self.ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._move = broker.register_script(load_lua("move.lua"))
         self._last_sweep = -math.inf
-        self._holder = OneHolder(gate, self.pipeline.store.keys.replayer_lock,
-                                 settings.replay_lock_ttl_s)  # fmt: skip
+        ttl = settings.replay_lock_ttl_s
+        self.claims = Claims(broker, self.defer, ttl, self.ident)
+        self._holder = OneHolder(gate, self.pipeline.store.keys.replayer_lock, ttl,
+                                 monotonic, on_renew=self.claims.beat)  # fmt: skip
         self.counts: Counter[str] = Counter()
 
     # -- the lock and recovery ----------------------------------------------------------
 
     def acquire(self) -> bool:
-        """Take (or keep) the namespace's replayer lock; recover a dead one's claims."""
+        """Take (or keep) the namespace's replayer lock; a new take begins a tenure."""
         state = self._holder.take()
         if state == "lost":
-            self.log.warning("replay_lock_lost", holder="another replayer")
+            self._lost()
         if state == "taken":
-            self.recover()
+            self.claims.begin()
+            self.log.info("replay_lock_taken", claims=self.claims.current)
         return state in ("taken", "kept")
+
+    def _lost(self) -> None:
+        self.log.warning("replay_lock_lost", holder="another replayer", replayer=self.ident)
+        self.claims.end()
 
     def release(self) -> None:
         """Give the lock back; when Redis cannot be reached it expires on its own."""
@@ -122,12 +133,11 @@ class Replayer:
             self._holder.give_back()
         except (LockError, redis.RedisError) as exc:
             self.log.warning("replay_lock_not_released", error=repr(exc))
+        self.claims.end()
 
     def recover(self) -> int:
-        """Put back what a dead replayer left claimed; returns how many messages."""
-        moved = 0
-        while self.broker.rpoplpush(self.processing, self.defer) is not None:
-            moved += 1
+        """Put back what dead tenures left claimed; returns how many messages."""
+        moved = self.claims.take_back()
         if moved:
             self.log.warning("replay_recovered", messages=moved, queue=self.defer)
         return moved
@@ -135,27 +145,40 @@ class Replayer:
     # -- one pass -----------------------------------------------------------------------
 
     def pass_once(self) -> Counter[str]:
-        """Look at every message in defer once; returns what happened to them."""
+        """Look at every message in defer once; returns what happened to them. Ends early,
+        with ``lock_lost``, when the lock is found lost before a decision."""
         counts: Counter[str] = Counter()
-        self.recover()  # we hold the lock: anything still claimed is from a failed pass
-        for source in self.sources:
-            for _ in range(self.broker.llen(source)):
-                raw = self.broker.rpoplpush(source, self.processing)
-                if not isinstance(raw, bytes):
-                    break
-                try:
-                    counts[self._handle(source, raw)] += 1
-                except Exception as exc:  # one bad message must not stop the others
-                    counts[self._set_aside(source, raw, exc)] += 1
+        if self._holder.check():
+            self.recover()
+            self._replay_all(counts)
+        if not self._holder.held:
+            self._lost()
+            counts["lock_lost"] += 1
         self.counts.update(counts)
         now = self.clock()
-        if now - self._last_sweep >= SWEEP_EVERY_S:
+        if self._holder.held and now - self._last_sweep >= SWEEP_EVERY_S:
             self._last_sweep = now
             stale = self.settings.stale_attempt_s
             for row in sweep(self.runs, round(now * 1000), stale, self.pipeline.store):
                 self.log.warning("ledger_row", job_id=row.job_id, attempt=row.attempt,
                                  outcome=row.outcome.value, reason="vanished")  # fmt: skip
         return counts
+
+    def _replay_all(self, counts: Counter[str]) -> None:
+        for source in self.sources:
+            for _ in range(self.broker.llen(source)):
+                raw = self.claims.claim(source)
+                if raw is None:
+                    break
+                if not self._holder.check():
+                    # No decision, no move, no row. The claim is left, not put back: without
+                    # the lock we write nothing to the queues; the holder takes it back (our
+                    # tenure has ended; after a stall past the TTL it usually already has).
+                    return
+                try:
+                    counts[self._handle(source, raw)] += 1
+                except Exception as exc:  # one bad message must not stop the others
+                    counts[self._set_aside(source, raw, exc)] += 1
 
     def _set_aside(self, source: str, raw: bytes, exc: Exception) -> str:
         """A message that failed to replay: back to defer with a backoff, or, after
@@ -180,7 +203,7 @@ class Replayer:
 
     def _push(self, raw: bytes, target: str, message: dict[str, Any] | None = None) -> bool:
         new = raw if message is None else json.dumps(message).encode()
-        return bool(evalsha(self.broker, self._move, [self.processing, target], [raw, new]))
+        return bool(evalsha(self.broker, self._move, [self.claims.current, target], [raw, new]))
 
     def _handle(self, source: str, raw: bytes) -> str:
         now = self.clock()

@@ -1,0 +1,194 @@
+"""One replayer at a time, really: the lock is checked before every decision, a replayer that
+lost it decides and moves nothing more, and only dead replayers' claims are taken back."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+from gatekeeper.celery.replay import Replayer
+from gatekeeper.redis.keys import Keys
+from tests.conftest import gate_settings, wait_until
+from tests.test_replay import claimed, defer_tasks, ids_in, start_replayer
+
+KEYS = Keys()
+REGISTRY = "defer:replayers"
+
+STALLING_REPLAYER = """
+import os, signal, sys, threading, time
+import redis
+from gatekeeper.celery.replay import Replayer
+from gatekeeper.settings import load_settings
+
+settings = load_settings()
+reads, stop_at = 0, int(sys.argv[1])
+
+def monotonic():  # the clock the lock is checked with: this process stops at one reading
+    global reads
+    reads += 1
+    if reads == stop_at:
+        print("event=stopping_itself", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return time.monotonic()
+
+client = redis.Redis.from_url(settings.redis_url)
+replayer = Replayer(settings, client, client, monotonic=monotonic)
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+totals = replayer.run(stop)
+print("totals " + " ".join(f"{k}={v}" for k, v in sorted(totals.items())), flush=True)
+"""
+"""``gatekeeper replay``'s loop with one change: the monotonic clock its lock is checked with
+SIGSTOPs the process at its ``argv[1]``-th reading. The first is the take of the lock, the
+second the check at the start of the pass, then one check per message after its claim: so
+the process stops with message ``argv[1] - 2`` claimed and not decided."""
+
+
+def decisions(log: Path) -> int:
+    return log.read_text().count("event=gate_decision")
+
+
+def has_stopped(process: subprocess.Popen[bytes]) -> bool:
+    pid, status = os.waitpid(process.pid, os.WUNTRACED | os.WNOHANG)
+    assert not pid or os.WIFSTOPPED(status), f"the replayer exited (status {status})"
+    return bool(pid)
+
+
+def placed(client: redis.Redis) -> list[str]:
+    return ids_in(client, "free") + ids_in(client, "reserved")
+
+
+def test_a_replayer_stopped_past_its_lock_ttl_decides_and_moves_nothing_once_resumed(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 200)
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    first = start_replayer(redis_url, first_log, "-c", STALLING_REPLAYER, "62")
+    second = None
+    try:
+        assert wait_until(lambda: has_stopped(first), timeout_s=30), first_log.read_text()
+        before = decisions(first_log)
+        (tenure,) = redis_client.smembers(REGISTRY)
+        left_claimed = redis_client.lrange(b"defer:replaying:" + tenure, 0, -1)
+        assert (before, len(left_claimed)) == (59, 1)  # mid-pass: the 60th claimed, undecided
+        assert redis_client.llen("defer") == 200 - 60
+        # Stopped past the TTL (1 s): its lock and its heartbeat expire; a successor takes
+        # over, takes back the claim and replays everything.
+        assert wait_until(
+            lambda: not redis_client.exists(KEYS.replayer_lock, b"defer:replayer:" + tenure),
+            timeout_s=10,
+        )
+        second = start_replayer(redis_url, second_log)
+        assert wait_until(lambda: len(placed(redis_client)) == 200, timeout_s=30), (
+            second_log.read_text()
+        )
+        assert "event=replay_recovered" in second_log.read_text()
+        assert redis_client.exists(KEYS.replayer_lock)  # held by the successor
+        first.send_signal(signal.SIGCONT)
+        resumed = lambda: first_log.read_text().split("event=stopping_itself", 1)[1]  # noqa: E731
+        assert wait_until(lambda: "event=replay_waiting_for_lock" in resumed(), timeout_s=10)
+        time.sleep(1.0)  # time to misbehave, if it were going to
+        assert "event=replay_lock_lost" in resumed()
+        assert decisions(first_log) == before  # no scoring after it resumed
+        assert sorted(placed(redis_client)) == sorted(jobs)  # each once: none lost or doubled
+        assert claimed(redis_client) == 0 and redis_client.llen("defer") == 0
+        assert tenure not in redis_client.smembers(REGISTRY)
+    finally:
+        first.send_signal(signal.SIGCONT)
+        for process in (first, second):
+            if process is not None:
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=10)
+    (totals,) = re.findall(r"^totals (.*)$", first_log.read_text(), re.MULTILINE)
+    counts = dict(pair.split("=") for pair in totals.split())
+    moved = sum(int(n) for name, n in counts.items() if name.startswith("to_"))
+    assert (moved, counts.get("lock_lost")) == (before, "1")  # and no move after it resumed
+
+
+def test_a_stall_longer_than_the_ttl_loses_the_lock_though_redis_still_has_it(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 2)
+    settings = gate_settings(redis_url)  # a 30 s lock
+    now = [0.0]
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client,
+                        monotonic=lambda: now[0])  # fmt: skip
+    assert replayer.acquire()
+    now[0] += settings.replay_lock_ttl_s + 1  # stopped for longer than the TTL
+    assert redis_client.exists(KEYS.replayer_lock)  # Redis's clock did not see the stall
+    assert replayer.pass_once() == {"lock_lost": 1}
+    assert redis_client.llen("defer") == 2 and claimed(redis_client) == 0
+    assert not redis_client.exists(KEYS.replayer_lock)  # ours still: given back
+    assert replayer.acquire()  # a new tenure
+    assert replayer.pass_once() == {"to_free": 2}
+    assert sorted(ids_in(redis_client, "free")) == sorted(jobs)
+
+
+def test_the_lock_is_renewed_during_a_pass_longer_than_its_ttl(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    defer_tasks(redis_url, redis_client, 30)
+    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3)
+
+    def slow_clock() -> float:  # each message takes a while: the pass lasts about 1 s
+        time.sleep(0.01)
+        return time.time()
+
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client, clock=slow_clock)
+    assert replayer.acquire()
+    started = time.monotonic()
+    assert replayer.pass_once() == {"to_free": 30}
+    assert time.monotonic() - started > 2 * settings.replay_lock_ttl_s
+    assert redis_client.pttl(KEYS.replayer_lock) > 0  # still held: renewed as it went
+    assert replayer.acquire()
+    replayer.release()
+
+
+def test_a_live_replayers_claim_is_not_taken_back_by_another(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 3)
+    settings = gate_settings(redis_url)
+    now = [0.0]
+    first = Replayer(settings, broker=redis_client, gate=redis_client,
+                     monotonic=lambda: now[0])  # fmt: skip
+    second = Replayer(settings, broker=redis_client, gate=redis_client)
+    assert first.acquire()
+    held = first.claims.claim("defer")  # first is deciding this one...
+    first_claims = first.claims.current
+    redis_client.delete(KEYS.replayer_lock)  # ...when its lock goes (a failover lost it)
+    assert second.acquire()
+    assert second.pass_once() == {"to_free": 2}  # the other two, not first's claim
+    assert redis_client.lrange(first_claims, 0, -1) == [held]
+    now[0] += settings.replay_lock_ttl_s / 2  # first's next check asks Redis
+    assert first.pass_once() == {"lock_lost": 1}  # no decision, no move, no take-back
+    assert redis_client.lrange(first_claims, 0, -1) == [held]
+    assert second.pass_once() == {"to_free": 1}  # first's tenure ended: taken back now
+    assert sorted(ids_in(redis_client, "free")) == sorted(jobs)
+    assert claimed(redis_client) == 0
+
+
+def test_a_dead_replayers_claims_are_taken_back_once_its_heartbeat_expires(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 5)
+    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3)
+    dead = Replayer(settings, broker=redis_client, gate=redis_client)
+    assert dead.acquire()
+    for _ in range(3):
+        assert dead.claims.claim("defer") is not None
+    heartbeat = dead.claims.heartbeat_of(dead.claims.tenure)  # then it died
+    assert redis_client.exists(heartbeat)
+    assert wait_until(lambda: not redis_client.exists(KEYS.replayer_lock, heartbeat), 5)
+    successor = Replayer(settings, broker=redis_client, gate=redis_client)
+    assert successor.run(threading.Event(), once=True) == {"to_free": 5}
+    assert sorted(ids_in(redis_client, "free")) == sorted(jobs)  # none lost, none doubled
+    assert claimed(redis_client) == 0
+    assert dead.claims.tenure.encode() not in redis_client.smembers(REGISTRY)
