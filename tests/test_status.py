@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from gatekeeper.core.ledger import window_id
 from gatekeeper.ops.cli import main
+from gatekeeper.redis.lock import Claims
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings
 
@@ -39,3 +40,17 @@ def test_status_shows_flags_with_who_when_why_queues_age_and_budget(
     budget = next(line for line in lines if line.startswith(f"window={window}"))
     assert "exposure=100" in budget and "budget_left=1000" in budget and "admitted_free=1" in budget
     assert "reruns_after_row=0 forged_runs=0 unverified_runs=0" in lines
+
+
+def test_status_counts_every_replayers_claims(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis_client.lpush("defer", b"a", b"b", b"c")
+    live = Claims(redis_client, "defer", 30.0, "one")
+    live.begin()
+    live.claim("defer")
+    redis_client.rpoplpush("defer", "defer:replaying")  # an older version's processing list
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    result = CliRunner().invoke(main, ["status"])
+    queues = next(line for line in result.stdout.splitlines() if line.startswith("queues "))
+    assert "defer=1" in queues and "defer:replaying=2" in queues

@@ -32,7 +32,6 @@ import socket
 import threading
 import time
 import uuid
-from bisect import bisect
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +40,7 @@ import redis
 from redis.exceptions import LockError
 
 from gatekeeper.celery.freeze import maybe_freeze
+from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import (
     H_ATTEMPT,
@@ -67,19 +67,10 @@ from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["PRIORITY_SEP", "PRIORITY_STEPS", "Replayer", "queue_list"]
 
-PRIORITY_SEP = "\x06\x16"
-PRIORITY_STEPS = (0, 3, 6, 9)
-"""kombu's Redis transport: a message of priority n > 0 waits in ``<queue>\\x06\\x16<step>``."""
 SWEEP_EVERY_S = 60.0
 MAX_REPLAY_ERRORS = 5
 """A message that fails this many replays in a row goes to the dead letters, with an alert."""
 H_REPLAY_ERRORS = "gatekeeper_replay_errors"
-
-
-def queue_list(queue: str, priority: int) -> str:
-    """The Redis list kombu keeps a queue's messages of this priority in."""
-    step = PRIORITY_STEPS[bisect(PRIORITY_STEPS, max(0, min(priority, 9))) - 1]
-    return f"{queue}{PRIORITY_SEP}{step}" if step else queue
 
 
 class Replayer:

@@ -4,7 +4,7 @@
 -- script removes that copy and pushes the rewritten message onto its target list in one step,
 -- so a replayer killed at any moment leaves the message in exactly one place.
 --
--- KEYS[1] processing list   <defer_queue>:replaying
+-- KEYS[1] processing list   <defer_queue>:replaying:<tenure> (the replayer's own)
 -- KEYS[2] target list       a kombu queue list (free, reserved, defer, dead_letter, or a
 --                           priority sub-list "<queue>\x06\x16<n>")
 -- ARGV[1] the claimed message, exactly as claimed

@@ -22,7 +22,8 @@ from typing import Any
 import click
 import redis
 
-from gatekeeper.celery.replay import PRIORITY_STEPS, Replayer, queue_list
+from gatekeeper.celery.lists import PRIORITY_STEPS, queue_list
+from gatekeeper.celery.replay import Replayer
 from gatekeeper.core.ledger import LedgerRow, summarize, window_id
 from gatekeeper.core.review import summarize_review
 from gatekeeper.defaults import WINDOW_RETENTION_S
@@ -31,6 +32,7 @@ from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import settings_of
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.lock import Claims
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import read_windows, text_of
 from gatekeeper.redis.store import GateStore
@@ -234,9 +236,8 @@ def status(ctx: click.Context) -> None:
         except redis.RedisError as exc:
             raise click.ClickException(f"cannot read the broker: {exc}") from exc
         lengths.append(f"{queue}={count}")
-    lengths.append(
-        f"{settings.defer_queue}:replaying={broker.llen(settings.defer_queue + ':replaying')}"
-    )
+    claimed = Claims.held(broker, settings.defer_queue)
+    lengths.append(f"{settings.defer_queue}:replaying={claimed}")
     click.echo("queues " + " ".join(lengths))
     try:
         stats = {text_of(k): text_of(v) for k, v in gate.hgetall(keys.stats).items()}
@@ -281,3 +282,5 @@ def replay(ctx: click.Context, once: bool) -> None:
         raise click.ClickException("the pass failed (replay_pass_failed above says why)")
     if once and totals["lock_held"]:
         raise click.ClickException("another replayer holds the lock: nothing replayed")
+    if once and totals["lock_lost"]:
+        raise click.ClickException("the lock was lost mid-pass: the rest is left to its holder")

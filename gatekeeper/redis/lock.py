@@ -169,6 +169,17 @@ class Claims:
                 moved += self._forget(tenure)
         return moved
 
+    @staticmethod
+    def held(broker: redis.Redis, queue: str) -> int:
+        """How many messages replayers hold claimed (every tenure's list and the legacy one):
+        what ``gatekeeper status`` shows as ``<defer>:replaying``."""
+        probe = Claims(broker, queue, 1.0, "status")
+        lists = [probe.legacy] + [
+            probe.list_of(m.decode() if isinstance(m, bytes) else str(m))
+            for m in broker.smembers(probe.registry)
+        ]
+        return sum(int(broker.llen(name)) for name in lists)
+
     def _drain(self, claims: str) -> int:
         moved = 0
         while self.broker.rpoplpush(claims, self.queue) is not None:
