@@ -10,6 +10,7 @@ __all__ = [
     "BUDGET_UNITS",
     "CANARY_PERCENT",
     "FLAG_CACHE_S",
+    "FREE_WAIT_ALLOWANCE_S",
     "MAX_QUEUE_AGE_S",
     "MISS_ERROR_BUDGET",
     "MISS_MIN_ADMISSIONS",
@@ -28,6 +29,17 @@ WINDOW_SECONDS = 900
 """Width of a ledger window; windows are aligned to the Unix epoch."""
 QUEUE_WAIT_UNIT_PER_SECOND = 200.0
 """Declared weight that lets a second of queue wait compete with a chunk of tokens."""
+FREE_WAIT_ALLOWANCE_S = 10.0
+"""How long an attempt admitted to free may wait there before it is moved to reserved (an
+``expired`` row), and the wait its admission reserves in the budget (the ceiling, SPEC
+section 2: each admission reserves ``tokens_in + allowance * queue_wait_unit_per_second``).
+
+The trade-off: at the default weight 10 s reserves 2,000 units, so with the drill's
+1,200-token attempts a 12,000-unit window carries three free attempts in flight at once. A
+longer allowance lets fewer run at once (30 s, the age cap, reserves 6,000: one in flight); a
+shorter one moves more work to reserved. 10 s is a third of the age cap: a free queue the gate
+admitted to because it looked short, that has not started an attempt within 10 s, is the
+late-starting slot the source warns of."""
 BUDGET_UNITS = 12_000.0
 """Retry-tax budget per window: jobs x input tokens x fail fraction = 40 x 1200 x 0.25, the
 source's rule for its declared workload (start from tokens times jobs, cut by the fail

@@ -113,6 +113,9 @@ class GatekeeperSettings(BaseSettings):
     """Per window, in declared units; same derivation as the drill's (40 x 1200 x 0.25)."""
     queue_wait_unit_per_second: Units = defaults.QUEUE_WAIT_UNIT_PER_SECOND
     budget_mode: BudgetMode = BudgetMode.EXPOSURE
+    free_wait_allowance_s: PositiveSeconds = defaults.FREE_WAIT_ALLOWANCE_S
+    """The wait an admission to free reserves, and after which a waiting attempt is moved to
+    reserved (``expired``); see :data:`gatekeeper.defaults.FREE_WAIT_ALLOWANCE_S`."""
 
     dwell_gate_enabled: bool = False
     free_path_enabled: bool = True

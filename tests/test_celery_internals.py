@@ -111,3 +111,9 @@ def testbound_for_free_agrees_with_where_celery_puts_the_message(
     app.amqp.send_task_message = record
     app.send_task("t.plain", **publish)
     assert seen == [redis_client.llen("free") == 1]
+
+
+def test_the_workers_request_still_has_what_the_wait_allowance_check_uses() -> None:
+    from gatekeeper.celery.private import check_request_shape
+
+    check_request_shape()  # raises CeleryShapeError, naming what is gone

@@ -61,7 +61,7 @@ RULES: list[tuple[str, dict[str, Any], dict[str, Any], str, str]] = [
     ("bad service guess", {}, h(expected_service_s=0), "defer", "bad_service_guess"),
     ("deadline passed", {}, h(deadline_at=1.0), "defer", "deadline_passed"),
     ("bad declared input", {}, h(tokens_in=-1), "reserved", "bad_input"),
-    ("budget exceeded", {"budget_units": 150}, {}, "reserved", "retry_tax_budget"),
+    ("budget exceeded", {"budget_units": 2150}, {}, "reserved", "retry_tax_budget"),
     (
         "free path off in settings",
         {"free_path_enabled": False},
@@ -90,7 +90,8 @@ def test_rule_sends_the_task_to_its_queue_while_free_work_runs(
     witness_app = create_app(gate_settings(redis_url), redis_url)
     app = create_app(gate_settings(redis_url, **overrides), redis_url)
     if overrides.get("budget_units"):
-        app.tasks["tests.embed"].delay("uses the budget")  # 100 of 150 units in flight
+        # Reserves 100 tokens and the 10 s wait allowance (2,000): 2,100 of 2,150 units.
+        app.tasks["tests.embed"].delay("uses the budget")
     job = app.tasks["tests.embed"].apply_async(("under test",), **options).id
     witness_runs(witness_app, redis_client)
     assert in_queue(redis_client, queue) == {job: reason}

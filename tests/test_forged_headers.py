@@ -79,7 +79,7 @@ def test_forged_messages_run_but_price_nothing_and_leave_the_real_job_alone(
     assert real["headers"]["gatekeeper_decision"] == "admit_free"
     real_nonce = real["headers"]["gatekeeper_nonce"]
     exposure_before = totals(redis_client).get("exposure", 0)
-    assert exposure_before == 100  # the real admission's tokens
+    assert exposure_before == 2100  # the real admission's reservation: tokens and allowance
 
     # Forged messages: with a nonce of their own (forged), with another job's real nonce,
     # and with none at all (as an old publisher's would be: an unverified, unpriced row).

@@ -163,7 +163,7 @@ def test_gate_disabled_leaves_the_normal_route(redis_url: str, redis_client: red
 
 
 def test_only_the_canary_slice_is_gated(redis_url: str, redis_client: redis.Redis) -> None:
-    app = make_app(redis_url, canary_percent=50)
+    app = make_app(redis_url, canary_percent=50, budget_units=1e9)
     ids = [app.tasks["tests.embed"].delay(n).id for n in range(40)]
     gated = {m["headers"]["id"] for m in queue_messages(redis_client, "free")}
     untouched = {m["headers"]["id"] for m in queue_messages(redis_client, "celery")}

@@ -135,7 +135,7 @@ def test_the_lock_is_renewed_during_a_pass_longer_than_its_ttl(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     defer_tasks(redis_url, redis_client, 30)
-    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3)
+    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3, budget_units=1e9)
 
     def slow_clock() -> float:  # each message takes a while: the pass lasts about 1 s
         time.sleep(0.01)

@@ -18,11 +18,11 @@ from tests.conftest import gate_settings
 def test_status_shows_flags_with_who_when_why_queues_age_and_budget(
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = create_app(gate_settings(redis_url, budget_units=1000), redis_url)
-    app.tasks["tests.embed"].delay(1)  # admitted: 100 tokens of exposure, one waiting
+    app = create_app(gate_settings(redis_url, budget_units=3000), redis_url)
+    app.tasks["tests.embed"].delay(1)  # admitted: 100 tokens and 2,000 of wait reserved
     app.tasks["tests.embed"].apply_async((2,), headers={"gatekeeper_expected_service_s": 0})
     monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
-    monkeypatch.setenv("GATEKEEPER_BUDGET_UNITS", "1000")
+    monkeypatch.setenv("GATEKEEPER_BUDGET_UNITS", "3000")
     runner = CliRunner()
     args = ["flags", "set", "canary_percent", "50", "--reason", "widen the canary"]
     assert runner.invoke(main, args).exit_code == 0
@@ -38,7 +38,9 @@ def test_status_shows_flags_with_who_when_why_queues_age_and_budget(
     assert "free=1" in queues and "defer=1" in queues and "reserved=0" in queues
     window = window_id(time.time(), 900)
     budget = next(line for line in lines if line.startswith(f"window={window}"))
-    assert "exposure=100" in budget and "budget_left=1000" in budget and "admitted_free=1" in budget
+    assert (
+        "exposure=2100" in budget and "budget_left=3000" in budget and "admitted_free=1" in budget
+    )
     assert "reruns_after_row=0 forged_runs=0 unverified_runs=0" in lines
 
 

@@ -167,8 +167,8 @@ def test_metered_tokens_replace_the_declared_ones(
 def test_a_batch_with_injected_kills_has_one_row_per_attempt_and_releases_exposure(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    app = app_for(redis_url)
-    with running_worker(redis_url, tmp_path / "w.log"):
+    app = app_for(redis_url, budget_units=1e9)  # the worker publishes the retries
+    with running_worker(redis_url, tmp_path / "w.log", GATEKEEPER_BUDGET_UNITS="1e9"):
         for chunk in range(12):
             app.tasks["tests.coinflip"].delay(chunk)
         found = wait_rows(redis_client, 16, timeout_s=60)  # 12 first attempts, 4 killed + retried

@@ -33,6 +33,7 @@ import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
 
+from gatekeeper.celery.expiry import Expiry
 from gatekeeper.celery.fastpath import FastRender, possible, publish_observed, same_server
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.private import bound_for, check_celery_shape, replace_sender
@@ -90,6 +91,7 @@ class Installed:
         )
         self.log = self.pipeline.log
         self.worker = WorkerSide(app, settings, client, self.flags, clock)
+        self.expiry = Expiry(app, settings, client, self.worker.log, clock)
         self.original_sender = check_celery_shape(app)
         self.queues = (settings.free_queue, settings.defer_queue, settings.reserved_queue)
         self._specs: dict[str, _Gated | None] = {}
@@ -285,5 +287,6 @@ def install(
         gate = Installed(app, settings, client or _client(settings), clock)
         replace_sender(app, gate.send_task_message)
         gate.worker.connect()
+        gate.expiry.connect()
         _installed[app] = gate
         return gate

@@ -16,6 +16,12 @@ What is touched, and why (``docs/design.md`` has the longer story):
   is empty on 5.5 and 5.6), and two messages can share one; Celery discards the request that
   ended from these sets before it sends the signal (``task_ready``, on 5.5 to 5.7), so the
   received messages still in them are not the one that ended (:func:`outstanding`).
+- A gated task's ``Request`` class, in the worker's main process: Celery's strategy subclasses
+  ``task.Request`` and asks ``revoked()`` before it hands a message to the pool (and again
+  when an ETA is due); a subclass whose ``revoked()`` also says "moved" (after acking it, as
+  Celery's own revocation does, through ``acknowledge``, ``task_ready`` and
+  ``_already_revoked``) lets a free message past its wait allowance go to reserved instead
+  of running (:func:`use_request_check`, checked by :func:`check_request_shape`).
 - kombu's virtual Redis channel (``_put``, ``_q_for_pri``, ``_get_message_priority``,
   ``_expires``, ``global_keyprefix``) and the producer's publish batch: fast publish catches
   the serialized message at ``_put`` (:func:`capture_message`) and stands aside where the
@@ -39,10 +45,12 @@ __all__ = [
     "capture_message",
     "channel_fits",
     "check_celery_shape",
+    "check_request_shape",
     "current_task",
     "outstanding",
     "replace_sender",
     "task_functions",
+    "use_request_check",
 ]
 
 SENDER_PARAMETERS = ("producer", "name", "message", "exchange", "routing_key", "queue", "headers")
@@ -66,6 +74,54 @@ def check_celery_shape(app: Celery) -> Callable[..., Any]:
     ] != list(SENDER_PARAMETERS[:3]):
         raise CeleryShapeError(f"celery's task sender changed shape: parameters {params}")
     return sender
+
+
+REQUEST_API = ("revoked", "acknowledge", "message", "_already_revoked")
+"""What the request check uses of ``celery.worker.request.Request``."""
+
+
+def check_request_shape() -> None:
+    """Raise :class:`CeleryShapeError` when the worker's request lacks what the check uses."""
+    from celery.worker import request, state, strategy
+
+    missing = [name for name in REQUEST_API if not hasattr(request.Request, name)]
+    if missing or not hasattr(state, "task_ready"):
+        raise CeleryShapeError(f"celery's worker Request changed shape: missing {missing}")
+    source = inspect.getsource(strategy.create_request_cls)
+    if "self.revoked()" not in source:
+        raise CeleryShapeError("celery's strategy no longer asks revoked() before it executes")
+
+
+def use_request_check(task: Any, check: Callable[[Any], bool]) -> bool:
+    """Make ``task`` ask ``check(request)`` before a message of it runs (worker main
+    process); a True answer means the check moved the message elsewhere: it is acked and
+    not run. False when the task already has it."""
+    from celery.utils.imports import symbol_by_name
+    from celery.worker.state import task_ready
+
+    base = symbol_by_name(task.Request)
+    if getattr(base, "gatekeeper_check", None) is not None:
+        return False
+
+    class GatekeeperRequest(base):  # type: ignore[misc, valid-type]
+        gatekeeper_check = staticmethod(check)
+
+        def revoked(self) -> bool:
+            if super().revoked():
+                return True
+            if self.__dict__.get("_gatekeeper_asked"):
+                return False
+            self._gatekeeper_asked = True
+            if not self.gatekeeper_check(self):
+                return False
+            task_ready(self)
+            self.acknowledge()
+            self._already_revoked = True
+            return True
+
+    GatekeeperRequest.__qualname__ = f"GatekeeperRequest({base.__qualname__})"
+    task.Request = GatekeeperRequest
+    return True
 
 
 def replace_sender(app: Celery, sender: Callable[..., Any]) -> None:

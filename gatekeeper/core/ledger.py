@@ -32,6 +32,7 @@ __all__ = [
     "WindowSummary",
     "admit",
     "make_row",
+    "reservation",
     "row_retry_tax",
     "summarize",
     "window_id",
@@ -48,6 +49,10 @@ class Outcome(str, Enum):
     """Refused by the budget at publish (the attempt then runs on the reserved path)."""
     ABANDONED = "abandoned"
     """Dropped because its deadline passed before it could run or retry."""
+    EXPIRED = "expired"
+    """Admitted to free but still waiting there when its wait allowance ran out: moved to
+    reserved before it ran (the same attempt then runs there, with a row of its own). Charged
+    the allowance's wait, no tokens."""
 
     def __str__(self) -> str:
         return self.value
@@ -90,8 +95,9 @@ def row_retry_tax(
 ) -> float:
     """This attempt's contribution to its window's tax.
 
-    Rejected and abandoned rows never ran: they carry no token charge and no wait charge.
-    The wait is taken in whole milliseconds so that 2100 ms at 200 is exactly 420.
+    Rejected and abandoned rows never ran: they carry no token charge and no wait charge; an
+    expired row is charged its wait alone. The wait is taken in whole milliseconds so that
+    2100 ms at 200 is exactly 420.
     """
     if outcome in (Outcome.REJECTED, Outcome.ABANDONED):
         return 0.0
@@ -158,7 +164,7 @@ def make_row(
     """
     if attempt < 1:
         raise ValueError(f"attempt: expected an integer >= 1, got {attempt!r}")
-    if outcome in (Outcome.REJECTED, Outcome.ABANDONED):
+    if outcome in (Outcome.REJECTED, Outcome.ABANDONED, Outcome.EXPIRED):
         tokens_in = tokens_out = 0
     if tokens_in < 0 or tokens_out < 0 or queue_wait_ms < 0:
         raise ValueError(
@@ -199,18 +205,30 @@ def admit(
     budget_units: float,
     queue_wait_unit_per_second: float = QUEUE_WAIT_UNIT_PER_SECOND,
     mode: BudgetMode = BudgetMode.EXPOSURE,
+    wait_allowance_s: float = 0.0,
 ) -> Admission:
     """Whether the window's budget can carry one more free attempt of ``tokens_in`` tokens.
 
     ``projected_tax`` is what the window would owe before this attempt; the attempt is admitted
-    when that plus its own tokens stays within ``budget_units``. Non-finite numbers refuse.
+    when that plus what it reserves (:func:`reservation`: its tokens, and in ``exposure`` mode
+    its wait allowance) stays within ``budget_units``. Non-finite numbers refuse.
     """
     counted_exposure = exposure if mode is BudgetMode.EXPOSURE else 0.0
     projected = tax_units + counted_exposure + queue_age_s * queue_wait_unit_per_second
-    total = projected + tokens_in
+    allowance = wait_allowance_s if mode is BudgetMode.EXPOSURE else 0.0
+    total = projected + reservation(tokens_in, allowance, queue_wait_unit_per_second)
     if not math.isfinite(total) or not math.isfinite(budget_units) or total > budget_units:
         return Admission(False, projected, Reason.RETRY_TAX_BUDGET)
     return Admission(True, projected, Reason.FITS)
+
+
+def reservation(
+    tokens_in: int, wait_allowance_s: float, queue_wait_unit_per_second: float
+) -> float:
+    """What an admission to free holds in its window's exposure: the most its attempt can
+    still be charged (its tokens, if it dies, and its wait up to the allowance). The ceiling
+    of SPEC section 2 rests on it: a free attempt is never charged more than it reserved."""
+    return tokens_in + wait_allowance_s * queue_wait_unit_per_second
 
 
 @dataclass(frozen=True)
@@ -223,6 +241,8 @@ class WindowSummary:
     abandoned: int
     tax_units: float
     budget_units: float
+    expired: int = 0
+    """Free attempts moved to reserved when their wait allowance ran out."""
 
     @property
     def budget_left(self) -> int:
@@ -236,7 +256,7 @@ class WindowSummary:
             f"finished={self.finished} killed_rows={self.killed_rows} "
             f"rejected={self.rejected} abandoned={self.abandoned} "
             f"budget_left={self.budget_left}"
-        )
+        ) + (f" expired={self.expired}" if self.expired else "")  # new fields follow the five
 
 
 def summarize(rows: Iterable[LedgerRow], budget_units: float) -> WindowSummary:
@@ -254,4 +274,5 @@ def summarize(rows: Iterable[LedgerRow], budget_units: float) -> WindowSummary:
         abandoned=counts[Outcome.ABANDONED],
         tax_units=tax,
         budget_units=budget_units,
+        expired=counts[Outcome.EXPIRED],
     )

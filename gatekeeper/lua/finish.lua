@@ -2,24 +2,33 @@
 --
 -- Idempotent per run: a signal that fires twice, or a retried write, finds `rowed` already
 -- at this run and changes nothing. The row itself is built by the caller from the Python core
--- (gatekeeper/ledger.py make_row); this script only applies it atomically.
+-- (gatekeeper/core/ledger.py make_row); this script applies it atomically.
 --
--- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row
--- KEYS[2] window:<row window>       hash: tax_units, rows:<outcome>, killed_free
--- KEYS[3] window:<row window>:rows  list: ledger rows (JSON)
--- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<tokens>|<window>|<ms>"
+-- The ceiling (SPEC section 2): a free row is charged to the window that admitted it (the
+-- budget that reserved it), never more, over all runs of the attempt, than the admission
+-- reserved (the record's `reserved`; `charged` sums what its rows were charged). A row whose
+-- tax would pass that is written with the tax it was charged.
+--
+-- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row; reserved,
+--                                  charged
+-- KEYS[2] window:<row window>       hash: rows:<outcome> (a reserved row)
+-- KEYS[3] window:<row window>:rows  list: ledger rows (JSON): a reserved row's
+-- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>"
 -- KEYS[5] started                   sorted set: runs started without a row
--- KEYS[6] window:<admission window> hash: exposure, admitted_free, slack_misses
+-- KEYS[6] window:<admission window> hash: exposure, admitted_free, slack_misses; and a free
+--                                   row's tax_units, rows:<outcome>, killed_free
+-- KEYS[7] window:<admission window>:rows  list: a free row's
 --
 -- ARGV[1] member        <job_id>:<attempt>
 -- ARGV[2] run           the run this row belongs to
 -- ARGV[3] row           JSON
--- ARGV[4] outcome       ok | killed
+-- ARGV[4] outcome       ok | killed | expired
 -- ARGV[5] path          free | reserved
 -- ARGV[6] retry_tax     this row's tax (charged to tax_units on the free path only)
 -- ARGV[7] slack_miss    1 when a free-admitted job finished after its deadline
 -- ARGV[8] retention_s   TTL of the window's keys
 -- ARGV[9] current       1 when this run is the attempt's latest start (it leaves `started`)
+-- ARGV[10] row head     the row's JSON without its last field (retry_tax) and closing brace
 --
 -- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free}.
 
@@ -29,16 +38,29 @@ if rowed >= run then
   return {0, 0, 0}
 end
 redis.call('HSET', KEYS[1], 'rowed', run)
-redis.call('RPUSH', KEYS[3], ARGV[3])
-redis.call('EXPIRE', KEYS[3], tonumber(ARGV[8]))
-redis.call('HINCRBY', KEYS[2], 'rows:' .. ARGV[4], 1)
-if ARGV[5] == 'free' then
-  redis.call('HINCRBYFLOAT', KEYS[2], 'tax_units', ARGV[6])
+local free = ARGV[5] == 'free'
+local window, rows, row = KEYS[2], KEYS[3], ARGV[3]
+if free then
+  window, rows = KEYS[6], KEYS[7]
+  local tax = tonumber(ARGV[6])
+  local held = redis.call('HMGET', KEYS[1], 'reserved', 'charged')
+  if held[1] then  -- a record written before reservations has no cap to apply
+    local left = math.max(0, tonumber(held[1]) - tonumber(held[2] or '0'))
+    if tax > left then
+      tax = left
+      row = ARGV[10] .. ', "retry_tax": ' .. string.format('%.17g', tax) .. '}'
+    end
+  end
+  redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
+  redis.call('HINCRBYFLOAT', window, 'tax_units', tax)
   if ARGV[4] == 'killed' then
-    redis.call('HINCRBY', KEYS[2], 'killed_free', 1)
+    redis.call('HINCRBY', window, 'killed_free', 1)
   end
 end
-redis.call('EXPIRE', KEYS[2], tonumber(ARGV[8]))
+redis.call('RPUSH', rows, row)
+redis.call('EXPIRE', rows, tonumber(ARGV[8]))
+redis.call('HINCRBY', window, 'rows:' .. ARGV[4], 1)
+redis.call('EXPIRE', window, tonumber(ARGV[8]))
 local held = redis.call('HGET', KEYS[4], ARGV[1])
 if held then
   redis.call('HDEL', KEYS[4], ARGV[1])

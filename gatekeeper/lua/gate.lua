@@ -10,7 +10,7 @@
 --                           decided:<decision>:<reason> (not for admissions: admitted_free
 --                           counts those), review:defer_fit, review:reserved_age_shift
 -- KEYS[3] window:<id>:rows  list: ledger rows (JSON), oldest first
--- KEYS[4] inflight          hash: <job_id>:<attempt> -> "<tokens>|<window id>|<admitted ms>"
+-- KEYS[4] inflight          hash: <job_id>:<attempt> -> "<reserved>|<window id>|<admitted ms>"
 -- KEYS[5] flags             hash: live flag overrides (free_path_enabled read here, so a
 --                           freeze in Redis holds for every publisher at once, cache or not)
 --                           and the state marker initialised_at: without it (a Redis that
@@ -53,8 +53,11 @@
 --                            message that fallback.lua pushed meanwhile)
 -- ARGV[24] prev_nonce        the nonce the message already carries for this attempt (a
 --                            replay of a deferred attempt), '' for a first publish
--- ARGV[25..27]              (fast publish only) the free, defer and reserved queue names
--- ARGV[28..]                (fast publish only) the kombu message, JSON, cut at the values
+-- ARGV[25] allowance_units  the wait an admission reserves, in units (free_wait_allowance_s x
+--                            queue_wait_unit_per_second; 0 in optimistic mode): with its
+--                            tokens, the most the attempt can be charged (SPEC's ceiling)
+-- ARGV[26..28]              (fast publish only) the free, defer and reserved queue names
+-- ARGV[29..]                (fast publish only) the kombu message, JSON, cut at the values
 --                            the decision decides: text, name, text, name, ..., text
 --                            (gatekeeper/redis/push.py); the names are decision, reason,
 --                            dwell, free, window and queue
@@ -89,7 +92,8 @@ local horizon = tonumber(ARGV[11])
 local retention = tonumber(ARGV[12])
 local delay = tonumber(ARGV[16])
 
-local fast = #ARGV >= 28
+local allowance = tonumber(ARGV[25])
+local fast = #ARGV >= 29
 local held = redis.call('HMGET', KEYS[6], 'nonce', 'decision', 'reason', 'free_admitted',
   'runs', 'rowed', 'dup:' .. ARGV[18])
 if held[1] == ARGV[18] then
@@ -137,14 +141,16 @@ local function push(decision, reason, shown, free)
     dwell = shown == 'nan' and 'null' or shown,
     free = free == '1' and 'true' or 'false',
     window = admitted and ARGV[17] or 'null',
-    queue = '"' .. ARGV[25 + index] .. '"',  -- queue names need no escaping (settings)
+    queue = '"' .. ARGV[26 + index] .. '"',  -- queue names need no escaping (settings)
   }
   local out = {}
-  for i = 28, #ARGV do
-    if (i - 28) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
+  for i = 29, #ARGV do
+    if (i - 29) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
   end
   redis.call('LPUSH', KEYS[8 + index], table.concat(out))
 end
+
+local reserve = 0  -- what an admission holds in exposure (set below, before admitting)
 
 local function decided(decision, reason, dwell, projected)
   local admitted = decision == 'admit_free'
@@ -160,7 +166,8 @@ local function decided(decision, reason, dwell, projected)
   else
     redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
       'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],
-      'published_ms', ARGV[19], 'deadline_ms', ARGV[21], 'dwell_s', shown, 'free_admitted', free)
+      'published_ms', ARGV[19], 'deadline_ms', ARGV[21], 'dwell_s', shown, 'free_admitted', free,
+      'reserved', admitted and fmt(reserve) or '0')
     redis.call('EXPIRE', KEYS[6], tonumber(ARGV[20]))
   end
   -- An admission is counted in admitted_free alone (the review reads it as
@@ -208,7 +215,11 @@ if ARGV[10] == 'exposure' then
   exposure = tonumber(held_now[2] or '0')
 end
 local projected = tax_units + exposure + age * unit
-local total = projected + tokens
+-- The ceiling: an admission reserves what the attempt may still cost, its tokens and its wait
+-- allowance (gatekeeper/core/ledger.py reservation), so that whatever it is charged later,
+-- in whichever window it finishes, its admission window never goes over budget.
+reserve = tokens + (ARGV[10] == 'exposure' and allowance or 0)
+local total = projected + reserve
 if not (finite(total) and finite(budget)) or total > budget then
   redis.call('HINCRBY', KEYS[2], 'rejected', 1)
   local row = '{"job_id": ' .. cjson.encode(ARGV[13]) .. ', "attempt": ' .. ARGV[14]
@@ -220,12 +231,14 @@ if not (finite(total) and finite(budget)) or total > budget then
 end
 
 -- Idempotent per attempt: a replay re-scored after a crash does not hold its tokens twice.
-local held = ARGV[7] .. '|' .. ARGV[17] .. '|' .. ARGV[1]
+local held = fmt(reserve) .. '|' .. ARGV[17] .. '|' .. ARGV[1]
 if redis.call('HSETNX', KEYS[4], ARGV[2], held) == 1 then
-  -- Tokens are whole numbers, so exposure is too: HINCRBY costs a fraction of HINCRBYFLOAT.
-  -- A value some other writer left fractional still takes the float path.
-  if type(redis.pcall('HINCRBY', KEYS[2], 'exposure', ARGV[7])) == 'table' then
-    redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', tokens)
+  -- A whole reservation takes HINCRBY (a fraction of HINCRBYFLOAT's cost); a fractional one,
+  -- or a value some other writer left fractional, the float path.
+  local whole = reserve == math.floor(reserve) and reserve < 2 ^ 53
+  if not whole or type(redis.pcall('HINCRBY', KEYS[2], 'exposure',
+      string.format('%d', reserve))) == 'table' then
+    redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', reserve)
   end
 end
 -- A delayed task joins the free queue's wait when it is due, not before.

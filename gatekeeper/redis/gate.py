@@ -226,6 +226,7 @@ class Pipeline:
             budget_mode=self.settings.budget_mode, nonce=attempt.nonce,
             published_s=attempt.published_s, deadline_s=attempt.inputs.deadline_at,
             delay_s=attempt.delay_s, push=push, prev_nonce=attempt.prev_nonce,
+            wait_allowance_s=self.settings.free_wait_allowance_s,
         )  # fmt: skip
         try:
             scored = self.store.score(call)

@@ -19,7 +19,8 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     a purged queue cannot pin the age for long.
 ``gatekeeper:{default}:inflight`` - hash, no TTL (fields removed when the attempt ends)
     Free attempts admitted and not yet finished: field ``<job_id>:<attempt>``, value
-    ``<tokens>|<window id>|<admitted ms>``: the exposure it holds, and where and since when.
+    ``<reserved>|<window id>|<admitted ms>``: the exposure it holds (its tokens and its wait
+    allowance), and where and since when.
 ``gatekeeper:{default}:started`` - sorted set, no TTL (members removed when the run ends)
     Runs of gated attempts that started and have no row yet: member ``<job_id>:<attempt>``,
     score = start time in ms. ``gatekeeper sweep`` records the stale ones as killed.
@@ -30,14 +31,18 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     the message carries it as ``gatekeeper_nonce``, and a worker trusts a message only when
     they match), ``decision``, ``reason``, ``window`` (the admission's window, empty unless
     admitted), ``tokens_in``, ``admitted_ms``, ``published_ms``, ``deadline_ms``, ``dwell_s``,
-    ``free_admitted`` (``1`` once an attempt of the job was admitted to free). Then the
+    ``free_admitted`` (``1`` once an attempt of the job was admitted to free), ``reserved``
+    (what an admission reserved: the most its rows may be charged) and ``charged`` (what they
+    were charged so far); ``expired_ms`` when its wait allowance ran out on free (its decision
+    is then ``reserved``, reason ``free_wait_expired``). Then the
     worker's runs: ``runs`` (how many times a worker started it: more than one after a
     redelivery), ``rowed`` (the last run that has its row), ``started_ms`` and what the worker
     knows itself (``task``, ``retries``, ``max_retries``, ``time_limit_s``, ``tokens_out``).
     A decision made without Redis, or a bad input, writes none: its row is unverified.
 ``gatekeeper:{default}:window:<id>`` - hash, TTL = window retention
     One ledger window (``id`` = epoch seconds // ``window_seconds``): ``tax_units``
-    (free rows' retry tax), ``exposure`` (tokens of free attempts admitted and not finished),
+    (the retry tax of the free rows it admitted, wherever they finished), ``exposure`` (what
+    free attempts admitted and not finished reserved),
     ``admitted_free``, ``rejected``, ``rows:<outcome>`` (rows by outcome, both paths),
     ``killed_free``, ``slack_misses``, ``unverified:<outcome>`` (unverified rows, counted apart:
     never toward a freeze or against a clean hour) and ``decided:<decision>:<reason>`` counters

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import redis
 
 from gatekeeper.core.ledger import LedgerRow, Outcome, Path, make_row, window_id
-from gatekeeper.defaults import WINDOW_RETENTION_S
+from gatekeeper.defaults import FREE_WAIT_ALLOWANCE_S, WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
@@ -53,6 +53,9 @@ class RunRecord:
     started_ms: int = 0
     nonce: str = ""
     """The gate record's nonce: a message that carries another one is not this attempt's."""
+    reserved: float = 0.0
+    """What the admission reserved (its tokens and wait allowance): the most its rows can be
+    charged, over all its runs."""
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> RunRecord:
@@ -76,6 +79,7 @@ class RunRecord:
             time_limit_s=float(fields.get("time_limit_s", 0)),
             started_ms=int(float(fields.get("started_ms", 0))),
             nonce=fields.get("nonce", ""),
+            reserved=float(fields.get("reserved") or 0),
         )
 
 
@@ -112,11 +116,13 @@ class RunLedger:
         window_seconds: int,
         queue_wait_unit_per_second: float,
         retention_s: int = WINDOW_RETENTION_S,
+        wait_allowance_s: float = FREE_WAIT_ALLOWANCE_S,
     ) -> None:
         self.client = client
         self.keys = keys
         self.window_seconds = window_seconds
         self.unit = queue_wait_unit_per_second
+        self.allowance_ms = round(wait_allowance_s * 1000)
         self.retention_s = retention_s
         self._start = client.register_script(load_lua("start.lua"))
         self._finish = client.register_script(load_lua("finish.lua"))
@@ -130,6 +136,7 @@ class RunLedger:
             Keys(settings.key_prefix, settings.namespace),
             window_seconds=settings.window_seconds,
             queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
+            wait_allowance_s=settings.free_wait_allowance_s,
         )
 
     def start(
@@ -186,8 +193,9 @@ class RunLedger:
     ) -> LedgerRow:
         """The core's row for a run that ended now (metered tokens win over declared ones).
 
-        A free row is charged the wait since its admission to free, and at most the tokens
-        its admission reserved; a meter that reports more is recorded, uncharged.
+        A free row is charged the wait since its admission to free, up to the wait allowance,
+        and at most the tokens its admission reserved; a meter that reports more is
+        recorded, uncharged (``finish.lua`` caps the attempt's rows at its reservation).
         """
         default_out = 0 if outcome is Outcome.KILLED else record.tokens_out
         used = record.tokens_in if tokens_in is None else tokens_in
@@ -203,7 +211,9 @@ class RunLedger:
             # A deadline that could not be read (a bad-input route) is written as slack 0.
             deadline_slack_ms=record.deadline_ms - now_ms if record.deadline_ms else 0,
             queue_wait_unit_per_second=self.unit,
-            charged_wait_ms=max(0, record.started_ms - record.admitted_ms) if free else None,
+            charged_wait_ms=min(self.allowance_ms, max(0, record.started_ms - record.admitted_ms))
+            if free
+            else None,
             charged_tokens_in=min(used, record.tokens_in) if free else None,
         )
 
@@ -243,7 +253,10 @@ class RunLedger:
             self.keys.inflight,
             self.keys.started,
             self.keys.window(admission_window),
+            self.keys.window_rows(admission_window),
         ]
+        fields = row.to_json()
+        fields.pop("retry_tax")
         args = [
             member,
             str(run),
@@ -254,6 +267,7 @@ class RunLedger:
             "1" if slack_miss else "0",
             str(self.retention_s),
             "1" if current else "0",
+            json.dumps(fields)[:-1],
         ]
         try:
             written, misses, admitted = evalsha(self.client, self._finish, keys, args)

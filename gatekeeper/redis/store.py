@@ -63,6 +63,8 @@ class GateCall:
     prev_nonce: str = ""
     """The nonce the message already carries for this attempt (a replay), else ''."""
     delay_s: float = 0.0
+    wait_allowance_s: float = 0.0
+    """``free_wait_allowance_s``: the wait an admission reserves (0: its tokens alone)."""
     push: Push | None = None
 
 
@@ -129,7 +131,7 @@ class GateStore:
             self.keys.flags,
             *self._records(call.job_id, call.attempt),
         ]
-        cap, budget, unit, mode, horizon, retention, ttl = self._fixed(call)
+        cap, budget, unit, mode, horizon, retention, ttl, allowance = self._fixed(call)
         args = [
             repr(call.now_s * 1000),
             f"{call.job_id}:{call.attempt}",
@@ -155,6 +157,7 @@ class GateStore:
             str(_ms(call.now_s + call.delay_s)),
             "0",  # rerun: set by _reply_now, whose client may send the request again
             call.prev_nonce,
+            allowance,
         ]
         if call.push is not None:  # fast publish: the script pushes the decided message too
             keys += call.push.lists
@@ -164,12 +167,13 @@ class GateStore:
     def _fixed(self, call: GateCall) -> tuple[str, ...]:
         """The arguments that come from settings, as text: formatted once per value."""
         key = (call.max_queue_age_s, call.budget_units, call.queue_wait_unit_per_second,
-               call.budget_mode)  # fmt: skip
+               call.budget_mode, call.wait_allowance_s)  # fmt: skip
         if self._fixed_args is None or self._fixed_args[0] != key:
             self._fixed_args = (key, (
                 repr(float(call.max_queue_age_s)), repr(float(call.budget_units)),
                 repr(float(call.queue_wait_unit_per_second)), call.budget_mode.value,
                 repr(self.horizon_s * 1000), str(self.retention_s), str(self.record_ttl_s),
+                repr(float(call.wait_allowance_s * call.queue_wait_unit_per_second)),
             ))  # fmt: skip
         return self._fixed_args[1]
 

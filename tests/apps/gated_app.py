@@ -133,6 +133,16 @@ def create_app(
             raise self.retry(countdown=0, exc=RuntimeError("injected kill"))
         return chunk
 
+    @gatekeeper.gated(expected_service_s=0.3, tokens_in=100, deadline_s=600)
+    @app.task(bind=True, name="tests.taxed", max_retries=0, shared=False)
+    def taxed(self: Any, fail: bool, sleep_s: float) -> str:
+        """The budget tests' task: 100 tokens, raises (killed) or returns (ok)."""
+        record(self)
+        time.sleep(sleep_s)
+        if fail:
+            raise RuntimeError("every attempt dies")
+        return "ok"
+
     @app.task(bind=True, name="tests.plain", shared=False)
     def plain(self: Any) -> str:
         record(self)

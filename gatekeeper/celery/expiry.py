@@ -1,0 +1,169 @@
+"""Free messages past their wait allowance go to reserved instead of running late on free.
+
+SPEC section 2's ceiling: an admission reserves its tokens and a wait allowance
+(``free_wait_allowance_s``); an attempt still waiting on free when the allowance runs out gets
+an ``expired`` row (charged the allowance's wait, no tokens) and runs on reserved. A message
+cannot be picked out of the middle of a RabbitMQ queue, and on Redis prefetched and ETA
+messages have left the list, so the dependable place is the worker's main process, before it
+hands a free message to the pool: the gated tasks' request class asks :meth:`Expiry.check`
+(:func:`gatekeeper.celery.private.use_request_check`).
+
+The message's own headers are a hint (no round trip for a message within its allowance);
+``expire.lua`` decides from the gate's record (the nonce, the admission time, never started).
+The message is republished to reserved, then acked: a crash between the two may run it twice
+(``expire.lua`` answers ``again`` and writes no second row), never loses it. A message the
+pool already holds (a prefork child's own queue) runs where it is, its charged wait capped at
+the allowance (:meth:`gatekeeper.redis.runs.RunLedger.row_for`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import worker_init
+
+from gatekeeper.celery.gating import spec_of
+from gatekeeper.celery.message import nonce_of
+from gatekeeper.celery.private import check_request_shape, use_request_check
+from gatekeeper.core.headers import (
+    H_ATTEMPT,
+    H_ATTEMPT_PUBLISHED_AT,
+    H_DEADLINE_AT,
+    H_DECISION,
+    H_PUBLISHED_AT,
+    H_REASON,
+    H_WINDOW,
+)
+from gatekeeper.core.ledger import Outcome, Path, make_row
+from gatekeeper.defaults import WINDOW_RETENTION_S
+from gatekeeper.errors import BadDeclaredInput
+from gatekeeper.redis.attempt import delay_of
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.scripts import evalsha, load_lua, text_of
+from gatekeeper.settings import GatekeeperSettings
+
+__all__ = ["EXPIRED_REASON", "Expiry"]
+
+EXPIRED_REASON = "free_wait_expired"
+
+
+class Expiry:
+    """The allowance check of one app's gated tasks, in its workers' main process."""
+
+    def __init__(
+        self,
+        app: Celery,
+        settings: GatekeeperSettings,
+        client: redis.Redis,
+        log: Any,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix, settings.namespace)
+        self.log = log
+        self.clock = clock
+        self.allowance_s = settings.free_wait_allowance_s
+        self._script = client.register_script(load_lua("expire.lua"))
+        self._client = client
+
+    def connect(self) -> None:
+        """Give the gated tasks the checking request class when a worker of this app starts
+        (after its tasks are registered, before its consumer builds their strategies)."""
+        worker_init.connect(self.on_worker_init, weak=False)
+
+    def on_worker_init(self, sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is not self.app:
+            return
+        check_request_shape()  # a worker on an unsupported Celery fails here, loudly
+        for task in list(self.app.tasks.values()):  # type: ignore[union-attr]
+            try:
+                gated = spec_of(task) is not None
+            except BadDeclaredInput:
+                gated = True  # routed to reserved at publish; never free, checked anyway
+            if gated:
+                use_request_check(task, self.check)
+
+    def check(self, request: Any) -> bool:
+        """True when the message was moved to reserved (acked here, not run); never raises:
+        a fault leaves the message to run where it is."""
+        try:
+            return self._moved(request)
+        except Exception as exc:  # the message must run somewhere: here, then
+            self.log.warning("free_wait_check_failed", job_id=getattr(request, "id", None),
+                             error=repr(exc))  # fmt: skip
+            return False
+
+    def _moved(self, request: Any) -> bool:
+        message = request.message
+        headers: dict[str, Any] = dict(message.headers or {})
+        if headers.get(H_DECISION) != "admit_free" or not nonce_of(headers):
+            return False
+        decided = headers.get(H_PUBLISHED_AT)
+        if isinstance(decided, bool) or not isinstance(decided, (int, float)):
+            return False
+        now = self.clock()
+        due = decided + delay_of(headers.get("eta"), decided)
+        if now - due < self.allowance_s:
+            return False  # within its allowance (the record decides the rest)
+        job_id, attempt, window = (
+            str(headers.get("id")),
+            headers.get(H_ATTEMPT),
+            headers.get(H_WINDOW),
+        )
+        if not (isinstance(attempt, int) and isinstance(window, int)):
+            return False
+        answer = self._expire(job_id, attempt, window, headers, now)
+        if answer == "no":
+            return False
+        self._republish(message, headers)
+        self.log.warning(
+            "free_wait_expired", task=getattr(request, "name", None), job_id=job_id,
+            attempt=attempt, waited_s=round(now - due, 3), allowance_s=self.allowance_s,
+            decision="reserved", reason=EXPIRED_REASON, queue=self.settings.reserved_queue,
+            again=answer == "again",
+        )  # fmt: skip
+        return True
+
+    def _expire(
+        self, job_id: str, attempt: int, window: int, headers: dict[str, Any], now: float
+    ) -> str:
+        first = headers.get(H_ATTEMPT_PUBLISHED_AT)
+        first = first if isinstance(first, (int, float)) and first <= now else now
+        deadline = headers.get(H_DEADLINE_AT)
+        slack_ms = round((deadline - now) * 1000) if isinstance(deadline, (int, float)) else 0
+        row = make_row(
+            job_id=job_id, attempt=attempt, path=Path.FREE, outcome=Outcome.EXPIRED,
+            queue_wait_ms=round((now - first) * 1000), tokens_in=0, tokens_out=0,
+            deadline_slack_ms=slack_ms,
+        ).to_json()  # fmt: skip
+        row.pop("retry_tax")
+        member = f"{job_id}:{attempt}"
+        keys = [self.keys.run(job_id, attempt), self.keys.inflight, self.keys.free_waiting,
+                self.keys.window(window), self.keys.window_rows(window)]  # fmt: skip
+        args = [member, nonce_of(headers), str(round(now * 1000)),
+                str(round(self.allowance_s * 1000)),
+                repr(self.settings.queue_wait_unit_per_second), str(WINDOW_RETENTION_S),
+                json.dumps(row)[:-1], str(window)]  # fmt: skip
+        return str(text_of(evalsha(self._client, self._script, keys, args)))
+
+    def _republish(self, message: Any, headers: dict[str, Any]) -> None:
+        """The same message (body, properties), addressed to reserved, decided so."""
+        reserved = self.settings.reserved_queue
+        headers.update({H_DECISION: "reserved", H_REASON: EXPIRED_REASON, H_WINDOW: None})
+        properties = dict(getattr(message, "properties", None) or {})
+        declared = self.app.amqp.queues.get(reserved)
+        with self.app.producer_or_acquire() as producer:
+            producer.publish(
+                message.body, exchange="", routing_key=reserved, headers=headers,
+                content_type=message.content_type, content_encoding=message.content_encoding,
+                priority=properties.get("priority"), correlation_id=properties.get(
+                    "correlation_id"), reply_to=properties.get("reply_to"),
+                delivery_mode=properties.get("delivery_mode"), retry=True,
+                declare=[declared] if declared is not None else None,
+            )  # fmt: skip

@@ -1,0 +1,52 @@
+-- expire.lua: a free attempt still waiting when its wait allowance ran out is moved to
+-- reserved (SPEC section 2): its `expired` row, charged the allowance's wait, no tokens.
+--
+-- Called by the worker's main process before it acks a free message (gatekeeper/celery/
+-- expiry.py), which then republishes the message to reserved. Only for the gate's message
+-- (its nonce is the record's), admitted to free, never started, past its allowance. The
+-- record then says reserved (reason free_wait_expired): the republished copy, which keeps the
+-- nonce, runs there with a reserved row of its own. Sent again (a crash before the
+-- republish, a redelivery) it writes nothing more and answers 'again', so the message is
+-- republished rather than lost (it may then run twice, never zero times).
+--
+-- KEYS[1] run:<job_id>:<attempt>    hash: the gate's record (nonce, decision, admitted_ms,
+--                                   window, reserved, charged, runs)
+-- KEYS[2] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>"
+-- KEYS[3] free:waiting              sorted set: admitted free attempts not yet started
+-- KEYS[4] window:<admission window> hash: exposure, tax_units, rows:expired
+-- KEYS[5] window:<admission window>:rows  list: ledger rows
+--
+-- ARGV[1] member <job_id>:<attempt>   ARGV[2] nonce (the message's)   ARGV[3] now_ms
+-- ARGV[4] allowance_ms   ARGV[5] unit (queue_wait_unit_per_second)   ARGV[6] retention_s
+-- ARGV[7] the row's JSON without its last field (retry_tax) and closing brace
+-- ARGV[8] the admission window the message names (KEYS[4]): it must be the record's
+--
+-- Returns 'expired' (moved now), 'again' (moved before) or 'no' (not the gate's free
+-- message, started, or within its allowance: it runs where it is).
+
+local r = redis.call('HMGET', KEYS[1], 'nonce', 'decision', 'reason', 'admitted_ms', 'runs',
+  'reserved', 'charged', 'window')
+if ARGV[2] == '' or r[1] ~= ARGV[2] then return 'no' end
+if r[2] == 'reserved' and r[3] == 'free_wait_expired' then return 'again' end
+if r[2] ~= 'admit_free' or r[5] or r[8] ~= ARGV[8] then return 'no' end
+local waited = tonumber(ARGV[3]) - tonumber(r[4] or ARGV[3])
+local allowance = tonumber(ARGV[4])
+if waited < allowance then return 'no' end
+local tax = allowance * tonumber(ARGV[5]) / 1000
+if r[6] then tax = math.min(tax, math.max(0, tonumber(r[6]) - tonumber(r[7] or '0'))) end
+redis.call('HSET', KEYS[1], 'decision', 'reserved', 'reason', 'free_wait_expired',
+  'window', '', 'expired_ms', ARGV[3])
+redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
+local retention = tonumber(ARGV[6])
+redis.call('HINCRBYFLOAT', KEYS[4], 'tax_units', tax)
+redis.call('HINCRBY', KEYS[4], 'rows:expired', 1)
+redis.call('EXPIRE', KEYS[4], retention)
+redis.call('RPUSH', KEYS[5], ARGV[7] .. ', "retry_tax": ' .. string.format('%.17g', tax) .. '}')
+redis.call('EXPIRE', KEYS[5], retention)
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+if held then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('HINCRBYFLOAT', KEYS[4], 'exposure', -tonumber(string.match(held, '^[^|]+')))
+end
+redis.call('ZREM', KEYS[3], ARGV[1])
+return 'expired'

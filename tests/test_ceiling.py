@@ -1,0 +1,111 @@
+"""The budget is a ceiling (SPEC section 2): for every window, the tax charged to it never
+exceeds ``budget_units``, whatever the number of publishers, however long admitted work waits,
+and whichever window the attempt finishes in.
+
+8 publisher processes x 150 gated tasks of 100 tokens, ``budget_units = 5000``, a prefork free
+worker with 2 slots, 3-second windows (so admitted work finishes in later windows), a 1 s wait
+allowance (so work queued behind the 2 slots expires to reserved): attempts all raising, and
+all succeeding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from gatekeeper.core.ledger import window_id
+from gatekeeper.redis.keys import Keys
+from tests.conftest import REPO_ROOT, running_worker, wait_until
+
+pytestmark = pytest.mark.celery
+KEYS = Keys()
+BUDGET, WINDOW_S, PUBLISHERS, TASKS = 5000.0, 3, 8, 150
+SETTINGS = {
+    "GATEKEEPER_DWELL_GATE_ENABLED": "true",
+    "GATEKEEPER_CANARY_PERCENT": "100",
+    "GATEKEEPER_BUDGET_UNITS": str(BUDGET),
+    "GATEKEEPER_WINDOW_SECONDS": str(WINDOW_S),
+    "GATEKEEPER_FREE_WAIT_ALLOWANCE_S": "1",
+    "GATEKEEPER_FLAG_CACHE_S": "0.5",
+}
+
+
+def publish_all(redis_url: str, folder: Path, fail: bool) -> None:
+    """Start the publishers, then let them all go half a second before a window ends."""
+    go = folder / "go"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
+    env.update(SETTINGS, GATEKEEPER_REDIS_URL=redis_url, PYTHONPATH=str(REPO_ROOT))
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.apps.tax_publisher",
+                redis_url,
+                str(go),
+                str(TASKS),
+                "1" if fail else "0",
+                "0.3",
+            ],
+            env=env,
+            cwd=folder,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(PUBLISHERS)
+    ]
+    for child in children:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    while WINDOW_S - time.time() % WINDOW_S > 0.5 or WINDOW_S - time.time() % WINDOW_S < 0.4:
+        time.sleep(0.01)
+    go.touch()
+    for child in children:
+        assert child.wait(timeout=120) == 0
+
+
+def settled(client: redis.Redis) -> bool:
+    return (client.llen("free") == 0 and client.hlen(KEYS.inflight) == 0
+            and client.zcard(KEYS.started) == 0)  # fmt: skip
+
+
+@pytest.mark.parametrize("fail", [True, False], ids=["all_raising", "all_succeeding"])
+def test_no_window_is_charged_more_than_its_budget(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, fail: bool
+) -> None:
+    worker_env = {k: v for k, v in SETTINGS.items() if k.startswith("GATEKEEPER_")}
+    with running_worker(redis_url, tmp_path / "w.log", concurrency=2, **worker_env):
+        publish_all(redis_url, tmp_path, fail)
+        assert wait_until(lambda: settled(redis_client), timeout_s=90)
+        time.sleep(0.5)
+    charged: dict[int, float] = {}
+    rows: dict[int, list[dict[str, object]]] = {}
+    for key in redis_client.scan_iter(match=KEYS.window(0)[:-1] + "*"):
+        text = key.decode()
+        ident = int(text.rsplit(":", 2)[-2] if text.endswith(":rows") else text.rsplit(":", 1)[-1])
+        if text.endswith(":rows"):
+            rows[ident] = [json.loads(raw) for raw in redis_client.lrange(key, 0, -1)]
+        else:
+            charged[ident] = float(redis_client.hget(key, "tax_units") or 0)
+            assert float(redis_client.hget(key, "exposure") or 0) == pytest.approx(0, abs=1e-6)
+    assert charged, "no window was charged anything: the test measured nothing"
+    for ident, tax in charged.items():
+        assert tax <= BUDGET + 1e-6, (ident, tax)
+        free_rows = [r for r in rows.get(ident, []) if r["path"] == "free"]
+        assert sum(float(r["retry_tax"]) for r in free_rows) == pytest.approx(tax)  # type: ignore[arg-type]
+    outcomes = {r["outcome"] for found in rows.values() for r in found if r["path"] == "free"}
+    assert ("killed" if fail else "ok") in outcomes and "rejected" in outcomes
+    assert "expired" in outcomes  # work queued behind two slots waited past its allowance
+    crossed = 0
+    for key in redis_client.scan_iter(match=KEYS.run("*", 1)):
+        record = {k.decode(): v.decode() for k, v in redis_client.hgetall(key).items()}
+        if record.get("window") and record.get("started_ms"):
+            finished_in = window_id(int(record["started_ms"]) / 1000, WINDOW_S)
+            crossed += finished_in > int(record["window"])
+    assert crossed, "no admitted attempt ran in a later window than its admission's"

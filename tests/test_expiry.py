@@ -1,0 +1,91 @@
+"""A free attempt still waiting when its wait allowance runs out is moved to reserved, with an
+``expired`` row (SPEC section 2), by the worker's main process, on a real prefork worker."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from gatekeeper.celery.hook import install
+from tests.apps.gated_app import create_app
+from tests.conftest import gate_settings, queue_messages, running_worker
+from tests.test_worker_ledger import KEYS, rows, runs, wait_rows, window_totals
+
+pytestmark = pytest.mark.celery
+
+
+def test_a_free_message_past_its_allowance_runs_on_reserved_with_an_expired_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    app = create_app(gate_settings(redis_url, free_wait_allowance_s=1.0), redis_url)
+    job = app.tasks["tests.embed"].delay(1).id
+    assert len(queue_messages(redis_client, "free")) == 1
+    time.sleep(1.3)  # no free worker yet: it waits past its allowance
+    with running_worker(redis_url, tmp_path / "w.log", queues="free,reserved",
+                        GATEKEEPER_FREE_WAIT_ALLOWANCE_S="1"):  # fmt: skip
+        found = wait_rows(redis_client, 2)
+    by_outcome = {row["outcome"]: row for row in found}
+    assert sorted(by_outcome) == ["expired", "ok"] and len(found) == 2
+    expired, ran = by_outcome["expired"], by_outcome["ok"]
+    assert (expired["job_id"], expired["path"], expired["tokens_in"]) == (job, "free", 0)
+    assert expired["retry_tax"] == pytest.approx(200.0)  # the allowance's wait, 1 s x 200
+    assert expired["queue_wait_ms"] >= 1300
+    assert (ran["job_id"], ran["path"], ran["attempt"]) == (job, "reserved", 1)
+    assert [(r["id"], r["queue"]) for r in runs(redis_client)] == [(job, "reserved")]  # once
+    assert window_totals(redis_client, "tax_units") == pytest.approx(200.0)
+    assert window_totals(redis_client, "exposure") == 0
+    assert redis_client.hlen(KEYS.inflight) == 0 and redis_client.zcard(KEYS.free_waiting) == 0
+    assert b"event=free_wait_expired" in (tmp_path / "w.log").read_bytes()
+
+
+def test_a_free_message_within_its_allowance_runs_on_free(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    app = create_app(gate_settings(redis_url, free_wait_allowance_s=30.0), redis_url)
+    job = app.tasks["tests.embed"].delay(1).id
+    with running_worker(redis_url, tmp_path / "w.log", queues="free,reserved",
+                        GATEKEEPER_FREE_WAIT_ALLOWANCE_S="30"):  # fmt: skip
+        (row,) = wait_rows(redis_client, 1)
+    assert (row["job_id"], row["path"], row["outcome"]) == (job, "free", "ok")
+    assert [r["queue"] for r in runs(redis_client)] == ["free"]
+
+
+def test_a_forged_old_admission_is_not_moved_and_runs_as_an_ordinary_task(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A caller's message that claims an old free admission with a nonce of its own: the
+    record does not know it, so nothing is written for it, and it runs where it was sent."""
+    app = create_app(gate_settings(redis_url, dwell_gate_enabled=False), redis_url)
+    forged = {"gatekeeper_decision": "admit_free", "gatekeeper_nonce": uuid.uuid4().hex,
+              "gatekeeper_attempt": 1, "gatekeeper_window": 1,
+              "gatekeeper_published_at": time.time() - 3600}  # fmt: skip
+    job = app.tasks["tests.embed"].apply_async((1,), queue="free", headers=forged).id
+    with running_worker(redis_url, tmp_path / "w.log", queues="free,reserved",
+                        GATEKEEPER_FREE_WAIT_ALLOWANCE_S="1"):  # fmt: skip
+        from tests.conftest import wait_until
+
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+    assert [(r["id"], r["queue"]) for r in runs(redis_client)] == [(job, "free")]
+    assert rows(redis_client) == []
+
+
+def test_expire_sent_twice_writes_one_row_and_says_again(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = create_app(gate_settings(redis_url, free_wait_allowance_s=0.1), redis_url)
+    gate = install(app)
+    job = app.tasks["tests.embed"].delay(1).id
+    (message,) = queue_messages(redis_client, "free")
+    headers = message["headers"]
+    time.sleep(0.2)
+    now = time.time()
+    window = headers["gatekeeper_window"]
+    first = gate.expiry._expire(job, 1, window, dict(headers), now)
+    again = gate.expiry._expire(job, 1, window, dict(headers), now + 0.1)
+    assert (first, again) == ("expired", "again")
+    assert [r["outcome"] for r in rows(redis_client)] == ["expired"]
+    assert window_totals(redis_client, "tax_units") == pytest.approx(0.1 * 200)
