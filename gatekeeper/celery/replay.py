@@ -40,7 +40,7 @@ import redis
 from redis.exceptions import LockError
 
 from gatekeeper.celery.freeze import maybe_freeze
-from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
+from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list, waiting_attempts
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import (
     H_ATTEMPT,
@@ -62,7 +62,7 @@ from gatekeeper.redis.gate import Pipeline, Publish
 from gatekeeper.redis.lock import Claims, OneHolder
 from gatekeeper.redis.runs import Finished, RunLedger
 from gatekeeper.redis.scripts import evalsha, load_lua
-from gatekeeper.redis.sweep import sweep
+from gatekeeper.redis.sweep import forget_purged, sweep
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["PRIORITY_SEP", "PRIORITY_STEPS", "Replayer", "queue_list"]
@@ -153,6 +153,9 @@ class Replayer:
             for row in sweep(self.runs, round(now * 1000), stale, self.pipeline.store):
                 self.log.warning("ledger_row", job_id=row.job_id, attempt=row.attempt,
                                  outcome=row.outcome.value, reason="vanished")  # fmt: skip
+            present = waiting_attempts(self.broker, self.settings.free_queue)
+            if forget_purged(self.pipeline.store, present, round(now * 1000)):
+                self.log.warning("free_admissions_forgotten", queue=self.settings.free_queue)
         return counts
 
     def _replay_all(self, counts: Counter[str]) -> None:

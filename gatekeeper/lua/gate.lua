@@ -119,9 +119,29 @@ end
 local age = 0
 local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 if oldest[2] and tonumber(oldest[2]) < now - horizon then
-  -- Entries past the horizon (a purged queue) stop counting; dropped only when there are some.
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. fmt(now - horizon))
-  oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  -- Admissions past the horizon (a purged or lost message, never started) stop counting at
+  -- once; up to 16 of them per call are also dropped and give back what they
+  -- reserved, so that without a sweep `waiting` and `inflight` stay bounded. Their window
+  -- and record keys are built here from KEYS[6]'s prefix: every key shares one hash tag, so
+  -- one cluster slot.
+  local cutoff = '(' .. fmt(now - horizon)
+  local base = string.match(KEYS[6], '^(.*):run:')
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff, 'LIMIT', 0, 16)) do
+    redis.call('ZREM', KEYS[1], member)
+    local stale = redis.call('HGET', KEYS[4], member)
+    if stale then
+      redis.call('HDEL', KEYS[4], member)
+      local amount, win = string.match(stale, '^([^|]+)|([^|]*)')
+      local window = base .. ':window:' .. win
+      if redis.call('EXISTS', window) == 1 then
+        redis.call('HINCRBYFLOAT', window, 'exposure', -tonumber(amount))
+      end
+      local record = base .. ':run:' .. member
+      if redis.call('EXISTS', record) == 1 then redis.call('HSET', record, 'reserved', '0') end
+    end
+  end
+  oldest = redis.call('ZRANGEBYSCORE', KEYS[1], string.sub(cutoff, 2), '+inf', 'WITHSCORES',
+    'LIMIT', 0, 1)
 end
 if oldest[2] then
   age = math.max(0, now - tonumber(oldest[2])) / 1000

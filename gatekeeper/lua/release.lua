@@ -4,16 +4,19 @@
 -- before it started, or one the sweep finds admitted long ago and never started. No row:
 -- the attempt did not run. Idempotent: the second call finds nothing to release.
 --
--- KEYS[1] inflight                  hash: <job_id>:<attempt> -> "<tokens>|<window>|<ms>"
+-- KEYS[1] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>"
 -- KEYS[2] free:waiting              sorted set: admitted free attempts not yet started
 -- KEYS[3] window:<admission window> hash: exposure, admitted_free
+-- KEYS[4] run:<job_id>:<attempt>    the gate's record: its `reserved` drops to 0, so that a
+--                                   run that starts after all (a message taken for purged
+--                                   that was not) is charged nothing it no longer reserves
 --
 -- ARGV[1] member       <job_id>:<attempt>
 -- ARGV[2] unpublished  "1" when the message was never published (the broker refused it, or
 --                      Celery failed to build it): the admission itself is taken back from
 --                      admitted_free, so the freeze rule's miss rate is not diluted by it
 --
--- Returns the tokens released (0 when the attempt held none).
+-- Returns what was released (0 when the attempt held nothing).
 
 redis.call('ZREM', KEYS[2], ARGV[1])
 local held = redis.call('HGET', KEYS[1], ARGV[1])
@@ -21,6 +24,9 @@ if not held then
   return 0
 end
 redis.call('HDEL', KEYS[1], ARGV[1])
+if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('HSET', KEYS[4], 'reserved', '0')
+end
 local tokens = tonumber(string.match(held, '^[^|]+'))
 redis.call('HINCRBYFLOAT', KEYS[3], 'exposure', -tokens)
 if ARGV[2] == '1' then

@@ -22,7 +22,7 @@ from typing import Any
 import click
 import redis
 
-from gatekeeper.celery.lists import PRIORITY_STEPS, queue_list
+from gatekeeper.celery.lists import PRIORITY_STEPS, queue_list, waiting_attempts
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.core.ledger import LedgerRow, summarize, window_id
 from gatekeeper.core.review import summarize_review
@@ -36,6 +36,7 @@ from gatekeeper.redis.lock import Claims
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import read_windows, text_of
 from gatekeeper.redis.store import GateStore
+from gatekeeper.redis.sweep import forget_purged
 from gatekeeper.redis.sweep import sweep as sweep_runs
 from gatekeeper.settings import redis_url_of
 
@@ -132,14 +133,18 @@ def ledger(ctx: click.Context, window: str, json_path: Path | None) -> None:  # 
 )
 @click.pass_context
 def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
-    """Record runs whose worker vanished without any signal as killed."""
+    """Record runs whose worker vanished without any signal as killed, and stop counting
+    admissions whose message is gone from the broker (after ``celery purge -Q free``)."""
     settings = settings_of(ctx)
     store = RunLedger.from_settings(redis_client(ctx), settings)
     limit = settings.stale_attempt_s if older_than_s is None else older_than_s
+    now_ms = round(time.time() * 1000)
     try:
         gate_store = GateStore(store.client, store.keys)
-        rows = sweep_runs(store, round(time.time() * 1000), limit, gate_store)
-    except LedgerUnavailable as exc:
+        rows = sweep_runs(store, now_ms, limit, gate_store)
+        present = waiting_attempts(redis_client(ctx, broker=True), settings.free_queue)
+        forgotten = forget_purged(gate_store, present, now_ms)
+    except (LedgerUnavailable, redis.RedisError) as exc:
         raise click.ClickException(str(exc)) from exc
     log = make_logger(settings, "worker")
     for row in rows:
@@ -147,7 +152,10 @@ def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
             "ledger_row", job_id=row.job_id, attempt=row.attempt, path=row.path.value,
             outcome=row.outcome.value, reason="vanished", retry_tax=row.retry_tax,
         )  # fmt: skip
-    click.echo(f"swept={len(rows)}")
+    if forgotten:
+        log.warning("free_admissions_forgotten", count=forgotten, queue=settings.free_queue,
+                    reason="message no longer in the broker")  # fmt: skip
+    click.echo(f"swept={len(rows)} forgotten={forgotten}")
 
 
 def _since(value: str) -> float:

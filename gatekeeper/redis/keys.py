@@ -15,8 +15,11 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
 ``gatekeeper:{default}:free:waiting`` - sorted set, no TTL (members expire by score)
     Gated attempts published to the free queue and not yet started: member
     ``<job_id>:<attempt>``, score = when it is due in ms (its publish, or its ETA). The
-    oldest score gives the free queue's age; members older than the horizon are dropped, so
-    a purged queue cannot pin the age for long.
+    oldest score gives the free queue's age. Members older than ``queue_age_horizon_s`` stop
+    counting at once, and ``gate.lua`` drops up to 16 of them per decision with what they
+    reserved (so without any sweep it and ``inflight`` stay bounded); ``gatekeeper sweep``
+    (and the replayer, every minute) drops at once the members whose message is no longer in
+    the broker (``celery purge -Q free``), keeping those a worker holds (kombu's ``unacked``).
 ``gatekeeper:{default}:inflight`` - hash, no TTL (fields removed when the attempt ends)
     Free attempts admitted and not yet finished: field ``<job_id>:<attempt>``, value
     ``<reserved>|<window id>|<admitted ms>``: the exposure it holds (its tokens and its wait

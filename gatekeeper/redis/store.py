@@ -305,7 +305,8 @@ class GateStore:
         from the window's ``admitted_free`` too.
         """
         member = f"{job_id}:{attempt}"
-        keys = [self.keys.inflight, self.keys.free_waiting, self.keys.window(window_id)]
+        keys = [self.keys.inflight, self.keys.free_waiting, self.keys.window(window_id),
+                self.keys.run(job_id, attempt)]  # fmt: skip
         args = [member, "1" if unpublished else "0"]
         try:
             return int(float(evalsha(self.client, self._release, keys, args)))

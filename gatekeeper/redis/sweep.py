@@ -11,7 +11,11 @@ from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import text_of
 from gatekeeper.redis.store import GateStore
 
-__all__ = ["sweep"]
+__all__ = ["PURGE_GRACE_S", "forget_purged", "sweep"]
+
+PURGE_GRACE_S = 5.0
+"""An admission younger than this is never taken for purged: its message may still be on
+its way to the broker (the ordinary path decides, then publishes)."""
 
 
 def sweep(
@@ -44,3 +48,25 @@ def sweep(
             if ledger.record(job_id, int(number)) is None:  # admitted, never started
                 store.release(job_id, int(number), int(window))
     return rows
+
+
+def forget_purged(
+    store: GateStore, present: set[str], now_ms: int, grace_s: float = PURGE_GRACE_S
+) -> int:
+    """Stop counting admissions whose message is no longer in the broker (``celery purge -Q
+    free``, a deleted queue): each leaves the free queue's waiting set and gives back what it
+    reserved. ``present`` is every attempt still waiting in the broker, prefetched and ETA
+    messages included (:func:`gatekeeper.celery.lists.waiting_attempts`). Returns how many.
+    """
+    client, keys = store.client, store.keys
+    forgotten = 0
+    for member in client.zrangebyscore(keys.free_waiting, "-inf", now_ms - grace_s * 1000):
+        text = str(text_of(member))  # type: ignore[arg-type]
+        if text in present:
+            continue
+        job_id, _, number = text.rpartition(":")
+        held = client.hget(keys.inflight, text)
+        window = int(text_of(held).split("|")[1]) if held else 0
+        store.release(job_id, int(number), window)
+        forgotten += 1
+    return forgotten
