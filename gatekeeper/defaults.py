@@ -21,6 +21,7 @@ __all__ = [
     "STALE_ATTEMPT_S",
     "WINDOW_RETENTION_S",
     "WINDOW_SECONDS",
+    "WORKER_HEARTBEAT_S",
 ]
 
 MAX_QUEUE_AGE_S = 30.0
@@ -58,6 +59,9 @@ STALE_ATTEMPT_S = 1800.0
 QUEUE_AGE_HORIZON_S = 300.0
 """A free attempt published longer ago than this no longer holds the queue's age up, so a
 purged or lost message defers new work for at most this long (ten times the age cap)."""
+WORKER_HEARTBEAT_S = 10.0
+"""How often a worker refreshes its heartbeat (TTL three times this): a sweep waits up to
+three intervals after a worker died before it records its runs as killed."""
 REDIS_TIMEOUT_S = 0.5
 """Connect and read timeout of the gate's Redis: past it a publish fails closed."""
 WINDOW_RETENTION_S = 8 * 24 * 3600

@@ -125,6 +125,8 @@ class GatekeeperSettings(BaseSettings):
     miss_error_budget: float = Field(defaults.MISS_ERROR_BUDGET, ge=0, le=1, allow_inf_nan=False)
     miss_min_admissions: int = Field(defaults.MISS_MIN_ADMISSIONS, ge=1)
     """A window's miss rate can freeze the free path only after this many free admissions."""
+    worker_heartbeat_s: float = Field(defaults.WORKER_HEARTBEAT_S, gt=0, allow_inf_nan=False)
+    """How often a worker proves itself alive to the sweep (TTL: three intervals)."""
     stale_attempt_s: float = Field(defaults.STALE_ATTEMPT_S, gt=0, allow_inf_nan=False)
     """``gatekeeper sweep`` records a run started longer ago than this, with no row, as killed."""
 

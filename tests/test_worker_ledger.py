@@ -135,18 +135,27 @@ def test_a_redelivered_message_reveals_the_run_that_died(
 def test_a_worker_that_vanishes_without_a_signal_is_swept(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with running_worker(redis_url, tmp_path / "w.log") as worker:
-        app_for(redis_url).tasks["tests.sleepy"].delay()
+    with running_worker(
+        redis_url, tmp_path / "w.log", GATEKEEPER_WORKER_HEARTBEAT_S="0.5"
+    ) as worker:
+        job = app_for(redis_url).tasks["tests.sleepy"].delay().id
         assert wait_until(lambda: len(runs(redis_client)) == 1)
+        monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+        # Merely long: its worker is alive, so the sweep leaves it alone.
+        alive = CliRunner().invoke(main, ["sweep", "--older-than-s", "0"])
+        assert alive.stdout.startswith("swept=0"), alive.output
+        hostname = redis_client.hget(KEYS.run(job, 1), "worker")
+        assert hostname and redis_client.exists(KEYS.worker(hostname.decode()))
         os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
         worker.kill()  # the main process goes too, before it can notice
         worker.wait()
     assert rows(redis_client) == []
-    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    assert wait_until(lambda: not redis_client.exists(KEYS.worker(hostname.decode())), 5)
     result = CliRunner().invoke(main, ["sweep", "--older-than-s", "0"])
-    assert result.stdout.strip() == "swept=1"
+    assert result.stdout.startswith("swept=1 ")
     the_killed_row(redis_client)
-    assert CliRunner().invoke(main, ["sweep", "--older-than-s", "0"]).stdout.strip() == "swept=0"
+    again = CliRunner().invoke(main, ["sweep", "--older-than-s", "0"])
+    assert again.stdout.startswith("swept=0 ")
 
 
 @pytest.mark.parametrize(("fail", "outcome", "tokens_out"), [(False, "ok", 5), (True, "killed", 5)])
@@ -227,3 +236,14 @@ def test_a_task_revoked_before_it_starts_gives_back_its_exposure_and_has_no_row(
     assert row["job_id"] == busy
     assert [r["id"] for r in runs(redis_client)] == [busy]
     assert window_totals(redis_client, "exposure") == 0
+
+
+def test_a_workers_heartbeat_lives_while_it_runs_and_goes_at_shutdown(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    pattern = KEYS.worker("*")
+    with running_worker(redis_url, tmp_path / "w.log"):
+        assert wait_until(lambda: len(list(redis_client.scan_iter(match=pattern))) == 1)
+        (key,) = redis_client.scan_iter(match=pattern)
+        assert 0 < redis_client.pttl(key) <= 30_000  # three intervals of the default 10 s
+    assert list(redis_client.scan_iter(match=pattern)) == []  # a clean shutdown deletes it

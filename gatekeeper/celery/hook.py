@@ -36,6 +36,7 @@ from kombu.exceptions import OperationalError
 from gatekeeper.celery.expiry import Expiry
 from gatekeeper.celery.fastpath import FastRender, possible, publish_observed, same_server
 from gatekeeper.celery.gating import spec_of
+from gatekeeper.celery.heartbeat import Heartbeat
 from gatekeeper.celery.private import bound_for, check_celery_shape, replace_sender
 from gatekeeper.celery.worker import WorkerSide
 from gatekeeper.core.dwell import Decision, Reason
@@ -92,6 +93,7 @@ class Installed:
         self.log = self.pipeline.log
         self.worker = WorkerSide(app, settings, client, self.flags, clock)
         self.expiry = Expiry(app, settings, client, self.worker.log, clock)
+        self.heartbeat = Heartbeat(app, client, self.keys, settings.worker_heartbeat_s)
         self.original_sender = check_celery_shape(app)
         self.queues = (settings.free_queue, settings.defer_queue, settings.reserved_queue)
         self._specs: dict[str, _Gated | None] = {}
@@ -288,5 +290,6 @@ def install(
         replace_sender(app, gate.send_task_message)
         gate.worker.connect()
         gate.expiry.connect()
+        gate.heartbeat.connect()
         _installed[app] = gate
         return gate

@@ -81,6 +81,7 @@ def own_fields(task: Any, headers: Mapping[str, Any]) -> dict[str, str]:
         "max_retries": str(-1 if max_retries is None else int(max_retries)),
         "time_limit_s": str(float(limit or 0)),
         "tokens_out": str(_declared_out(task)),
+        "worker": str(getattr(getattr(task, "request", None), "hostname", None) or ""),
     }
 
 

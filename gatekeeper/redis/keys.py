@@ -40,7 +40,8 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     is then ``reserved``, reason ``free_wait_expired``). Then the
     worker's runs: ``runs`` (how many times a worker started it: more than one after a
     redelivery), ``rowed`` (the last run that has its row), ``started_ms`` and what the worker
-    knows itself (``task``, ``retries``, ``max_retries``, ``time_limit_s``, ``tokens_out``).
+    knows itself (``task``, ``retries``, ``max_retries``, ``time_limit_s``, ``tokens_out``,
+    ``worker``: the hostname of the worker it started on).
     A decision made without Redis, or a bad input, writes none: its row is unverified.
 ``gatekeeper:{default}:window:<id>`` - hash, TTL = window retention
     One ledger window (``id`` = epoch seconds // ``window_seconds``): ``tax_units``
@@ -63,6 +64,9 @@ operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
     ``gatekeeper_nonce`` is not their record's (run as ordinary tasks, priced nothing);
     ``unverified_runs``, runs of messages with gatekeeper headers and no nonce (an older
     publisher, or a decision made without Redis: unpriced rows).
+``gatekeeper:{default}:worker:<hostname>`` - string, TTL = 3 x ``worker_heartbeat_s``
+    A live worker of a gated app (its main process refreshes it): the sweep writes ``killed``
+    for a stale run only once the heartbeat of the worker it started on is gone.
 ``gatekeeper:{default}:replayer:lock`` - string, TTL ``replay_lock_ttl_s`` (30 s)
     Only one replayer works a namespace at a time: redis-py's ``Lock`` (value: the holder's
     random token). The holder checks it before every decision and renews it once a third of
@@ -138,6 +142,9 @@ class Keys:
 
     def abandoned(self, job_id: str, attempt: int) -> str:
         return f"{self.base}:abandoned:{job_id}:{attempt}"
+
+    def worker(self, hostname: str) -> str:
+        return f"{self.base}:worker:{hostname}"
 
     @property
     def replayer_lock(self) -> str:

@@ -53,6 +53,8 @@ class RunRecord:
     started_ms: int = 0
     nonce: str = ""
     """The gate record's nonce: a message that carries another one is not this attempt's."""
+    worker: str = ""
+    """The hostname of the worker the run started on (its heartbeat proves it alive)."""
     reserved: float = 0.0
     """What the admission reserved (its tokens and wait allowance): the most its rows can be
     charged, over all its runs."""
@@ -80,6 +82,7 @@ class RunRecord:
             started_ms=int(float(fields.get("started_ms", 0))),
             nonce=fields.get("nonce", ""),
             reserved=float(fields.get("reserved") or 0),
+            worker=fields.get("worker", ""),
         )
 
 

@@ -34,6 +34,8 @@ def sweep(
             ledger.client.zrem(ledger.keys.started, f"{job_id}:{attempt}")
             continue
         run, record = stored
+        if record.worker and ledger.client.exists(ledger.keys.worker(record.worker)):
+            continue  # merely long: its worker is alive (its heartbeat, gatekeeper/celery)
         if record.time_limit_s and now_ms - record.started_ms < (record.time_limit_s + 60) * 1000:
             continue
         row = ledger.row_for(job_id, attempt, record, Outcome.KILLED, now_ms)
