@@ -247,3 +247,27 @@ def test_a_workers_heartbeat_lives_while_it_runs_and_goes_at_shutdown(
         (key,) = redis_client.scan_iter(match=pattern)
         assert 0 < redis_client.pttl(key) <= 30_000  # three intervals of the default 10 s
     assert list(redis_client.scan_iter(match=pattern)) == []  # a clean shutdown deletes it
+
+
+def test_a_whole_worker_killed_under_acks_late_loses_nothing_and_rows_each_run_once(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """The main process and its child SIGKILLed mid-run of an ``acks_late`` task: kombu
+    restores the unacked message to its queue, a new worker runs it, and the dead run gets
+    its ``killed`` row when the redelivered copy starts: one row per run, exposure released."""
+    env = {"GATEKEEPER_TEST_VISIBILITY_S": "2"}
+    with running_worker(redis_url, tmp_path / "w1.log", **env) as worker:
+        job = app_for(redis_url).tasks["tests.late"].delay().id
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
+        worker.kill()
+        worker.wait()
+    assert rows(redis_client) == [] and redis_client.hlen("unacked") == 1
+    time.sleep(2.5)  # past the visibility timeout: the next worker restores it
+    with running_worker(redis_url, tmp_path / "w2.log", **env):
+        first, second = wait_rows(redis_client, 2, timeout_s=60)
+    assert [r["id"] for r in runs(redis_client)] == [job, job]
+    assert (first["outcome"], first["attempt"], first["path"]) == ("killed", 1, "free")
+    assert (second["outcome"], second["attempt"]) == ("ok", 1)
+    assert window_totals(redis_client, "exposure") == 0 and redis_client.hlen(KEYS.inflight) == 0
+    assert redis_client.zcard(KEYS.started) == 0

@@ -143,6 +143,17 @@ def create_app(
             raise RuntimeError("every attempt dies")
         return "ok"
 
+    @app.task(
+        bind=True, name="tests.late", max_retries=0, acks_late=True, shared=False,
+        gatekeeper=kill_spec,
+    )  # fmt: skip
+    def late(self: Any) -> str:
+        """acks_late: its first run sleeps until the test kills the whole worker."""
+        record(self)
+        if runs_of(self.request.id) == 1:
+            time.sleep(30)
+        return "second run"
+
     @app.task(bind=True, name="tests.plain", shared=False)
     def plain(self: Any) -> str:
         record(self)
@@ -156,7 +167,11 @@ def _from_environment() -> Celery:
     settings = load_settings()
     fixed = os.environ.get("GATEKEEPER_TEST_CLOCK")
     clock = (lambda: float(fixed)) if fixed else time.time
-    return create_app(settings, os.environ["GATEKEEPER_BROKER_URL"], clock)
+    app = create_app(settings, os.environ["GATEKEEPER_BROKER_URL"], clock)
+    visibility = os.environ.get("GATEKEEPER_TEST_VISIBILITY_S")
+    if visibility:  # kombu's Redis transport restores unacked messages older than this
+        app.conf.broker_transport_options = {"visibility_timeout": float(visibility)}
+    return app
 
 
 if os.environ.get("GATEKEEPER_TEST_WORKER") == "1":
