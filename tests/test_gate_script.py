@@ -364,3 +364,29 @@ def test_a_single_connection_client_is_called_directly(redis_url: str) -> None:
     assert store.score(gate_call(**_inputs("single"))).decision is Decision.ADMIT_FREE
     assert store._line.conn is None
     client.close()
+
+
+@pytest.mark.parametrize("budget", [100.0, 1e9], ids=["rejected", "admitted"])
+def test_the_gate_script_sent_twice_decides_once(redis_client: redis.Redis, budget: float) -> None:
+    """A request re-sent after a lost reply (its nonce is the record's) changes nothing: no
+    second rejected row, no second admission or exposure, the same decision."""
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    call = gate_call(
+        now_s=NOW_S,
+        window_id=WINDOW,
+        job_id="twice",
+        tokens_in=500,
+        budget_units=budget,
+        wait_allowance_s=2,
+        queue_wait_unit_per_second=200,
+    )
+    first, again = store.score(call), store.score(call)  # fmt: skip
+    assert (first.decision, first.reason) == (again.decision, again.reason)
+    window = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.window(WINDOW)).items()}
+    if budget == 100.0:
+        assert first.reason.value == "retry_tax_budget"
+        assert len(store.window_rows(WINDOW)) == 1 and window["rejected"] == "1"
+    else:
+        assert first.decision.value == "admit_free"
+        assert window["admitted_free"] == "1" and float(window["exposure"]) == 500 + 2 * 200
+        assert redis_client.hget(KEYS.run("twice", 1), "reserved") == b"900"
