@@ -47,17 +47,20 @@ DEMO_SETTINGS = {
     "DWELL_GATE_ENABLED": "true",
     "CANARY_PERCENT": "100",
     "FREE_PATH_ENABLED": "true",
-    "MAX_QUEUE_AGE_S": "1.5",
+    "MAX_QUEUE_AGE_S": "1",
     "FLAG_CACHE_S": "1",
     "REPLAY_BACKOFF_S": "0.5",
     "REPLAY_BACKOFF_MAX_S": "4",
     "REPLAY_POLL_S": "0.25",
     "REPLAY_LOCK_TTL_S": "5",
     "MISS_MIN_ADMISSIONS": "1000",
+    "FREE_WAIT_ALLOWANCE_S": "1.5",
 }
 """The demo's own settings (environment variables without the GATEKEEPER_ prefix): the gate
-on for every job, an age cap scaled to the compressed service time, a quick replayer. Auto-
-freeze is left out of reach so that every run shows all three paths."""
+on for every job, an age cap and a wait allowance scaled to the compressed service time (so
+that admissions, each reserving 1,200 tokens and 1.5 s of wait, back the free queue up past
+the cap and some defer), a quick replayer. Auto-freeze is left out of reach so that every run
+shows all three paths."""
 
 
 @dataclass
