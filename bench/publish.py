@@ -369,7 +369,9 @@ class Bench:
         try:
             self.installed = gatekeeper.install(self.app, settings)
             # A scratch namespace, like a new deployment: initialised, so the gate may admit.
-            self.installed.flags.initialise("bench: a scratch namespace", "bench", time.time())
+            self.installed.flags.initialise(
+                "bench: a scratch namespace", "bench", time.time(), open_path=True
+            )
         finally:
             sys.stderr = saved
         self.probes = install_probes(self.app, self.installed)

@@ -109,3 +109,56 @@ def test_no_window_is_charged_more_than_its_budget(
             finished_in = window_id(int(record["started_ms"]) / 1000, WINDOW_S)
             crossed += finished_in > int(record["window"])
     assert crossed, "no admitted attempt ran in a later window than its admission's"
+
+
+def test_a_redelivered_attempt_keeps_its_reservation_until_its_last_run_ends(
+    redis_client: redis.Redis,
+) -> None:
+    """A run lost under ``acks_late`` gets its ``killed`` row when the redelivered copy
+    starts: only that row's tax leaves the exposure, so new admissions cannot take what the
+    live copy may still be charged; its own row closes the reservation (found in review: a
+    window reached 9,600 of a 7,600 budget)."""
+    from gatekeeper.core.ledger import BudgetMode, Outcome
+    from gatekeeper.redis.runs import RunLedger
+    from gatekeeper.redis.store import GateStore
+    from tests.calls import gate_call
+
+    now, window, budget = 1_800_000_000.0, 7, 7600.0
+    store = GateStore(redis_client, KEYS)
+    ledger = RunLedger(redis_client, KEYS, window_seconds=900, queue_wait_unit_per_second=200,
+                       wait_allowance_s=10)  # fmt: skip
+
+    def admit(job: str, at: float) -> tuple[str, str]:
+        call = gate_call(at, window_id=window, job_id=job, tokens_in=1200, budget_units=budget,
+                         queue_wait_unit_per_second=200, wait_allowance_s=10,
+                         budget_mode=BudgetMode.EXPOSURE)  # fmt: skip
+        return store.score(call).decision.value, call.nonce
+
+    def exposure() -> float:
+        return float(redis_client.hget(KEYS.window(window), "exposure") or 0)
+
+    decision, nonce = admit("A", now)
+    assert decision == "admit_free" and exposure() == 3200  # 1,200 tokens + 10 s x 200
+    ledger.start("A", 1, nonce, {"task": "t"}, round(now * 1000))  # run 1: its worker is lost
+    again = ledger.start("A", 1, nonce, {"task": "t"}, round((now + 10) * 1000))
+    assert again.dead is not None and again.record is not None
+    dead_row = ledger.row_for("A", 1, again.dead, Outcome.KILLED, round((now + 10) * 1000))
+    ledger.finish(dead_row, again.dead_run, again.dead, round((now + 10) * 1000), current=False)
+    assert exposure() == 3200 - dead_row.retry_tax  # the rest is still held for run 2
+    for job in ("B", "C"):  # what the held rest leaves room for, and no more
+        decision, other = admit(job, now + 10)
+        if decision == "admit_free":
+            started = ledger.start(job, 1, other, {"task": "t"}, round((now + 20) * 1000))
+            assert started.record is not None
+            row = ledger.row_for(job, 1, started.record, Outcome.KILLED, round((now + 21) * 1000))
+            ledger.finish(row, started.run, started.record, round((now + 21) * 1000))
+    last = ledger.row_for("A", 1, again.record, Outcome.KILLED, round((now + 30) * 1000))
+    ledger.finish(last, again.run, again.record, round((now + 30) * 1000))
+    tax = float(redis_client.hget(KEYS.window(window), "tax_units") or 0)
+    assert tax <= budget and exposure() == pytest.approx(0, abs=1e-6)
+    # A third delivery after its last row is charged nothing: the reservation closed.
+    third = ledger.start("A", 1, nonce, {"task": "t"}, round((now + 40) * 1000))
+    assert third.record is not None
+    row = ledger.row_for("A", 1, third.record, Outcome.KILLED, round((now + 41) * 1000))
+    ledger.finish(row, third.run, third.record, round((now + 41) * 1000))
+    assert float(redis_client.hget(KEYS.window(window), "tax_units") or 0) == tax

@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import redis
 
 from gatekeeper.celery.hook import install
+from gatekeeper.core.ledger import Outcome
+from gatekeeper.redis.runs import RunLedger
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, running_worker
 from tests.test_worker_ledger import KEYS, rows, runs, wait_rows, window_totals
@@ -89,3 +94,60 @@ def test_expire_sent_twice_writes_one_row_and_says_again(
     assert (first, again) == ("expired", "again")
     assert [r["outcome"] for r in rows(redis_client)] == ["expired"]
     assert window_totals(redis_client, "tax_units") == pytest.approx(0.1 * 200)
+
+
+def _expired_copy_ran(redis_url: str, redis_client: redis.Redis) -> tuple[Any, str, dict[str, Any]]:
+    """An admission expired, and its copy on reserved run to its row."""
+    app = create_app(gate_settings(redis_url, free_wait_allowance_s=0.1), redis_url)
+    gate = install(app)
+    job = app.tasks["tests.embed"].delay(1).id
+    (message,) = queue_messages(redis_client, "free")
+    headers = message["headers"]
+    time.sleep(0.2)
+    assert gate.expiry._expire(job, 1, headers["gatekeeper_window"], dict(headers),
+                               time.time()) == "expired"  # fmt: skip
+    return gate, job, headers
+
+
+def test_a_spare_copy_of_a_moved_message_is_not_run_again(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """The original free message comes back (its ack lost after the republish) once the
+    copy on reserved has run: it is acked and skipped, not republished a second time."""
+    gate, job, headers = _expired_copy_ran(redis_url, redis_client)
+    ledger = RunLedger.from_settings(redis_client, gate.settings)
+    now_ms = round(time.time() * 1000)
+    started = ledger.start(job, 1, headers["gatekeeper_nonce"], {"task": "tests.embed"}, now_ms)
+    assert started.record is not None and started.record.path == "reserved"
+    ledger.finish(ledger.row_for(job, 1, started.record, Outcome.OK, now_ms), started.run,
+                  started.record, now_ms)  # fmt: skip
+    request = SimpleNamespace(id=job, name="tests.embed",
+                              message=SimpleNamespace(headers=dict(headers)))  # fmt: skip
+    assert gate.expiry.check(request) == "skip"
+    assert redis_client.llen("reserved") == 0  # nothing republished
+
+
+def test_a_failed_republish_is_given_back_to_the_broker_not_run_on_free(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(gate_settings(redis_url, free_wait_allowance_s=0.1), redis_url)
+    gate = install(app)
+    job = app.tasks["tests.embed"].delay(1).id
+    (message,) = queue_messages(redis_client, "free")
+    time.sleep(0.2)
+
+    def broken(*_: object, **__: object) -> None:
+        raise ConnectionError("broker blip")
+
+    monkeypatch.setattr(gate.expiry, "_republish", broken)
+    kombu_message = SimpleNamespace(
+        headers=dict(message["headers"]), body=base64.b64decode(message["body"]),
+        content_type=message["content-type"], content_encoding=message["content-encoding"],
+        properties=message["properties"],
+    )  # fmt: skip
+    request = SimpleNamespace(id=job, name="tests.embed", message=kombu_message)
+    assert gate.expiry.check(request) == "requeue"  # the record says reserved: not here
+    monkeypatch.undo()
+    assert gate.expiry.check(request) == "skip"  # asked again: republished this time
+    assert redis_client.llen("reserved") == 1
+    assert [r["outcome"] for r in rows(redis_client)] == ["expired"]  # one row

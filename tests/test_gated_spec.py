@@ -252,3 +252,21 @@ def test_a_declaration_too_large_to_count_is_refused_at_import_and_at_publish() 
     with pytest.raises(BadDeclaredInput) as caught:
         resolve_inputs(GatedSpec(expected_service_s=1, deadline_s=1e308), {}, now=1.0)
     assert caught.value.field == "deadline_s"
+
+
+def test_a_number_subclass_in_a_header_is_refused() -> None:
+    class Sneaky(int):
+        def __float__(self) -> float:
+            return 1.0
+
+    with pytest.raises(BadDeclaredInput) as caught:
+        resolve_inputs(SPEC, {"gatekeeper_deadline_s": Sneaky(10**100)}, now=1000.0)
+    assert caught.value.field == "gatekeeper_deadline_s"
+
+
+def test_a_relative_deadline_is_held_to_the_deadline_it_makes() -> None:
+    # 1e12 s after the first publish is past what a carried deadline header may be: refused
+    # at the first publish, not at the retry that carries it on.
+    with pytest.raises(BadDeclaredInput) as caught:
+        resolve_inputs(SPEC, {"gatekeeper_deadline_s": 1e12}, now=1_800_000_000.0)
+    assert caught.value.field == "gatekeeper_deadline_s"

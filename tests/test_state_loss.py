@@ -76,9 +76,9 @@ def gate_server() -> Iterator[EmbeddedRedis]:
         yield server
 
 
-def init_command(url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+def cli(url: str, monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
     monkeypatch.setenv("GATEKEEPER_REDIS_URL", url)
-    result = CliRunner().invoke(main, ["init", "--reason", "state lost: acknowledged"])
+    result = CliRunner().invoke(main, list(args))
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -93,7 +93,7 @@ def test_nothing_goes_to_free_after_a_state_loss_until_init(
     loss: str,
 ) -> None:
     gate = redis.Redis.from_url(gate_server.url)
-    assert "initialised" in init_command(gate_server.url, monkeypatch)  # a new deployment
+    assert "initialised" in cli(gate_server.url, monkeypatch, "init", "--open")  # a new one
     publishers = Publishers(redis_url, gate_server.url, tmp_path)
     try:
         publishers.start("across")
@@ -106,34 +106,42 @@ def test_nothing_goes_to_free_after_a_state_loss_until_init(
             gate_server.start(port=gate_server.port)  # --save '' --appendonly no: empty
         publishers.start("after")
         time.sleep(3.0)  # both publish against the lost state (flag caches expire meanwhile)
-        acknowledged = time.time()
         after_loss = [m for m in decided(redis_client, "free") if m[1] > lost_at]
         assert after_loss == []
         reserved = [m for m in decided(redis_client, "reserved") if m[1] > lost_at]
         assert {tag for tag, _, why in reserved if why == "state_missing"} == {"across", "after"}
-        status = CliRunner().invoke(main, ["status"])
-        assert "state=MISSING" in status.output, status.output
-        init_command(gate_server.url, monkeypatch)
-        # Normal service: both publishers admit to free again once their flags are re-read.
+        assert "state=MISSING" in cli(gate_server.url, monkeypatch, "status")
+        # Acknowledged: not a re-open, the free path stays closed (free_path_disabled now).
+        assert "free_path_enabled=false" in cli(gate_server.url, monkeypatch, "init")
+        time.sleep(1.5)  # both publishers' flag caches
+        closed_at = time.time()
+        time.sleep(1.0)
+        assert [m for m in decided(redis_client, "free") if m[1] > lost_at] == []
+        closed = [m for m in decided(redis_client, "reserved") if m[1] > closed_at]
+        assert closed and {why for _, _, why in closed} == {"free_path_disabled"}
+        # The operator re-opens (no clean hour since the init, so by force): normal service,
+        # both publishers admit to free again once their flags are re-read.
+        reopened = time.time()
+        cli(gate_server.url, monkeypatch, "flags", "set", "free_path_enabled", "true", "--force")
         assert wait_until(lambda: {tag for tag, at, _ in decided(redis_client, "free")
-                                   if at > acknowledged} == {"across", "after"})  # fmt: skip
+                                   if at > reopened} == {"across", "after"})  # fmt: skip
     finally:
         publishers.close()
-    status = CliRunner().invoke(main, ["status"])
-    assert "state=initialised" in status.output
+    assert "state=initialised" in cli(gate_server.url, monkeypatch, "status")
 
 
 def test_init_is_not_a_re_open(redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
                                redis_url: str) -> None:  # fmt: skip
     redis_client.flushdb()
-    init_command(redis_url, monkeypatch)
+    redis_client.hset(Keys().flags, "free_path_enabled", "false")  # a freeze before the loss
+    redis_client.flushdb()  # the loss: the freeze goes with it
+    cli(redis_url, monkeypatch, "init", "--reason", "page 88: state lost")
     flags = FlagStore(redis_client, gate_settings(redis_url), Keys())
-    flags.set("free_path_enabled", "false", "rolled back", "oncall", time.time())
+    assert flags.current().free_path_enabled is False  # the lost freeze cannot be undone
     # No killed rows anywhere, but the hour before now was not recorded after the init.
     result = CliRunner().invoke(main, ["flags", "set", "free_path_enabled", "true"])
     assert result.exit_code != 0 and "initialised at" in result.output
-    again = CliRunner().invoke(main, ["init"])
-    assert "nothing changed" in again.output
+    assert "nothing changed" in cli(redis_url, monkeypatch, "init")
     assert flags.current().free_path_enabled is False
 
 

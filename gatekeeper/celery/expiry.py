@@ -89,46 +89,54 @@ class Expiry:
             if gated:
                 use_request_check(task, self.check)
 
-    def check(self, request: Any) -> bool:
-        """True when the message was moved to reserved (acked here, not run); never raises:
-        a fault leaves the message to run where it is."""
+    def check(self, request: Any) -> str:
+        """``run`` (here), ``skip`` (moved to reserved, or a spare copy of one moved before:
+        acked, not run) or ``requeue`` (moved, but the republish failed: given back to the
+        broker, it is asked again and republished). Never raises: before the record says
+        it moved, a fault leaves the message to run where it is."""
         try:
-            return self._moved(request)
+            return self._verdict(request)
         except Exception as exc:  # the message must run somewhere: here, then
             self.log.warning("free_wait_check_failed", job_id=getattr(request, "id", None),
                              error=repr(exc))  # fmt: skip
-            return False
+            return "run"
 
-    def _moved(self, request: Any) -> bool:
+    def _verdict(self, request: Any) -> str:
         message = request.message
         headers: dict[str, Any] = dict(message.headers or {})
         if headers.get(H_DECISION) != "admit_free" or not nonce_of(headers):
-            return False
+            return "run"
         decided = headers.get(H_PUBLISHED_AT)
         if isinstance(decided, bool) or not isinstance(decided, (int, float)):
-            return False
+            return "run"
         now = self.clock()
         due = decided + delay_of(headers.get("eta"), decided)
         if now - due < self.allowance_s:
-            return False  # within its allowance (the record decides the rest)
-        job_id, attempt, window = (
-            str(headers.get("id")),
-            headers.get(H_ATTEMPT),
-            headers.get(H_WINDOW),
-        )
-        if not (isinstance(attempt, int) and isinstance(window, int)):
-            return False
+            return "run"  # within its allowance (the record decides the rest)
+        job_id, attempt = str(headers.get("id")), headers.get(H_ATTEMPT)
+        window = headers.get(H_WINDOW)
+        if not (type(attempt) is int and type(window) is int):
+            return "run"
         answer = self._expire(job_id, attempt, window, headers, now)
         if answer == "no":
-            return False
-        self._republish(message, headers)
+            return "run"
+        if answer == "done":  # its copy on reserved ran already: this one is a spare
+            self.log.warning("free_wait_spare_copy", job_id=job_id, attempt=attempt,
+                             reason=EXPIRED_REASON)  # fmt: skip
+            return "skip"
+        try:
+            self._republish(message, headers)
+        except Exception as exc:  # the record says reserved now: never run it here
+            self.log.warning("free_wait_republish_failed", job_id=job_id, attempt=attempt,
+                             error=repr(exc), requeued=True)  # fmt: skip
+            return "requeue"
         self.log.warning(
             "free_wait_expired", task=getattr(request, "name", None), job_id=job_id,
             attempt=attempt, waited_s=round(now - due, 3), allowance_s=self.allowance_s,
             decision="reserved", reason=EXPIRED_REASON, queue=self.settings.reserved_queue,
             again=answer == "again",
         )  # fmt: skip
-        return True
+        return "skip"
 
     def _expire(
         self, job_id: str, attempt: int, window: int, headers: dict[str, Any], now: float
@@ -157,7 +165,7 @@ class Expiry:
         reserved = self.settings.reserved_queue
         headers.update({H_DECISION: "reserved", H_REASON: EXPIRED_REASON, H_WINDOW: None})
         properties = dict(getattr(message, "properties", None) or {})
-        declared = self.app.amqp.queues.get(reserved)
+        declared = self.app.amqp.queues[reserved]  # made here when the worker lacks it
         with self.app.producer_or_acquire() as producer:
             producer.publish(
                 message.body, exchange="", routing_key=reserved, headers=headers,
@@ -165,5 +173,5 @@ class Expiry:
                 priority=properties.get("priority"), correlation_id=properties.get(
                     "correlation_id"), reply_to=properties.get("reply_to"),
                 delivery_mode=properties.get("delivery_mode"), retry=True,
-                declare=[declared] if declared is not None else None,
+                declare=[declared],
             )  # fmt: skip

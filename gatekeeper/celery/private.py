@@ -76,7 +76,7 @@ def check_celery_shape(app: Celery) -> Callable[..., Any]:
     return sender
 
 
-REQUEST_API = ("revoked", "acknowledge", "message", "_already_revoked")
+REQUEST_API = ("revoked", "acknowledge", "reject", "message", "_already_revoked")
 """What the request check uses of ``celery.worker.request.Request``."""
 
 
@@ -92,10 +92,11 @@ def check_request_shape() -> None:
         raise CeleryShapeError("celery's strategy no longer asks revoked() before it executes")
 
 
-def use_request_check(task: Any, check: Callable[[Any], bool]) -> bool:
+def use_request_check(task: Any, check: Callable[[Any], str]) -> bool:
     """Make ``task`` ask ``check(request)`` before a message of it runs (worker main
-    process); a True answer means the check moved the message elsewhere: it is acked and
-    not run. False when the task already has it."""
+    process): ``"run"``, ``"skip"`` (moved elsewhere: acked and not run) or ``"requeue"``
+    (not run here, and given back to the broker to be asked again). False when the task
+    already has it."""
     from celery.utils.imports import symbol_by_name
     from celery.worker.state import task_ready
 
@@ -112,10 +113,14 @@ def use_request_check(task: Any, check: Callable[[Any], bool]) -> bool:
             if self.__dict__.get("_gatekeeper_asked"):
                 return False
             self._gatekeeper_asked = True
-            if not self.gatekeeper_check(self):
+            verdict = self.gatekeeper_check(self)
+            if verdict == "run":
                 return False
             task_ready(self)
-            self.acknowledge()
+            if verdict == "requeue":
+                self.reject(requeue=True)
+            else:
+                self.acknowledge()
             self._already_revoked = True
             return True
 

@@ -102,8 +102,8 @@ def header_number(field: str, value: Any) -> float:
     most :data:`MAX_MAGNITUDE`; raises :class:`BadDeclaredInput` naming the header."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadDeclaredInput(field, "a number (not text or a boolean)", value)
-    try:
-        number = float(value)
+    try:  # the value itself, as a serializer writes it (a subclass's __float__ aside)
+        number = float.__float__(value) if isinstance(value, float) else int.__float__(value)
     except OverflowError:
         number = math.inf
     if not math.isfinite(number) or abs(number) > MAX_MAGNITUDE:
@@ -139,6 +139,10 @@ def resolve_inputs(spec: GatedSpec, headers: Mapping[str, Any], now: float) -> D
         deadline_at = first_published_at + _number("deadline_s", spec.deadline_s)
     if math.isnan(deadline_at):
         raise BadDeclaredInput(field, "a number", deadline_at)
+    if math.isfinite(deadline_at) and abs(deadline_at) > MAX_MAGNITUDE:
+        # Checked as the deadline it makes: the header that carries it on is held to this.
+        raise BadDeclaredInput(field, f"a deadline before {MAX_MAGNITUDE:g} Unix seconds",
+                               deadline_at)  # fmt: skip
     return DeclaredInputs(
         deadline_at=deadline_at,
         first_published_at=first_published_at,

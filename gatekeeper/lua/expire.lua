@@ -21,13 +21,16 @@
 -- ARGV[7] the row's JSON without its last field (retry_tax) and closing brace
 -- ARGV[8] the admission window the message names (KEYS[4]): it must be the record's
 --
--- Returns 'expired' (moved now), 'again' (moved before) or 'no' (not the gate's free
--- message, started, or within its allowance: it runs where it is).
+-- Returns 'expired' (moved now), 'again' (moved before, its copy not yet run: republish),
+-- 'done' (moved before and its copy ran: this one is a spare, acked and not run) or 'no'
+-- (not the gate's free message, started, or within its allowance: it runs where it is).
 
 local r = redis.call('HMGET', KEYS[1], 'nonce', 'decision', 'reason', 'admitted_ms', 'runs',
   'reserved', 'charged', 'window')
 if ARGV[2] == '' or r[1] ~= ARGV[2] then return 'no' end
-if r[2] == 'reserved' and r[3] == 'free_wait_expired' then return 'again' end
+if r[2] == 'reserved' and r[3] == 'free_wait_expired' then
+  return r[5] and 'done' or 'again'  -- done: the copy on reserved ran; this one is spare
+end
 if r[2] ~= 'admit_free' or r[5] or r[8] ~= ARGV[8] then return 'no' end
 local waited = tonumber(ARGV[3]) - tonumber(r[4] or ARGV[3])
 local allowance = tonumber(ARGV[4])
@@ -36,7 +39,8 @@ local tax = allowance * tonumber(ARGV[5]) / 1000
 if r[6] then tax = math.min(tax, math.max(0, tonumber(r[6]) - tonumber(r[7] or '0'))) end
 redis.call('HSET', KEYS[1], 'decision', 'reserved', 'reason', 'free_wait_expired',
   'window', '', 'expired_ms', ARGV[3])
-redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
+local charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
+redis.call('HSET', KEYS[1], 'reserved', charged)  -- closed: its runs on reserved charge nothing
 local retention = tonumber(ARGV[6])
 redis.call('HINCRBYFLOAT', KEYS[4], 'tax_units', tax)
 redis.call('HINCRBY', KEYS[4], 'rows:expired', 1)

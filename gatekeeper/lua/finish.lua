@@ -7,7 +7,9 @@
 -- The ceiling (SPEC section 2): a free row is charged to the window that admitted it (the
 -- budget that reserved it), never more, over all runs of the attempt, than the admission
 -- reserved (the record's `reserved`; `charged` sums what its rows were charged). A row whose
--- tax would pass that is written with the tax it was charged.
+-- tax would pass that is written with the tax it was charged. The exposure an attempt holds
+-- goes with its rows: a dead run's row (`current` 0: its redelivered copy is running) takes
+-- only its own tax out; the latest run's row the rest, and closes the reservation.
 --
 -- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row; reserved,
 --                                  charged
@@ -32,6 +34,8 @@
 --
 -- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free}.
 
+local function fmt17(x) return string.format('%.17g', x) end
+
 local run = tonumber(ARGV[2])
 local rowed = tonumber(redis.call('HGET', KEYS[1], 'rowed') or '0')
 if rowed >= run then
@@ -48,21 +52,43 @@ if free then
     local left = math.max(0, tonumber(held[1]) - tonumber(held[2] or '0'))
     if tax > left then
       tax = left
-      row = ARGV[10] .. ', "retry_tax": ' .. string.format('%.17g', tax) .. '}'
+      row = ARGV[10] .. ', "retry_tax": ' .. fmt17(tax) .. '}'
     end
   end
-  redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
+  local charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
   redis.call('HINCRBYFLOAT', window, 'tax_units', tax)
   if ARGV[4] == 'killed' then
     redis.call('HINCRBY', window, 'killed_free', 1)
+  end
+  if ARGV[9] ~= '1' and held[1] then
+    -- A dead run's row, written when the redelivered copy starts: only its tax leaves the
+    -- exposure; the rest stays reserved for the run that is going on.
+    local entry = redis.call('HGET', KEYS[4], ARGV[1])
+    if entry then
+      local amount, rest = string.match(entry, '^([^|]+)(.*)$')
+      local left = tonumber(amount) - tax
+      if left > 0 then
+        redis.call('HSET', KEYS[4], ARGV[1], fmt17(left) .. rest)
+      else
+        redis.call('HDEL', KEYS[4], ARGV[1])
+      end
+      redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -math.min(tax, tonumber(amount)))
+    end
+  elseif held[1] then
+    -- The attempt's latest run has its row: the reservation closes (what was not charged
+    -- goes back below), so a later run of it (a redelivery) is charged nothing.
+    redis.call('HSET', KEYS[1], 'reserved', charged)
   end
 end
 redis.call('RPUSH', rows, row)
 redis.call('EXPIRE', rows, tonumber(ARGV[8]))
 redis.call('HINCRBY', window, 'rows:' .. ARGV[4], 1)
 redis.call('EXPIRE', window, tonumber(ARGV[8]))
+if redis.call('TTL', KEYS[1]) == -1 then  -- a record that expired mid-run, written anew
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
+end
 local held = redis.call('HGET', KEYS[4], ARGV[1])
-if held then
+if held and (ARGV[9] == '1' or ARGV[5] ~= 'free') then
   redis.call('HDEL', KEYS[4], ARGV[1])
   redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -tonumber(string.match(held, '^[^|]+')))
 end

@@ -7,7 +7,7 @@
 -- KEYS[1] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>"
 -- KEYS[2] free:waiting              sorted set: admitted free attempts not yet started
 -- KEYS[3] window:<admission window> hash: exposure, admitted_free
--- KEYS[4] run:<job_id>:<attempt>    the gate's record: its `reserved` drops to 0, so that a
+-- KEYS[4] run:<job_id>:<attempt>    the gate's record: its `reserved` closes (= `charged`): a
 --                                   run that starts after all (a message taken for purged
 --                                   that was not) is charged nothing it no longer reserves
 --
@@ -24,8 +24,8 @@ if not held then
   return 0
 end
 redis.call('HDEL', KEYS[1], ARGV[1])
-if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then
-  redis.call('HSET', KEYS[4], 'reserved', '0')
+if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then  -- closed: nothing more to charge
+  redis.call('HSET', KEYS[4], 'reserved', redis.call('HGET', KEYS[4], 'charged') or '0')
 end
 local tokens = tonumber(string.match(held, '^[^|]+'))
 redis.call('HINCRBYFLOAT', KEYS[3], 'exposure', -tokens)

@@ -187,7 +187,7 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt
         # A namespace of its own, new like a fresh deployment: initialised here (``gatekeeper
         # init``), or nothing could go to free.
         FlagStore(redis.Redis.from_url(url), settings).initialise(
-            "gatekeeper demo: a new namespace", "gatekeeper demo", time.time()
+            "gatekeeper demo: a new namespace", "gatekeeper demo", time.time(), open_path=True
         )
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gatekeeper-demo-")))
         children: list[Child] = []

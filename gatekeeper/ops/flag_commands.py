@@ -121,20 +121,26 @@ def flags_unset(ctx: click.Context, name: str, reason: str, force: bool) -> None
 
 @click.command()
 @click.option("--reason", default="", help="Why: written to the flag log and the log line.")
+@click.option(
+    "--open", "open_path", is_flag=True,
+    help="Leave the free path open: a new deployment, or an upgrade whose state is intact.",
+)  # fmt: skip
 @click.pass_context
-def init(ctx: click.Context, reason: str) -> None:
+def init(ctx: click.Context, reason: str, open_path: bool) -> None:
     """Initialise the gate's state in Redis, or acknowledge that it was lost.
 
     Until this has run on a namespace (a new deployment, one upgraded from a version without
     the state marker, or a Redis that lost its data: a restart without persistence, a flush,
-    a failover to an empty replica), nothing is sent to free. It changes no flag: a re-open
-    of the free path still needs a clean hour of ledger windows recorded after it (or
-    --force). Running it again on an initialised namespace changes nothing.
+    a failover to an empty replica), nothing is sent to free. It is not a re-open: it closes
+    the free path (free_path_enabled=false in Redis), which opens again only with `flags set
+    free_path_enabled true` after a clean hour of ledger windows recorded after it (or
+    --force). With --open (you know nothing was lost) it leaves the path open. Running it
+    again on an initialised namespace changes nothing.
     """
     store = _flag_store(ctx)
     why = reason or "(no reason given)"
     try:
-        change = store.initialise(why, _actor(), time.time())
+        change = store.initialise(why, _actor(), time.time(), open_path=open_path)
         since = store.stored().get(STATE_FIELD)
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
@@ -145,3 +151,6 @@ def init(ctx: click.Context, reason: str) -> None:
         "state_initialised", namespace=store.settings.namespace, reason=why, actor=change.actor
     )
     click.echo(f"state: initialised ({STATE_FIELD}={change.value}, reason: {why})")
+    if not open_path:
+        click.echo("free_path_enabled=false: re-open with `gatekeeper flags set "
+                   "free_path_enabled true` after a clean hour (or --force)")  # fmt: skip

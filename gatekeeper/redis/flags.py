@@ -246,13 +246,23 @@ class FlagStore:
             )
         return f"{reason} (forced: {verdict.reason})"
 
-    def initialise(self, reason: str, actor: str, now: float) -> FlagChange | None:
+    def initialise(
+        self, reason: str, actor: str, now: float, open_path: bool = False
+    ) -> FlagChange | None:
         """Write the state marker (``gatekeeper init``); None when it is there already.
 
-        It changes no flag: what the settings and any override in Redis say is in force
-        again, and a re-open still needs a clean hour of windows recorded after this."""
+        Not a re-open: the free path is closed first (``free_path_enabled=false`` in Redis),
+        so it opens again only through ``flags set free_path_enabled true``, which needs a
+        clean hour of windows recorded after this (or ``--force``). ``open_path`` (``init
+        --open``: a new deployment, or an upgrade whose state is intact) leaves it open, and
+        the flag log says so."""
         if STATE_FIELD in self.stored():
             return None
+        if open_path:
+            reason = f"{reason} (opened at init: --open)"
+        else:  # closed before the marker exists, so no publish sees the path open between
+            self._write("free_path_enabled", "false", f"{reason} (closed at init: a re-open "
+                        "needs a clean hour of windows recorded after it)", actor, now)  # fmt: skip
         return self._write(STATE_FIELD, repr(now), reason, actor, now)
 
     def _write(
