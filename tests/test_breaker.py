@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from kombu.exceptions import OperationalError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -54,6 +55,9 @@ def stopped(server: EmbeddedRedis) -> Iterator[None]:
         yield
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
+
+
+QUEUES = ("free", "defer", "reserved")
 
 
 def breaker_of(app: Celery) -> Breaker:
@@ -154,6 +158,37 @@ def test_after_the_server_goes_on_the_probe_closes_the_breaker_and_the_script_de
     assert set(reasons(redis_client, "reserved")) == {"gate_unavailable"}
 
 
+def test_with_the_broker_on_the_hung_server_a_publish_fails_and_lands_at_most_once(
+    gate_server: EmbeddedRedis,
+) -> None:
+    # Fast publish: the broker is the gate's Redis. (While it is stopped, kombu's own
+    # connection to it would hang past the gate: the broker's timeouts are Celery's settings.)
+    settings = gate_settings(gate_server.url, fast_publish="on", breaker_open_s=3)
+    app = create_app(settings, gate_server.url)
+    embed = app.tasks["tests.embed"]
+    breaker = breaker_of(app)
+    embed.delay(0)
+    with stopped(gate_server), pytest.raises(OperationalError):
+        # Its script times out and opens the breaker; it still tries its own fallback push.
+        embed.apply_async((1,), task_id="first")
+    trips = breaker.trips
+    # The broker answers again, the breaker is still open: the gate asks nothing (kombu's
+    # new connection cannot be known to be the gate's server without asking), so Celery's
+    # own publish takes it to reserved.
+    embed.apply_async((2,), task_id="second")
+    assert breaker.is_open and breaker.trips == trips
+    broker = redis.Redis.from_url(gate_server.url)
+    settled(broker)  # the first publish's stalled requests ran once the server went on
+    ids = {q: [m["headers"]["id"] for m in queue_messages(broker, q)] for q in QUEUES}
+    assert sum(found.count("first") for found in ids.values()) == 1  # its script or fallback
+    assert sum(found.count("second") for found in ids.values()) == 1
+    reserved = {m["headers"]["id"]: m["headers"] for m in queue_messages(broker, "reserved")}
+    assert reserved["second"]["gatekeeper_reason"] == "gate_unavailable"
+    assert wait_until(lambda: not breaker.is_open, timeout_s=10)  # the probe, after 3 s
+    embed.apply_async((3,), task_id="third")
+    assert queue_messages(broker, "free")[-1]["headers"]["id"] == "third"
+
+
 def sent_while_stopped(server: EmbeddedRedis, call: Any) -> Counter[str]:
     """What reached the server (once it went on) from ``call`` made while it was stopped."""
     observer = redis.Redis.from_url(server.url)
@@ -173,7 +208,8 @@ def test_the_gate_client_sends_a_timed_out_call_once(
     assert sent_while_stopped(gate_server, flags.stored) == Counter(hgetall=1)
     with pytest.raises(LedgerUnavailable, match="breaker open"):
         flags.stored()  # and the breaker is open: not sent at all
-    retrying = redis.Redis(port=gate_server.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 1))
+    retrying = redis.Redis(port=gate_server.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 1),
+                           retry_on_error=[redis.TimeoutError])  # fmt: skip
     retrying.ping()
     assert sent_while_stopped(gate_server, lambda: retrying.hgetall("x"))["connections"] >= 1
 

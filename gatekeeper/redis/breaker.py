@@ -123,36 +123,34 @@ class Breaker:
         return mine and self.error is not None
 
     def answered(self) -> None:
-        """A call got an answer after all: close the breaker (its probe then ends)."""
+        """A call got an answer after all: close the breaker (its probe ends when it wakes)."""
         if self.error is not None:
-            self._close("answer")
+            with self._lock:
+                was, self.error = self.error, None
+            if was is not None:
+                self._say("gate_breaker_closed", by="answer", open_s=self._open_for())
 
     def _probing(self) -> None:
-        """Until the server answers: wait, PING. Runs in the probe thread."""
+        """Until the server answers (or a call's answer closed the breaker): wait, PING.
+        Runs in the probe thread, which alone clears ``_probe``, so that a breaker open again
+        always has a probe."""
         while True:
             time.sleep(self.open_s)
+            if self.error is not None:
+                try:
+                    self.client.ping()
+                except NOT_ANSWERING:
+                    continue
+                except Exception:  # an error reply is an answer: calls decide again
+                    pass
             with self._lock:
-                if self.error is None:  # closed by an answer meanwhile
-                    self._probe = None
-                    return
-            try:
-                self.client.ping()
-            except NOT_ANSWERING:
-                continue
-            except Exception:  # an error reply is an answer: calls decide again
-                pass
-            self._close("probe")
+                was, self.error, self._probe = self.error, None, None
+            if was is not None:
+                self._say("gate_breaker_closed", by="probe", open_s=self._open_for())
             return
 
-    def _close(self, by: str) -> None:
-        with self._lock:
-            if self.error is None:
-                return
-            self.error = None
-            if by == "probe":
-                self._probe = None
-            open_for = time.monotonic() - self._opened_at
-        self._say("gate_breaker_closed", by=by, open_s=round(open_for, 3))
+    def _open_for(self) -> float:
+        return round(time.monotonic() - self._opened_at, 3)
 
     def _say(self, event: str, **fields: Any) -> None:
         if self.log is not None:
