@@ -7,6 +7,7 @@ adapter's script arguments all read these; nothing else writes the numbers again
 from __future__ import annotations
 
 __all__ = [
+    "BREAKER_OPEN_S",
     "BUDGET_UNITS",
     "CANARY_PERCENT",
     "FLAG_CACHE_S",
@@ -64,6 +65,11 @@ WORKER_HEARTBEAT_S = 10.0
 three intervals after a worker died before it records its runs as killed."""
 REDIS_TIMEOUT_S = 0.5
 """Connect and read timeout of the gate's Redis: past it a publish fails closed."""
+BREAKER_OPEN_S = 1.0
+"""After the gate's Redis did not answer, how long until the first probe (a ``PING`` from a
+thread of its own), and between probes: decisions are made without Redis meanwhile. A second
+keeps a hung server's cost to one timeout a second per process, and a server back within a
+second or two of the probe."""
 WINDOW_RETENTION_S = 8 * 24 * 3600
 """Windows are kept eight days: a week of review (``gatekeeper report``) plus a day's margin."""
 RECORD_RETENTION_S = 2 * 24 * 3600

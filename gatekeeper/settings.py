@@ -151,6 +151,11 @@ class GatekeeperSettings(BaseSettings):
 
     redis_timeout_s: float = Field(defaults.REDIS_TIMEOUT_S, gt=0, le=30, allow_inf_nan=False)
     """Connect and read timeout of the gate's Redis client: past it a publish fails closed."""
+    breaker_open_s: float = Field(defaults.BREAKER_OPEN_S, ge=0, le=60, allow_inf_nan=False)
+    """After the gate's Redis did not answer (a timeout, a lost connection), decisions are made
+    without it (reserved, ``gate_unavailable``), no socket touched, until a probe finds it back:
+    the first probe this long after the failure, then one per this interval. 0: no breaker
+    (every decision waits its own timeout)."""
     queue_age_horizon_s: float = Field(defaults.QUEUE_AGE_HORIZON_S, gt=0, allow_inf_nan=False)
     """A free attempt published longer ago than this no longer holds the queue's age up, so a
     purged or lost message defers new work for at most this long (ten times the default age

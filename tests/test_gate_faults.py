@@ -8,12 +8,13 @@ import time
 import pytest
 import redis
 
+import gatekeeper
 from gatekeeper.core.ledger import window_id
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.flags import UNREAD_RETRY_S
 from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, initialised, queue_messages, unused_port
+from tests.conftest import gate_settings, initialised, queue_messages, unused_port, wait_until
 
 
 def reasons(client: redis.Redis, queue: str) -> list[str]:
@@ -34,6 +35,9 @@ def test_gate_redis_down_reserves_and_recovers_without_restart(
         result = embed.delay(2)  # the caller's publish still succeeds
         assert result.id
         gate_server.start(port=gate_server.port)  # without persistence: it comes back empty
+        breaker = gatekeeper.install(app).store.breaker
+        assert breaker is not None and breaker.is_open  # opened by the refused connection
+        assert wait_until(lambda: not breaker.is_open, timeout_s=5)  # its probe found it back
         embed.delay(3)  # the state is missing: not to free until it is initialised again
         initialised(gate)
         embed.delay(4)

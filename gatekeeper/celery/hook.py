@@ -43,6 +43,7 @@ from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.headers import H_WINDOW
 from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput, ConfigError, GatekeeperError, PublishFailed
+from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.gate import Pipeline, Publish, Routing
 from gatekeeper.settings import GatekeeperSettings, load_settings
 
@@ -54,11 +55,14 @@ _install_lock = threading.Lock()
 
 def _client(settings: GatekeeperSettings) -> redis.Redis:
     url = settings.gate_redis_url()
-    # Short timeouts: an unreachable gate must cost a publish milliseconds, not seconds.
+    # Short timeouts: an unreachable gate must cost a publish milliseconds, not seconds. No
+    # automatic retry (redis-py 6+ retries a timeout several times by default): a timeout
+    # opens the pipeline's breaker and the publish fails closed (gatekeeper/redis/breaker.py).
     return redis.Redis.from_url(
         url,
         socket_connect_timeout=settings.redis_timeout_s,
         socket_timeout=settings.redis_timeout_s,
+        **no_retry(),
     )
 
 
@@ -200,6 +204,9 @@ class Installed:
             return False
         same = self._same_server.get(pool)
         if same is None:
+            breaker = self.store.breaker
+            if breaker is not None and breaker.is_open:
+                return False  # not asked of a server that is not answering: Celery's own way
             same = same_server(broker, self.client)
             if same is not None:  # unknown (a server unreachable): asked again next time
                 self._same_server[pool] = same

@@ -13,8 +13,14 @@
 -- redelivered the message), that run's start time is returned, so the caller can record it
 -- as killed.
 --
--- KEYS[1] run:<job_id>:<attempt>   hash: the gate's record, then runs, rowed, started_ms and
---                                  the worker's fields below
+-- Safe to send twice: each start carries a random token, kept in the record with what the
+-- start replied (`start_token`, `start_dead`). The same token again (a request re-sent after
+-- a lost reply) gets the same reply and changes nothing, so a re-sent start never counts a
+-- second run, which would make the first look dead and get a false `killed` row. (A refused
+-- message's counter in `stats` is not guarded: it prices nothing.)
+--
+-- KEYS[1] run:<job_id>:<attempt>   hash: the gate's record, then runs, rowed, started_ms,
+--                                  start_token, start_dead and the worker's fields below
 -- KEYS[2] started                   sorted set: <job_id>:<attempt> -> start time (ms)
 -- KEYS[3] free:waiting              sorted set: admitted free attempts not yet started
 -- KEYS[4] stats                     hash: unverified_runs, forged_runs, reruns_after_row (a run
@@ -24,17 +30,27 @@
 -- ARGV[1] member          <job_id>:<attempt>
 -- ARGV[2] now_ms
 -- ARGV[3] nonce           the message's gatekeeper_nonce ('' when it has none)
--- ARGV[4..] field, value pairs the worker knows itself (task, retries, max_retries, ...)
+-- ARGV[4] token           this start's random value ('': not guarded against a re-send)
+-- ARGV[5..] field, value pairs the worker knows itself (task, retries, max_retries, ...)
 --
 -- Returns {0, 'unverified' | 'forged'} for a message that is not the gate's, else
 -- {1, run, dead_run, dead_started_ms, record field, value, ...}: dead_run is 0 when no
 -- earlier run is missing its row.
 
-local nonce = redis.call('HGET', KEYS[1], 'nonce')
-if ARGV[3] == '' or nonce ~= ARGV[3] then
+local held = redis.call('HMGET', KEYS[1], 'nonce', 'start_token', 'start_dead', 'runs')
+if ARGV[3] == '' or held[1] ~= ARGV[3] then
   local kind = ARGV[3] == '' and 'unverified' or 'forged'
   redis.call('HINCRBY', KEYS[4], kind .. '_runs', 1)
   return {0, kind}
+end
+local function with_record(reply)
+  local record = redis.call('HGETALL', KEYS[1])
+  for i = 1, #record do reply[#reply + 1] = record[i] end
+  return reply
+end
+if ARGV[4] ~= '' and held[2] == ARGV[4] then  -- this start was applied already
+  local dead, dead_ms = string.match(held[3] or '0|0', '^([^|]*)|(.*)$')
+  return with_record({1, tonumber(held[4]), tonumber(dead), dead_ms})
 end
 local run = redis.call('HINCRBY', KEYS[1], 'runs', 1)
 local rowed = tonumber(redis.call('HGET', KEYS[1], 'rowed') or '0')
@@ -46,11 +62,10 @@ if run > 1 and rowed < run - 1 then
   reply[3] = run - 1
   reply[4] = redis.call('HGET', KEYS[1], 'started_ms') or '0'
 end
-local fields = {'started_ms', ARGV[2]}
-for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+local fields = {'started_ms', ARGV[2], 'start_token', ARGV[4],
+  'start_dead', reply[3] .. '|' .. reply[4]}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-local record = redis.call('HGETALL', KEYS[1])
-for i = 1, #record do reply[#reply + 1] = record[i] end
-return reply
+return with_record(reply)

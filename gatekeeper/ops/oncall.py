@@ -30,6 +30,7 @@ from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import settings_of
+from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.lock import Claims
@@ -56,7 +57,9 @@ def redis_client(ctx: click.Context, broker: bool = False) -> redis.Redis:
             url = settings.gate_redis_url()
     except ConfigError as exc:
         raise click.UsageError(str(exc), ctx=ctx) from exc
-    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    # No automatic retry, said explicitly as for the publish path's client: a re-sent RPOPLPUSH
+    # or flag write could apply twice; the replayer tries again on its own.
+    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5, **no_retry())
 
 
 def show_value(value: object) -> str:

@@ -27,6 +27,7 @@ import redis
 from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_windows
 from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
+from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import read_windows, text_of
 from gatekeeper.settings import GatekeeperSettings
@@ -147,8 +148,10 @@ class FlagStore:
         settings: GatekeeperSettings,
         keys: Keys | None = None,
         clock: Callable[[], float] = time.monotonic,
+        breaker: Breaker | None = None,
     ) -> None:
         self.client = client
+        self.breaker = breaker
         self.settings = settings
         self.keys = keys or Keys(settings.key_prefix, settings.namespace)
         self._clock = clock
@@ -157,10 +160,15 @@ class FlagStore:
         self._read_at = -math.inf
 
     def stored(self) -> dict[str, str]:
-        """The overrides in Redis, as text."""
+        """The overrides in Redis, as text; :class:`LedgerUnavailable` at once while the
+        breaker is open (:meth:`current` then keeps the flags it has)."""
+        if self.breaker is not None:
+            self.breaker.check("cannot read flags")
         try:
             raw = self.client.hgetall(self.keys.flags)
         except redis.RedisError as exc:
+            if self.breaker is not None:
+                self.breaker.failed(exc)
             raise LedgerUnavailable(f"cannot read flags: {exc}") from exc
         return {text_of(k): text_of(v) for k, v in raw.items()}
 

@@ -53,6 +53,7 @@ from gatekeeper.redis.attempt import (
     identity,
     resolve,
 )
+from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.flags import Flags, FlagStore, in_canary
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.push import Push, new_nonce, values_for
@@ -113,11 +114,14 @@ class Pipeline:
     def create(
         cls, settings: GatekeeperSettings, client: redis.Redis, clock: Callable[[], float]
     ) -> Pipeline:
-        """A pipeline on one Redis client with gatekeeper's own decision logger."""
+        """A pipeline on one Redis client with gatekeeper's own decision logger; its gate
+        store and flag store share one breaker (none when ``breaker_open_s`` is 0)."""
         keys = Keys(settings.key_prefix, settings.namespace)
-        store = GateStore(client, keys, horizon_s=settings.queue_age_horizon_s)
-        flags = FlagStore(client, settings, keys)
-        return cls(settings, store, flags, make_logger(settings, "decision"), clock)
+        log = make_logger(settings, "decision")
+        breaker = Breaker(client, settings.breaker_open_s, log) if settings.breaker_open_s else None
+        store = GateStore(client, keys, horizon_s=settings.queue_age_horizon_s, breaker=breaker)
+        flags = FlagStore(client, settings, keys, breaker=breaker)
+        return cls(settings, store, flags, log, clock)
 
     def route(
         self, publish: Publish, render: Render | None = None, *, off_free: bool = False

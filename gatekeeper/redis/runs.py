@@ -10,6 +10,7 @@ row, after the dead run's ``killed`` row. Rows are built from the Python core
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, replace
 
 import redis
@@ -143,12 +144,22 @@ class RunLedger:
         )
 
     def start(
-        self, job_id: str, attempt: int, nonce: str, own: dict[str, str], now_ms: int
+        self,
+        job_id: str,
+        attempt: int,
+        nonce: str,
+        own: dict[str, str],
+        now_ms: int,
+        token: str | None = None,
     ) -> Started:
         """Record that a run began, if the message is the gate's (its ``nonce`` is the gate
-        record's); ``own`` are the fields the worker knows itself (task, retries, ...)."""
+        record's); ``own`` are the fields the worker knows itself (task, retries, ...).
+
+        ``token`` (random unless given) makes ``start.lua`` safe to send twice: the same
+        token again gets the same reply and counts no second run. So after a connection
+        error or a timeout it is sent once more here (the client itself does not retry)."""
         member = f"{job_id}:{attempt}"
-        args: list[str] = [member, str(now_ms), nonce]
+        args: list[str] = [member, str(now_ms), nonce, token or secrets.token_hex(8)]
         for name, value in own.items():
             args += [name, value]
         keys = [
@@ -158,7 +169,10 @@ class RunLedger:
             self.keys.stats,
         ]
         try:
-            reply = evalsha(self.client, self._start, keys, args)
+            try:
+                reply = evalsha(self.client, self._start, keys, args)
+            except (redis.ConnectionError, redis.TimeoutError):
+                reply = evalsha(self.client, self._start, keys, args)  # safe: the token
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot record the start of {member}: {exc}") from exc
         if not int(reply[0]):

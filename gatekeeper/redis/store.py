@@ -2,7 +2,9 @@
 writes besides (in-process decisions' records, released admissions).
 
 Every redis-py error is wrapped at this boundary in :class:`~gatekeeper.errors.LedgerUnavailable`,
-which the publish hook turns into a fail-closed route to reserved.
+which the publish hook turns into a fail-closed route to reserved. With a
+:class:`~gatekeeper.redis.breaker.Breaker`, a call that got no answer opens it, and the publish
+path's calls then fail at once, without a socket, until its probe finds Redis back.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from gatekeeper.defaults import (
     WINDOW_RETENTION_S,
 )
 from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.push import Push
 from gatekeeper.redis.scripts import evalsha, load_lua, read_windows, text_of
@@ -103,8 +106,10 @@ class GateStore:
         horizon_s: float = QUEUE_AGE_HORIZON_S,
         retention_s: int = WINDOW_RETENTION_S,
         record_ttl_s: int = RECORD_RETENTION_S,
+        breaker: Breaker | None = None,
     ) -> None:
         self.client = client
+        self.breaker = breaker
         self.keys = keys
         self.horizon_s = horizon_s
         self.retention_s = retention_s
@@ -183,8 +188,10 @@ class GateStore:
         It goes through this thread's own connection (:mod:`gatekeeper.redis.wire`); cluster
         and single-connection clients, and a call made while that connection awaits a reply
         (a signal handler publishing mid-decision), go through redis-py. Raises
-        :class:`LedgerUnavailable` when Redis or the script fails.
+        :class:`LedgerUnavailable` when Redis or the script fails, or the breaker is open.
         """
+        if self.breaker is not None:
+            self.breaker.check("gate script")
         keys, args = self.gate_call(call)
         pool = getattr(self.client, "connection_pool", None)
         if pool is None or getattr(self.client, "connection", None) is not None:
@@ -225,6 +232,8 @@ class GateStore:
 
     def _gate_reply(self, reply: Any) -> ScoredAttempt:
         if isinstance(reply, redis.RedisError):
+            if self.breaker is not None:
+                self.breaker.failed(reply)
             raise LedgerUnavailable(f"gate script failed: {reply}") from reply
         try:
             decision, reason, age, dwell, projected, free = reply
@@ -252,8 +261,10 @@ class GateStore:
     ) -> bool | None:
         """Count a decision made in process and write the gate's record of the attempt
         (``record.lua``); returns the record's ``free_admitted``, None when it was not
-        recorded (Redis failed, a bad input, or another publish of the attempt holds a live
-        record): the decision stands, and its row will be unverified."""
+        recorded (Redis failed or the breaker is open, a bad input, or another publish of the
+        attempt holds a live record): the decision stands, and its row will be unverified."""
+        if self.breaker is not None and self.breaker.is_open:
+            return None
         keys = [self.keys.window(window_id), *self._records(job_id, attempt)]
         args = [decision.value, reason.value, "1" if marks[0] else "0", "1" if marks[1] else "0",
                 str(self.retention_s), str(self.record_ttl_s), prev_nonce]  # fmt: skip
@@ -261,7 +272,9 @@ class GateStore:
             args += [name, value]
         try:
             free = text_of(evalsha(self.client, self._record, keys, args))
-        except redis.RedisError:
+        except redis.RedisError as exc:
+            if self.breaker is not None:
+                self.breaker.failed(exc)
             return None
         return None if free == "unrecorded" else free == "1"
 
@@ -275,8 +288,12 @@ class GateStore:
         ``fallback.lua`` checks and pushes in one step, keyed by the request's nonce, so it
         is sent again after a connection error or a timeout (once here, besides the client's
         own retry policy), and a stalled gate.lua that runs later pushes nothing. Raises
-        :class:`LedgerUnavailable` when it failed.
+        :class:`LedgerUnavailable` when it failed, and at once while the breaker is open,
+        unless this request's own gate script opened it (it finishes its push, as before).
         """
+        breaker = self.breaker
+        if breaker is not None and not breaker.opened_here():
+            breaker.check(f"cannot push {job_id}")
         index = {Decision.ADMIT_FREE: 0, Decision.DEFER: 1, Decision.RESERVED: 2}[decision]
         keys = [self.keys.run(job_id, attempt), push.lists[index]]
         args = [push.nonce, decision.value, reason.value, text, str(self.record_ttl_s),
@@ -286,10 +303,16 @@ class GateStore:
         try:
             try:
                 reply = evalsha(self.client, self._fallback, keys, args)
-            except (redis.ConnectionError, redis.TimeoutError):
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if breaker is not None:
+                    breaker.failed(exc)
                 reply = evalsha(self.client, self._fallback, keys, args)  # safe: the nonce
         except redis.RedisError as exc:
+            if breaker is not None:
+                breaker.failed(exc)
             raise LedgerUnavailable(f"cannot push {job_id}: {exc}") from exc
+        if breaker is not None:
+            breaker.answered()
         if not reply:
             return None
         return _DECISIONS.get(reply[0], Decision.RESERVED), _REASONS.get(
@@ -302,15 +325,20 @@ class GateStore:
         """Give back an admitted attempt's exposure (it will not run); returns the tokens.
 
         ``unpublished``: the message never reached the broker, so the admission is taken back
-        from the window's ``admitted_free`` too.
+        from the window's ``admitted_free`` too. Raises :class:`LedgerUnavailable` when it
+        failed, and at once while the breaker is open.
         """
         member = f"{job_id}:{attempt}"
+        if self.breaker is not None:
+            self.breaker.check(f"cannot release {member}")
         keys = [self.keys.inflight, self.keys.free_waiting, self.keys.window(window_id),
                 self.keys.run(job_id, attempt)]  # fmt: skip
         args = [member, "1" if unpublished else "0"]
         try:
             return int(float(evalsha(self.client, self._release, keys, args)))
         except redis.RedisError as exc:
+            if self.breaker is not None:
+                self.breaker.failed(exc)
             raise LedgerUnavailable(f"cannot release {member}: {exc}") from exc
 
     def window_rows(self, window_id: int) -> list[dict[str, Any]]:

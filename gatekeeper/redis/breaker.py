@@ -1,0 +1,187 @@
+"""A circuit breaker for the gate's Redis, and the gate client's retry policy.
+
+A Redis that is stopped, or that accepts connections and never answers, costs every call the
+client's full timeout. On the publish path that is every gated publish: a producer
+publishing a night's batch would move at two tasks a second. After one call finds the server
+not answering (a timeout or a connection error; an error *reply* is an answer), the
+:class:`Breaker` opens: until a probe finds the server back, the gate store and the flag
+store raise :class:`~gatekeeper.errors.LedgerUnavailable` at once, without touching a socket,
+and the pipeline decides as it does with Redis unreachable (reserved, ``gate_unavailable``;
+the flags last read stay in force). Nothing goes to free.
+
+The probe is a daemon thread of its own, started when the breaker opens: every
+``breaker_open_s`` it sends one ``PING`` through the client (its timeout, no retry) and
+closes the breaker on the first answer, then ends. No publish waits for it; the cost is a
+thread while the server is away. Letting one caller through per interval instead would make
+one publish in each interval wait the whole timeout.
+
+One breaker per client: :meth:`gatekeeper.redis.gate.Pipeline.create` builds one and gives it
+to the gate store and the flag store of one install. The state is per process: a forked child
+(a prefork pool's worker) starts with every breaker closed and no probe thread (the parent's
+does not exist in it), and opens its own on its own first timeout.
+
+:func:`no_retry` is the gate client's retry policy: none. redis-py 6 and later retry a timed
+out command with backoff by default (redis-py 8: ten times), which multiplies what a hung
+server costs a publish, and re-sends scripts whose first send may have run (``record.lua``
+counts its decision again). A timeout opens the breaker instead and the publish fails closed;
+scripts that must survive a lost reply are sent again by the store itself, where they are
+safe to send twice (``fallback.lua``, ``start.lua``: keyed by the request).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from gatekeeper.defaults import BREAKER_OPEN_S
+from gatekeeper.errors import LedgerUnavailable
+
+__all__ = ["NOT_ANSWERING", "Breaker", "no_retry"]
+
+NOT_ANSWERING = (redis.ConnectionError, redis.TimeoutError)
+"""The errors that say the server did not answer (redis-py's ``BusyLoadingError`` among them)."""
+
+
+def no_retry() -> dict[str, Any]:
+    """Client keyword arguments for no automatic retry (redis-py 5.0 to 8)."""
+    return {"retry": Retry(NoBackoff(), 0), "retry_on_timeout": False}
+
+
+class Breaker:
+    """Whether calls to one Redis client are made at all; opened by a call that got no answer,
+    closed by its probe."""
+
+    def __init__(self, client: Any, open_s: float = BREAKER_OPEN_S, log: Any = None) -> None:
+        self.client = client
+        self.open_s = open_s
+        self.log = log
+        self.error: str | None = None
+        """Why the breaker is open (the error that opened it); None while closed."""
+        self.trips = 0
+        """Calls that found the server not answering (each waited its timeout or failed)."""
+        self._opened_at = 0.0
+        self._lock = threading.Lock()
+        self._probe: threading.Thread | None = None
+        self._mine = threading.local()
+        """``opened``: this thread's call opened the breaker (see :meth:`opened_here`)."""
+        _track(self)
+
+    @property
+    def is_open(self) -> bool:
+        return self.error is not None
+
+    @property
+    def probing(self) -> bool:
+        """A probe thread of this process is running."""
+        probe = self._probe
+        return probe is not None and probe.is_alive()
+
+    def check(self, what: str) -> None:
+        """Raise :class:`LedgerUnavailable` at once while the breaker is open."""
+        error = self.error
+        if error is not None:
+            self._mine.opened = False
+            raise LedgerUnavailable(
+                f"{what}: the gate's Redis did not answer ({error}); breaker open, not asked "
+                "until a probe finds it back"
+            )
+
+    def failed(self, exc: BaseException) -> bool:
+        """Open the breaker when ``exc`` says the server did not answer; True when it did."""
+        if not isinstance(exc, NOT_ANSWERING):
+            return False
+        with self._lock:
+            self.trips += 1
+            opened = self.error is None
+            self.error = str(exc) or type(exc).__name__
+            if opened:
+                self._opened_at = time.monotonic()
+                self._mine.opened = True
+            if self._probe is None:
+                self._probe = threading.Thread(
+                    target=self._probing, name="gatekeeper-breaker-probe", daemon=True
+                )
+                self._probe.start()
+        if opened:
+            self._say("gate_breaker_open", error=self.error, probe_every_s=self.open_s)
+        return True
+
+    def opened_here(self) -> bool:
+        """Whether the breaker is open because of this thread's last call, asked once: the
+        request that opened it may finish what it began (a fast publish's fallback push,
+        which then waits its own timeouts); the calls of any later request are refused."""
+        mine = bool(getattr(self._mine, "opened", False))
+        self._mine.opened = False
+        return mine and self.error is not None
+
+    def answered(self) -> None:
+        """A call got an answer after all: close the breaker (its probe ends when it wakes)."""
+        if self.error is not None:
+            with self._lock:
+                was, self.error = self.error, None
+            if was is not None:
+                self._say("gate_breaker_closed", by="answer", open_s=self._open_for())
+
+    def _probing(self) -> None:
+        """Until the server answers (or a call's answer closed the breaker): wait, PING.
+        Runs in the probe thread, which alone clears ``_probe``, so that a breaker open again
+        always has a probe."""
+        while True:
+            time.sleep(self.open_s)
+            if self.error is not None:
+                try:
+                    self.client.ping()
+                except NOT_ANSWERING:
+                    continue
+                except Exception:  # an error reply is an answer: calls decide again
+                    pass
+            with self._lock:
+                was, self.error, self._probe = self.error, None, None
+            if was is not None:
+                self._say("gate_breaker_closed", by="probe", open_s=self._open_for())
+            return
+
+    def _open_for(self) -> float:
+        return round(time.monotonic() - self._opened_at, 3)
+
+    def _say(self, event: str, **fields: Any) -> None:
+        if self.log is not None:
+            with contextlib.suppress(Exception):  # a closed log stream changes nothing here
+                self.log.warning(event, **fields)
+
+    def _reset(self) -> None:
+        """In a forked child: closed, no probe (its thread is the parent's), a fresh lock (the
+        parent's may have been held by a thread the child does not have)."""
+        self._lock = threading.Lock()
+        self._mine = threading.local()
+        self.error, self._probe, self.trips = None, None, 0
+
+
+_breakers: weakref.WeakSet[Breaker] = weakref.WeakSet()
+_fork_hook = threading.Lock()
+_hooked = False
+
+
+def _track(breaker: Breaker) -> None:
+    """Remember a breaker for :func:`_after_fork`; the fork hook is registered with the first."""
+    global _hooked
+    with _fork_hook:
+        _breakers.add(breaker)
+        if not _hooked and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork)
+            _hooked = True
+
+
+def _after_fork() -> None:
+    global _fork_hook
+    _fork_hook = threading.Lock()
+    for breaker in list(_breakers):
+        breaker._reset()

@@ -1,0 +1,261 @@
+"""The breaker on the gate's Redis: a hung server (SIGSTOPped) costs one timeout, then every
+gated publish is decided without it, fast and never to free, until the probe finds it back.
+
+The broker is the suite's Redis and the gate another real ``redis-server``, stopped with
+SIGSTOP (it keeps accepting connections and never answers) and always continued in a
+``finally``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from kombu.exceptions import OperationalError
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+import gatekeeper
+from gatekeeper.errors import EmbeddedRedisError, LedgerUnavailable
+from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis.breaker import Breaker
+from tests.apps.gated_app import create_app
+from tests.conftest import gate_settings, missing_server, queue_messages, wait_until
+
+
+@pytest.fixture()
+def gate_server() -> Iterator[EmbeddedRedis]:
+    """The gate's own redis-server, apart from the broker (the suite's Redis)."""
+    try:
+        server = EmbeddedRedis().start()
+    except EmbeddedRedisError as exc:
+        missing_server(str(exc))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
+def stopped(server: EmbeddedRedis) -> Iterator[None]:
+    """The server SIGSTOPped: connections are accepted by the kernel, nothing is answered."""
+    assert server.process is not None
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+
+QUEUES = ("free", "defer", "reserved")
+
+
+def breaker_of(app: Celery) -> Breaker:
+    breaker = gatekeeper.install(app).store.breaker
+    assert breaker is not None
+    return breaker
+
+
+def commands(client: redis.Redis) -> Counter[str]:
+    """Commands the server has run, by name (``INFO commandstats``; the observer's own INFO
+    left out), and the connections it accepted."""
+    stats = client.info("commandstats")
+    counts = Counter({name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()})
+    del counts["info"]
+    counts["connections"] = int(client.info("stats")["total_connections_received"])
+    return counts
+
+
+def settled(client: redis.Redis) -> Counter[str]:
+    """:func:`commands` once what a continued server had buffered has run."""
+    last = commands(client)
+    for _ in range(50):
+        time.sleep(0.1)
+        now = commands(client)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError("the gate's Redis kept running commands")
+
+
+def reasons(client: redis.Redis, queue: str) -> list[str]:
+    return [m["headers"]["gatekeeper_reason"] for m in queue_messages(client, queue)]
+
+
+def test_a_hung_gate_redis_costs_one_timeout_then_every_publish_goes_to_reserved(
+    redis_url: str, redis_client: redis.Redis, gate_server: EmbeddedRedis
+) -> None:
+    app = create_app(gate_settings(gate_server.url, log_level="error"), redis_url)
+    embed = app.tasks["tests.embed"]
+    breaker = breaker_of(app)
+    embed.delay(0)  # admitted: connections, script and flags warm
+    published: list[tuple[float, str]] = []
+    with stopped(gate_server):
+        start = time.monotonic()
+        while time.monotonic() - start < 4:
+            published.append((time.monotonic() - start, embed.delay(1).id))
+        assert breaker.is_open
+    # One thread: the first publish waited out the timeout and opened the breaker; no other
+    # call from the publish path reached the socket (without the breaker: one per publish).
+    assert breaker.trips == 1
+    assert len([at for at, _ in published if at >= 1.0]) > 200  # about 2 a second without it
+    reserved = queue_messages(redis_client, "reserved")
+    assert [m["headers"]["id"] for m in reserved] == [job for _, job in published]
+    assert set(reasons(redis_client, "reserved")) == {"gate_unavailable"}
+    assert reasons(redis_client, "free") == ["fits"]  # the warm-up alone
+
+
+def test_while_the_breaker_is_open_no_command_reaches_the_gate_redis(
+    redis_url: str, redis_client: redis.Redis, gate_server: EmbeddedRedis
+) -> None:
+    # A probe only after 5 s: the whole test runs with the breaker open and the server up.
+    app = create_app(gate_settings(gate_server.url, breaker_open_s=5), redis_url)
+    embed = app.tasks["tests.embed"]
+    breaker = breaker_of(app)
+    embed.delay(0)
+    with stopped(gate_server):
+        embed.delay(1)  # waits out one timeout: the breaker opens
+    observer = redis.Redis.from_url(gate_server.url)
+    before = settled(observer)  # the stalled request ran once the server went on
+    time.sleep(0.3)  # past flag_cache_s (0.2 s): without the breaker the flags are read again
+    ids = [embed.delay(n).id for n in range(50)]
+    after = commands(observer)
+    assert breaker.is_open and breaker.trips == 1
+    assert after == before  # no connection, no command
+    assert [m["headers"]["id"] for m in queue_messages(redis_client, "reserved")][-50:] == ids
+    assert set(reasons(redis_client, "reserved")) == {"gate_unavailable"}
+
+
+def test_after_the_server_goes_on_the_probe_closes_the_breaker_and_the_script_decides(
+    redis_url: str, redis_client: redis.Redis, gate_server: EmbeddedRedis
+) -> None:
+    app = create_app(gate_settings(gate_server.url), redis_url)
+    embed = app.tasks["tests.embed"]
+    breaker = breaker_of(app)
+    embed.delay(0)
+    with stopped(gate_server):
+        embed.delay(1)
+    embed.delay(2)  # within breaker_open_s (1 s) of the timeout: not asked, reserved
+    assert reasons(redis_client, "reserved") == ["gate_unavailable", "gate_unavailable"]
+
+    def admitted_again() -> bool:
+        embed.delay(3)
+        return len(reasons(redis_client, "free")) == 2
+
+    assert wait_until(admitted_again, timeout_s=5, every_s=0.05)
+    assert not breaker.is_open and not breaker.probing
+    assert reasons(redis_client, "free") == ["fits", "fits"]
+    assert set(reasons(redis_client, "reserved")) == {"gate_unavailable"}
+
+
+def test_with_the_broker_on_the_hung_server_a_publish_fails_and_lands_at_most_once(
+    gate_server: EmbeddedRedis,
+) -> None:
+    # Fast publish: the broker is the gate's Redis. (While it is stopped, kombu's own
+    # connection to it would hang past the gate: the broker's timeouts are Celery's settings.)
+    settings = gate_settings(gate_server.url, fast_publish="on", breaker_open_s=3)
+    app = create_app(settings, gate_server.url)
+    embed = app.tasks["tests.embed"]
+    breaker = breaker_of(app)
+    embed.delay(0)
+    with stopped(gate_server), pytest.raises(OperationalError):
+        # Its script times out and opens the breaker; it still tries its own fallback push.
+        embed.apply_async((1,), task_id="first")
+    trips = breaker.trips
+    # The broker answers again, the breaker is still open: the gate asks nothing (kombu's
+    # new connection cannot be known to be the gate's server without asking), so Celery's
+    # own publish takes it to reserved.
+    embed.apply_async((2,), task_id="second")
+    assert breaker.is_open and breaker.trips == trips
+    broker = redis.Redis.from_url(gate_server.url)
+    settled(broker)  # the first publish's stalled requests ran once the server went on
+    ids = {q: [m["headers"]["id"] for m in queue_messages(broker, q)] for q in QUEUES}
+    assert sum(found.count("first") for found in ids.values()) == 1  # its script or fallback
+    assert sum(found.count("second") for found in ids.values()) == 1
+    reserved = {m["headers"]["id"]: m["headers"] for m in queue_messages(broker, "reserved")}
+    assert reserved["second"]["gatekeeper_reason"] == "gate_unavailable"
+    assert wait_until(lambda: not breaker.is_open, timeout_s=10)  # the probe, after 3 s
+    embed.apply_async((3,), task_id="third")
+    assert queue_messages(broker, "free")[-1]["headers"]["id"] == "third"
+
+
+def sent_while_stopped(server: EmbeddedRedis, call: Any) -> Counter[str]:
+    """What reached the server (once it went on) from ``call`` made while it was stopped."""
+    observer = redis.Redis.from_url(server.url)
+    before = settled(observer)
+    with stopped(server), pytest.raises((LedgerUnavailable, redis.TimeoutError)):
+        call()
+    return +(settled(observer) - before)
+
+
+def test_the_gate_client_sends_a_timed_out_call_once(
+    redis_url: str, redis_client: redis.Redis, gate_server: EmbeddedRedis
+) -> None:
+    app = create_app(gate_settings(gate_server.url), redis_url)
+    flags = gatekeeper.install(app).flags
+    flags.stored()
+    # Not again on a new connection (a client that retries does: the control below).
+    assert sent_while_stopped(gate_server, flags.stored) == Counter(hgetall=1)
+    with pytest.raises(LedgerUnavailable, match="breaker open"):
+        flags.stored()  # and the breaker is open: not sent at all
+    retrying = redis.Redis(port=gate_server.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 1),
+                           retry_on_error=[redis.TimeoutError])  # fmt: skip
+    retrying.ping()
+    assert sent_while_stopped(gate_server, lambda: retrying.hgetall("x"))["connections"] >= 1
+
+
+def _forked_publisher(app: Celery, pipe: Connection) -> None:
+    """In the child: the breaker it inherited, then a publish of its own, then recovery."""
+    breaker = breaker_of(app)
+    pipe.send(("inherited", breaker.is_open, breaker.probing, breaker.trips))
+    embed = app.tasks["tests.embed"]
+    embed.delay(1)  # the server is still stopped: this process's own timeout
+    pipe.send(("own", breaker.is_open, breaker.probing, breaker.trips))
+    pipe.recv()  # the parent continued the server
+    closed = wait_until(lambda: not breaker.is_open, timeout_s=5)
+    decision = embed.delay(2).id
+    pipe.send(("recovered", closed, decision))
+
+
+def test_a_forked_child_starts_with_a_closed_breaker_and_probes_on_its_own(
+    redis_url: str, redis_client: redis.Redis, gate_server: EmbeddedRedis
+) -> None:
+    app = create_app(gate_settings(gate_server.url), redis_url)
+    embed = app.tasks["tests.embed"]
+    breaker = breaker_of(app)
+    embed.delay(0)
+    ours, theirs = multiprocessing.Pipe()
+    child: Any = None
+    with stopped(gate_server):
+        embed.delay(1)
+        assert breaker.is_open and breaker.probing
+        child = multiprocessing.get_context("fork").Process(
+            target=_forked_publisher, args=(app, theirs)
+        )
+        child.start()
+        try:
+            assert ours.poll(10)
+            assert ours.recv() == ("inherited", False, False, 0)  # closed, no probe thread
+            assert ours.poll(10)
+            assert ours.recv() == ("own", True, True, 1)  # its own timeout, its own probe
+        except BaseException:
+            child.kill()
+            raise
+    ours.send("continued")
+    assert ours.poll(15)
+    kind, closed, job = ours.recv()
+    child.join(10)
+    assert (kind, closed, child.exitcode) == ("recovered", True, 0)
+    free = {m["headers"]["id"]: m["headers"]["gatekeeper_reason"]
+            for m in queue_messages(redis_client, "free")}  # fmt: skip
+    assert free[job] == "fits"
