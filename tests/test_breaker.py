@@ -30,7 +30,7 @@ from gatekeeper.errors import EmbeddedRedisError, LedgerUnavailable
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.breaker import Breaker
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, missing_server, queue_messages, wait_until
+from tests.conftest import gate_settings, initialised, missing_server, queue_messages, wait_until
 
 
 @pytest.fixture()
@@ -40,6 +40,7 @@ def gate_server() -> Iterator[EmbeddedRedis]:
         server = EmbeddedRedis().start()
     except EmbeddedRedisError as exc:
         missing_server(str(exc))
+    initialised(redis.Redis.from_url(server.url))  # a deployment initialised long ago
     try:
         yield server
     finally:

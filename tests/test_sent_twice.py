@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import redis
 
+from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.ledger import Outcome, Path, make_row, window_id
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger, Started
@@ -88,3 +89,17 @@ def test_a_move_sent_twice_pushes_once(redis_client: redis.Redis) -> None:
     assert evalsha(redis_client, move, keys, args) == 0
     assert redis_client.lrange("free", 0, -1) == [b"rewritten"]
     assert redis_client.llen("defer:replaying") == 0
+
+
+def test_record_sent_twice_counts_once_and_keeps_the_nonce(redis_client: redis.Redis) -> None:
+    """A decision made in process, its record.lua re-sent after a lost reply: counted once,
+    and the answer is still "recorded" (so the message keeps its nonce, its row verified)."""
+    keys = Keys()
+    store = GateStore(redis_client, keys)
+    record = {"nonce": "n-1", "tokens_in": "5", "admitted_ms": "1", "published_ms": "1",
+              "deadline_ms": "2", "dwell_s": "nan"}  # fmt: skip
+    args = (3, "job", 1, Decision.RESERVED, Reason.FREE_PATH_DISABLED, (False, False), record)
+    first, again = store.record_decision(*args), store.record_decision(*args)
+    assert first is False and again is False  # recorded both times (None: unrecorded)
+    counted = redis_client.hget(keys.window(3), "decided:reserved:free_path_disabled")
+    assert counted == b"1"

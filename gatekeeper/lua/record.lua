@@ -14,6 +14,14 @@
 -- or 'unrecorded': no record fields (a bad input: its row stays unverified), or another
 -- publish of the attempt holds a live record (as in gate.lua, it is left alone).
 
+-- Sent again (a lost reply): the record already holds this request's nonce, so it was
+-- counted and written; answer as then, change nothing.
+for i = 8, #ARGV - 1, 2 do
+  if ARGV[i] == 'nonce' then
+    local held = redis.call('HMGET', KEYS[2], 'nonce', 'free_admitted')
+    if held[1] == ARGV[i + 1] then return held[2] or '0' end
+  end
+end
 if redis.call('HINCRBY', KEYS[1], 'decided:' .. ARGV[1] .. ':' .. ARGV[2], 1) == 1 then
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
 end
