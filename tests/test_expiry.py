@@ -23,6 +23,18 @@ from tests.test_worker_ledger import KEYS, rows, runs, wait_rows, window_totals
 pytestmark = pytest.mark.celery
 
 
+def waited_past_allowance(
+    redis_url: str, redis_client: redis.Redis
+) -> tuple[Any, str, dict[str, Any]]:
+    """The gate, a job admitted to free and its message, waited past a 0.1 s allowance."""
+    app = create_app(gate_settings(redis_url, free_wait_allowance_s=0.1), redis_url)
+    gate = install(app)
+    job = app.tasks["tests.embed"].delay(1).id
+    (message,) = queue_messages(redis_client, "free")
+    time.sleep(0.2)
+    return gate, job, message
+
+
 def test_a_free_message_past_its_allowance_runs_on_reserved_with_an_expired_row(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
@@ -81,12 +93,8 @@ def test_a_forged_old_admission_is_not_moved_and_runs_as_an_ordinary_task(
 def test_expire_sent_twice_writes_one_row_and_says_again(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
-    app = create_app(gate_settings(redis_url, free_wait_allowance_s=0.1), redis_url)
-    gate = install(app)
-    job = app.tasks["tests.embed"].delay(1).id
-    (message,) = queue_messages(redis_client, "free")
+    gate, job, message = waited_past_allowance(redis_url, redis_client)
     headers = message["headers"]
-    time.sleep(0.2)
     now = time.time()
     window = headers["gatekeeper_window"]
     first = gate.expiry._expire(job, 1, window, dict(headers), now)
@@ -97,13 +105,9 @@ def test_expire_sent_twice_writes_one_row_and_says_again(
 
 
 def _expired_copy_ran(redis_url: str, redis_client: redis.Redis) -> tuple[Any, str, dict[str, Any]]:
-    """An admission expired, and its copy on reserved run to its row."""
-    app = create_app(gate_settings(redis_url, free_wait_allowance_s=0.1), redis_url)
-    gate = install(app)
-    job = app.tasks["tests.embed"].delay(1).id
-    (message,) = queue_messages(redis_client, "free")
+    """An admission expired (its copy on reserved is then run by the test)."""
+    gate, job, message = waited_past_allowance(redis_url, redis_client)
     headers = message["headers"]
-    time.sleep(0.2)
     assert gate.expiry._expire(job, 1, headers["gatekeeper_window"], dict(headers),
                                time.time()) == "expired"  # fmt: skip
     return gate, job, headers
@@ -130,11 +134,7 @@ def test_a_spare_copy_of_a_moved_message_is_not_run_again(
 def test_a_failed_republish_is_given_back_to_the_broker_not_run_on_free(
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = create_app(gate_settings(redis_url, free_wait_allowance_s=0.1), redis_url)
-    gate = install(app)
-    job = app.tasks["tests.embed"].delay(1).id
-    (message,) = queue_messages(redis_client, "free")
-    time.sleep(0.2)
+    gate, job, message = waited_past_allowance(redis_url, redis_client)
 
     def broken(*_: object, **__: object) -> None:
         raise ConnectionError("broker blip")
