@@ -1,9 +1,11 @@
 """Gatekeeper's settings: one pydantic-settings model, read only at the edges.
 
-Sources, highest first: keyword arguments, ``GATEKEEPER_*`` environment variables, a ``.env``
-file in the working directory, the TOML file (``GATEKEEPER_CONFIG_FILE``, else
-``config/gatekeeper.toml`` when it exists), then the defaults below. Nested tables use ``__``
-in variable names: ``GATEKEEPER_DRILL__SEED=11``.
+Sources, highest first: keyword arguments, ``GATEKEEPER_*`` environment variables, the Celery
+app's ``gatekeeper_*`` keys (``app.conf.gatekeeper_redis_url``, which Django's
+``CELERY_GATEKEEPER_REDIS_URL`` becomes with ``namespace='CELERY'``; and the app's own
+``broker_url`` as the broker), a ``.env`` file in the working directory, the TOML file
+(``GATEKEEPER_CONFIG_FILE``, else ``config/gatekeeper.toml`` when it exists), then the defaults
+below. Nested tables use ``__`` in variable names: ``GATEKEEPER_DRILL__SEED=11``.
 
 Library objects take a settings object as an argument; only the CLI and ``workers/`` call
 :func:`load_settings`. A bad value raises :class:`~gatekeeper.errors.ConfigError` naming the
@@ -44,6 +46,33 @@ DEFAULT_CONFIG_FILE = Path("config/gatekeeper.toml")
 """Read when it exists (relative to the working directory) and no other file is named."""
 
 _toml_file: ContextVar[Path | None] = ContextVar("gatekeeper_toml_file", default=None)
+_app_conf: ContextVar[Any] = ContextVar("gatekeeper_app_conf", default=None)
+APP_CONF_PREFIX = "gatekeeper_"
+"""A Celery app's keys for gatekeeper's settings: ``gatekeeper_<setting>``, lower case."""
+
+
+class AppConfSource(PydanticBaseSettingsSource):
+    """The ``gatekeeper_<setting>`` keys of a Celery app's ``conf``, and its ``broker_url`` as
+    the broker (so the gate's Redis is the app's broker when that is Redis)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], conf: Any) -> None:
+        super().__init__(settings_cls)
+        self.conf = conf
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return self.conf.get(APP_CONF_PREFIX + field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for name in self.settings_cls.model_fields:
+            value = self.conf.get(APP_CONF_PREFIX + name)
+            if value is not None:
+                values[name] = value
+        broker = self.conf.get("broker_url")
+        if "broker_url" not in values and isinstance(broker, str) and broker:
+            values["broker_url"] = broker
+        return values
+
 
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -216,7 +245,11 @@ class GatekeeperSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings, dotenv_settings]
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        conf = _app_conf.get()
+        if conf is not None:
+            sources.append(AppConfSource(settings_cls, conf))
+        sources.append(dotenv_settings)
         toml_file = _toml_file.get()
         if toml_file is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
@@ -251,10 +284,12 @@ def _resolve_config_file(config_file: str | os.PathLike[str] | None) -> Path | N
     return DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.is_file() else None
 
 
-def _describe(error: dict[str, Any], config_file: Path | None) -> str:
+def _describe(error: dict[str, Any], config_file: Path | None, app: bool = False) -> str:
     loc = [str(part) for part in error["loc"]]
     env_name = ENV_PREFIX + "__".join(part.upper() for part in loc)
     where = env_name
+    if app:
+        where += f" (or app.conf.{APP_CONF_PREFIX}{'__'.join(loc)})"
     if config_file is not None:
         where += f" (or {'.'.join(loc)} in {config_file})"
     value = error.get("input")
@@ -266,18 +301,21 @@ def _describe(error: dict[str, Any], config_file: Path | None) -> str:
 
 
 def load_settings(
-    config_file: str | os.PathLike[str] | None = None, **overrides: Any
+    config_file: str | os.PathLike[str] | None = None, app: Any = None, **overrides: Any
 ) -> GatekeeperSettings:
-    """Build settings from the environment, ``.env`` and the TOML file; fail with named fields."""
+    """Build settings from the environment, the Celery ``app``'s config (when given), ``.env``
+    and the TOML file; fail with named fields."""
     path = _resolve_config_file(config_file)
     token = _toml_file.set(path)
+    conf_token = _app_conf.set(getattr(app, "conf", None))
     try:
         return GatekeeperSettings(**overrides)
     except ValidationError as exc:
-        problems = "; ".join(_describe(dict(err), path) for err in exc.errors())
+        problems = "; ".join(_describe(dict(err), path, app is not None) for err in exc.errors())
         raise ConfigError(f"invalid settings: {problems}") from exc
     except ValueError as exc:  # a TOML syntax error, an unreadable .env
         named = f"{path} (or .env)" if path is not None else ".env"
         raise ConfigError(f"invalid settings file {named}: {exc}") from exc
     finally:
         _toml_file.reset(token)
+        _app_conf.reset(conf_token)

@@ -37,33 +37,23 @@ from gatekeeper.celery.expiry import Expiry
 from gatekeeper.celery.fastpath import FastRender, possible, publish_observed, same_server
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.heartbeat import Heartbeat
+from gatekeeper.celery.parts import SIGNALS, Parts, build
 from gatekeeper.celery.private import bound_for, check_celery_shape, replace_sender
 from gatekeeper.celery.worker import WorkerSide
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.headers import H_WINDOW
 from gatekeeper.core.spec import GatedSpec
-from gatekeeper.errors import BadDeclaredInput, ConfigError, GatekeeperError, PublishFailed
-from gatekeeper.redis.breaker import no_retry
+from gatekeeper.errors import BadDeclaredInput, GatekeeperError, PublishFailed
+from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.gate import Pipeline, Publish, Routing
-from gatekeeper.settings import GatekeeperSettings, load_settings
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.store import GateStore
+from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["Installed", "install"]
 
 _installed: weakref.WeakKeyDictionary[Any, Installed] = weakref.WeakKeyDictionary()
 _install_lock = threading.Lock()
-
-
-def _client(settings: GatekeeperSettings) -> redis.Redis:
-    url = settings.gate_redis_url()
-    # Short timeouts: an unreachable gate must cost a publish milliseconds, not seconds. No
-    # automatic retry (redis-py 6+ retries a timeout several times by default): a timeout
-    # opens the pipeline's breaker and the publish fails closed (gatekeeper/redis/breaker.py).
-    return redis.Redis.from_url(
-        url,
-        socket_connect_timeout=settings.redis_timeout_s,
-        socket_timeout=settings.redis_timeout_s,
-        **no_retry(),
-    )
 
 
 @dataclass(frozen=True)
@@ -81,27 +71,87 @@ class Installed:
     def __init__(
         self,
         app: Celery,
-        settings: GatekeeperSettings,
-        client: redis.Redis,
+        settings: GatekeeperSettings | None = None,
+        client: redis.Redis | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.app = app
-        self.settings = settings
-        self.client = client
-        self.pipeline = Pipeline.create(settings, client, clock)
-        self.keys, self.store, self.flags = (
-            self.pipeline.store.keys,
-            self.pipeline.store,
-            self.pipeline.flags,
-        )
-        self.log = self.pipeline.log
-        self.worker = WorkerSide(app, settings, client, self.flags, clock)
-        self.expiry = Expiry(app, settings, client, self.worker.log, clock)
-        self.heartbeat = Heartbeat(app, client, self.keys, settings.worker_heartbeat_s)
+        self.clock = clock
+        self._given = (settings, client)
+        self._parts: Parts | None = None
+        self._building = threading.Lock()
         self.original_sender = check_celery_shape(app)
-        self.queues = (settings.free_queue, settings.defer_queue, settings.reserved_queue)
         self._specs: dict[str, _Gated | None] = {}
         self._same_server: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+    # -- the parts, built at first use (gatekeeper/celery/parts.py) ------------------------
+
+    def parts(self) -> Parts:
+        """The install's working parts, built the first time they are needed."""
+        parts = self._parts
+        if parts is None:
+            with self._building:
+                if self._parts is None:
+                    self._parts = build(self.app, *self._given, self.clock)
+                parts = self._parts
+        return parts
+
+    def connect(self) -> None:
+        """Listen to the worker signals; each reaches its part when it fires."""
+        for signal, part, method in SIGNALS:
+            signal.connect(self._forward(part, method), weak=False)
+
+    def _forward(self, part: str, method: str) -> Callable[..., Any]:
+        def forward(sender: Any = None, **kwargs: Any) -> Any:
+            return getattr(getattr(self.parts(), part), method)(sender=sender, **kwargs)
+
+        forward.__name__ = f"gatekeeper_{part}_{method}"
+        return forward
+
+    @property
+    def settings(self) -> GatekeeperSettings:
+        return self.parts().settings
+
+    @property
+    def client(self) -> redis.Redis:
+        return self.parts().client
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.parts().pipeline
+
+    @property
+    def store(self) -> GateStore:
+        return self.pipeline.store
+
+    @property
+    def keys(self) -> Keys:
+        return self.pipeline.store.keys
+
+    @property
+    def flags(self) -> FlagStore:
+        return self.pipeline.flags
+
+    @property
+    def log(self) -> Any:
+        return self.pipeline.log
+
+    @property
+    def worker(self) -> WorkerSide:
+        return self.parts().worker
+
+    @property
+    def expiry(self) -> Expiry:
+        return self.parts().expiry
+
+    @property
+    def heartbeat(self) -> Heartbeat:
+        return self.parts().heartbeat
+
+    @property
+    def queues(self) -> tuple[str, str, str]:
+        settings = self.settings
+        return (settings.free_queue, settings.defer_queue, settings.reserved_queue)
 
     def send_task_message(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
         """The wrapped sender: gated tasks are decided, addressed and sent; others pass."""
@@ -276,27 +326,17 @@ def install(
 ) -> Installed:
     """Install the gate on ``app`` and return it; installing twice returns the first install.
 
-    ``settings`` default to the environment (``load_settings()``); ``client`` to a Redis client
-    on ``settings.redis_url`` (else ``broker_url``).
+    Nothing is read or connected here: ``settings`` default to the environment and the app's
+    config (``load_settings(app=app)``), ``client`` to a Redis client on ``redis_url`` (else
+    the broker's, when it is Redis), both when first needed (:mod:`gatekeeper.celery.parts`),
+    so importing an app never fails for Redis, and an eager app never needs it.
     """
     with _install_lock:
         existing = _installed.get(app)
         if existing is not None:
             return existing
-        settings = settings or load_settings()
-        if not app.conf.task_create_missing_queues:
-            declared = set(app.amqp.queues)
-            wanted = {settings.free_queue, settings.defer_queue, settings.reserved_queue}
-            missing = wanted - declared
-            if missing:
-                raise ConfigError(
-                    f"task_queues: expected gatekeeper's queues to be declared when "
-                    f"task_create_missing_queues is off, missing {sorted(missing)}"
-                )
-        gate = Installed(app, settings, client or _client(settings), clock)
+        gate = Installed(app, settings, client, clock)
         replace_sender(app, gate.send_task_message)
-        gate.worker.connect()
-        gate.expiry.connect()
-        gate.heartbeat.connect()
+        gate.connect()
         _installed[app] = gate
         return gate

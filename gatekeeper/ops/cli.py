@@ -31,10 +31,16 @@ DEFAULT_LEDGER_FILE = Path(tempfile.gettempdir()) / "retry-tax-ledger.json"
     default=None,
     help="TOML settings file (default: $GATEKEEPER_CONFIG_FILE, else config/gatekeeper.toml).",
 )
+@click.option(
+    "-A", "--app", "app", default=None,
+    help="A Celery app (proj.celery:app) whose config (gatekeeper_* keys, broker_url) is read.",
+)  # fmt: skip
 @click.pass_context
-def main(ctx: click.Context, config: Path | None) -> None:
+def main(ctx: click.Context, config: Path | None, app: str | None) -> None:
     """Deadline-aware admission control for Celery."""
-    ctx.ensure_object(dict)["config"] = config
+    obj = ctx.ensure_object(dict)
+    obj["config"] = config
+    obj.setdefault("app", app)
 
 
 @main.command()

@@ -4,21 +4,38 @@ the way the source prints them."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import click
 
 from gatekeeper.errors import ConfigError
 from gatekeeper.settings import GatekeeperSettings, load_settings
 
-__all__ = ["format_number", "settings_of"]
+__all__ = ["app_of", "format_number", "settings_of"]
+
+
+def app_of(ctx: click.Context) -> Any:
+    """The Celery app ``-A/--app`` names (``proj.celery:app``, or one ``celery -A`` runs this
+    command under), or None."""
+    obj = ctx.ensure_object(dict)
+    app = obj.get("app")
+    if isinstance(app, str):
+        from celery.app.utils import find_app  # only when an app is named
+
+        try:
+            app = obj["app"] = find_app(app)
+        except Exception as exc:  # an import error, a typo: named, as celery -A does
+            raise click.UsageError(f"--app: cannot load {app!r}: {exc}", ctx=ctx) from exc
+    return app
 
 
 def settings_of(ctx: click.Context) -> GatekeeperSettings:
-    """Load settings once per invocation; a bad value is a usage error naming the variable."""
+    """Load settings once per invocation (with ``-A/--app``, the Celery app's config too); a
+    bad value is a usage error naming the variable."""
     obj = ctx.ensure_object(dict)
     if "settings" not in obj:
         try:
-            obj["settings"] = load_settings(obj.get("config"))
+            obj["settings"] = load_settings(obj.get("config"), app=app_of(ctx))
         except ConfigError as exc:
             raise click.UsageError(str(exc), ctx=ctx) from exc
     settings: GatekeeperSettings = obj["settings"]
