@@ -187,3 +187,24 @@ def test_flag_writes_wait_for_a_replica(gate_server: EmbeddedRedis) -> None:
     finally:
         replica_server.kill()
         replica_server.wait()
+
+
+def test_the_free_path_stays_closed_while_the_gate_redis_may_evict(
+    redis_url: str, redis_client: redis.Redis, gate_server: EmbeddedRedis,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    gate = redis.Redis.from_url(gate_server.url)
+    cli(gate_server.url, monkeypatch, "init", "--open")
+    gate.config_set("maxmemory-policy", "allkeys-lru")
+    app = create_app(gate_settings(gate_server.url), redis_url)
+    app.tasks["tests.embed"].delay(1)
+    (message,) = queue_messages(redis_client, "reserved")
+    assert message["headers"]["gatekeeper_reason"] == "eviction_policy"
+    assert "maxmemory_policy=allkeys-lru" in capsys.readouterr().err
+    assert "maxmemory-policy=allkeys-lru" in cli(gate_server.url, monkeypatch, "status")
+    gate.config_set("maxmemory-policy", "noeviction")
+    time.sleep(0.3)  # the publisher's flag cache
+    app.tasks["tests.embed"].delay(2)
+    assert [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "free")] == [
+        "fits"
+    ]

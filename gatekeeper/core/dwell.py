@@ -81,6 +81,9 @@ class Reason(str, Enum):
     DUPLICATE_PUBLISH = "duplicate_publish"
     """Another publish of the same task id and attempt is still live: reserved, unrecorded
     (its run is priced nothing; the live one's record stands)."""
+    EVICTION_POLICY = "eviction_policy"
+    """The gate's Redis may evict keys (its ``maxmemory-policy`` is not ``noeviction``): an
+    evicted window would reset the budget, an evicted flag undo a rollback. Reserved."""
     STATE_MISSING = "state_missing"
     """The gate's state marker is missing from Redis (a restart without persistence, a flush,
     a failover to an empty replica, or never initialised): nothing goes to free until an

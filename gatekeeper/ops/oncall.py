@@ -215,6 +215,7 @@ def status(ctx: click.Context) -> None:
     now = time.time()
     try:
         stored = store.stored()
+        policy = store.eviction_policy()
         history = store.history(limit=50)
         oldest = gate.zrange(keys.free_waiting, 0, 0, withscores=True)
         waiting = gate.zcard(keys.free_waiting)
@@ -222,7 +223,10 @@ def status(ctx: click.Context) -> None:
         (window,) = read_windows(gate, keys, range(current, current + 1))
     except (redis.RedisError, LedgerUnavailable) as exc:
         raise click.ClickException(f"cannot read the gate's Redis: {exc}") from exc
-    effective = combine(settings, stored)
+    effective = combine(settings, stored, policy)
+    if effective.eviction is not None:
+        click.echo(f"redis maxmemory-policy={policy}: the free path is closed until it is "
+                   "noeviction (an evicted key undoes a budget or a rollback)")  # fmt: skip
     if effective.state_missing:
         click.echo(f"state=MISSING: {STATE_MISSING}")
     else:

@@ -73,6 +73,9 @@ class Flags:
     alone, and a value in Redis may override them (the gate cannot tell whether it is on)."""
     state_missing: bool = False
     """The state marker is missing: the free path is closed until ``gatekeeper init``."""
+    eviction: str | None = None
+    """The gate Redis's ``maxmemory-policy`` when it is not ``noeviction`` (or ``unknown``):
+    the free path is closed while it is."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,12 @@ def in_canary(job_id: str, percent: float) -> bool:
     return int.from_bytes(digest, "big") % 10_000 < percent * 100
 
 
-def combine(settings: GatekeeperSettings, stored: dict[str, str]) -> Flags:
-    """Apply SPEC's precedence to the settings and the values stored in Redis."""
+def combine(
+    settings: GatekeeperSettings, stored: dict[str, str], policy: str | None = None
+) -> Flags:
+    """Apply SPEC's precedence to the settings and the values stored in Redis; ``policy``,
+    the server's ``maxmemory-policy`` (None: not asked), closes the free path unless it is
+    ``noeviction``."""
     values: dict[str, Any] = {}
     for name in FLAG_NAMES:
         raw = stored.get(name)
@@ -129,13 +136,16 @@ def combine(settings: GatekeeperSettings, stored: dict[str, str]) -> Flags:
     gate = values["dwell_gate_enabled"]
     canary = values["canary_percent"]
     missing = STATE_FIELD not in stored
+    eviction = None if policy in (None, "noeviction") else policy
     return Flags(
         dwell_gate_enabled=settings.dwell_gate_enabled if gate is None else bool(gate),
         free_path_enabled=settings.free_path_enabled
         and values["free_path_enabled"] is not False
-        and not missing,
+        and not missing
+        and eviction is None,
         canary_percent=settings.canary_percent if canary is None else float(canary),
         state_missing=missing,
+        eviction=eviction,
     )
 
 
@@ -172,6 +182,17 @@ class FlagStore:
             raise LedgerUnavailable(f"cannot read flags: {exc}") from exc
         return {text_of(k): text_of(v) for k, v in raw.items()}
 
+    def eviction_policy(self) -> str:
+        """The server's ``maxmemory-policy`` (from ``INFO``: managed Redis often disables
+        ``CONFIG``), ``unknown`` when it does not say."""
+        try:
+            policy = self.client.info("memory").get("maxmemory_policy")
+        except redis.RedisError as exc:
+            if self.breaker is not None:
+                self.breaker.failed(exc)
+            raise LedgerUnavailable(f"cannot read INFO memory: {exc}") from exc
+        return str(policy) if policy else "unknown"
+
     def current(self) -> Flags:
         """The flags in force, at most ``flag_cache_s`` old.
 
@@ -186,7 +207,7 @@ class FlagStore:
             if self._cached is not None and now - self._read_at < self.settings.flag_cache_s:
                 return self._cached
             try:
-                flags = combine(self.settings, self.stored())
+                flags = combine(self.settings, self.stored(), self.eviction_policy())
             except LedgerUnavailable as exc:
                 flags = self._cached or replace(
                     combine(self.settings, {STATE_FIELD: "unread"}), unread=str(exc)

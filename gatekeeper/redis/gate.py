@@ -64,7 +64,8 @@ __all__ = ["Pipeline", "Publish", "Render", "Routing"]
 
 Render = Callable[[dict[str, Any], str], Push | None]
 """Fast publish: the message for these headers, cut at this nonce's placeholders."""
-_WARN = {Reason.GATE_UNAVAILABLE, Reason.GATE_ERROR, Reason.BAD_INPUT, Reason.STATE_MISSING}
+_WARN = {Reason.GATE_UNAVAILABLE, Reason.GATE_ERROR, Reason.BAD_INPUT, Reason.STATE_MISSING,
+         Reason.EVICTION_POLICY}  # fmt: skip
 _VALUES: dict[Decision | Reason, str] = {**{d: d.value for d in Decision},
                                          **{r: r.value for r in Reason}}  # fmt: skip
 """The enums' values, looked up once (an enum's ``.value`` is a descriptor call)."""
@@ -188,6 +189,9 @@ class Pipeline:
                                 error=flags.unread)  # fmt: skip
         if flags.state_missing:
             return self._recorded(attempt, Decision.RESERVED, Reason.STATE_MISSING)
+        if flags.eviction is not None:
+            attempt.fields["maxmemory_policy"] = flags.eviction
+            return self._recorded(attempt, Decision.RESERVED, Reason.EVICTION_POLICY)
         if not flags.free_path_enabled:
             return self._recorded(attempt, Decision.RESERVED, Reason.FREE_PATH_DISABLED)
         cap = self.settings.max_queue_age_s
