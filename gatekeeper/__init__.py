@@ -31,6 +31,7 @@ from gatekeeper.errors import (
     BadDeclaredInput,
     CeleryShapeError,
     ConfigError,
+    DeadlineAbandoned,
     GatekeeperError,
     LedgerUnavailable,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "BudgetMode",
     "CeleryShapeError",
     "ConfigError",
+    "DeadlineAbandoned",
     "Decision",
     "DrillSettings",
     "GateInputs",

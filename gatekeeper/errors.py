@@ -14,6 +14,7 @@ __all__ = [
     "BadDeclaredInput",
     "CeleryShapeError",
     "ConfigError",
+    "DeadlineAbandoned",
     "EmbeddedRedisError",
     "FreePathLocked",
     "GatekeeperError",
@@ -57,3 +58,9 @@ class FreePathLocked(GatekeeperError):
 
 class EmbeddedRedisError(GatekeeperError):
     """No ``redis-server`` binary could be found, or it did not start."""
+
+
+class DeadlineAbandoned(GatekeeperError):
+    """A task's deadline passed before it could run: stored as its result by the replayer,
+    so ``AsyncResult.get()`` raises it and a chord with it ends (one message argument, so a
+    result backend can rebuild it)."""

@@ -39,6 +39,7 @@ from typing import Any
 import redis
 from redis.exceptions import LockError
 
+from gatekeeper.celery.deadletter import fail_in_backend
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list, waiting_attempts
 from gatekeeper.celery.message import nonce_of
@@ -83,8 +84,10 @@ class Replayer:
         gate: redis.Redis,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        app: Any = None,
     ) -> None:
         self.settings = settings
+        self.app = app  # with it, an abandoned task's failure is stored in its backend
         self.broker = broker
         self.clock = clock
         self.pipeline = Pipeline.create(settings, gate, clock)
@@ -314,7 +317,8 @@ class Replayer:
             "deadline_slack_s": slack_ms / 1000, "retries": headers.get("retries"),
             "queue": self.settings.dead_letter_queue,
         }  # fmt: skip
-        self.alerts.error("task_abandoned", reason="deadline_passed", **fields)
+        stored = fail_in_backend(self.app, message, float(headers[H_DEADLINE_AT]))
+        self.alerts.error("task_abandoned", reason="deadline_passed", result=stored, **fields)
         if was_free:
             self.alerts.error(
                 "slack_miss", decision="admit_free", slack_miss=True,

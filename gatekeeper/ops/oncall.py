@@ -29,7 +29,7 @@ from gatekeeper.core.review import summarize_review
 from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.logs import make_logger
-from gatekeeper.ops.context import settings_of
+from gatekeeper.ops.context import app_of, settings_of
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
 from gatekeeper.redis.keys import Keys
@@ -282,7 +282,8 @@ def status(ctx: click.Context) -> None:
 def replay(ctx: click.Context, once: bool) -> None:
     """Score deferred tasks again and hand them to free, reserved, defer or the dead letters."""
     settings = settings_of(ctx)
-    replayer = Replayer(settings, redis_client(ctx, broker=True), redis_client(ctx))
+    replayer = Replayer(settings, redis_client(ctx, broker=True), redis_client(ctx),
+                        app=app_of(ctx))  # fmt: skip
     stop = threading.Event()
 
     def on_signal(signum: int, _: Any) -> None:

@@ -1,0 +1,58 @@
+"""A task abandoned to the dead letter ends in the result backend: ``AsyncResult.get()`` raises
+:class:`~gatekeeper.errors.DeadlineAbandoned`, a chord with it fails and calls its error
+callback (the replayer knows the app: ``gatekeeper -A proj replay``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+from celery import chord
+from celery.exceptions import ChordError
+
+from gatekeeper.celery.replay import Replayer
+from gatekeeper.errors import DeadlineAbandoned
+from tests.apps.gated_app import create_app
+from tests.conftest import gate_settings, queue_messages
+
+pytestmark = pytest.mark.celery
+SOON = {"gatekeeper_deadline_s": 1, "gatekeeper_expected_service_s": 0}
+"""Deferred (a service time of 0 cannot be scored), and its deadline gone a second later."""
+
+
+def test_an_abandoned_task_and_its_chord_end_in_the_backend(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    settings = gate_settings(redis_url)
+    app = create_app(settings, redis_url)
+    app.conf.result_backend = redis_url
+    embed, plain = app.tasks["tests.embed"], app.tasks["tests.plain"]
+    alone = embed.apply_async((1,), headers=SOON)
+    body = plain.si().on_error(plain.si())
+    together = chord([embed.s(2).set(headers=SOON)], body).apply_async()
+    assert len(queue_messages(redis_client, "defer")) == 2
+    time.sleep(1.2)
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client, app=app)
+    assert replayer.run(threading.Event(), once=True)["dead_lettered"] == 2
+    with pytest.raises(DeadlineAbandoned, match="abandoned: its deadline"):
+        alone.get(timeout=10)
+    with pytest.raises((ChordError, DeadlineAbandoned)):  # the chord ends, as failed
+        together.get(timeout=10)
+    # The chord's error callback was called: its task is published to the app's own queue.
+    callbacks = [m["headers"]["task"] for m in queue_messages(redis_client, "celery")]
+    assert callbacks == ["tests.plain"]
+
+
+def test_without_the_app_the_dead_letter_still_works_and_says_no_result(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = gate_settings(redis_url)
+    app = create_app(settings, redis_url)
+    app.tasks["tests.embed"].apply_async((1,), headers=SOON)
+    time.sleep(1.2)
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client)
+    assert replayer.run(threading.Event(), once=True)["dead_lettered"] == 1
+    assert len(queue_messages(redis_client, "dead_letter")) == 1
+    assert "result=no_app" in capsys.readouterr().err
