@@ -131,3 +131,5 @@ def test_with_no_gate_redis_a_gated_publish_fails_closed_and_says_why(
     err = capsys.readouterr().err
     assert "event=gate_unconfigured" in err and "no gate Redis" in err
     assert "reason=gate_unavailable" in err
+    unreadable = next(line for line in err.splitlines() if "event=defer_unreadable" in line)
+    assert "broker=memory" in unreadable  # deferred work would have nothing to read it

@@ -56,3 +56,5 @@ def test_status_counts_every_replayers_claims(
     result = CliRunner().invoke(main, ["status"])
     queues = next(line for line in result.stdout.splitlines() if line.startswith("queues "))
     assert "defer=1" in queues and "defer:replaying=2" in queues
+    port = redis_client.connection_pool.connection_kwargs["port"]
+    assert queues.endswith(f"(broker 127.0.0.1:{port}/0)")  # which broker it read, named

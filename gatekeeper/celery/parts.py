@@ -40,7 +40,7 @@ from gatekeeper.errors import ConfigError
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.gate import Pipeline
-from gatekeeper.settings import GatekeeperSettings, load_settings
+from gatekeeper.settings import REDIS_URL_SCHEMES, GatekeeperSettings, load_settings
 
 __all__ = ["SIGNALS", "Parts", "build", "gate_client", "unconfigured_client"]
 
@@ -125,6 +125,14 @@ def build(
             unconfigured = f"no gate Redis: {exc}"
             client = unconfigured_client(unconfigured)
             make_logger(settings, "decision").warning("gate_unconfigured", reason=unconfigured)
+    broker = settings.effective_broker_url or ""
+    if broker and not broker.startswith(REDIS_URL_SCHEMES):
+        # The replayer reads defer from the broker's Redis lists: on another transport,
+        # deferred work has nothing able to read it yet (said once, at first use).
+        make_logger(settings, "decision").warning(
+            "defer_unreadable", broker=broker.split("://", 1)[0],
+            reason="the replayer needs a Redis broker: deferred tasks would wait in defer",
+        )  # fmt: skip
     pipeline = Pipeline.create(settings, client, clock)
     worker = WorkerSide(app, settings, client, pipeline.flags, clock)
     expiry = Expiry(app, settings, client, worker.log, clock)

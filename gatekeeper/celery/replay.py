@@ -88,7 +88,7 @@ class Replayer:
     ) -> None:
         self.settings = settings
         self.app = app  # with it, an abandoned task's failure is stored in its backend
-        self.broker = broker
+        self.broker, self.gate_client = broker, gate
         self.clock = clock
         self.pipeline = Pipeline.create(settings, gate, clock)
         self.runs = RunLedger.from_settings(gate, settings)

@@ -62,6 +62,16 @@ def redis_client(ctx: click.Context, broker: bool = False) -> redis.Redis:
     return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5, **no_retry())
 
 
+def shown_url(client: redis.Redis) -> str:
+    """Which server a client talks to (host, port, db; never a password), for the lines that
+    say which broker and gate Redis a command read."""
+    kwargs = getattr(client, "connection_pool", None)
+    kwargs = getattr(kwargs, "connection_kwargs", {}) or {}
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
+
+
 def show_value(value: object) -> str:
     """A flag's value as the CLI prints it (booleans lower-case)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
@@ -253,7 +263,7 @@ def status(ctx: click.Context) -> None:
         lengths.append(f"{queue}={count}")
     claimed = Claims.held(broker, settings.defer_queue)
     lengths.append(f"{settings.defer_queue}:replaying={claimed}")
-    click.echo("queues " + " ".join(lengths))
+    click.echo("queues " + " ".join(lengths) + f" (broker {shown_url(broker)})")
     try:
         stats = {text_of(k): text_of(v) for k, v in gate.hgetall(keys.stats).items()}
     except redis.RedisError as exc:
@@ -291,9 +301,12 @@ def replay(ctx: click.Context, once: bool) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    replayer.log.info("replay_started", queue=settings.defer_queue, replayer=replayer.ident)
+    broker = shown_url(replayer.broker)
+    replayer.log.info("replay_started", queue=settings.defer_queue, replayer=replayer.ident,
+                      broker=broker, gate=shown_url(replayer.gate_client))  # fmt: skip
     totals = replayer.run(stop, once=once)
-    click.echo(" ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "nothing to replay")
+    done = " ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "nothing to replay"
+    click.echo(f"{done} (broker {broker}, queue {settings.defer_queue})")
     if once and totals["pass_failed"]:
         raise click.ClickException("the pass failed (replay_pass_failed above says why)")
     if once and totals["lock_held"]:
