@@ -33,6 +33,7 @@ import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
 
+from gatekeeper.celery.bootstep import add_to_worker
 from gatekeeper.celery.expiry import Expiry
 from gatekeeper.celery.fastpath import FastRender, possible, publish_observed, same_server
 from gatekeeper.celery.gating import spec_of
@@ -338,5 +339,6 @@ def install(
         gate = Installed(app, settings, client, clock)
         replace_sender(app, gate.send_task_message)
         gate.connect()
+        add_to_worker(app, gate)
         _installed[app] = gate
         return gate
