@@ -260,3 +260,27 @@ def test_a_forked_child_starts_with_a_closed_breaker_and_probes_on_its_own(
     free = {m["headers"]["id"]: m["headers"]["gatekeeper_reason"]
             for m in queue_messages(redis_client, "free")}  # fmt: skip
     assert free[job] == "fits"
+
+
+def test_a_gate_redis_demoted_to_a_replica_fails_closed_then_decides_again_without_restart(
+    redis_url: str, redis_client: redis.Redis, gate_server: EmbeddedRedis
+) -> None:
+    """After a failover the old primary answers writes with READONLY: a lost connection to
+    the gate, not an answer (else it would fail closed until a restart). When the address
+    serves a primary again (here: promoted back), the gate decides again by itself."""
+    app = create_app(gate_settings(gate_server.url), redis_url)
+    embed = app.tasks["tests.embed"]
+    breaker = breaker_of(app)
+    gate = redis.Redis.from_url(gate_server.url)
+    with EmbeddedRedis() as primary:
+        initialised(redis.Redis.from_url(primary.url))  # what the replica will hold
+        gate.execute_command("REPLICAOF", "127.0.0.1", str(primary.port))
+        assert wait_until(lambda: gate.info("replication").get("master_link_status") == "up")
+        time.sleep(0.3)  # past flag_cache_s
+        embed.delay(1)
+        assert reasons(redis_client, "reserved") == ["gate_unavailable"]
+        assert breaker.is_open
+        gate.execute_command("REPLICAOF", "NO", "ONE")
+    assert wait_until(lambda: not breaker.is_open, timeout_s=5)
+    embed.delay(2)
+    assert reasons(redis_client, "free") == ["fits"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import time
 import weakref
@@ -48,6 +49,11 @@ __all__ = ["NOT_ANSWERING", "Breaker", "no_retry"]
 
 NOT_ANSWERING = (redis.ConnectionError, redis.TimeoutError)
 """The errors that say the server did not answer (redis-py's ``BusyLoadingError`` among them)."""
+LOST_REPLIES = re.compile(r"\b(READONLY|LOADING|MASTERDOWN)\b")
+"""Error replies that say this server is not the gate's primary any more (a replica after a
+failover, one still loading, one cut from its primary): a lost connection, not an answer, or
+the gate would fail closed until a restart. The client's connections are dropped, so the
+next ones find the server again (a failover that moved a DNS name or an address)."""
 
 
 def no_retry() -> dict[str, Any]:
@@ -97,7 +103,10 @@ class Breaker:
     def failed(self, exc: BaseException) -> bool:
         """Open the breaker when ``exc`` says the server did not answer; True when it did."""
         if not isinstance(exc, NOT_ANSWERING):
-            return False
+            if not (isinstance(exc, redis.ResponseError) and LOST_REPLIES.search(str(exc))):
+                return False
+            with contextlib.suppress(Exception):
+                self.client.connection_pool.disconnect()
         with self._lock:
             self.trips += 1
             opened = self.error is None
