@@ -220,7 +220,7 @@ class GatekeeperSettings(BaseSettings):
     @classmethod
     def _a_redis_url(cls, value: str | None) -> str | None:
         if value and not value.startswith(REDIS_URL_SCHEMES):
-            raise ValueError("expected a Redis URL (redis://, rediss:// or unix://)")
+            raise ValueError("expected a Redis URL (redis://, rediss://, unix:// or sentinel://)")
         return value
 
     @property
@@ -256,8 +256,9 @@ class GatekeeperSettings(BaseSettings):
         return tuple(sources)
 
 
-REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
-"""The URLs redis-py opens (kombu's ``redis+socket://`` and ``sentinel://`` are not among them)."""
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
+"""The URLs the gate's clients open (:mod:`gatekeeper.redis.connect`; kombu's
+``redis+socket://`` is not among them)."""
 
 
 def redis_url_of(name: str, url: str | None, note: str = "") -> str:
@@ -267,7 +268,8 @@ def redis_url_of(name: str, url: str | None, note: str = "") -> str:
         raise ConfigError(f"{where}: expected a Redis URL (redis://host:port/db), got none")
     if not url.startswith(REDIS_URL_SCHEMES):
         raise ConfigError(
-            f"{where}: expected a Redis URL (redis://, rediss:// or unix://), got {url!r}"
+            f"{where}: expected a Redis URL (redis://, rediss://, unix:// or sentinel://), "
+            f"got {url!r}"
         )
     return url
 

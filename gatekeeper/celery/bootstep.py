@@ -14,11 +14,11 @@ import threading
 from typing import Any
 
 import click
-import redis
 from celery import Celery, bootsteps
 
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.logs import make_logger
+from gatekeeper.redis.connect import client_for
 from gatekeeper.settings import REDIS_URL_SCHEMES
 
 __all__ = ["OPTION", "ReplayStep", "add_to_worker"]
@@ -56,7 +56,7 @@ class ReplayStep(bootsteps.StartStopStep):  # type: ignore[misc]
             log.error("replay_not_started", reason="the replayer needs a Redis broker",
                       broker=url.split("://", 1)[0])  # fmt: skip
             return
-        broker = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+        broker = client_for(url, 5.0)
         replayer = Replayer(settings, broker, self.installed.client, app=self.installed.app)
         log.info("replay_started", queue=settings.defer_queue, replayer=replayer.ident,
                  where="worker")  # fmt: skip

@@ -39,6 +39,7 @@ from gatekeeper.celery.worker import WorkerSide
 from gatekeeper.errors import ConfigError
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.breaker import no_retry
+from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.gate import Pipeline
 from gatekeeper.settings import REDIS_URL_SCHEMES, GatekeeperSettings, load_settings
 
@@ -77,12 +78,7 @@ def gate_client(settings: GatekeeperSettings) -> redis.Redis:
     neither). Short timeouts: an unreachable gate must cost a publish milliseconds, not
     seconds. No automatic retry (redis-py 6+ retries a timeout several times by default): a
     timeout opens the pipeline's breaker and the publish fails closed."""
-    return redis.Redis.from_url(
-        settings.gate_redis_url(),
-        socket_connect_timeout=settings.redis_timeout_s,
-        socket_timeout=settings.redis_timeout_s,
-        **no_retry(),
-    )
+    return client_for(settings.gate_redis_url(), settings.redis_timeout_s, **no_retry())
 
 
 class _Unconfigured(redis.Connection):

@@ -31,6 +31,7 @@ from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import app_of, settings_of
 from gatekeeper.redis.breaker import no_retry
+from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.lock import Claims
@@ -59,7 +60,10 @@ def redis_client(ctx: click.Context, broker: bool = False) -> redis.Redis:
         raise click.UsageError(str(exc), ctx=ctx) from exc
     # No automatic retry, said explicitly as for the publish path's client: a re-sent RPOPLPUSH
     # or flag write could apply twice; the replayer tries again on its own.
-    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5, **no_retry())
+    try:
+        return client_for(url, 5.0, **no_retry())
+    except ConfigError as exc:  # a sentinel URL without its master, say
+        raise click.UsageError(str(exc), ctx=ctx) from exc
 
 
 def shown_url(client: redis.Redis) -> str:

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from celery import Celery
 
 import gatekeeper
+from gatekeeper.redis.connect import client_for
 from gatekeeper.settings import GatekeeperSettings, load_settings
 
 RUNS_KEY = "test:runs"
@@ -32,7 +32,7 @@ def create_app(
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
-    recorder = redis.Redis.from_url(settings.redis_url or broker_url)
+    recorder = client_for(settings.redis_url or broker_url, 5.0)
 
     def record(task: Any) -> None:
         request = task.request

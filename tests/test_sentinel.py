@@ -1,0 +1,118 @@
+"""The gate's Redis behind Redis Sentinel: a failover while a thread publishes. Nothing goes to
+free that the gate did not decide on a primary, and the gate decides again after the
+failover without a restart. Real servers: a primary, a replica, a Sentinel."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from gatekeeper.ops.cli import main
+from gatekeeper.ops.embedded import EmbeddedRedis, EmbeddedRedisError, find_redis_server
+from tests.apps.gated_app import create_app
+from tests.conftest import (
+    gate_settings,
+    initialised,
+    missing_server,
+    queue_messages,
+    unused_port,
+    wait_until,
+)
+
+pytestmark = pytest.mark.celery
+
+
+def _server(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([find_redis_server(), *args], stdout=subprocess.DEVNULL)
+
+
+@pytest.fixture()
+def sentinel_url(tmp_path: Path) -> Iterator[tuple[str, redis.Redis, int]]:
+    """A Sentinel watching a primary with one replica: its URL, a client on the Sentinel,
+    and the replica's port (the master after a failover)."""
+    try:
+        primary = EmbeddedRedis().start()
+    except EmbeddedRedisError as exc:
+        missing_server(str(exc))
+    initialised(redis.Redis.from_url(primary.url))  # replicated to the replica
+    replica_port, sentinel_port = unused_port(), unused_port()
+    replica = _server("--port", str(replica_port), "--bind", "127.0.0.1", "--save", "",
+                      "--appendonly", "no", "--replicaof", "127.0.0.1",
+                      str(primary.port))  # fmt: skip
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(
+        f"port {sentinel_port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+        f"sentinel monitor gate 127.0.0.1 {primary.port} 1\n"
+        "sentinel down-after-milliseconds gate 1000\nsentinel failover-timeout gate 5000\n"
+    )
+    sentinel = _server(str(conf), "--sentinel")
+    watcher = redis.Redis(port=sentinel_port)
+    try:
+        replica_client = redis.Redis(port=replica_port)
+        assert wait_until(
+            lambda: replica_client.info("replication").get("master_link_status") == "up"
+        )
+        assert wait_until(lambda: _answers(watcher) and bool(
+            watcher.execute_command("SENTINEL", "REPLICAS", "gate")))  # fmt: skip
+        yield f"sentinel://127.0.0.1:{sentinel_port}/0?master_name=gate", watcher, replica_port
+    finally:
+        for process in (sentinel, replica):
+            process.kill()
+            process.wait()
+        primary.stop()
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def test_a_failover_while_publishing_sends_nothing_undecided_to_free(
+    redis_url: str,
+    redis_client: redis.Redis,
+    sentinel_url: tuple[str, redis.Redis, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url, watcher, replica_port = sentinel_url
+    app = create_app(gate_settings(url, budget_units=1e9, redis_timeout_s=0.5), redis_url)
+    embed = app.tasks["tests.embed"]
+    stop, published = threading.Event(), []
+
+    def publish() -> None:
+        while not stop.is_set():
+            published.append((time.time(), embed.delay(len(published)).id))
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    try:
+        time.sleep(1.0)
+        watcher.execute_command("SENTINEL", "FAILOVER", "gate")
+        moved = wait_until(lambda: int(watcher.execute_command(
+            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", "gate")[1]) == replica_port,
+            timeout_s=30)  # fmt: skip
+        assert moved, "the Sentinel did not fail over"
+        failed_over = time.time()
+        time.sleep(3.0)
+    finally:
+        stop.set()
+        thread.join()
+    free = queue_messages(redis_client, "free")
+    reserved = queue_messages(redis_client, "reserved")
+    assert len(free) + len(reserved) == len(published)  # nothing lost
+    assert {m["headers"]["gatekeeper_reason"] for m in free} == {"fits"}  # decided, on a primary
+    assert {m["headers"]["gatekeeper_reason"] for m in reserved} <= {"gate_unavailable"}
+    after = [m for m in free if m["headers"]["gatekeeper_published_at"] > failed_over + 1]
+    assert after, "the gate did not decide again after the failover"
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", url)
+    status = CliRunner().invoke(main, ["status"])
+    assert status.exit_code == 0 and "state=initialised" in status.output, status.output
