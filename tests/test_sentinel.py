@@ -53,12 +53,10 @@ def sentinel_url(tmp_path: Path) -> Iterator[tuple[str, redis.Redis, int]]:
         "sentinel down-after-milliseconds gate 1000\nsentinel failover-timeout gate 5000\n"
     )
     sentinel = _server(str(conf), "--sentinel")
-    watcher = redis.Redis(port=sentinel_port)
+    watcher = redis.Redis(host="127.0.0.1", port=sentinel_port)
     try:
-        replica_client = redis.Redis(port=replica_port)
-        assert wait_until(
-            lambda: replica_client.info("replication").get("master_link_status") == "up"
-        )
+        replica_client = redis.Redis(host="127.0.0.1", port=replica_port)
+        assert wait_until(lambda: _linked(replica_client))
         assert wait_until(lambda: _answers(watcher) and bool(
             watcher.execute_command("SENTINEL", "REPLICAS", "gate")))  # fmt: skip
         yield f"sentinel://127.0.0.1:{sentinel_port}/0?master_name=gate", watcher, replica_port
@@ -67,6 +65,14 @@ def sentinel_url(tmp_path: Path) -> Iterator[tuple[str, redis.Redis, int]]:
             process.kill()
             process.wait()
         primary.stop()
+
+
+def _linked(replica: redis.Redis) -> bool:
+    """The replica is up and synced with its primary (False while it is still starting)."""
+    try:
+        return replica.info("replication").get("master_link_status") == "up"
+    except redis.RedisError:
+        return False
 
 
 def _answers(client: redis.Redis) -> bool:
