@@ -25,7 +25,6 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import worker_init
 
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.message import nonce_of
@@ -71,11 +70,6 @@ class Expiry:
         self.allowance_s = settings.free_wait_allowance_s
         self._script = client.register_script(load_lua("expire.lua"))
         self._client = client
-
-    def connect(self) -> None:
-        """Give the gated tasks the checking request class when a worker of this app starts
-        (after its tasks are registered, before its consumer builds their strategies)."""
-        worker_init.connect(self.on_worker_init, weak=False)
 
     def on_worker_init(self, sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not self.app:

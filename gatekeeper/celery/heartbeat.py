@@ -16,7 +16,6 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import worker_ready, worker_shutdown
 
 from gatekeeper.redis.keys import Keys
 
@@ -33,10 +32,6 @@ class Heartbeat:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._key: str | None = None
-
-    def connect(self) -> None:
-        worker_ready.connect(self.on_ready, weak=False)
-        worker_shutdown.connect(self.on_shutdown, weak=False)
 
     def on_ready(self, sender: Any = None, **_: Any) -> None:
         hostname = getattr(sender, "hostname", None)

@@ -37,14 +37,6 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import (
-    task_failure,
-    task_prerun,
-    task_received,
-    task_retry,
-    task_revoked,
-    task_success,
-)
 
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers, unverified
@@ -73,7 +65,8 @@ class _Running:
 
 
 class WorkerSide:
-    """Connects the worker signals of one app to the run ledger."""
+    """The worker signals of one app, on the run ledger (connected by the install: its
+    parts are built at first use, gatekeeper/celery/parts.py)."""
 
     def __init__(
         self,
@@ -93,15 +86,6 @@ class WorkerSide:
         self.alerts = make_logger(settings, "alert")
         self._running: dict[str, _Running] = {}
         self._received = Received()
-
-    def connect(self) -> None:
-        """Connect the handlers (each ignores other apps' tasks)."""
-        task_received.connect(self.on_received, weak=False)
-        task_prerun.connect(self.on_prerun, weak=False)
-        task_success.connect(self.on_success, weak=False)
-        task_failure.connect(self.on_failure, weak=False)
-        task_retry.connect(self.on_retry, weak=False)
-        task_revoked.connect(self.on_revoked, weak=False)
 
     def _ours(self, task: Any) -> bool:
         return task is not None and getattr(task, "app", None) is self.app

@@ -12,18 +12,13 @@ from typing import Any
 
 import click
 
-from gatekeeper.ops.cli import main
+from gatekeeper.ops.cli import CONFIG_OPTION, main
 
 __all__ = ["gatekeeper"]
 
 
 @click.group(name="gatekeeper", commands=main.commands)
-@click.option(
-    "--config",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="TOML settings file (default: $GATEKEEPER_CONFIG_FILE, else config/gatekeeper.toml).",
-)
+@CONFIG_OPTION
 @click.pass_context
 def gatekeeper(ctx: click.Context, config: Path | None) -> None:
     """Deadline-aware admission control: status, flags, replay, report, ledger, sweep."""

@@ -18,19 +18,23 @@ from gatekeeper.ops.drill import dwell_table_lines, run_ledger_drill, write_ledg
 from gatekeeper.ops.flag_commands import flags, init
 from gatekeeper.ops.oncall import ledger, replay, report, status, sweep
 
-__all__ = ["main"]
+__all__ = ["CONFIG_OPTION", "main"]
 
 DEFAULT_LEDGER_FILE = Path(tempfile.gettempdir()) / "retry-tax-ledger.json"
 """Where ``gatekeeper drill`` writes its JSON ledger unless ``--out`` says otherwise."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
+CONFIG_OPTION = click.option(
     "--config",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help="TOML settings file (default: $GATEKEEPER_CONFIG_FILE, else config/gatekeeper.toml).",
 )
+"""``--config``, on ``gatekeeper`` and on ``celery ... gatekeeper``."""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@CONFIG_OPTION
 @click.option(
     "-A", "--app", "app", default=None,
     help="A Celery app (proj.celery:app) whose config (gatekeeper_* keys, broker_url) is read.",
