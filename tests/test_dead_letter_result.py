@@ -11,9 +11,11 @@ import pytest
 import redis
 from celery import chord
 from celery.exceptions import ChordError
+from click.testing import CliRunner
 
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.errors import DeadlineAbandoned
+from gatekeeper.ops.cli import main
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages
 
@@ -56,3 +58,31 @@ def test_without_the_app_the_dead_letter_still_works_and_says_no_result(
     assert replayer.run(threading.Event(), once=True)["dead_lettered"] == 1
     assert len(queue_messages(redis_client, "dead_letter")) == 1
     assert "result=no_app" in capsys.readouterr().err
+
+
+def test_dead_letters_are_listed_and_one_requeued_with_a_new_deadline(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = gate_settings(redis_url)
+    app = create_app(settings, redis_url)
+    deferred = app.tasks["tests.embed"].apply_async((2,), headers=SOON).id
+    time.sleep(1.2)
+    Replayer(settings, broker=redis_client, gate=redis_client).run(threading.Event(), once=True)
+    for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
+                        ("CANARY_PERCENT", "100")):  # fmt: skip
+        monkeypatch.setenv(f"GATEKEEPER_{name}", value)  # the publisher's settings
+    listed = CliRunner().invoke(main, ["dead-letter", "list"])
+    assert listed.exit_code == 0 and f"job_id={deferred} " in listed.output
+    assert "dead_lettered=1" in listed.output
+    requeue = ["dead-letter", "requeue", deferred, "--deadline-s", "120"]
+    done = CliRunner().invoke(main, requeue)
+    assert done.exit_code == 0, done.output
+    # Scored again with its new deadline: its service time of 0 still cannot be scored, so
+    # the gate defers it, now with two minutes to go.
+    assert "to defer (reason bad_service_guess" in done.output
+    (again,) = queue_messages(redis_client, "defer")
+    assert again["headers"]["id"] == deferred
+    assert again["headers"]["gatekeeper_deadline_at"] > time.time() + 100
+    assert redis_client.llen("dead_letter") == 0  # moved, not copied
+    gone = CliRunner().invoke(main, requeue)
+    assert gone.exit_code != 0 and "no task" in gone.output

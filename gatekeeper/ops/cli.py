@@ -13,6 +13,7 @@ import click
 
 from gatekeeper.core.dwell import GateInputs, decide
 from gatekeeper.ops.context import format_number, settings_of
+from gatekeeper.ops.dead_letter import dead_letter
 from gatekeeper.ops.demo import demo
 from gatekeeper.ops.drill import dwell_table_lines, run_ledger_drill, write_ledger
 from gatekeeper.ops.flag_commands import flags, init
@@ -110,5 +111,5 @@ def decide_command(
     click.echo(line)
 
 
-for _command in (demo, flags, init, ledger, replay, report, status, sweep):
+for _command in (dead_letter, demo, flags, init, ledger, replay, report, status, sweep):
     main.add_command(_command)
