@@ -104,6 +104,14 @@ def queue_messages(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in reversed(client.lrange(queue, 0, -1))]
 
 
+def answers(client: redis.Redis) -> bool:
+    """Whether a Redis server answers a PING (False while it is down or still starting)."""
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
 def wait_until(check: Callable[[], bool], timeout_s: float = 20.0, every_s: float = 0.05) -> bool:
     """Poll ``check`` until it is true or the time is up; returns its last answer."""
     deadline = time.monotonic() + timeout_s

@@ -18,6 +18,7 @@ from gatekeeper.ops.cli import main
 from gatekeeper.ops.embedded import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 from tests.apps.gated_app import create_app
 from tests.conftest import (
+    answers,
     gate_settings,
     initialised,
     missing_server,
@@ -57,7 +58,7 @@ def sentinel_url(tmp_path: Path) -> Iterator[tuple[str, redis.Redis, int]]:
     try:
         replica_client = redis.Redis(host="127.0.0.1", port=replica_port)
         assert wait_until(lambda: _linked(replica_client))
-        assert wait_until(lambda: _answers(watcher) and bool(
+        assert wait_until(lambda: answers(watcher) and bool(
             watcher.execute_command("SENTINEL", "REPLICAS", "gate")))  # fmt: skip
         yield f"sentinel://127.0.0.1:{sentinel_port}/0?master_name=gate", watcher, replica_port
     finally:
@@ -71,13 +72,6 @@ def _linked(replica: redis.Redis) -> bool:
     """The replica is up and synced with its primary (False while it is still starting)."""
     try:
         return replica.info("replication").get("master_link_status") == "up"
-    except redis.RedisError:
-        return False
-
-
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
     except redis.RedisError:
         return False
 

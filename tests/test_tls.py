@@ -13,6 +13,7 @@ import redis
 
 from tests.apps.gated_app import create_app
 from tests.conftest import (
+    answers,
     gate_settings,
     initialised,
     missing_server,
@@ -51,7 +52,7 @@ def tls_url(tmp_path: Path) -> Iterator[str]:
         )  # fmt: skip
         url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}&ssl_cert_reqs=required"
         client = redis.Redis.from_url(url)
-        started = wait_until(lambda p=process, c=client: p.poll() is not None or _pings(c), 10)
+        started = wait_until(lambda p=process, c=client: p.poll() is not None or answers(c), 10)
         if started and process.poll() is None:
             break
         process.kill()
@@ -64,13 +65,6 @@ def tls_url(tmp_path: Path) -> Iterator[str]:
     finally:
         process.kill()
         process.wait()
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
 
 
 @pytest.mark.parametrize("fast_publish", ["on", "off"])

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from celery.app.task import Context
+from celery.backends.base import DisabledBackend
 
 from gatekeeper.errors import DeadlineAbandoned
 
@@ -28,7 +29,7 @@ def fail_in_backend(app: Any, message: dict[str, Any], deadline_at: float) -> st
     headers = message.get("headers") or {}
     if app is None:
         return "no_app"
-    if getattr(app.backend, "__class__", type).__name__ == "DisabledBackend":
+    if isinstance(app.backend, DisabledBackend):
         return "no_backend"
     try:
         args, kwargs, embed = _body(message)

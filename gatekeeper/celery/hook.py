@@ -151,8 +151,7 @@ class Installed:
 
     @property
     def queues(self) -> tuple[str, str, str]:
-        settings = self.settings
-        return (settings.free_queue, settings.defer_queue, settings.reserved_queue)
+        return self.parts().queues
 
     def send_task_message(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
         """The wrapped sender: gated tasks are decided, addressed and sent; others pass."""

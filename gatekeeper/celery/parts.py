@@ -71,6 +71,8 @@ class Parts:
     heartbeat: Heartbeat
     unconfigured: str | None
     """Why the gate has no Redis (no URL configured), or None."""
+    queues: tuple[str, str, str]
+    """The free, defer and reserved queue names (read on every gated publish)."""
 
 
 def gate_client(settings: GatekeeperSettings) -> redis.Redis:
@@ -133,4 +135,5 @@ def build(
     worker = WorkerSide(app, settings, client, pipeline.flags, clock)
     expiry = Expiry(app, settings, client, worker.log, clock)
     heartbeat = Heartbeat(app, client, pipeline.store.keys, settings.worker_heartbeat_s)
-    return Parts(settings, client, pipeline, worker, expiry, heartbeat, unconfigured)
+    queues = (settings.free_queue, settings.defer_queue, settings.reserved_queue)
+    return Parts(settings, client, pipeline, worker, expiry, heartbeat, unconfigured, queues)

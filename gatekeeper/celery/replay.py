@@ -48,18 +48,14 @@ from gatekeeper.core.headers import (
     H_DEADLINE_AT,
     H_DECISION,
     H_DWELL_S,
-    H_EXPECTED_SERVICE_S,
-    H_MAX_RETRIES,
     H_REASON,
     H_REPLAY_AFTER,
     H_REPLAYS,
-    H_TOKENS_IN,
 )
 from gatekeeper.core.ledger import Outcome, Path, make_row, window_id
-from gatekeeper.core.spec import GatedSpec
-from gatekeeper.errors import BadDeclaredInput
 from gatekeeper.logs import make_logger
-from gatekeeper.redis.gate import Pipeline, Publish
+from gatekeeper.redis.attempt import carried_publish
+from gatekeeper.redis.gate import Pipeline
 from gatekeeper.redis.lock import Claims, OneHolder
 from gatekeeper.redis.runs import Finished, RunLedger
 from gatekeeper.redis.scripts import evalsha, load_lua
@@ -229,27 +225,7 @@ class Replayer:
             # scored from them. It runs on reserved, and its row is unverified or none.
             self.log.warning("replay_unverified", job_id=job_id, queue=self.defer)
             return self._send(raw, message, self.settings.reserved_queue, "unverified")
-        try:
-            # Types are checked where the pipeline resolves these (bad ones fail closed there).
-            carried: dict[str, Any] = {
-                "expected_service_s": headers.get(H_EXPECTED_SERVICE_S),
-                "tokens_in": headers.get(H_TOKENS_IN) or 0,
-                "deadline_at": deadline,
-            }
-            spec: GatedSpec | None = GatedSpec(**carried)
-            spec_error = None
-        except BadDeclaredInput as exc:
-            spec, spec_error = None, exc
-        publish = Publish(
-            task=str(headers.get("task")),
-            job_id=job_id,
-            retries=int(headers.get("retries") or 0),
-            max_retries=headers.get(H_MAX_RETRIES),
-            spec=spec,
-            headers=headers,
-            spec_error=spec_error,
-            origin="replay",
-        )
+        publish = carried_publish(headers, "replay")
         try:
             routing = self.pipeline.route(publish)
         except Exception as exc:  # never lose the message: park it where it can run

@@ -19,15 +19,11 @@ from gatekeeper.celery.lists import PRIORITY_STEPS, queue_list
 from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_DEADLINE_AT,
-    H_EXPECTED_SERVICE_S,
-    H_MAX_RETRIES,
-    H_TOKENS_IN,
 )
-from gatekeeper.core.spec import GatedSpec
-from gatekeeper.errors import BadDeclaredInput
 from gatekeeper.ops.context import settings_of
 from gatekeeper.ops.oncall import redis_client
-from gatekeeper.redis.gate import Pipeline, Publish
+from gatekeeper.redis.attempt import carried_publish
+from gatekeeper.redis.gate import Pipeline
 from gatekeeper.redis.scripts import evalsha, load_lua
 
 __all__ = ["dead_letter"]
@@ -84,19 +80,7 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
     headers: dict[str, Any] = message["headers"]
     now = time.time()
     headers[H_DEADLINE_AT] = now + deadline_s
-    try:
-        spec: GatedSpec | None = GatedSpec(
-            expected_service_s=headers.get(H_EXPECTED_SERVICE_S),  # type: ignore[arg-type]
-            tokens_in=headers.get(H_TOKENS_IN) or 0, deadline_at=headers[H_DEADLINE_AT],
-        )  # fmt: skip
-        spec_error = None
-    except BadDeclaredInput as exc:
-        spec, spec_error = None, exc
-    publish = Publish(task=str(headers.get("task")), job_id=job_id,
-                      retries=int(headers.get("retries") or 0),
-                      max_retries=headers.get(H_MAX_RETRIES), spec=spec, headers=headers,
-                      spec_error=spec_error, origin="requeue")  # fmt: skip
-    routing = Pipeline.create(settings, gate, time.time).route(publish)
+    routing = Pipeline.create(settings, gate, time.time).route(carried_publish(headers, "requeue"))
     headers.update(routing.headers)
     for name in routing.drop:
         headers.pop(name, None)

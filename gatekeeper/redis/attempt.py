@@ -37,6 +37,7 @@ __all__ = [
     "Publish",
     "bad_headers",
     "bad_input_stamp",
+    "carried_publish",
     "delay_of",
     "identity",
     "resolve",
@@ -196,3 +197,22 @@ def delay_of(eta: Any, now: float) -> float:
     if due.tzinfo is None:
         due = due.replace(tzinfo=timezone.utc)
     return max(0.0, due.timestamp() - now)
+
+
+def carried_publish(headers: dict[str, Any], origin: str) -> Publish:
+    """A publish of a message already decided once (a replay, a requeue), scored from the
+    inputs its headers carry; types are checked where the pipeline resolves them (a bad one
+    fails closed there, as ``spec_error``)."""
+    try:
+        spec: GatedSpec | None = GatedSpec(
+            expected_service_s=headers.get(H_EXPECTED_SERVICE_S),  # type: ignore[arg-type]
+            tokens_in=headers.get(H_TOKENS_IN) or 0,
+            deadline_at=headers.get(H_DEADLINE_AT),
+        )
+        spec_error = None
+    except BadDeclaredInput as exc:
+        spec, spec_error = None, exc
+    return Publish(task=str(headers.get("task")), job_id=str(headers.get("id")),
+                   retries=int(headers.get("retries") or 0),
+                   max_retries=headers.get(H_MAX_RETRIES), spec=spec, headers=headers,
+                   spec_error=spec_error, origin=origin)  # fmt: skip
