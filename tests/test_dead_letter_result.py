@@ -4,6 +4,7 @@ callback (the replayer knows the app: ``gatekeeper -A proj replay``)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -86,3 +87,21 @@ def test_dead_letters_are_listed_and_one_requeued_with_a_new_deadline(
     assert redis_client.llen("dead_letter") == 0  # moved, not copied
     gone = CliRunner().invoke(main, requeue)
     assert gone.exit_code != 0 and "no task" in gone.output
+
+
+def test_a_forged_dead_message_does_not_end_another_jobs_result(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """A caller puts a message in defer that names a real job's id, with a passed deadline:
+    it goes to the dead letters, but the real job's result is left alone."""
+    settings = gate_settings(redis_url)
+    app = create_app(settings, redis_url)
+    app.conf.result_backend = redis_url
+    real = app.tasks["tests.embed"].apply_async((1,))  # admitted to free, still waiting
+    forged = dict(queue_messages(redis_client, "free")[0])
+    forged["headers"] = {**forged["headers"], "gatekeeper_deadline_at": time.time() - 5,
+                         "gatekeeper_nonce": "made-up"}  # fmt: skip
+    redis_client.lpush("defer", json.dumps(forged))
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client, app=app)
+    assert replayer.run(threading.Event(), once=True)["dead_lettered"] == 1
+    assert real.state == "PENDING"  # not marked failed by the forgery

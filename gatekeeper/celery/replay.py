@@ -293,7 +293,11 @@ class Replayer:
             "deadline_slack_s": slack_ms / 1000, "retries": headers.get("retries"),
             "queue": self.settings.dead_letter_queue,
         }  # fmt: skip
-        stored = fail_in_backend(self.app, message, float(headers[H_DEADLINE_AT]))
+        # Only the gate's own message may end a task in the backend: a forged copy naming
+        # another job's id must not mark that job failed.
+        stored = "unverified"
+        if trusted:
+            stored = fail_in_backend(self.app, message, float(headers[H_DEADLINE_AT]))
         self.alerts.error("task_abandoned", reason="deadline_passed", result=stored, **fields)
         if was_free:
             self.alerts.error(
