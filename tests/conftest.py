@@ -51,6 +51,47 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
         client.close()
 
 
+TEST_AMQP_URL_ENV = "GATEKEEPER_TEST_AMQP_URL"
+AMQP_QUEUES = ("free", "defer", "reserved", "dead_letter", "celery")
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a real RabbitMQ for this session (``GATEKEEPER_TEST_AMQP_URL``, else Debian's
+    ``rabbitmq-server`` started on a free port: tests/rabbit.py)."""
+    from tests.rabbit import RabbitServer, find_rabbitmq_server
+
+    configured = os.environ.get(TEST_AMQP_URL_ENV)
+    if configured:
+        yield configured
+        return
+    if find_rabbitmq_server() is None:
+        missing_server("rabbitmq-server is not installed (apt-get install rabbitmq-server)")
+    with RabbitServer(tmp_path_factory.mktemp("rabbitmq")) as server:
+        yield server.url
+
+
+@pytest.fixture()
+def rabbitmq_url(rabbitmq_server: str) -> str:
+    """The session's RabbitMQ, with nothing left in gatekeeper's queues (nor in the delay
+    queues of the default backoffs) by an earlier test. Purged, not deleted: Celery remembers
+    in-process which queues it declared, and a deleted one would swallow its next messages."""
+    from amqp.exceptions import NotFound
+    from kombu import Connection
+
+    from gatekeeper.celery.amqp import delay_ladder
+
+    delays = [f"defer.delay.{ms}" for ms in delay_ladder(1.0, 30.0)]
+    with Connection(rabbitmq_server) as connection:
+        channel = connection.channel()
+        for name in (*AMQP_QUEUES, *delays):
+            try:
+                channel.queue_purge(name)
+            except NotFound:  # never declared: its channel is closed, take another
+                channel = connection.channel()
+    return rabbitmq_server
+
+
 def initialised(client: redis.Redis, keys: Keys | None = None) -> None:
     """What ``gatekeeper init`` writes, as a deployment initialised before any ledger window
     would have it (``-inf``: every window counts toward a clean hour, whatever a test's

@@ -161,8 +161,8 @@ def test_a_live_replayers_claim_is_not_taken_back_by_another(
                      monotonic=lambda: now[0])  # fmt: skip
     second = Replayer(settings, broker=redis_client, gate=redis_client)
     assert first.acquire()
-    held = first.claims.claim("defer")  # first is deciding this one...
-    first_claims = first.claims.current
+    held = first.broker.claims.claim("defer")  # first is deciding this one...
+    first_claims = first.broker.claims.current
     redis_client.delete(KEYS.replayer_lock)  # ...when its lock goes (a failover lost it)
     assert second.acquire()
     assert second.pass_once() == {"to_free": 2}  # the other two, not first's claim
@@ -183,12 +183,12 @@ def test_a_dead_replayers_claims_are_taken_back_once_its_heartbeat_expires(
     dead = Replayer(settings, broker=redis_client, gate=redis_client)
     assert dead.acquire()
     for _ in range(3):
-        assert dead.claims.claim("defer") is not None
-    heartbeat = dead.claims.heartbeat_of(dead.claims.tenure)  # then it died
+        assert dead.broker.claims.claim("defer") is not None
+    heartbeat = dead.broker.claims.heartbeat_of(dead.broker.claims.tenure)  # then it died
     assert redis_client.exists(heartbeat)
     assert wait_until(lambda: not redis_client.exists(KEYS.replayer_lock, heartbeat), 5)
     successor = Replayer(settings, broker=redis_client, gate=redis_client)
     assert successor.run(threading.Event(), once=True) == {"to_free": 5}
     assert sorted(ids_in(redis_client, "free")) == sorted(jobs)  # none lost, none doubled
     assert claimed(redis_client) == 0
-    assert dead.claims.tenure.encode() not in redis_client.smembers(REGISTRY)
+    assert dead.broker.claims.tenure.encode() not in redis_client.smembers(REGISTRY)

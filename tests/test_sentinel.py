@@ -27,7 +27,7 @@ from tests.conftest import (
     wait_until,
 )
 
-pytestmark = pytest.mark.celery
+pytestmark = [pytest.mark.celery, pytest.mark.servers]
 
 
 def _server(*args: str) -> subprocess.Popen[bytes]:

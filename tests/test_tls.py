@@ -22,7 +22,7 @@ from tests.conftest import (
     wait_until,
 )
 
-pytestmark = pytest.mark.celery
+pytestmark = [pytest.mark.celery, pytest.mark.servers]
 
 
 def _tls_servers() -> list[str]:

@@ -4,8 +4,8 @@ For deployments that want no separate process (as ``worker --beat`` runs the sch
 worker): a worker bootstep that runs :class:`~gatekeeper.celery.replay.Replayer` (and so
 its sweep, every minute) in a thread of the worker's main process, started after the pool
 and stopped with the worker. The namespace's lock keeps it to one replayer whatever the
-number of workers started with the option. The broker it reads is the app's (a Redis
-broker, as for ``gatekeeper replay``).
+number of workers started with the option. The broker it reads is the app's (Redis or
+RabbitMQ, as for ``gatekeeper replay``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 import click
 from celery import Celery, bootsteps
 
+from gatekeeper.celery.broker import broker_for
 from gatekeeper.celery.replay import Replayer
+from gatekeeper.errors import ConfigError
 from gatekeeper.logs import make_logger
-from gatekeeper.redis.connect import client_for
-from gatekeeper.settings import REDIS_URL_SCHEMES
 
 __all__ = ["OPTION", "ReplayStep", "add_to_worker"]
 
@@ -51,15 +51,14 @@ class ReplayStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, parent: Any) -> None:
         settings = self.installed.settings
         log = make_logger(settings, "replay")
-        url = settings.effective_broker_url or ""
-        if not url.startswith(REDIS_URL_SCHEMES):
-            log.error("replay_not_started", reason="the replayer needs a Redis broker",
-                      broker=url.split("://", 1)[0])  # fmt: skip
+        try:
+            broker = broker_for(settings, self.installed.app)
+        except ConfigError as exc:
+            log.error("replay_not_started", reason=str(exc))
             return
-        broker = client_for(url, 5.0)
         replayer = Replayer(settings, broker, self.installed.client, app=self.installed.app)
         log.info("replay_started", queue=settings.defer_queue, replayer=replayer.ident,
-                 where="worker")  # fmt: skip
+                 where="worker", broker=broker.shown)  # fmt: skip
         self._thread = threading.Thread(target=replayer.run, args=(self._stop,),
                                         name="gatekeeper-replayer", daemon=True)  # fmt: skip
         self._thread.start()

@@ -6,7 +6,8 @@ an ``expired`` row (charged the allowance's wait, no tokens) and runs on reserve
 cannot be picked out of the middle of a RabbitMQ queue, and on Redis prefetched and ETA
 messages have left the list, so the dependable place is the worker's main process, before it
 hands a free message to the pool: the gated tasks' request class asks :meth:`Expiry.check`
-(:func:`gatekeeper.celery.private.use_request_check`).
+(:func:`gatekeeper.celery.private.use_request_check`). The same check first skips a
+duplicate copy of a replayer's handoff (:mod:`gatekeeper.celery.duplicates`).
 
 The message's own headers are a hint (no round trip for a message within its allowance);
 ``expire.lua`` decides from the gate's record (the nonce, the admission time, never started).
@@ -26,6 +27,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from gatekeeper.celery.duplicates import Duplicates
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.celery.private import check_request_shape, use_request_check
@@ -70,6 +72,7 @@ class Expiry:
         self.allowance_s = settings.free_wait_allowance_s
         self._script = client.register_script(load_lua("expire.lua"))
         self._client = client
+        self.duplicates = Duplicates(client, self.keys, log)
 
     def on_worker_init(self, sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not self.app:
@@ -98,6 +101,8 @@ class Expiry:
     def _verdict(self, request: Any) -> str:
         message = request.message
         headers: dict[str, Any] = dict(message.headers or {})
+        if self.duplicates.verdict(request, headers) == "skip":
+            return "skip"
         if headers.get(H_DECISION) != "admit_free" or not nonce_of(headers):
             return "run"
         decided = headers.get(H_PUBLISHED_AT)

@@ -1,31 +1,33 @@
 """The replayer: scores deferred tasks again, without running them, and hands each one on.
 
-``defer`` is a parking queue that no ordinary worker consumes. The replayer reads it straight
-from the broker's Redis (kombu's Redis transport keeps each queue as a list; the replayer
-needs a Redis broker) and, for each message that is due:
+``defer`` is a parking queue that no ordinary worker consumes. The replayer reads it from the
+broker itself (:mod:`gatekeeper.celery.broker`: kombu's lists on a Redis broker, or RabbitMQ
+through kombu with acks and confirms) and, for each message that is due:
 
 - deadline passed -> the ``dead_letter`` queue, an ``abandoned`` row and an alert line (with
   ``decision=admit_free slack_miss=true`` when an earlier attempt of the job ran free);
 - otherwise the same pipeline as at publish (same task id, deadline and attempt) -> ``free``
   or ``reserved``, or back to ``defer`` with a backoff in its headers (never as an ETA
-  message: an ETA past the visibility timeout would run twice). While the free path is off,
-  the pipeline never answers ``free``.
+  message: an ETA past the visibility timeout would run twice; on RabbitMQ it waits in a
+  delay queue). While the free path is off, the pipeline never answers ``free``.
 
-Nothing is lost when the replayer is killed at any moment: a message is claimed into its
+Nothing is lost when the replayer is killed at any moment. On Redis, a message is claimed into its
 lock tenure's processing list ``defer:replaying:<tenure>`` (RPOPLPUSH) and leaves it only by
 ``move.lua``, which removes the claimed copy and pushes the rewritten one in one atomic step,
 so a message is never in two places and never published twice. The lock is checked before
 every decision (:mod:`gatekeeper.redis.lock`): a replayer that lost it decides, moves and
 writes nothing more. The holder takes back only what dead tenures left claimed (heartbeat
 expired), never a live one's; a replayer stalled past the TTL inside one decision finishes
-that scoring, and its move fails if a successor took the message back. Gate state is written
-before the move; a crash between the two re-scores the message later, and ``gate.lua`` holds
-an attempt's exposure once (``abandon.lua`` writes one row).
+that scoring, and its move fails if a successor took the message back. On RabbitMQ, the
+message is acked only once its rewritten copy is confirmed; a replayer killed between the two
+leaves the original to come back. Either way, a message that comes back after it was scored
+is handed on again as it was the first time (the record keeps the handoff:
+:mod:`gatekeeper.redis.handoff`), and a worker runs one copy of the two
+(:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
@@ -39,15 +41,17 @@ from typing import Any
 import redis
 from redis.exceptions import LockError
 
+from gatekeeper.celery.broker import Broker, RedisBroker, Taken
 from gatekeeper.celery.deadletter import fail_in_backend
 from gatekeeper.celery.freeze import maybe_freeze
-from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list, waiting_attempts
+from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_DEADLINE_AT,
     H_DECISION,
     H_DWELL_S,
+    H_NONCE,
     H_REASON,
     H_REPLAY_AFTER,
     H_REPLAYS,
@@ -56,9 +60,9 @@ from gatekeeper.core.ledger import Outcome, Path, make_row, window_id
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline
-from gatekeeper.redis.lock import Claims, OneHolder
+from gatekeeper.redis.handoff import Handoff, recalled, remember
+from gatekeeper.redis.lock import OneHolder
 from gatekeeper.redis.runs import Finished, RunLedger
-from gatekeeper.redis.scripts import evalsha, load_lua
 from gatekeeper.redis.sweep import forget_purged, sweep
 from gatekeeper.settings import GatekeeperSettings
 
@@ -76,7 +80,7 @@ class Replayer:
     def __init__(
         self,
         settings: GatekeeperSettings,
-        broker: redis.Redis,
+        broker: redis.Redis | Broker,
         gate: redis.Redis,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
@@ -84,21 +88,21 @@ class Replayer:
     ) -> None:
         self.settings = settings
         self.app = app  # with it, an abandoned task's failure is stored in its backend
-        self.broker, self.gate_client = broker, gate
+        if isinstance(broker, redis.Redis):
+            broker = RedisBroker(broker, settings)
+        self.broker: Broker = broker
+        self.gate_client = gate
         self.clock = clock
         self.pipeline = Pipeline.create(settings, gate, clock)
         self.runs = RunLedger.from_settings(gate, settings)
         self.log = make_logger(settings, "replay")
         self.alerts = make_logger(settings, "alert")
         self.defer = settings.defer_queue
-        self.sources = [queue_list(self.defer, p) for p in PRIORITY_STEPS]
         self.ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._move = broker.register_script(load_lua("move.lua"))
         self._last_sweep = -math.inf
-        ttl = settings.replay_lock_ttl_s
-        self.claims = Claims(broker, self.defer, ttl, self.ident)
-        self._holder = OneHolder(gate, self.pipeline.store.keys.replayer_lock, ttl,
-                                 monotonic, on_renew=self.claims.beat)  # fmt: skip
+        self._holder = OneHolder(gate, self.pipeline.store.keys.replayer_lock,
+                                 settings.replay_lock_ttl_s, monotonic,
+                                 on_renew=lambda: self.broker.beat())  # fmt: skip
         self.counts: Counter[str] = Counter()
 
     # -- the lock and recovery ----------------------------------------------------------
@@ -109,13 +113,13 @@ class Replayer:
         if state == "lost":
             self._lost()
         if state == "taken":
-            self.claims.begin()
-            self.log.info("replay_lock_taken", claims=self.claims.current)
+            self.broker.begin(self.ident)
+            self.log.info("replay_lock_taken", replayer=self.ident, broker=self.broker.shown)
         return state in ("taken", "kept")
 
     def _lost(self) -> None:
         self.log.warning("replay_lock_lost", holder="another replayer", replayer=self.ident)
-        self.claims.end()
+        self.broker.end()
 
     def release(self) -> None:
         """Give the lock back; when Redis cannot be reached it expires on its own."""
@@ -123,11 +127,11 @@ class Replayer:
             self._holder.give_back()
         except (LockError, redis.RedisError) as exc:
             self.log.warning("replay_lock_not_released", error=repr(exc))
-        self.claims.end()
+        self.broker.end()
 
     def recover(self) -> int:
         """Put back what dead tenures left claimed; returns how many messages."""
-        moved = self.claims.take_back()
+        moved = self.broker.recover()
         if moved:
             self.log.warning("replay_recovered", messages=moved, queue=self.defer)
         return moved
@@ -148,127 +152,135 @@ class Replayer:
         now = self.clock()
         if self._holder.held and now - self._last_sweep >= SWEEP_EVERY_S:
             self._last_sweep = now
-            stale = self.settings.stale_attempt_s
-            for row in sweep(self.runs, round(now * 1000), stale, self.pipeline.store):
-                self.log.warning("ledger_row", job_id=row.job_id, attempt=row.attempt,
-                                 outcome=row.outcome.value, reason="vanished")  # fmt: skip
-            present = waiting_attempts(self.broker, self.settings.free_queue)
-            if forget_purged(self.pipeline.store, present, round(now * 1000)):
-                self.log.warning("free_admissions_forgotten", queue=self.settings.free_queue)
+            self._sweep(now)
         return counts
 
-    def _replay_all(self, counts: Counter[str]) -> None:
-        for source in self.sources:
-            for _ in range(self.broker.llen(source)):
-                raw = self.claims.claim(source)
-                if raw is None:
-                    break
-                if not self._holder.check():
-                    # No decision, no move, no row. The claim is left, not put back: without
-                    # the lock we write nothing to the queues; the holder takes it back (our
-                    # tenure has ended; after a stall past the TTL it usually already has).
-                    return
-                try:
-                    counts[self._handle(source, raw)] += 1
-                except Exception as exc:  # one bad message must not stop the others
-                    counts[self._set_aside(source, raw, exc)] += 1
+    def _sweep(self, now: float) -> None:
+        stale = self.settings.stale_attempt_s
+        for row in sweep(self.runs, round(now * 1000), stale, self.pipeline.store):
+            self.log.warning("ledger_row", job_id=row.job_id, attempt=row.attempt,
+                             outcome=row.outcome.value, reason="vanished")  # fmt: skip
+        present = self.broker.waiting(self.settings.free_queue)  # None: RabbitMQ cannot list
+        if present is not None and forget_purged(self.pipeline.store, present, round(now * 1000)):
+            self.log.warning("free_admissions_forgotten", queue=self.settings.free_queue)
 
-    def _set_aside(self, source: str, raw: bytes, exc: Exception) -> str:
+    def _replay_all(self, counts: Counter[str]) -> None:
+        for taken in self.broker.take(self.defer):
+            if not self._holder.check():
+                # No decision, no move, no row. The message is left where it is: without the
+                # lock we write nothing to the queues; the holder takes it back (Redis: our
+                # tenure has ended; RabbitMQ: it is given back to defer).
+                self.broker.leave(taken)
+                return
+            try:
+                counts[self._handle(taken)] += 1
+            except Exception as exc:  # one bad message must not stop the others
+                counts[self._set_aside(taken, exc)] += 1
+
+    def _set_aside(self, taken: Taken, exc: Exception) -> str:
         """A message that failed to replay: back to defer with a backoff, or, after
         ``MAX_REPLAY_ERRORS`` failures, to the dead letters with an alert. Never lost."""
         self.log.warning("replay_failed", queue=self.defer, error=repr(exc))
-        try:
-            message = json.loads(raw)
-            headers = message["headers"]
-            errors = int(headers.get(H_REPLAY_ERRORS) or 0) + 1
-            headers[H_REPLAY_ERRORS] = errors
-            headers[H_REPLAY_AFTER] = self.clock() + self.settings.replay_backoff_max_s
-        except Exception:  # not even readable: keep it as it is, where a person can see it
-            self._push(raw, self.settings.dead_letter_queue)
+        if taken.done:  # handed on already (a fault after): nothing more to move
+            return "replay_error_after_handoff"
+        message = taken.message
+        if message is None:  # not even readable: kept as it is, where a person can see it
+            self.broker.send(taken, self.settings.dead_letter_queue, None)
             return "dead_lettered_unreadable"
+        headers = message["headers"]
+        try:
+            errors = int(headers.get(H_REPLAY_ERRORS) or 0) + 1
+        except (TypeError, ValueError):
+            errors = MAX_REPLAY_ERRORS
+        headers[H_REPLAY_ERRORS] = errors
+        wait = self.settings.replay_backoff_max_s
+        headers[H_REPLAY_AFTER] = self.clock() + wait
         if errors >= MAX_REPLAY_ERRORS:
-            self._push(raw, self.settings.dead_letter_queue, message)
+            self.broker.send(taken, self.settings.dead_letter_queue, message)
             self.alerts.error("replay_gave_up", job_id=headers.get("id"), errors=errors,
                               error=repr(exc), queue=self.settings.dead_letter_queue)  # fmt: skip
             return "dead_lettered_after_errors"
-        self._push(raw, source, message)
+        self.broker.hold(taken, message, wait)
         return "replay_error"
 
-    def _push(self, raw: bytes, target: str, message: dict[str, Any] | None = None) -> bool:
-        new = raw if message is None else json.dumps(message).encode()
-        return bool(evalsha(self.broker, self._move, [self.claims.current, target], [raw, new]))
-
-    def _handle(self, source: str, raw: bytes) -> str:
+    def _handle(self, taken: Taken) -> str:
         now = self.clock()
-        try:
-            message = json.loads(raw)
-            headers: dict[str, Any] = message["headers"]
-            if not isinstance(message["properties"], dict):
-                raise TypeError("properties is not an object")
-        except (ValueError, KeyError, TypeError) as exc:
-            self._push(raw, self.settings.dead_letter_queue)
-            self.alerts.error("replay_malformed", queue=self.defer, error=repr(exc))
+        message = taken.message
+        if message is None:
+            self.broker.send(taken, self.settings.dead_letter_queue, None)
+            self.alerts.error("replay_malformed", queue=self.defer,
+                              error="not a kombu message with headers and properties")  # fmt: skip
             return "malformed"
+        headers: dict[str, Any] = message["headers"]
         job_id = str(headers.get("id"))
         after = headers.get(H_REPLAY_AFTER)
         if isinstance(after, (int, float)) and after > now:
-            self._push(raw, source)
+            self.broker.hold(taken, None, after - now)
             return "not_due"
         if H_ATTEMPT not in headers:
-            return self._send(raw, message, self.settings.reserved_queue, "not_gated")
+            return self._send(taken, message, self.settings.reserved_queue, "not_gated")
+        attempt = headers.get(H_ATTEMPT)
+        gated = type(attempt) is int
+        record = self.runs.fields(job_id, attempt) if gated else {}  # type: ignore[arg-type]
+        again = recalled(record, nonce_of(headers))
+        if again is not None:  # handed on before, and the original came back: the same again
+            self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
+                             queue=again.queue)  # fmt: skip
+            return self._hand_on(taken, message, again, "handed_on_again")
         deadline = headers.get(H_DEADLINE_AT)
         if isinstance(deadline, (int, float)) and deadline <= now:
-            return self._abandon(raw, message, now)
-        if not self._deferred_by_the_gate(job_id, headers):
+            return self._abandon(taken, message, now, record)
+        if not (gated and self._deferred_by_the_gate(record, headers)):
             # Not a message the gate parked here (put in defer by hand or by a caller, or by
             # a publisher older than records): its headers are not the gate's, so it is not
             # scored from them. It runs on reserved, and its row is unverified or none.
             self.log.warning("replay_unverified", job_id=job_id, queue=self.defer)
-            return self._send(raw, message, self.settings.reserved_queue, "unverified")
+            return self._send(taken, message, self.settings.reserved_queue, "unverified")
         publish = carried_publish(headers, "replay")
         try:
             routing = self.pipeline.route(publish)
         except Exception as exc:  # never lose the message: park it where it can run
             self.log.warning("replay_route_failed", job_id=job_id, error=repr(exc))
-            return self._send(raw, message, self.settings.reserved_queue, "gate_error")
-        headers.update(routing.headers)
-        for name in routing.drop:
-            headers.pop(name, None)
+            return self._send(taken, message, self.settings.reserved_queue, "gate_error")
         replays = int(headers.get(H_REPLAYS) or 0) + 1
-        headers[H_REPLAYS] = replays
+        changes = {**routing.headers, H_REPLAYS: replays}
+        drop, wait = routing.drop, 0.0
         queue = routing.queue or self.settings.reserved_queue
         if queue == self.defer:
-            backoff = min(
-                self.settings.replay_backoff_s * 2 ** (replays - 1),
-                self.settings.replay_backoff_max_s,
-            )
-            headers[H_REPLAY_AFTER] = now + backoff
-            self._push(raw, source, message)
-            return "deferred_again"
-        headers.pop(H_REPLAY_AFTER, None)
-        return self._send(raw, message, queue, routing.reason)
+            wait = min(self.settings.replay_backoff_s * 2 ** (replays - 1),
+                       self.settings.replay_backoff_max_s)  # fmt: skip
+            changes[H_REPLAY_AFTER] = now + wait
+        else:
+            drop = (*drop, H_REPLAY_AFTER)
+        handoff = Handoff(queue, changes, drop, wait)
+        if H_NONCE in routing.headers:  # the gate recorded this decision: keep its handoff
+            try:
+                remember(self.runs, job_id, publish.attempt, nonce_of(headers), handoff)
+            except redis.RedisError as exc:  # handed on all the same (a crash now re-scores)
+                self.log.warning("replay_handoff_unrecorded", job_id=job_id, error=repr(exc))
+        return self._hand_on(taken, message, handoff, routing.reason)
 
-    def _deferred_by_the_gate(self, job_id: str, headers: dict[str, Any]) -> bool:
+    def _hand_on(self, taken: Taken, message: dict[str, Any], handoff: Handoff, why: str) -> str:
+        handoff.apply(message["headers"])
+        if handoff.queue == self.defer:
+            self.broker.hold(taken, message, handoff.wait_s)
+            return "deferred_again"
+        label = self._send(taken, message, handoff.queue, why)
+        return "handed_on_again" if why == "handed_on_again" else label
+
+    def _deferred_by_the_gate(self, record: dict[str, str], headers: dict[str, Any]) -> bool:
         """Whether the gate's record of this attempt deferred it, and the message carries
         the record's nonce."""
         nonce = nonce_of(headers)
-        if not nonce:
-            return False
-        attempt = headers.get(H_ATTEMPT)
-        if isinstance(attempt, bool) or not isinstance(attempt, int):
-            return False
-        record = self.runs.fields(job_id, attempt)
-        return record.get("nonce") == nonce and record.get("decision") == "defer"
+        return bool(nonce) and record.get("nonce") == nonce and record.get("decision") == "defer"
 
-    def _send(self, raw: bytes, message: dict[str, Any], queue: str, why: str) -> str:
-        properties = message["properties"]
-        properties["delivery_info"] = {"exchange": "", "routing_key": queue}
-        properties["delivery_tag"] = str(uuid.uuid4())
-        target = queue_list(queue, int(properties.get("priority") or 0))
-        self._push(raw, target, message)
+    def _send(self, taken: Taken, message: dict[str, Any], queue: str, why: str) -> str:
+        self.broker.send(taken, queue, message)
         return f"to_{queue}" if why not in ("not_gated", "unverified") else why
 
-    def _abandon(self, raw: bytes, message: dict[str, Any], now: float) -> str:
+    def _abandon(
+        self, taken: Taken, message: dict[str, Any], now: float, record: dict[str, str]
+    ) -> str:
         headers = message["headers"]
         job_id, attempt = str(headers.get("id")), int(headers.get(H_ATTEMPT) or 1)
         slack_ms = round((float(headers[H_DEADLINE_AT]) - now) * 1000)
@@ -278,7 +290,6 @@ class Replayer:
         )  # fmt: skip
         # Whether a free admission is abandoned (a slack miss) is the gate's record's word,
         # and only for the message that carries its nonce; another gets an unverified row.
-        record = self.runs.fields(job_id, attempt)
         trusted = bool(record) and record.get("nonce") == nonce_of(headers)
         was_free = trusted and record.get("free_admitted") == "1"
         if trusted:
@@ -287,7 +298,7 @@ class Replayer:
             self.runs.unverified(row, round(now * 1000))
             done = Finished(False, 0, 0)
         headers.update({H_DECISION: "abandoned", H_REASON: "deadline_passed"})
-        self._send(raw, message, self.settings.dead_letter_queue, "deadline_passed")
+        self._send(taken, message, self.settings.dead_letter_queue, "deadline_passed")
         fields = {
             "task": headers.get("task"), "job_id": job_id, "attempt": attempt,
             "deadline_slack_s": slack_ms / 1000, "retries": headers.get("retries"),

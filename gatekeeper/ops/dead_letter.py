@@ -1,44 +1,46 @@
 """``gatekeeper dead-letter list`` and ``... requeue``: see and re-drive abandoned tasks.
 
-A task whose deadline passed in defer waits in the dead-letter queue (kombu's Redis lists;
-the broker must be Redis, as for the replayer). ``requeue`` gives it a new deadline, given
+A task whose deadline passed in defer waits in the dead-letter queue, on the broker (Redis
+or RabbitMQ: :mod:`gatekeeper.celery.broker`). ``requeue`` gives it a new deadline, given
 explicitly (an operator's decision: it is the one place a deadline is ever moved, and the
-decision line says so), scores it again through the same pipeline as a publish, and moves it
-to the queue decided, in one atomic step (``move.lua``): never in two places.
+decision line says so), scores it again through the same pipeline as a publish, and hands it
+to the queue decided: on Redis in one atomic step (``move.lua``), on RabbitMQ acked only once
+its new copy is confirmed. A requeue cut short between the two leaves the task listed; a
+second requeue of it hands it on exactly as the first did (the record keeps the handoff:
+:mod:`gatekeeper.redis.handoff`), and a worker runs one of the copies.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 import click
 
-from gatekeeper.celery.lists import PRIORITY_STEPS, queue_list
-from gatekeeper.core.headers import (
-    H_ATTEMPT,
-    H_DEADLINE_AT,
-)
+from gatekeeper.celery.broker import BROKER_ERRORS, Taken
+from gatekeeper.celery.message import nonce_of
+from gatekeeper.core.headers import H_ATTEMPT, H_DEADLINE_AT, H_NONCE
 from gatekeeper.ops.context import settings_of
-from gatekeeper.ops.oncall import redis_client
+from gatekeeper.ops.oncall import broker_of, redis_client
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline
-from gatekeeper.redis.scripts import evalsha, load_lua
+from gatekeeper.redis.handoff import Handoff, recalled, remember
+from gatekeeper.redis.runs import RunLedger
 
 __all__ = ["dead_letter"]
 
 
-def _messages(broker: Any, queue: str) -> list[tuple[str, bytes, dict[str, Any]]]:
-    """(list, raw, message) of every message in a queue's lists, oldest first."""
-    found = []
-    for name in (queue_list(queue, step) for step in PRIORITY_STEPS):
-        for raw in reversed(broker.lrange(name, 0, -1)):
-            try:
-                found.append((name, raw, json.loads(raw)))
-            except ValueError:
-                continue
-    return found
+def _taken(ctx: click.Context, queue: str) -> tuple[Any, list[Taken]]:
+    broker = broker_of(ctx)
+    try:
+        return broker, [t for t in broker.take(queue, claim=False) if t.message is not None]
+    except BROKER_ERRORS as exc:
+        raise click.ClickException(f"cannot read the broker ({broker.shown}): {exc}") from exc
+
+
+def _give_back(broker: Any, taken: list[Taken]) -> None:
+    for each in taken:
+        broker.leave(each)
 
 
 @click.group(name="dead-letter")
@@ -51,10 +53,11 @@ def dead_letter() -> None:
 def list_command(ctx: click.Context) -> None:
     """One line per dead-lettered task, oldest first."""
     settings = settings_of(ctx)
-    broker = redis_client(ctx, broker=True)
-    found = _messages(broker, settings.dead_letter_queue)
-    for _, _, message in found:
-        headers = message.get("headers") or {}
+    broker, found = _taken(ctx, settings.dead_letter_queue)
+    _give_back(broker, found)
+    broker.close()
+    for each in found:
+        headers = (each.message or {}).get("headers") or {}
         click.echo(f"job_id={headers.get('id')} task={headers.get('task')} "
                    f"attempt={headers.get(H_ATTEMPT)} deadline_at={headers.get(H_DEADLINE_AT)} "
                    f"reason={headers.get('gatekeeper_reason')}")  # fmt: skip
@@ -71,25 +74,38 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
     if not deadline_s > 0:
         raise click.BadParameter("expected a positive number of seconds", param_hint="--deadline-s")
     settings = settings_of(ctx)
-    broker, gate = redis_client(ctx, broker=True), redis_client(ctx)
-    match = [m for m in _messages(broker, settings.dead_letter_queue)
-             if (m[2].get("headers") or {}).get("id") == job_id]  # fmt: skip
+    gate = redis_client(ctx)
+    broker, found = _taken(ctx, settings.dead_letter_queue)
+    match = [t for t in found if ((t.message or {}).get("headers") or {}).get("id") == job_id]
+    _give_back(broker, [t for t in found if t is not (match[0] if match else None)])
     if not match:
         raise click.ClickException(f"no task {job_id} in {settings.dead_letter_queue}")
-    source, raw, message = match[0]
+    taken = match[0]
+    message: dict[str, Any] = taken.message or {}
     headers: dict[str, Any] = message["headers"]
-    now = time.time()
-    headers[H_DEADLINE_AT] = now + deadline_s
-    routing = Pipeline.create(settings, gate, time.time).route(carried_publish(headers, "requeue"))
-    headers.update(routing.headers)
-    for name in routing.drop:
-        headers.pop(name, None)
-    queue = routing.queue or settings.reserved_queue
-    properties = message["properties"]
-    properties["delivery_info"] = {"exchange": "", "routing_key": queue}
-    target = queue_list(queue, int(properties.get("priority") or 0))
-    move = broker.register_script(load_lua("move.lua"))
-    if not evalsha(broker, move, [source, target], [raw, json.dumps(message)]):
+    runs = RunLedger.from_settings(gate, settings)
+    attempt, nonce = headers.get(H_ATTEMPT), nonce_of(headers)
+    record = runs.fields(job_id, attempt) if type(attempt) is int else {}
+    handoff = recalled(record, nonce)
+    if handoff is None:  # the first requeue of it: scored again, with its new deadline
+        headers[H_DEADLINE_AT] = time.time() + deadline_s
+        publish = carried_publish(headers, "requeue")
+        routing = Pipeline.create(settings, gate, time.time).route(publish)
+        handoff = Handoff(routing.queue or settings.reserved_queue, dict(routing.headers),
+                          routing.drop)  # fmt: skip
+        if H_NONCE in routing.headers and nonce:
+            remember(runs, job_id, publish.attempt, nonce, handoff)
+        why = routing.reason.value
+    else:
+        why = "handed_on_again (a requeue of it was cut short)"
+    handoff.apply(headers)
+    try:
+        moved = broker.send(taken, handoff.queue, message)
+    except BROKER_ERRORS as exc:
+        raise click.ClickException(f"cannot move {job_id} ({broker.shown}): {exc}") from exc
+    finally:
+        broker.close()
+    if not moved:
         raise click.ClickException(f"{job_id} left {settings.dead_letter_queue} meanwhile")
-    click.echo(f"requeued {job_id} to {queue} (reason {routing.reason.value}, "
+    click.echo(f"requeued {job_id} to {handoff.queue} (reason {why}, "
                f"deadline in {deadline_s:g} s)")  # fmt: skip

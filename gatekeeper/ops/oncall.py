@@ -22,7 +22,7 @@ from typing import Any
 import click
 import redis
 
-from gatekeeper.celery.lists import PRIORITY_STEPS, queue_list, waiting_attempts
+from gatekeeper.celery.broker import BROKER_ERRORS, Broker, broker_for, shown_url
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.core.ledger import LedgerRow, summarize, window_id
 from gatekeeper.core.review import summarize_review
@@ -34,46 +34,46 @@ from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.lock import Claims
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import read_windows, text_of
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import forget_purged
 from gatekeeper.redis.sweep import sweep as sweep_runs
-from gatekeeper.settings import redis_url_of
 
-__all__ = ["ledger", "redis_client", "replay", "report", "show_value", "status", "sweep"]
+__all__ = [
+    "broker_of",
+    "ledger",
+    "redis_client",
+    "replay",
+    "report",
+    "show_value",
+    "status",
+    "sweep",
+]
 
 
-def redis_client(ctx: click.Context, broker: bool = False) -> redis.Redis:
-    """A client on the gate's Redis (or, with ``broker``, the broker's), from settings."""
+def redis_client(ctx: click.Context) -> redis.Redis:
+    """A client on the gate's Redis, from settings."""
     settings = settings_of(ctx)
     try:
-        if broker:  # the replayer and status read kombu's lists: the broker must be Redis
-            url = redis_url_of(
-                "GATEKEEPER_BROKER_URL", settings.effective_broker_url, "(this command reads "
-                "the broker's queues, so the broker must be Redis)"
-            )  # fmt: skip
-        else:
-            url = settings.gate_redis_url()
+        url = settings.gate_redis_url()
     except ConfigError as exc:
         raise click.UsageError(str(exc), ctx=ctx) from exc
-    # No automatic retry, said explicitly as for the publish path's client: a re-sent RPOPLPUSH
-    # or flag write could apply twice; the replayer tries again on its own.
+    # No automatic retry, said explicitly as for the publish path's client: a re-sent flag
+    # write could apply twice; the replayer tries again on its own.
     try:
         return client_for(url, 5.0, **no_retry())
     except ConfigError as exc:  # a sentinel URL without its master, say
         raise click.UsageError(str(exc), ctx=ctx) from exc
 
 
-def shown_url(client: redis.Redis) -> str:
-    """Which server a client talks to (host, port, db; never a password), for the lines that
-    say which broker and gate Redis a command read."""
-    kwargs = getattr(client, "connection_pool", None)
-    kwargs = getattr(kwargs, "connection_kwargs", {}) or {}
-    if "path" in kwargs:
-        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
-    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
+def broker_of(ctx: click.Context) -> Broker:
+    """The broker whose queues the command reads (Redis or RabbitMQ), from settings (and the
+    app's ``broker_url`` with ``-A``)."""
+    try:
+        return broker_for(settings_of(ctx), app_of(ctx))
+    except ConfigError as exc:
+        raise click.UsageError(str(exc), ctx=ctx) from exc
 
 
 def show_value(value: object) -> str:
@@ -159,9 +159,10 @@ def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
     try:
         gate_store = GateStore(store.client, store.keys)
         rows = sweep_runs(store, now_ms, limit, gate_store)
-        present = waiting_attempts(redis_client(ctx, broker=True), settings.free_queue)
-        forgotten = forget_purged(gate_store, present, now_ms)
-    except (LedgerUnavailable, redis.RedisError) as exc:
+        broker = broker_of(ctx)
+        present = broker.waiting(settings.free_queue)  # None: RabbitMQ cannot list a queue
+        forgotten = None if present is None else forget_purged(gate_store, present, now_ms)
+    except (LedgerUnavailable, *BROKER_ERRORS) as exc:
         raise click.ClickException(str(exc)) from exc
     log = make_logger(settings, "worker")
     for row in rows:
@@ -172,7 +173,12 @@ def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
     if forgotten:
         log.warning("free_admissions_forgotten", count=forgotten, queue=settings.free_queue,
                     reason="message no longer in the broker")  # fmt: skip
-    click.echo(f"swept={len(rows)} forgotten={forgotten}")
+    if forgotten is None:
+        click.echo(f"swept={len(rows)} forgotten=n/a ({broker.shown}: a queue cannot be "
+                   "listed without consuming it; purged admissions stop counting at the "
+                   "horizon)")  # fmt: skip
+    else:
+        click.echo(f"swept={len(rows)} forgotten={forgotten}")
 
 
 def _since(value: str) -> float:
@@ -223,7 +229,7 @@ def report(ctx: click.Context, since: str) -> None:  # fmt: skip
 def status(ctx: click.Context) -> None:
     """Flags (who changed them, when, why), queue age and lengths, this window's budget."""
     settings = settings_of(ctx)
-    gate, broker = redis_client(ctx), redis_client(ctx, broker=True)
+    gate, broker = redis_client(ctx), broker_of(ctx)
     keys = Keys(settings.key_prefix, settings.namespace)
     store = FlagStore(gate, settings, keys)
     now = time.time()
@@ -261,13 +267,14 @@ def status(ctx: click.Context) -> None:
     for queue in (settings.free_queue, settings.defer_queue, settings.reserved_queue,
                   settings.dead_letter_queue):  # fmt: skip
         try:
-            count = sum(broker.llen(queue_list(queue, p)) for p in PRIORITY_STEPS)
-        except redis.RedisError as exc:
-            raise click.ClickException(f"cannot read the broker: {exc}") from exc
-        lengths.append(f"{queue}={count}")
-    claimed = Claims.held(broker, settings.defer_queue)
-    lengths.append(f"{settings.defer_queue}:replaying={claimed}")
-    click.echo("queues " + " ".join(lengths) + f" (broker {shown_url(broker)})")
+            lengths.append(f"{queue}={broker.length(queue)}")
+        except BROKER_ERRORS as exc:
+            raise click.ClickException(f"cannot read the broker ({broker.shown}): {exc}") from exc
+    claimed = broker.claimed()  # None: RabbitMQ holds a replayer's unacked messages itself
+    if claimed is not None:
+        lengths.append(f"{settings.defer_queue}:replaying={claimed}")
+    broker.close()
+    click.echo("queues " + " ".join(lengths) + f" (broker {broker.shown})")
     try:
         stats = {text_of(k): text_of(v) for k, v in gate.hgetall(keys.stats).items()}
     except redis.RedisError as exc:
@@ -296,8 +303,7 @@ def status(ctx: click.Context) -> None:
 def replay(ctx: click.Context, once: bool) -> None:
     """Score deferred tasks again and hand them to free, reserved, defer or the dead letters."""
     settings = settings_of(ctx)
-    replayer = Replayer(settings, redis_client(ctx, broker=True), redis_client(ctx),
-                        app=app_of(ctx))  # fmt: skip
+    replayer = Replayer(settings, broker_of(ctx), redis_client(ctx), app=app_of(ctx))
     stop = threading.Event()
 
     def on_signal(signum: int, _: Any) -> None:
@@ -305,7 +311,7 @@ def replay(ctx: click.Context, once: bool) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    broker = shown_url(replayer.broker)
+    broker = replayer.broker.shown
     replayer.log.info("replay_started", queue=settings.defer_queue, replayer=replayer.ident,
                       broker=broker, gate=shown_url(replayer.gate_client))  # fmt: skip
     totals = replayer.run(stop, once=once)

@@ -1,0 +1,164 @@
+"""The broker the replayer, ``status``, the sweep and the dead letter read.
+
+Celery's own monitors do not see ``defer``, so gatekeeper reads the broker itself, in one of
+two ways chosen by the broker's URL (:func:`broker_for`):
+
+- Redis (``redis://``, ``rediss://``, ``unix://``, ``sentinel://``): kombu's lists, read
+  and moved atomically (:class:`RedisBroker`). A message is claimed into the lock tenure's
+  processing list (:class:`gatekeeper.redis.lock.Claims`) and leaves it only by
+  ``move.lua``, which removes the claimed copy and pushes the rewritten one in one step.
+- RabbitMQ (``amqp://``, ``amqps://``, ``pyamqp://``): through kombu, with explicit acks
+  and publisher confirms (:class:`gatekeeper.celery.amqp.AmqpBroker`).
+
+Any other transport is refused (:class:`~gatekeeper.errors.ConfigError` naming
+``broker_url``): deferred work would have nothing able to read it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from amqp.exceptions import AMQPError
+from kombu.exceptions import KombuError
+
+from gatekeeper.celery.lists import PRIORITY_STEPS, queue_list, waiting_attempts
+from gatekeeper.celery.taken import Broker, Taken
+from gatekeeper.errors import ConfigError
+from gatekeeper.redis.connect import client_for
+from gatekeeper.redis.lock import Claims
+from gatekeeper.redis.scripts import evalsha, load_lua
+from gatekeeper.settings import REDIS_URL_SCHEMES, GatekeeperSettings
+
+__all__ = ["AMQP_URL_SCHEMES", "BROKER_ERRORS", "Broker", "RedisBroker", "Taken", "broker_for",
+           "check_broker", "shown_url"]  # fmt: skip
+
+AMQP_URL_SCHEMES = ("amqp://", "amqps://", "pyamqp://")
+"""The RabbitMQ URLs gatekeeper reads (kombu's py-amqp transport)."""
+BROKER_ERRORS = (redis.RedisError, OSError, KombuError, AMQPError)
+"""What a broker that cannot be reached raises, on either kind."""
+
+
+def check_broker(url: str | None, field: str = "broker_url") -> str:
+    """``redis`` or ``amqp`` for a broker URL gatekeeper can read; ConfigError otherwise."""
+    if url and url.startswith(REDIS_URL_SCHEMES):
+        return "redis"
+    if url and url.startswith(AMQP_URL_SCHEMES):
+        return "amqp"
+    scheme = (url or "").split("://", 1)[0] or "none"
+    raise ConfigError(
+        f"{field}: gatekeeper reads its queues on a Redis broker (redis://, rediss://, unix://, "
+        f"sentinel://) or RabbitMQ (amqp://, amqps://), got {scheme!r}: deferred tasks would "
+        "have nothing able to read them"
+    )
+
+
+def broker_for(settings: GatekeeperSettings, app: Any = None, ident: str = "") -> Broker:
+    """The broker of these settings (``broker_url``, else the app's); ConfigError names the
+    field when gatekeeper cannot read it."""
+    url = settings.effective_broker_url
+    if check_broker(url, "GATEKEEPER_BROKER_URL") == "amqp":
+        from gatekeeper.celery.amqp import AmqpBroker
+
+        return AmqpBroker(str(url), settings, app)
+    client = client_for(str(url), 5.0, retry_on_timeout=False)
+    return RedisBroker(client, settings)
+
+
+def shown_url(client: redis.Redis) -> str:
+    """Which server a client talks to (host, port, db; never a password), for the lines that
+    say which broker and gate Redis a command read."""
+    kwargs = getattr(client, "connection_pool", None)
+    kwargs = getattr(kwargs, "connection_kwargs", {}) or {}
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
+
+
+def _document(raw: bytes | str) -> dict[str, Any] | None:
+    try:
+        message = json.loads(raw)
+    except ValueError:
+        return None
+    if not (isinstance(message, dict) and isinstance(message.get("headers"), dict)
+            and isinstance(message.get("properties"), dict)):  # fmt: skip
+        return None
+    return message
+
+
+class RedisBroker:
+    """kombu's Redis lists: a queue is one list per priority step (gatekeeper/celery/lists.py)."""
+
+    def __init__(self, client: redis.Redis, settings: GatekeeperSettings) -> None:
+        self.client = client
+        self.settings = settings
+        self.claims: Claims | None = None
+        self._move = client.register_script(load_lua("move.lua"))
+        self.shown = shown_url(client)
+
+    def begin(self, ident: str) -> None:
+        if self.claims is None or self.claims.ident != ident:
+            self.claims = Claims(self.client, self.settings.defer_queue,
+                                 self.settings.replay_lock_ttl_s, ident)  # fmt: skip
+        self.claims.begin()
+
+    def end(self) -> None:
+        if self.claims is not None:
+            self.claims.end()
+
+    def beat(self) -> None:
+        if self.claims is not None:
+            self.claims.beat()
+
+    def recover(self) -> int:
+        return self.claims.take_back() if self.claims is not None else 0
+
+    def take(self, queue: str, claim: bool = True) -> Iterator[Taken]:
+        for source in (queue_list(queue, step) for step in PRIORITY_STEPS):
+            if not claim:
+                for raw in reversed(self.client.lrange(source, 0, -1)):
+                    data = raw if isinstance(raw, bytes) else raw.encode()
+                    yield Taken(source, data, _document(data), at=source)
+                continue
+            for _ in range(self.client.llen(source)):
+                assert self.claims is not None, "begin() a tenure before claiming"
+                claimed = self.claims.claim(source)
+                if claimed is None:
+                    break
+                yield Taken(source, claimed, _document(claimed), at=self.claims.current)
+
+    def send(self, taken: Taken, queue: str, message: dict[str, Any] | None) -> bool:
+        target = queue_list(queue, 0)
+        if message is not None:
+            properties = message["properties"]
+            properties["delivery_info"] = {"exchange": "", "routing_key": queue}
+            properties["delivery_tag"] = str(uuid.uuid4())
+            target = queue_list(queue, int(properties.get("priority") or 0))
+        return self._moved(taken, target, message)
+
+    def hold(self, taken: Taken, message: dict[str, Any] | None, wait_s: float) -> bool:
+        return self._moved(taken, taken.source, message)
+
+    def _moved(self, taken: Taken, target: str, message: dict[str, Any] | None) -> bool:
+        new = taken.raw if message is None else json.dumps(message).encode()
+        moved = bool(evalsha(self.client, self._move, [taken.at, target], [taken.raw, new]))
+        taken.done = True  # moved, or its copy was gone (taken back): either way not ours
+        return moved
+
+    def leave(self, taken: Taken) -> None:
+        """A claimed message stays in the tenure's list; the lock's holder takes it back."""
+
+    def length(self, queue: str) -> int:
+        return sum(int(self.client.llen(queue_list(queue, step))) for step in PRIORITY_STEPS)
+
+    def claimed(self) -> int | None:
+        return Claims.held(self.client, self.settings.defer_queue)
+
+    def waiting(self, queue: str) -> set[str] | None:
+        return waiting_attempts(self.client, queue)
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,79 @@
+"""One message taken from a broker's queue, and what gatekeeper needs of a broker.
+
+The two kinds are :class:`gatekeeper.celery.broker.RedisBroker` (kombu's lists) and
+:class:`gatekeeper.celery.amqp.AmqpBroker` (RabbitMQ); :func:`gatekeeper.celery.broker.broker_for`
+picks one from the broker's URL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["Broker", "Taken"]
+
+
+@dataclass(slots=True)
+class Taken:
+    """One message taken from a queue and not yet handed on."""
+
+    source: str
+    """The queue (RabbitMQ) or list (Redis) it came from: where a not-due message goes back."""
+    raw: bytes
+    """Redis: the message exactly as stored (what ``move.lua`` removes); RabbitMQ: its body."""
+    message: dict[str, Any] | None
+    """kombu's message document (``headers``, ``properties``, ``body``, ``content-type``,
+    ``content-encoding``); None when it cannot be read."""
+    at: str = ""
+    """Redis: the list the copy is in now (the tenure's processing list, or ``source``)."""
+    handle: Any = None
+    """RabbitMQ: the kombu message to ack once the rewritten copy is confirmed."""
+    done: bool = False
+    """Handed on (sent or held): nothing more may be moved for it."""
+
+
+class Broker(Protocol):
+    """What the replayer, ``status``, the sweep and the dead letter need of a broker."""
+
+    shown: str
+    """Which server (host, port, vhost or db; never a password), for the lines that say it."""
+
+    def begin(self, ident: str) -> None:
+        """A new lock tenure begins (Redis: its processing list)."""
+
+    def end(self) -> None:
+        """The tenure ended: nothing more is handed on."""
+
+    def beat(self) -> None:
+        """The lock was renewed (Redis: the tenure's heartbeat)."""
+
+    def recover(self) -> int:
+        """Put back what dead tenures left claimed; returns how many."""
+
+    def take(self, queue: str, claim: bool = True) -> Iterator[Taken]:
+        """Each message in ``queue`` once, oldest first, taken until handed on (``claim``
+        False on Redis: read in place, as the dead-letter commands do)."""
+
+    def send(self, taken: Taken, queue: str, message: dict[str, Any] | None) -> bool:
+        """Hand ``taken`` on to ``queue``, rewritten as ``message`` (None: as it is). False
+        when its copy was gone (Redis: taken back by a successor)."""
+
+    def hold(self, taken: Taken, message: dict[str, Any] | None, wait_s: float) -> bool:
+        """Put ``taken`` back in the queue it came from, to be looked at in ``wait_s``."""
+
+    def leave(self, taken: Taken) -> None:
+        """Hand nothing on: the message stays where it is, for the lock's holder."""
+
+    def length(self, queue: str) -> int:
+        """Messages waiting in ``queue`` (every priority)."""
+
+    def claimed(self) -> int | None:
+        """Messages replayers hold claimed (None: the broker keeps them itself)."""
+
+    def waiting(self, queue: str) -> set[str] | None:
+        """``<job_id>:<attempt>`` of every gated message still to run from ``queue``, or
+        None when the broker cannot list a queue without consuming it (RabbitMQ)."""
+
+    def close(self) -> None:
+        """Give the connection back."""

@@ -1,0 +1,65 @@
+"""What the replayer handed a deferred message on as, kept in the gate's record of its attempt.
+
+The replayer scores a deferred message (the gate writes a new nonce into the record), then
+hands the rewritten message on. On RabbitMQ the two are not one step: the original is acked
+only once the rewritten copy is confirmed, so a replayer that dies in between leaves the
+original to come back. Scored again, it would be a second decision for one attempt (and the
+first copy, if it was published, a message whose nonce is no longer the record's). So the
+handoff is kept in the record: ``handoff_from`` (the nonce of the message that was handed
+on) and ``handoff`` (the queue and the header changes, JSON). The message that comes back
+carries ``handoff_from``'s nonce and is handed on again exactly as the first time; the worker
+runs one of the copies (:mod:`gatekeeper.celery.duplicates`). On Redis the handoff is atomic
+(``move.lua``), and this covers a replayer killed between scoring and moving.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gatekeeper.redis.runs import RunLedger
+
+__all__ = ["HANDOFF", "HANDOFF_FROM", "Handoff", "recalled", "remember"]
+
+HANDOFF_FROM = "handoff_from"
+HANDOFF = "handoff"
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """Where a deferred message went, and how its headers were rewritten."""
+
+    queue: str
+    """The queue it was handed to (``defer`` itself when it was deferred again)."""
+    set: dict[str, Any]
+    drop: tuple[str, ...]
+    wait_s: float = 0.0
+    """For a message deferred again: how long it waits before it is looked at again."""
+
+    def apply(self, headers: dict[str, Any]) -> None:
+        headers.update(self.set)
+        for name in self.drop:
+            headers.pop(name, None)
+
+
+def remember(runs: RunLedger, job_id: str, attempt: int, nonce: str, handoff: Handoff) -> None:
+    """Keep ``handoff`` in the record, as the handing on of the message carrying ``nonce``
+    (the record exists: the gate wrote it when it scored the message)."""
+    document = {"queue": handoff.queue, "set": handoff.set, "drop": list(handoff.drop),
+                "wait_s": handoff.wait_s}  # fmt: skip
+    runs.client.hset(runs.keys.run(job_id, attempt),
+                     mapping={HANDOFF_FROM: nonce, HANDOFF: json.dumps(document)})  # fmt: skip
+
+
+def recalled(record: Mapping[str, str], nonce: str) -> Handoff | None:
+    """The handoff of the message carrying ``nonce``, when the record kept one for it."""
+    if not nonce or record.get(HANDOFF_FROM) != nonce:
+        return None
+    try:
+        document = json.loads(record.get(HANDOFF) or "")
+        return Handoff(str(document["queue"]), dict(document["set"]),
+                       tuple(document["drop"]), float(document.get("wait_s") or 0))  # fmt: skip
+    except (ValueError, TypeError, KeyError):
+        return None

@@ -1,0 +1,208 @@
+"""One scenario on both brokers gatekeeper reads: Redis and a real RabbitMQ the suite starts.
+
+Admit to free, defer then replay then run, reserved, a deadline lost to the dead letter (its
+``AsyncResult.get()`` raises), and the replayer SIGKILLed mid-batch at the worst moment
+(RabbitMQ: its copy confirmed, the original not acked; Redis: scored, not moved). Every task
+runs exactly once, on the queue decided; each attempt gets one ledger row; nothing is left in
+defer; ``gatekeeper status`` reads the broker and names it. The app is configured through
+``app.conf`` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from click.testing import CliRunner
+
+import gatekeeper
+from gatekeeper.celery.amqp import delay_ladder
+from gatekeeper.celery.broker import broker_for
+from gatekeeper.celery.replay import Replayer
+from gatekeeper.errors import DeadlineAbandoned
+from gatekeeper.ops.cli import main
+from gatekeeper.redis.keys import Keys
+from tests.apps.gated_app import RUNS_KEY, create_app
+from tests.conftest import REPO_ROOT, gate_settings, running_worker, wait_until
+
+pytestmark = [pytest.mark.celery, pytest.mark.servers]
+SOON = {"gatekeeper_deadline_s": 1.5, "gatekeeper_expected_service_s": 0}
+"""Deferred (a service time of 0 cannot be scored), its deadline gone 1.5 s later."""
+TIGHT = {"gatekeeper_deadline_s": 0.5}
+"""A deadline nearer than the task's own service time: reserved."""
+KEYS = Keys()
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    if request.param == "redis":
+        return redis_url
+    return str(request.getfixturevalue("rabbitmq_url"))
+
+
+def _runs(client: redis.Redis) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in client.lrange(RUNS_KEY, 0, -1)]
+
+
+def _rows(client: redis.Redis) -> list[dict[str, Any]]:
+    rows = []
+    for key in client.scan_iter(KEYS.window_rows(0).replace(":0:", ":*:")):
+        rows += [json.loads(raw) for raw in client.lrange(key, 0, -1)]
+    return rows
+
+
+def _ends_abandoned(app: Celery, job_id: str) -> None:
+    """``AsyncResult.get()`` raises (its result subscription ends here, while Redis is up)."""
+    result = app.AsyncResult(job_id)
+    with pytest.raises(DeadlineAbandoned, match="abandoned: its deadline"):
+        result.get(timeout=10)
+
+
+def _env(redis_url: str, broker_url: str, **more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
+    env.update(GATEKEEPER_REDIS_URL=redis_url, GATEKEEPER_BROKER_URL=broker_url,
+               GATEKEEPER_DWELL_GATE_ENABLED="true", GATEKEEPER_CANARY_PERCENT="100",
+               GATEKEEPER_REPLAY_LOCK_TTL_S="1", PYTHONPATH=str(REPO_ROOT), **more)  # fmt: skip
+    return env
+
+
+def test_the_scenario_on_either_broker(
+    broker_url: str, redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    amqp = broker_url.startswith("amqp")
+    # Configured through app.conf only (Django's CELERY_GATEKEEPER_* become these keys).
+    app = Celery("brokers", broker=broker_url)
+    app.conf.update(gatekeeper_redis_url=redis_url, gatekeeper_dwell_gate_enabled=True,
+                    gatekeeper_canary_percent=100, gatekeeper_max_queue_age_s=0.5,
+                    gatekeeper_replay_lock_ttl_s=1, gatekeeper_replay_poll_s=0.2,
+                    result_backend=redis_url)  # fmt: skip
+    app.conf.task_default_queue = "celery"
+    installed = gatekeeper.install(app)
+
+    @gatekeeper.gated(expected_service_s=1, tokens_in=100, deadline_s=60)
+    @app.task(name="tests.embed", shared=False)  # the worker's tests.embed (gated_app)
+    def embed(chunk: Any, sleep_s: float = 0.0) -> Any:
+        return chunk
+
+    settings = installed.settings
+    assert settings.redis_url == redis_url and settings.max_queue_age_s == 0.5
+
+    first = embed.delay(0)  # nothing waits on free: admitted
+    tight = embed.apply_async((10,), headers=TIGHT)
+    time.sleep(0.6)  # ... and not started: free is older than the cap now
+    deferred = [embed.delay(n) for n in range(1, 5)]
+    lost = embed.apply_async((9,), headers=SOON)
+    decisions = {r.id: redis_client.hget(KEYS.run(r.id, 1), "decision") for r in
+                 [first, *deferred, lost, tight]}  # fmt: skip
+    assert decisions[first.id] == b"admit_free" and decisions[tight.id] == b"reserved"
+    assert {decisions[r.id] for r in [*deferred, lost]} == {b"defer"}
+    broker = broker_for(settings, app)
+    assert wait_until(lambda: broker.length("defer") == 5 and broker.length("free") == 1, 5)
+    broker.close()
+
+    log = tmp_path / "worker.log"
+    with running_worker(redis_url, log, queues="free,reserved",
+                        GATEKEEPER_BROKER_URL=broker_url):  # fmt: skip
+        assert wait_until(lambda: {r["id"] for r in _runs(redis_client)} >= {first.id, tight.id})
+        time.sleep(1.6)  # the lost one's deadline passes; the others' do not (60 s)
+        # The replayer is SIGKILLed on its 2nd handoff (the 1st went through).
+        killed = subprocess.run(
+            [sys.executable, "-m", "tests.apps.killed_replayer"], capture_output=True,
+            env=_env(redis_url, broker_url, GATEKEEPER_TEST_KILL_AT="2"), cwd=REPO_ROOT,
+            timeout=60,
+        )  # fmt: skip
+        assert killed.returncode == -9, killed.stderr.decode()
+        time.sleep(1.2)  # its lock (and, on Redis, its tenure's heartbeat) expires
+        # A replayer works defer until every task ran (some wait out a backoff: the killed
+        # replayer's admission held free's age over the cap until its message started).
+        replayer = Replayer(settings, broker_for(settings, app), redis_client, app=app)
+        stop = threading.Event()
+        working = threading.Thread(target=replayer.run, args=(stop,))
+        working.start()
+        everyone = {r.id for r in [first, *deferred, tight]}
+        try:
+            assert wait_until(lambda: {r["id"] for r in _runs(redis_client)} >= everyone, 60)
+        finally:
+            stop.set()
+            working.join(timeout=20)
+        totals = replayer.counts
+        assert totals["dead_lettered"] == 1 and not totals["pass_failed"], totals
+        assert totals["handed_on_again"] == 1, totals  # the killed handoff, as decided
+        time.sleep(1.5)  # a second copy, if one ran, would be recorded by now
+    ran = Counter(r["id"] for r in _runs(redis_client))
+    assert all(ran[job] == 1 for job in everyone), ran  # exactly once each
+    assert lost.id not in ran
+    _ends_abandoned(app, lost.id)
+    queues = {r["id"]: r["queue"] for r in _runs(redis_client)}
+    assert queues[tight.id] == "reserved"
+    assert {queues[r.id] for r in [first, *deferred]} == {"free"}
+    text = log.read_text()
+    if amqp:  # the killed replayer's copy and the one handed on again: one ran
+        assert text.count("event=duplicate_skipped") == 1, text
+    rows = Counter((r["job_id"], r["attempt"]) for r in _rows(redis_client))
+    assert all(n == 1 for n in rows.values()) and len(rows) == 7, rows
+    outcomes = Counter(r["outcome"] for r in _rows(redis_client))
+    assert outcomes == {"ok": 6, "abandoned": 1}, outcomes
+
+    status = _cli(redis_url, broker_url, "status")
+    assert status.exit_code == 0, status.output
+    assert "free=0 defer=0 reserved=0 dead_letter=1" in status.output, status.output
+    assert ("(broker amqp 127.0.0.1:" if amqp else "(broker 127.0.0.1:") in status.output
+
+
+def _cli(redis_url: str, broker_url: str, *args: str) -> Any:
+    env = {"GATEKEEPER_REDIS_URL": redis_url, "GATEKEEPER_BROKER_URL": broker_url}
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+def test_not_due_work_waits_off_the_head_of_defer_and_a_dead_letter_is_requeued(
+    broker_url: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    settings = gate_settings(redis_url, broker_url=broker_url, max_queue_age_s=0.2,
+                             replay_backoff_s=1.0)  # fmt: skip
+    app = create_app(settings, broker_url)
+    embed = app.tasks["tests.embed"]
+    embed.delay(0)
+    time.sleep(0.3)  # free is older than the cap, and nothing consumes it
+    waiting = embed.delay(1)
+    lost = embed.apply_async((2,), headers=SOON)
+    broker = broker_for(settings, app)
+    assert wait_until(lambda: broker.length("defer") == 2, timeout_s=5)  # published (async)
+    replayer = Replayer(settings, broker_for(settings, app), redis_client, app=app)
+    first = replayer.run(threading.Event(), once=True)
+    assert first["deferred_again"] == 2, first
+    if broker_url.startswith("amqp"):
+        # Not at the head of defer (a replayer would find it there every pass, not due):
+        # in the delay queue of its backoff, and back in defer once that TTL ran out.
+        assert broker.length("defer") == 0 and broker.length("defer.delay.1000") == 2
+        assert wait_until(lambda: broker.length("defer") == 2, timeout_s=5)
+        assert broker.length("defer.delay.1000") == 0
+    time.sleep(1.6)  # the lost one's deadline has passed, the other's backoff too
+    second = Replayer(settings, broker_for(settings, app), redis_client, app=app).run(
+        threading.Event(), once=True
+    )
+    assert second["dead_lettered"] == 1 and second["deferred_again"] == 1, second
+    listed = _cli(redis_url, broker_url, "dead-letter", "list")
+    assert listed.exit_code == 0, listed.output
+    assert f"job_id={lost.id}" in listed.output and "dead_lettered=1" in listed.output
+    assert broker.length("dead_letter") == 1  # listing gives the message back
+    requeued = _cli(redis_url, broker_url, "dead-letter", "requeue", lost.id,
+                    "--deadline-s", "600")  # fmt: skip
+    assert requeued.exit_code == 0, requeued.output
+    assert f"requeued {lost.id} to " in requeued.output
+    assert broker.length("dead_letter") == 0
+    delays = [f"defer.delay.{ms}" for ms in delay_ladder(1.0, settings.replay_backoff_max_s)]
+    after = sum(broker.length(q) for q in ("free", "defer", "reserved", *delays))
+    assert after == 3, after  # the first (never consumed), the waiting one, the requeued one
+    assert redis_client.hget(Keys().run(waiting.id, 1), "decision") == b"defer"
+    broker.close()
