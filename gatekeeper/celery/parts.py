@@ -9,7 +9,9 @@ first gated publish or the first signal. Settings that do not validate raise
 that is not Redis, with no ``redis_url``) is no error: the gate's client then fails every
 call at once (:func:`unconfigured_client`), so gated publishes fail closed as with an
 unreachable Redis (reserved, ``gate_unavailable``; with the gate off in the settings, their
-own route unless it reaches free), each decision line saying why.
+own route unless it reaches free), each decision line saying why. A broker that is neither
+Redis nor RabbitMQ (``sqs://``, ``memory://``: deferred work would have nothing able to read
+it) refuses gating the same way, with an ``event=broker_unsupported`` error line at first use.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from celery.signals import (
     worker_shutdown,
 )
 
+from gatekeeper.celery.broker import check_broker
 from gatekeeper.celery.expiry import Expiry
 from gatekeeper.celery.heartbeat import Heartbeat
 from gatekeeper.celery.worker import WorkerSide
@@ -41,7 +44,7 @@ from gatekeeper.logs import make_logger
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.gate import Pipeline
-from gatekeeper.settings import REDIS_URL_SCHEMES, GatekeeperSettings, load_settings
+from gatekeeper.settings import GatekeeperSettings, load_settings
 
 __all__ = ["SIGNALS", "Parts", "build", "gate_client", "unconfigured_client"]
 
@@ -116,6 +119,16 @@ def build(
                 f"task_create_missing_queues is off, missing {sorted(missing)}"
             )
     unconfigured = None
+    broker = settings.effective_broker_url
+    try:
+        check_broker(broker)
+    except ConfigError as exc:
+        if broker:  # a transport gatekeeper cannot read: gating is refused, said once
+            unconfigured = f"gating refused: {exc}"
+            client = unconfigured_client(unconfigured)
+            make_logger(settings, "decision").error(
+                "broker_unsupported", broker=broker.split("://", 1)[0], reason=str(exc)
+            )
     if client is None:
         try:
             client = gate_client(settings)
@@ -123,14 +136,6 @@ def build(
             unconfigured = f"no gate Redis: {exc}"
             client = unconfigured_client(unconfigured)
             make_logger(settings, "decision").warning("gate_unconfigured", reason=unconfigured)
-    broker = settings.effective_broker_url or ""
-    if broker and not broker.startswith(REDIS_URL_SCHEMES):
-        # The replayer reads defer from the broker's Redis lists: on another transport,
-        # deferred work has nothing able to read it yet (said once, at first use).
-        make_logger(settings, "decision").warning(
-            "defer_unreadable", broker=broker.split("://", 1)[0],
-            reason="the replayer needs a Redis broker: deferred tasks would wait in defer",
-        )  # fmt: skip
     pipeline = Pipeline.create(settings, client, clock)
     worker = WorkerSide(app, settings, client, pipeline.flags, clock)
     expiry = Expiry(app, settings, client, worker.log, clock)
