@@ -40,12 +40,13 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import MasterDownError, ReadOnlyError
 from redis.retry import Retry
 
 from gatekeeper.defaults import BREAKER_OPEN_S
 from gatekeeper.errors import LedgerUnavailable
 
-__all__ = ["NOT_ANSWERING", "Breaker", "no_retry"]
+__all__ = ["NOT_ANSWERING", "Breaker", "no_retry", "not_answering"]
 
 NOT_ANSWERING = (redis.ConnectionError, redis.TimeoutError)
 """The errors that say the server did not answer (redis-py's ``BusyLoadingError`` among them)."""
@@ -53,7 +54,20 @@ LOST_REPLIES = re.compile(r"\b(READONLY|LOADING|MASTERDOWN)\b")
 """Error replies that say this server is not the gate's primary any more (a replica after a
 failover, one still loading, one cut from its primary): a lost connection, not an answer, or
 the gate would fail closed until a restart. The client's connections are dropped, so the
-next ones find the server again (a failover that moved a DNS name or an address)."""
+next ones find the server again (a failover that moved a DNS name or an address). Read from
+the text as the gate's own line (:mod:`gatekeeper.redis.wire`) hands it over, and from the
+class redis-py parses it into (its message drops the code)."""
+LOST_ERRORS = (ReadOnlyError, MasterDownError)
+"""redis-py's classes for those replies (``LOADING`` is a ``BusyLoadingError``, so a
+``ConnectionError``)."""
+
+
+def not_answering(exc: BaseException) -> bool:
+    """Whether ``exc`` says the gate's Redis did not answer (an error reply is an answer,
+    unless it is one of :data:`LOST_REPLIES`)."""
+    if isinstance(exc, (*NOT_ANSWERING, *LOST_ERRORS)):
+        return True
+    return isinstance(exc, redis.ResponseError) and LOST_REPLIES.search(str(exc)) is not None
 
 
 def no_retry() -> dict[str, Any]:
@@ -102,9 +116,9 @@ class Breaker:
 
     def failed(self, exc: BaseException) -> bool:
         """Open the breaker when ``exc`` says the server did not answer; True when it did."""
+        if not not_answering(exc):
+            return False
         if not isinstance(exc, NOT_ANSWERING):
-            if not (isinstance(exc, redis.ResponseError) and LOST_REPLIES.search(str(exc))):
-                return False
             with contextlib.suppress(Exception):
                 self.client.connection_pool.disconnect()
         with self._lock:
