@@ -122,3 +122,16 @@ def test_the_shipped_toml_declares_the_source_workload() -> None:
 def test_nested_drill_variables_override_the_toml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GATEKEEPER_DRILL__SEED", "11")
     assert load_settings(REPO_CONFIG).drill.seed == 11
+
+
+def test_a_redis_cluster_is_the_gates_redis_and_never_the_broker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cluster = "redis+cluster://n1:7000,n2:7000"
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", cluster)
+    settings = load_settings()
+    assert settings.gate_redis_url() == cluster
+    assert settings.effective_broker_url is None  # the broker is never the cluster
+    monkeypatch.setenv("GATEKEEPER_BROKER_URL", "rediss+cluster://n1:7000")
+    with pytest.raises(ConfigError, match=r"GATEKEEPER_BROKER_URL: a Redis Cluster cannot be"):
+        load_settings()
