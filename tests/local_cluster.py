@@ -1,5 +1,5 @@
 """A local Redis Cluster for the tests: ``redis-server --cluster-enabled yes`` processes on free
-loopback ports, joined by hand."""
+loopback ports, joined by hand, the README's ACL user on every node."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import redis
 
 from gatekeeper.ops.embedded import EmbeddedRedisError, find_redis_server
+from tests.acl import PASSWORD, USER, acl_rules
 from tests.conftest import missing_server, unused_port, wait_until
 
 SLOTS = 16384
@@ -80,6 +81,9 @@ class LocalCluster:
         for n, admin in enumerate(admins[self.primaries :]):
             admin.execute_command("CLUSTER", "REPLICATE", ids[n % self.primaries])
         assert wait_until(lambda: all(_serving(a) for a in admins)), "the cluster did not form"
+        for admin in admins:  # the README's ACL user, on every node (ACLs are per node)
+            for rule in acl_rules(cluster=True):
+                admin.execute_command(*rule)
         return self
 
     def admin(self, port: int) -> redis.Redis:
@@ -94,12 +98,14 @@ class LocalCluster:
         return list(self.processes)
 
     def url(self) -> str:
-        """The gate's URL: two of the nodes as startup nodes."""
+        """The gate's URL: the README's ACL user, two of the nodes as startup nodes."""
         nodes = ",".join(f"127.0.0.1:{port}" for port in self.ports[:2])
         if self.tls is None:
-            return f"redis+cluster://{nodes}"
+            return f"redis+cluster://{USER}:{PASSWORD}@{nodes}"
         ca = self.tls / "cert.pem"
-        return f"rediss+cluster://{nodes}?ssl_ca_certs={ca}&ssl_cert_reqs=required"
+        return (
+            f"rediss+cluster://{USER}:{PASSWORD}@{nodes}?ssl_ca_certs={ca}&ssl_cert_reqs=required"
+        )
 
     def kill(self, port: int) -> None:
         self.processes[port].send_signal(signal.SIGKILL)

@@ -1,9 +1,10 @@
 """The gate's Redis as a Redis Cluster (``redis+cluster://``): six real ``redis-server``
-processes in cluster mode (three primaries, a replica each), a plain Redis as Celery's broker.
-Gated publishes are decided on the cluster and a worker's rows land there; what is asked of one
-server goes to the namespace's primary; fast publish stands aside; an install made while its
-cluster is away decides once it answers; TLS; a primary killed while a thread publishes sends
-nothing undecided to free, and the gate decides again on the promoted replica, no restart."""
+processes in cluster mode (three primaries, a replica each), the gate's user held by the
+README's ACL, a plain Redis as Celery's broker. Gated publishes are decided on the cluster and
+a worker's rows land there; what is asked of one server goes to the namespace's primary; fast
+publish stands aside; an install made while its cluster is away decides once it answers; TLS;
+a primary killed while a thread publishes sends nothing undecided to free, and the gate
+decides again on the promoted replica, no restart."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from gatekeeper.redis.cluster import GateCluster, home, is_cluster
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
+from tests.acl import PASSWORD, USER, refused
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import (
     gate_settings,
@@ -134,13 +136,15 @@ def test_gated_publishes_are_decided_on_the_cluster_and_the_worker_writes_rows_t
     replay = CliRunner().invoke(main, ["replay", "--once"])  # its lock, on the cluster
     assert replay.exit_code == 0, replay.output
     assert [m["headers"]["id"] for m in queue_messages(redis_client, "free")] == [aged]
+    for port in cluster.ports:  # the README's ACL let every command through, on every node
+        assert refused(cluster.admin(port)) == []
 
 
 def test_any_startup_node_that_answers_is_enough(
     cluster: LocalCluster, admin: RedisCluster
 ) -> None:
     gone = cluster_port()
-    url = f"redis+cluster://127.0.0.1:{gone},127.0.0.1:{cluster.ports[3]}/0"
+    url = f"redis+cluster://{USER}:{PASSWORD}@127.0.0.1:{gone},127.0.0.1:{cluster.ports[3]}/0"
     assert client_for(url, 0.5).hgetall(KEYS.flags) == {b"initialised_at": b"-inf"}
 
 
@@ -209,6 +213,7 @@ def test_a_flag_write_waits_for_the_replica_of_the_slots_primary(
     assert waited >= 0.45, f"WAIT did not wait for the slot's replica ({waited:.3f} s)"
     assert store.stored()["canary_percent"] == "40.0"
     assert [change.name for change in store.history()] == ["canary_percent"]
+    assert all(refused(cluster.admin(port)) == [] for port in cluster.ports)  # the README's ACL
 
 
 def test_the_eviction_check_reads_the_slots_primary(
