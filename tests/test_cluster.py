@@ -181,6 +181,7 @@ def test_fast_publish_on_with_a_cluster_takes_celerys_own_publish(
         app.tasks["tests.embed"].delay(n)
     assert reasons(redis_client, "free") == ["fits"] * 3  # in the broker, decided
     assert admin.zcard(KEYS.free_waiting) == 3 and not admin.exists("free")
+    assert gatekeeper.install(app).store._line.conn is None  # no line: redis-py's cluster client
 
 
 def away_from_home(client: redis.Redis) -> None:
@@ -263,6 +264,7 @@ def test_an_install_made_while_its_cluster_is_away_decides_once_it_answers(
 def test_a_primary_killed_while_publishing_sends_nothing_undecided_to_free(
     redis_url: str, redis_client: redis.Redis, cluster: LocalCluster, admin: RedisCluster
 ) -> None:
+    """The last test on the module's cluster: it leaves the killed primary down."""
     primary = home(admin, KEYS.flags)  # type: ignore[arg-type]
     port = int(primary.connection_pool.connection_kwargs["port"])
     assert primary.execute_command("WAIT", 1, 2000) == 1  # the state marker is on the replica
