@@ -124,9 +124,11 @@ class GatekeeperSettings(BaseSettings):
     )
 
     redis_url: str | None = None
-    """The gate's Redis (state, ledger, flags); unset, ``gatekeeper demo`` embeds one."""
+    """The gate's Redis (state, ledger, flags); unset, ``gatekeeper demo`` embeds one. A Redis
+    Cluster is ``redis+cluster://host:port[,host:port...]`` (:mod:`gatekeeper.redis.cluster`)."""
     broker_url: str | None = None
-    """Celery's broker for ``workers/`` and the demo; unset means ``redis_url``."""
+    """Celery's broker for ``workers/`` and the demo; unset means ``redis_url``. Never a Redis
+    Cluster: kombu has no cluster transport."""
     key_prefix: QueueName = "gatekeeper"
     namespace: QueueName = "default"
     """Hash tag of every key: ``{key_prefix}:{{{namespace}}}:...`` (one slot in Redis Cluster)."""
@@ -219,14 +221,30 @@ class GatekeeperSettings(BaseSettings):
     @field_validator("redis_url", mode="after")
     @classmethod
     def _a_redis_url(cls, value: str | None) -> str | None:
-        if value and not value.startswith(REDIS_URL_SCHEMES):
-            raise ValueError("expected a Redis URL (redis://, rediss://, unix:// or sentinel://)")
+        if value and not value.startswith(GATE_URL_SCHEMES):
+            raise ValueError(
+                "expected a Redis URL (redis://, rediss://, unix://, sentinel:// or "
+                "redis+cluster://)"
+            )
+        return value
+
+    @field_validator("broker_url", mode="after")
+    @classmethod
+    def _not_a_cluster(cls, value: str | None) -> str | None:
+        if value and value.startswith(CLUSTER_URL_SCHEMES):
+            raise ValueError(
+                "a Redis Cluster cannot be Celery's broker (kombu has no cluster transport): "
+                "set redis_url to the cluster and broker_url to a plain Redis"
+            )
         return value
 
     @property
     def effective_broker_url(self) -> str | None:
-        """The broker Celery should use."""
-        return self.broker_url or self.redis_url
+        """The broker Celery should use: ``broker_url``, else ``redis_url`` unless that is a
+        Redis Cluster (never a broker)."""
+        if self.broker_url or (self.redis_url or "").startswith(CLUSTER_URL_SCHEMES):
+            return self.broker_url
+        return self.redis_url
 
     def gate_redis_url(self) -> str:
         """The gate's Redis URL: ``redis_url``, else the broker's; :class:`ConfigError` names
@@ -257,8 +275,12 @@ class GatekeeperSettings(BaseSettings):
 
 
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
-"""The URLs the gate's clients open (:mod:`gatekeeper.redis.connect`; kombu's
-``redis+socket://`` is not among them)."""
+"""The URLs of one Redis server the gate's clients open (:mod:`gatekeeper.redis.connect`;
+kombu's ``redis+socket://`` is not among them): the broker's, when the gate reads it."""
+CLUSTER_URL_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+"""A Redis Cluster, for the gate's Redis only (:mod:`gatekeeper.redis.cluster`)."""
+GATE_URL_SCHEMES = (*REDIS_URL_SCHEMES, *CLUSTER_URL_SCHEMES)
+"""What ``redis_url`` may be."""
 
 
 def redis_url_of(name: str, url: str | None, note: str = "") -> str:

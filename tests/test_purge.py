@@ -101,3 +101,17 @@ def test_admissions_past_the_horizon_are_dropped_by_the_gate_a_few_at_a_time(
     assert redis_client.hlen(KEYS.inflight) == 3  # the 40 are gone
     assert float(redis_client.hget(KEYS.window(1), "exposure") or 0) == 0
     assert redis_client.hget(KEYS.run("old0", 1), "reserved") == b"0"
+
+
+def test_a_task_id_holding_run_does_not_keep_what_stale_admissions_reserved(
+    redis_client: redis.Redis,
+) -> None:
+    """gate.lua builds a stale admission's window and record keys from the prefix of the
+    deciding attempt's record key: a caller's task id holding ``:run:`` must not move it."""
+    store = GateStore(redis_client, KEYS, horizon_s=60)
+    now = time.time()
+    store.score(gate_call(now_s=now - 120, job_id="old", window_id=1, tokens_in=10))
+    assert float(redis_client.hget(KEYS.window(1), "exposure") or 0) > 0
+    store.score(gate_call(now_s=now, job_id="a:run:b", window_id=2, tokens_in=10))
+    assert redis_client.hget(KEYS.run("old", 1), "reserved") == b"0"
+    assert float(redis_client.hget(KEYS.window(1), "exposure") or 0) == 0

@@ -9,6 +9,7 @@ import pytest
 from gatekeeper.core.ledger import BudgetMode
 from gatekeeper.errors import ConfigError
 from gatekeeper.settings import GatekeeperSettings, load_settings
+from workers.app import create_app
 
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "config" / "gatekeeper.toml"
 
@@ -122,3 +123,25 @@ def test_the_shipped_toml_declares_the_source_workload() -> None:
 def test_nested_drill_variables_override_the_toml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GATEKEEPER_DRILL__SEED", "11")
     assert load_settings(REPO_CONFIG).drill.seed == 11
+
+
+def test_a_redis_cluster_is_the_gates_redis_and_never_the_broker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cluster = "redis+cluster://n1:7000,n2:7000"
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", cluster)
+    settings = load_settings()
+    assert settings.gate_redis_url() == cluster
+    assert settings.effective_broker_url is None  # the broker is never the cluster
+    monkeypatch.setenv("GATEKEEPER_BROKER_URL", "rediss+cluster://n1:7000")
+    with pytest.raises(ConfigError, match=r"GATEKEEPER_BROKER_URL: a Redis Cluster cannot be"):
+        load_settings()
+
+
+def test_the_workers_need_a_broker_besides_a_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GATEKEEPER_BROKER_URL", raising=False)
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", "redis+cluster://n1:7000")
+    with pytest.raises(
+        ConfigError, match=r"^GATEKEEPER_BROKER_URL: .* unless it is a Redis Cluster"
+    ):
+        create_app()

@@ -28,8 +28,8 @@ def create_app(settings: GatekeeperSettings | None = None) -> Celery:
     broker = settings.effective_broker_url
     if not broker:
         raise ConfigError(
-            "GATEKEEPER_BROKER_URL or GATEKEEPER_REDIS_URL: expected a broker URL such as "
-            "redis://127.0.0.1:6379/0, got neither"
+            "GATEKEEPER_BROKER_URL: expected a broker URL such as redis://127.0.0.1:6379/0, "
+            "got none (GATEKEEPER_REDIS_URL stands for it, unless it is a Redis Cluster)"
         )
     app = Celery("gatekeeper_workers", broker=broker)
     app.conf.update(

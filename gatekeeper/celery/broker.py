@@ -28,6 +28,7 @@ from kombu.exceptions import KombuError
 from gatekeeper.celery.lists import PRIORITY_STEPS, queue_list, waiting_attempts
 from gatekeeper.celery.taken import Broker, Taken
 from gatekeeper.errors import ConfigError
+from gatekeeper.redis.cluster import is_cluster, shown_nodes
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.lock import Claims
 from gatekeeper.redis.scripts import evalsha, load_lua
@@ -71,6 +72,8 @@ def broker_for(settings: GatekeeperSettings, app: Any = None, ident: str = "") -
 def shown_url(client: redis.Redis) -> str:
     """Which server a client talks to (host, port, db; never a password), for the lines that
     say which broker and gate Redis a command read."""
+    if is_cluster(client):
+        return shown_nodes(client)
     kwargs = getattr(client, "connection_pool", None)
     kwargs = getattr(kwargs, "connection_kwargs", {}) or {}
     if "path" in kwargs:

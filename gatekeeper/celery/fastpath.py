@@ -21,9 +21,10 @@ such publishes take the ordinary path and see the real decision.
 
 It leans on kombu's virtual Redis channel (:mod:`gatekeeper.celery.private`, with its
 checks). It stands aside, and the ordinary path is taken, for: another transport or server
-(compared by the server's ``run_id`` and database), kombu's ``global_keyprefix``, queues with
-an expiry or a non-direct exchange, queues whose settings differ (the message would not be the
-same on each), and kombu publish batches.
+(compared by the server's ``run_id`` and database), a gate Redis that is a Redis Cluster
+(kombu has no cluster transport: the broker is never the gate's server), kombu's
+``global_keyprefix``, queues with an expiry or a non-direct exchange, queues whose settings
+differ (the message would not be the same on each), and kombu publish batches.
 
 When the script fails, or its reply is lost or late (a Redis stall past ``redis_timeout_s``),
 the message Celery already built goes to reserved through ``fallback.lua``, not through
@@ -55,6 +56,7 @@ from kombu.utils.json import dumps
 
 from gatekeeper.celery.private import capture_message, channel_fits
 from gatekeeper.core.headers import H_DECISION, H_DWELL_S, H_FREE_ADMITTED, H_REASON, H_WINDOW
+from gatekeeper.redis.cluster import is_cluster
 from gatekeeper.redis.push import Push, placeholders
 
 __all__ = ["FastRender", "possible", "publish_observed", "same_server"]
@@ -124,8 +126,13 @@ def same_server(broker: Any, gate: redis.Redis) -> bool | None:
     when that could not be asked (a server unreachable for now: ask again next time).
 
     Asked of the servers themselves (``run_id`` and the database number), once per pool:
-    host names, ports and Sentinel pools cannot fool it.
+    host names, ports and Sentinel pools cannot fool it. Never when the gate's Redis is a
+    Redis Cluster: kombu's channel is one server's client, so the broker is never the
+    cluster, even when it is one of its nodes (whose ``run_id`` the cluster's ``INFO`` can
+    answer with); ``gate.lua`` would be sent lists of another slot, or of another server.
     """
+    if is_cluster(gate):
+        return False
     try:
         theirs = broker.connection_pool.connection_kwargs.get("db", 0)
         ours = gate.connection_pool.connection_kwargs.get("db", 0)

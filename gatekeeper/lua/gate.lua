@@ -122,10 +122,11 @@ if oldest[2] and tonumber(oldest[2]) < now - horizon then
   -- Admissions past the horizon (a purged or lost message, never started) stop counting at
   -- once; up to 16 of them per call are also dropped and give back what they
   -- reserved, so that without a sweep `waiting` and `inflight` stay bounded. Their window
-  -- and record keys are built here from KEYS[6]'s prefix: every key shares one hash tag, so
-  -- one cluster slot.
+  -- and record keys are built here from KEYS[6]'s prefix, `<prefix>:{<namespace>}` up to its
+  -- hash tag (neither holds a brace; a task id, chosen by the caller, may hold ':run:'), so
+  -- they share its cluster slot.
   local cutoff = '(' .. fmt(now - horizon)
-  local base = string.match(KEYS[6], '^(.*):run:')
+  local base = string.match(KEYS[6], '^[^{]*{[^}]*}')
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff, 'LIMIT', 0, 16)) do
     redis.call('ZREM', KEYS[1], member)
     local stale = redis.call('HGET', KEYS[4], member)

@@ -10,8 +10,9 @@ and the pipeline decides as it does with Redis unreachable (reserved, ``gate_una
 the flags last read stay in force). Nothing goes to free.
 
 The probe is a daemon thread of its own, started when the breaker opens: every
-``breaker_open_s`` it sends one ``PING`` through the client (its timeout, no retry) and
-closes the breaker on the first answer, then ends. No publish waits for it; the cost is a
+``breaker_open_s`` it sends one ``PING`` through the client (its timeout, no retry; on a
+Redis Cluster, ``EXISTS`` of a namespace key, which asks the slot's primary) and closes the
+breaker on the first answer, then ends. No publish waits for it; the cost is a
 thread while the server is away. Letting one caller through per interval instead would make
 one publish in each interval wait the whole timeout.
 
@@ -36,24 +37,43 @@ import re
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, ClusterError, ReadOnlyError, TryAgainError
 from redis.retry import Retry
 
 from gatekeeper.defaults import BREAKER_OPEN_S
 from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.redis.cluster import is_cluster
 
-__all__ = ["NOT_ANSWERING", "Breaker", "no_retry"]
+__all__ = ["NOT_ANSWERING", "Breaker", "no_retry", "not_answering"]
 
 NOT_ANSWERING = (redis.ConnectionError, redis.TimeoutError)
 """The errors that say the server did not answer (redis-py's ``BusyLoadingError`` among them)."""
-LOST_REPLIES = re.compile(r"\b(READONLY|LOADING|MASTERDOWN)\b")
+LOST_REPLIES = re.compile(r"\b(READONLY|LOADING|MASTERDOWN|CLUSTERDOWN|TRYAGAIN)\b")
 """Error replies that say this server is not the gate's primary any more (a replica after a
-failover, one still loading, one cut from its primary): a lost connection, not an answer, or
-the gate would fail closed until a restart. The client's connections are dropped, so the
-next ones find the server again (a failover that moved a DNS name or an address)."""
+failover, one still loading, one cut from its primary; on a Redis Cluster, a slot served by
+nobody while a replica is promoted): a lost connection, not an answer, or the gate would fail
+closed until a restart. The client's connections are dropped, so the next ones find the
+server again (a failover that moved a DNS name or an address); a cluster client finds the
+slot's new primary itself. Read from the text as the gate's own line (:mod:`gatekeeper.redis.
+wire`) hands it over, and from the class redis-py parses it into (its message drops the
+code)."""
+LOST_ERRORS = (ReadOnlyError, ClusterDownError, TryAgainError, ClusterError)
+"""redis-py's classes for those replies (``MASTERDOWN`` is a ``ClusterDownError``; ``LOADING``
+a ``BusyLoadingError``, so a ``ConnectionError``), and a cluster's redirections that never
+came to an end (``ClusterError``, "TTL exhausted")."""
+
+
+def not_answering(exc: BaseException) -> bool:
+    """Whether ``exc`` says the gate's Redis did not answer (an error reply is an answer,
+    unless it is one of :data:`LOST_REPLIES`)."""
+    if isinstance(exc, (*NOT_ANSWERING, *LOST_ERRORS)):
+        return True
+    return isinstance(exc, redis.ResponseError) and LOST_REPLIES.search(str(exc)) is not None
 
 
 def no_retry() -> dict[str, Any]:
@@ -65,10 +85,18 @@ class Breaker:
     """Whether calls to one Redis client are made at all; opened by a call that got no answer,
     closed by its probe."""
 
-    def __init__(self, client: Any, open_s: float = BREAKER_OPEN_S, log: Any = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        open_s: float = BREAKER_OPEN_S,
+        log: Any = None,
+        probe: Callable[[], object] | None = None,
+    ) -> None:
         self.client = client
         self.open_s = open_s
         self.log = log
+        self.probe = probe or (lambda: self.client.ping())
+        """What the probe sends (a ``PING``; :func:`gatekeeper.redis.cluster.probe_of`)."""
         self.error: str | None = None
         """Why the breaker is open (the error that opened it); None while closed."""
         self.trips = 0
@@ -102,9 +130,9 @@ class Breaker:
 
     def failed(self, exc: BaseException) -> bool:
         """Open the breaker when ``exc`` says the server did not answer; True when it did."""
-        if not isinstance(exc, NOT_ANSWERING):
-            if not (isinstance(exc, redis.ResponseError) and LOST_REPLIES.search(str(exc))):
-                return False
+        if not not_answering(exc):
+            return False
+        if not isinstance(exc, NOT_ANSWERING) and not is_cluster(self.client):
             with contextlib.suppress(Exception):
                 self.client.connection_pool.disconnect()
         with self._lock:
@@ -140,18 +168,17 @@ class Breaker:
                 self._say("gate_breaker_closed", by="answer", open_s=self._open_for())
 
     def _probing(self) -> None:
-        """Until the server answers (or a call's answer closed the breaker): wait, PING.
+        """Until the server answers (or a call's answer closed the breaker): wait, probe.
         Runs in the probe thread, which alone clears ``_probe``, so that a breaker open again
         always has a probe."""
         while True:
             time.sleep(self.open_s)
             if self.error is not None:
                 try:
-                    self.client.ping()
-                except NOT_ANSWERING:
-                    continue
-                except Exception:  # an error reply is an answer: calls decide again
-                    pass
+                    self.probe()
+                except Exception as exc:  # an error reply is an answer: calls decide again
+                    if not_answering(exc):
+                        continue
             with self._lock:
                 was, self.error, self._probe = self.error, None, None
             if was is not None:

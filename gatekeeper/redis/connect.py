@@ -1,4 +1,5 @@
-"""A client for a Redis URL: ``redis://``, ``rediss://`` (TLS), ``unix://``, or ``sentinel://``.
+"""A client for a Redis URL: ``redis://``, ``rediss://`` (TLS), ``unix://``, ``sentinel://``, or
+``redis+cluster://`` and ``rediss+cluster://`` (a Redis Cluster: :mod:`gatekeeper.redis.cluster`).
 
 Sentinel URLs name the Sentinels and the master (kombu's ``;``-joined form is read too)::
 
@@ -21,6 +22,8 @@ import redis
 from redis.sentinel import Sentinel
 
 from gatekeeper.errors import ConfigError
+from gatekeeper.redis.cluster import cluster_client
+from gatekeeper.settings import CLUSTER_URL_SCHEMES
 
 __all__ = ["SENTINEL", "client_for"]
 
@@ -31,6 +34,8 @@ def client_for(url: str, timeout_s: float, **options: Any) -> redis.Redis:
     """A client on ``url`` with connect and read timeouts of ``timeout_s``."""
     if url.startswith(SENTINEL):
         return _sentinel_master(url, timeout_s, options)
+    if url.startswith(CLUSTER_URL_SCHEMES):
+        return cluster_client(url, timeout_s, options)
     return redis.Redis.from_url(
         url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **options
     )

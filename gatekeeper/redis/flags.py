@@ -28,6 +28,7 @@ from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_win
 from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
 from gatekeeper.redis.breaker import Breaker
+from gatekeeper.redis.cluster import home
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import read_windows, text_of
 from gatekeeper.settings import GatekeeperSettings
@@ -184,9 +185,10 @@ class FlagStore:
 
     def eviction_policy(self) -> str:
         """The server's ``maxmemory-policy`` (from ``INFO``: managed Redis often disables
-        ``CONFIG``), ``unknown`` when it does not say."""
+        ``CONFIG``), ``unknown`` when it does not say; on a Redis Cluster, the policy of the
+        primary that serves the namespace's slot (it holds every key of the namespace)."""
         try:
-            policy = self.client.info("memory").get("maxmemory_policy")
+            policy = home(self.client, self.keys.flags).info("memory").get("maxmemory_policy")
         except redis.RedisError as exc:
             if self.breaker is not None:
                 self.breaker.failed(exc)
@@ -300,7 +302,8 @@ class FlagStore:
         change = FlagChange(name=name, value=value, reason=reason, actor=actor, at=now)
         entry = json.dumps(change.__dict__)
         try:
-            pipe = self.client.pipeline(transaction=True)
+            server = home(self.client, self.keys.flags)  # a cluster's MULTI: the slot's primary
+            pipe = server.pipeline(transaction=True)
             if value is None:
                 pipe.hdel(self.keys.flags, name)
             else:
@@ -311,7 +314,7 @@ class FlagStore:
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot write flag {name}: {exc}") from exc
         self.invalidate()
-        replicated(self.client, self.settings.redis_timeout_s)
+        replicated(server, self.settings.redis_timeout_s)
         return change
 
     def history(self, limit: int = 20) -> list[FlagChange]:
@@ -327,7 +330,11 @@ def replicated(client: redis.Redis, timeout_s: float) -> int | None:
     """Wait (``WAIT``) until every connected replica has the writes made so far, so that a
     failover cannot drop the last rollback; returns how many acknowledged (None: no
     replicas, or the server cannot say). A replica that does not answer in ``timeout_s``
-    is left behind: the write stands on the primary, and the caller is not failed."""
+    is left behind: the write stands on the primary, and the caller is not failed.
+
+    ``client`` is the server written to (on a Redis Cluster, :func:`~gatekeeper.redis.
+    cluster.home`'s node client: ``WAIT`` counts that primary's replicas, for the writes of
+    the connection it is sent on, the one the writes just gave back to the pool)."""
     try:
         replicas = int(client.info("replication").get("connected_slaves", 0))
         if not replicas:

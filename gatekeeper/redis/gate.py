@@ -54,6 +54,7 @@ from gatekeeper.redis.attempt import (
     resolve,
 )
 from gatekeeper.redis.breaker import Breaker
+from gatekeeper.redis.cluster import probe_of
 from gatekeeper.redis.flags import Flags, FlagStore, in_canary
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.push import Push, new_nonce, values_for
@@ -119,7 +120,9 @@ class Pipeline:
         store and flag store share one breaker (none when ``breaker_open_s`` is 0)."""
         keys = Keys(settings.key_prefix, settings.namespace)
         log = make_logger(settings, "decision")
-        breaker = Breaker(client, settings.breaker_open_s, log) if settings.breaker_open_s else None
+        breaker = None
+        if settings.breaker_open_s:
+            breaker = Breaker(client, settings.breaker_open_s, log, probe_of(client, keys.flags))
         store = GateStore(client, keys, horizon_s=settings.queue_age_horizon_s, breaker=breaker)
         flags = FlagStore(client, settings, keys, breaker=breaker)
         return cls(settings, store, flags, log, clock)

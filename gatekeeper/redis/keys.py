@@ -1,8 +1,10 @@
 """Every Redis key gatekeeper uses, built in one place.
 
 All keys share one prefix and one hash tag, ``{prefix}:{{{namespace}}}:``, so that in Redis
-Cluster they live in one slot and a Lua script may touch any of them. With the defaults an
-operator finds them all with ``redis-cli --scan --pattern 'gatekeeper:*'``:
+Cluster they live in one slot and a Lua script may touch any of them (neither part may hold a
+brace: the settings allow none). With the defaults an operator finds them all with
+``redis-cli --scan --pattern 'gatekeeper:*'`` (on a cluster, on the primary that serves the
+namespace's slot):
 
 ``gatekeeper:{default}:flags`` - hash, no TTL
     Live flag overrides (``dwell_gate_enabled``, ``free_path_enabled``, ``canary_percent``):

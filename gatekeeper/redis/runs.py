@@ -18,6 +18,7 @@ import redis
 from gatekeeper.core.ledger import LedgerRow, Outcome, Path, make_row, window_id
 from gatekeeper.defaults import FREE_WAIT_ALLOWANCE_S, WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.redis.cluster import home
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
 from gatekeeper.settings import GatekeeperSettings
@@ -240,7 +241,7 @@ class RunLedger:
         window = window_id(now_ms / 1000, self.window_seconds)
         entry = {**row.to_json(), "retry_tax": 0.0, "verified": False}
         try:
-            pipe = self.client.pipeline(transaction=True)
+            pipe = home(self.client, self.keys.window(window)).pipeline(transaction=True)
             pipe.rpush(self.keys.window_rows(window), json.dumps(entry))
             pipe.expire(self.keys.window_rows(window), self.retention_s)
             pipe.hincrby(self.keys.window(window), f"unverified:{row.outcome.value}", 1)

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisClusterException
 
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.keys import Keys
@@ -46,7 +46,7 @@ def read_windows(client: redis.Redis, keys: Keys, ids: Iterable[int]) -> list[di
         for ident in ids:
             pipe.hgetall(keys.window(ident))
         raw = pipe.execute()
-    except redis.RedisError as exc:
+    except (redis.RedisError, RedisClusterException) as exc:  # a cluster's own, too
         raise LedgerUnavailable(f"cannot read the ledger windows: {exc}") from exc
     return [{text_of(k): text_of(v) for k, v in fields.items()} for fields in raw]
 

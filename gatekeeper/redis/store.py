@@ -21,13 +21,10 @@ from redis.exceptions import NoScriptError
 
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.ledger import BudgetMode
-from gatekeeper.defaults import (
-    QUEUE_AGE_HORIZON_S,
-    RECORD_RETENTION_S,
-    WINDOW_RETENTION_S,
-)
+from gatekeeper.defaults import QUEUE_AGE_HORIZON_S, RECORD_RETENTION_S, WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.breaker import Breaker
+from gatekeeper.redis.cluster import is_cluster
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.push import Push
 from gatekeeper.redis.scripts import evalsha, load_lua, read_windows, text_of
@@ -119,6 +116,10 @@ class GateStore:
         self._release: Script = client.register_script(load_lua("release.lua"))
         self._fallback: Script = client.register_script(load_lua("fallback.lua"))
         self._line = Line()
+        # No line of its own (a socket to one server) on a cluster, nor for a client of one
+        # connection (redis-py's single_connection_client) or with no pool.
+        self._direct = is_cluster(client) or getattr(client, "connection", None) is not None
+        self._direct |= getattr(client, "connection_pool", None) is None
         self._fixed_args: tuple[tuple[Any, ...], tuple[str, ...]] | None = None
 
     def _records(self, job_id: str, attempt: int) -> list[str]:
@@ -193,10 +194,9 @@ class GateStore:
         if self.breaker is not None:
             self.breaker.check("gate script")
         keys, args = self.gate_call(call)
-        pool = getattr(self.client, "connection_pool", None)
-        if pool is None or getattr(self.client, "connection", None) is not None:
+        if self._direct:
             return self._gate_reply(self._reply_now(keys, args))
-        channel = self._line.take(pool)
+        channel = self._line.take(self.client.connection_pool)
         if channel is None:
             return self._gate_reply(self._reply_now(keys, args))
         try:

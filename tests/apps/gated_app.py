@@ -23,8 +23,13 @@ RUNS_KEY = "test:runs"
 
 
 def create_app(
-    settings: GatekeeperSettings, broker_url: str, clock: Callable[[], float] = time.time
+    settings: GatekeeperSettings,
+    broker_url: str,
+    clock: Callable[[], float] = time.time,
+    recorder_url: str | None = None,
 ) -> Celery:
+    """The test app; its runs are recorded on ``recorder_url``, else the gate's Redis (a gate
+    user held to gatekeeper's keys by an ACL records them on the broker)."""
     app = Celery("gated_app", broker=broker_url)
     app.conf.update(
         task_default_queue="celery",
@@ -32,7 +37,7 @@ def create_app(
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
-    recorder = client_for(settings.redis_url or broker_url, 5.0)
+    recorder = client_for(recorder_url or settings.redis_url or broker_url, 5.0)
 
     def record(task: Any) -> None:
         request = task.request
@@ -167,7 +172,8 @@ def _from_environment() -> Celery:
     settings = load_settings()
     fixed = os.environ.get("GATEKEEPER_TEST_CLOCK")
     clock = (lambda: float(fixed)) if fixed else time.time
-    app = create_app(settings, os.environ["GATEKEEPER_BROKER_URL"], clock)
+    recorder = os.environ.get("GATEKEEPER_TEST_RECORDER_URL")
+    app = create_app(settings, os.environ["GATEKEEPER_BROKER_URL"], clock, recorder)
     visibility = os.environ.get("GATEKEEPER_TEST_VISIBILITY_S")
     if visibility:  # kombu's Redis transport restores unacked messages older than this
         app.conf.broker_transport_options = {"visibility_timeout": float(visibility)}

@@ -1,0 +1,83 @@
+"""The README's minimal ACL for the gate's Redis, on a real redis-server: a user held to
+gatekeeper's keys and the commands the README lists runs everything the gate does there (init,
+gated publishes, a worker's rows, status, ledger, flags, sweep, a replayer pass), and the
+server's ``ACL LOG`` shows no command refused."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from gatekeeper.ops.cli import main
+from gatekeeper.ops.embedded import EmbeddedRedis, EmbeddedRedisError
+from gatekeeper.redis.keys import Keys
+from tests.acl import PASSWORD, USER, acl_rules, refused
+from tests.apps.gated_app import RUNS_KEY, create_app
+from tests.conftest import gate_settings, missing_server, queue_messages, running_worker, wait_until
+
+pytestmark = pytest.mark.celery
+
+KEYS = Keys()
+
+
+@pytest.fixture()
+def gate_admin() -> Iterator[tuple[redis.Redis, str]]:
+    """A gate Redis of its own with the README's user: its default user's client, and the
+    gate user's URL."""
+    try:
+        server = EmbeddedRedis().start()
+    except EmbeddedRedisError as exc:
+        missing_server(str(exc))
+    admin = redis.Redis.from_url(server.url)
+    for rule in acl_rules(cluster=False):
+        admin.execute_command(*rule)
+    try:
+        yield admin, f"redis://{USER}:{PASSWORD}@127.0.0.1:{server.port}/0"
+    finally:
+        server.stop()
+
+
+def cli(*args: str) -> str:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_the_readmes_acl_is_enough_for_everything_the_gate_does_on_its_redis(
+    redis_url: str,
+    redis_client: redis.Redis,
+    gate_admin: tuple[redis.Redis, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    admin, url = gate_admin
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", url)
+    monkeypatch.setenv("GATEKEEPER_BROKER_URL", redis_url)
+    cli("init", "--open", "--reason", "acl test")
+    app = create_app(gate_settings(url), redis_url, recorder_url=redis_url)
+    embed = app.tasks["tests.embed"]
+    admitted = [embed.delay(n).id for n in range(2)]
+    embed.apply_async((9,), headers={"gatekeeper_deadline_s": 1.5})  # reserved, by gate.lua
+    late = embed.apply_async((8,), headers={"gatekeeper_deadline_at": 1.0}).id  # record.lua
+    with running_worker(redis_url, tmp_path / "worker.log", GATEKEEPER_REDIS_URL=url,
+                        GATEKEEPER_TEST_RECORDER_URL=redis_url):  # fmt: skip
+        assert wait_until(lambda: redis_client.llen(RUNS_KEY) == 2)
+        assert wait_until(lambda: admin.zcard(KEYS.started) == 0)
+    assert "state=initialised" in cli("status")
+    assert "finished=2 killed_rows=0" in cli("ledger", "--json", str(tmp_path / "rows.json"))
+    cli("flags", "set", "canary_percent", "50", "--reason", "acl test")
+    cli("sweep")
+    cli("replay", "--once")  # its deadline is gone: dead letter, with an abandoned row
+    assert [m["headers"]["id"] for m in queue_messages(redis_client, "dead_letter")] == [late]
+    window = int(time.time() // 900)
+    rows = [json.loads(raw) for raw in admin.lrange(KEYS.window_rows(window), 0, -1)]
+    assert sorted((row["job_id"], row["outcome"]) for row in rows) == sorted(
+        [(job, "ok") for job in admitted] + [(late, "abandoned")]
+    )
+    assert refused(admin) == []
