@@ -29,7 +29,7 @@ from contextlib import suppress
 from typing import Any
 from urllib.parse import urlsplit
 
-from amqp.exceptions import NotFound
+from amqp.exceptions import ChannelError, MessageNacked, NotFound
 from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
 from kombu.messaging import Producer
@@ -37,12 +37,15 @@ from kombu.messaging import Producer
 from gatekeeper.celery.taken import Taken
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["DEATH_HEADERS", "AmqpBroker", "delay_ladder"]
+__all__ = ["DEATH_HEADERS", "AmqpBroker", "Unroutable", "delay_ladder"]
 
 DEATH_HEADERS = ("x-death", "x-first-death-", "x-last-death-", "x-delivery-count")
 """What RabbitMQ adds to a message it dead-letters (the delay queues): not the task's, dropped
 before the message is handed on."""
-COPIED = ("priority", "correlation_id", "reply_to", "delivery_mode", "expiration")
+COPIED = ("priority", "correlation_id", "reply_to", "delivery_mode")
+"""What a rewritten copy keeps of the original's properties. Not ``expiration``: Celery makes
+one from ``expires``, and in defer (no dead-letter exchange of its own) it would drop the task
+silently; the worker enforces ``expires`` from the headers, and stores the task's state."""
 
 
 def delay_ladder(backoff_s: float, max_s: float) -> list[int]:
@@ -62,9 +65,13 @@ def _shown(url: str) -> str:
     return f"amqp {parts.hostname or 'localhost'}:{parts.port or 5672} vhost {vhost}"
 
 
-def _document(message: Any) -> dict[str, Any]:
-    headers = {k: v for k, v in (message.headers or {}).items()
-               if not str(k).startswith(DEATH_HEADERS)}  # fmt: skip
+def _document(message: Any, strict: bool = True) -> dict[str, Any] | None:
+    """kombu's message document of a delivered message; with ``strict``, None for one that is
+    not a Celery task message (no ``id`` and ``task`` headers: not even readable as one)."""
+    raw = message.headers if isinstance(message.headers, dict) else {}
+    if strict and not (raw.get("id") and raw.get("task")):
+        return None
+    headers = {k: v for k, v in raw.items() if not str(k).startswith(DEATH_HEADERS)}
     properties = {k: message.properties.get(k) for k in COPIED if k in message.properties}
     delivered = message.delivery_info
     properties["delivery_info"] = {"exchange": delivered.get("exchange", ""),
@@ -74,9 +81,22 @@ def _document(message: Any) -> dict[str, Any]:
             "properties": properties}  # fmt: skip
 
 
+def _as_is(message: Any) -> dict[str, Any]:
+    """The document of a message handed on unchanged (one that is not a task: as it came)."""
+    document = _document(message, strict=False)
+    assert document is not None
+    return document
+
+
+class Unroutable(Exception):
+    """A publish RabbitMQ confirmed but returned: no queue was bound to take it."""
+
+
 class AmqpBroker:
     """One RabbitMQ connection (publisher confirms on), opened at first use and opened again
-    after a fault."""
+    after a fault, with a channel for taking and acking, one for publishing, and a fresh one
+    for each declare: a refused publish or declare closes only its own channel, never the one
+    that holds the messages taken and not yet acked."""
 
     def __init__(self, url: str, settings: GatekeeperSettings, app: Any = None) -> None:
         self.url = url
@@ -85,13 +105,16 @@ class AmqpBroker:
         self.shown = _shown(url)
         self.ladder = delay_ladder(settings.replay_backoff_s, settings.replay_backoff_max_s)
         self._connection: Connection | None = None
-        self._channel: Any = None
+        self._taking: Any = None
+        self._publishing: Any = None
+        self._producer: Any = None
+        self._returned: list[str] = []
         self._declared: set[str] = set()
 
-    # -- the connection -----------------------------------------------------------------
+    # -- the connection and its channels ------------------------------------------------
 
-    def _open(self) -> Any:
-        if self._channel is None:
+    def _connect(self) -> Connection:
+        if self._connection is None:
             options: dict[str, Any] = {}
             ssl: Any = None
             if self.app is not None:  # the app's own transport options and TLS
@@ -99,70 +122,84 @@ class AmqpBroker:
                 ssl = self.app.conf.broker_use_ssl
             options["confirm_publish"] = True
             connection = Connection(self.url, ssl=ssl, transport_options=options,
-                                          connect_timeout=5)  # fmt: skip
+                                    connect_timeout=5)  # fmt: skip
             try:
                 connection.ensure_connection(max_retries=1)
-                self._channel = connection.channel()
             except Exception:
                 connection.release()
                 raise
             self._connection = connection
-        return self._channel
+        return self._connection
+
+    def _channel(self) -> Any:
+        """The channel messages are taken and acked on."""
+        if self._taking is None:
+            try:
+                self._taking = self._connect().channel()
+            except Exception:
+                self._faulted()
+                raise
+        return self._taking
 
     def _faulted(self) -> None:
         """Drop the connection after a fault: RabbitMQ gives back what it had delivered."""
         if self._connection is not None:
             with suppress(Exception):  # already gone
                 self._connection.release()
-        self._connection, self._channel = None, None
+        self._connection, self._taking, self._publishing, self._producer = None, None, None, None
         self._declared.clear()
 
     def close(self) -> None:
         self._faulted()
 
-    def _count(self, queue: str) -> int | None:
-        """The queue's ready messages, None when it is not declared. Asked on a channel of its
-        own: a failed passive declare closes its channel, and the main one holds messages
-        taken and not yet acked."""
-        self._open()
-        assert self._connection is not None
+    def abort(self) -> None:
+        """After a failed pass: drop the connection, so nothing stays taken and unacked."""
+        self._faulted()
+
+    def _on_side(self, action: Any) -> Any:
+        """Run ``action(channel)`` on a channel of its own, closed after: a channel error
+        (NotFound, PreconditionFailed) raises and closes only that channel."""
         try:
-            probe = self._connection.channel()
+            channel = self._connect().channel()
         except Exception:
             self._faulted()
             raise
         try:
-            reply = probe.queue_declare(queue=queue, passive=True)
-        except NotFound:
-            return None
+            return action(channel)
+        except ChannelError:
+            raise
         except Exception:
             self._faulted()
             raise
         finally:
-            with suppress(Exception):  # closed already by the broker after NotFound
-                probe.close()
+            with suppress(Exception):  # closed already by the broker after a channel error
+                channel.close()
+
+    def _count(self, queue: str) -> int | None:
+        """The queue's ready messages, None when it is not declared."""
+        try:
+            reply = self._on_side(lambda channel: channel.queue_declare(queue=queue,
+                                                                        passive=True))  # fmt: skip
+        except NotFound:
+            return None
         return int(reply.message_count)
 
     def _declare(self, queue: str, **arguments: Any) -> None:
-        """Declare ``queue`` once: as the app declares it when it knows it, else as Celery
-        makes a missing queue (durable, its own direct exchange); a delay queue with its
-        arguments. A queue that already exists is left as it is."""
+        """Declare ``queue`` once per connection: as the app declares it (its priorities and
+        queue type: ``app.amqp.queues`` makes a missing one as Celery would) when there is an
+        app, else as Celery makes a missing queue by default (durable, its own direct
+        exchange); a delay queue with its arguments. One that already exists is left as it is."""
         if queue in self._declared:
             return
         if arguments or self._count(queue) is None:
-            known = getattr(getattr(self.app, "amqp", None), "queues", {}) or {}
             if arguments:
                 declared = Queue(queue, routing_key=queue, durable=True,
-                                       queue_arguments=arguments)  # fmt: skip
-            elif queue in known:
-                declared = known[queue]
+                                 queue_arguments=arguments)  # fmt: skip
+            elif self.app is not None:
+                declared = self.app.amqp.queues[queue]
             else:
                 declared = Queue(queue, Exchange(queue), routing_key=queue)
-            try:
-                declared(self._open()).declare()
-            except Exception:
-                self._faulted()
-                raise
+            self._on_side(lambda channel: declared(channel).declare())
         self._declared.add(queue)
 
     # -- the replayer's steps -----------------------------------------------------------
@@ -183,7 +220,7 @@ class AmqpBroker:
         count = self._count(queue) or 0
         for _ in range(count):
             try:
-                message = Queue(queue, no_declare=True)(self._open()).get(no_ack=False)
+                message = Queue(queue, no_declare=True)(self._channel()).get(no_ack=False)
             except Exception:
                 self._faulted()
                 raise
@@ -193,7 +230,7 @@ class AmqpBroker:
 
     def send(self, taken: Taken, queue: str, message: dict[str, Any] | None) -> bool:
         self._declare(queue)
-        self._publish(queue, message or taken.message or {"body": taken.raw, "headers": {}})
+        self._publish(queue, message or _as_is(taken.handle))
         self._ack(taken)
         return True
 
@@ -201,11 +238,24 @@ class AmqpBroker:
         ladder = self.ladder
         wait_ms = ladder[max(0, bisect.bisect_right(ladder, round(wait_s * 1000)) - 1)]
         name = f"{taken.source}.delay.{wait_ms}"
+        self._declare(taken.source)  # where the delay queue sends it back: never into nothing
         self._declare(name, **{"x-message-ttl": wait_ms, "x-dead-letter-exchange": "",
                                "x-dead-letter-routing-key": taken.source})  # fmt: skip
-        self._publish(name, message or taken.message or {"body": taken.raw, "headers": {}})
+        self._publish(name, message or _as_is(taken.handle))
         self._ack(taken)
         return True
+
+    def delayed(self, queue: str) -> int | None:
+        """Messages of ``queue`` waiting out a backoff in its delay queues."""
+        return sum(self._count(f"{queue}.delay.{ms}") or 0 for ms in self.ladder)
+
+    def holds(self, taken: Taken) -> bool:
+        channel = getattr(taken.handle, "channel", None)
+        return (
+            channel is not None
+            and channel is self._taking
+            and bool(getattr(channel, "is_open", False))
+        )
 
     def leave(self, taken: Taken) -> None:
         try:
@@ -214,20 +264,42 @@ class AmqpBroker:
             self._faulted()
 
     def _publish(self, queue: str, message: dict[str, Any]) -> None:
-        """Publish and wait for the broker's confirm (a refusal raises)."""
+        """Publish (mandatory) and wait for the broker's confirm: a refusal (nack), a return
+        (no queue took it) or a closed channel raises, and only the publishing channel is
+        dropped, so the original stays taken for the replayer to set aside."""
         properties = message.get("properties") or {}
         options = {k: properties[k] for k in COPIED if properties.get(k) is not None}
         options.setdefault("delivery_mode", 2)
         try:
-            Producer(self._open()).publish(
+            if self._publishing is None:
+                self._publishing = self._connect().channel()
+                self._producer = Producer(self._publishing, on_return=self._on_return)
+            self._returned.clear()
+            self._producer.publish(
                 message["body"], exchange="", routing_key=queue, headers=message["headers"],
                 content_type=message.get("content-type") or "application/json",
                 content_encoding=message.get("content-encoding") or "utf-8",
-                retry=False, **options,
+                retry=False, mandatory=True, **options,
             )  # fmt: skip
+        except (ChannelError, MessageNacked):
+            self._drop_publishing()
+            raise
         except Exception:
             self._faulted()
             raise
+        if self._returned:
+            self._drop_publishing()
+            self._declared.discard(queue)
+            raise Unroutable(f"RabbitMQ returned the message published to {queue!r}: no queue")
+
+    def _on_return(self, exc: Any, exchange: str, routing_key: str, message: Any) -> None:
+        self._returned.append(routing_key)
+
+    def _drop_publishing(self) -> None:
+        with suppress(Exception):
+            if self._publishing is not None:
+                self._publishing.close()
+        self._publishing, self._producer = None, None
 
     def _ack(self, taken: Taken) -> None:
         taken.done = True  # the copy is confirmed: whatever the ack does, never publish again

@@ -151,6 +151,9 @@ class RedisBroker:
         taken.done = True  # moved, or its copy was gone (taken back): either way not ours
         return moved
 
+    def holds(self, taken: Taken) -> bool:
+        return True  # a claimed copy waits in the tenure's list until moved or taken back
+
     def leave(self, taken: Taken) -> None:
         """A claimed message stays in the tenure's list; the lock's holder takes it back."""
 
@@ -162,6 +165,12 @@ class RedisBroker:
 
     def waiting(self, queue: str) -> set[str] | None:
         return waiting_attempts(self.client, queue)
+
+    def delayed(self, queue: str) -> int | None:
+        return None  # a not-due message waits in the queue's own list
+
+    def abort(self) -> None:
+        """Nothing: a claimed message stays in the tenure's list, taken back by the holder."""
 
     def close(self) -> None:
         self.client.close()

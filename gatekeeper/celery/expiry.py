@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ from gatekeeper.celery.private import check_request_shape, use_request_check
 from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_ATTEMPT_PUBLISHED_AT,
+    H_COPY,
     H_DEADLINE_AT,
     H_DECISION,
     H_PUBLISHED_AT,
@@ -162,7 +164,14 @@ class Expiry:
     def _republish(self, message: Any, headers: dict[str, Any]) -> None:
         """The same message (body, properties), addressed to reserved, decided so."""
         reserved = self.settings.reserved_queue
-        headers.update({H_DECISION: "reserved", H_REASON: EXPIRED_REASON, H_WINDOW: None})
+        headers.update(
+            {
+                H_DECISION: "reserved",
+                H_REASON: EXPIRED_REASON,
+                H_WINDOW: None,
+                H_COPY: uuid.uuid4().hex,
+            }
+        )  # republished twice, one copy runs
         properties = dict(getattr(message, "properties", None) or {})
         declared = self.app.amqp.queues[reserved]  # made here when the worker lacks it
         with self.app.producer_or_acquire() as producer:

@@ -286,6 +286,11 @@ class Installed:
         options["exchange"] = None
         options["routing_key"] = None
         options.pop("exchange_type", None)
+        if routing.decision is Decision.DEFER:
+            # Celery turns ``expires`` into the message's TTL too; in defer (no dead-letter
+            # exchange of its own) that would drop the task unseen. The worker enforces the
+            # ``expires`` header and stores the task's state.
+            options.pop("expiration", None)
         headers = {**(options.get("headers") or {}), **routing.headers}
         for name in routing.drop:
             headers.pop(name, None)

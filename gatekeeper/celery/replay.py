@@ -11,18 +11,13 @@ through kombu with acks and confirms) and, for each message that is due:
   message: an ETA past the visibility timeout would run twice; on RabbitMQ it waits in a
   delay queue). While the free path is off, the pipeline never answers ``free``.
 
-Nothing is lost when the replayer is killed at any moment. On Redis, a message is claimed into its
-lock tenure's processing list ``defer:replaying:<tenure>`` (RPOPLPUSH) and leaves it only by
-``move.lua``, which removes the claimed copy and pushes the rewritten one in one atomic step,
-so a message is never in two places and never published twice. The lock is checked before
-every decision (:mod:`gatekeeper.redis.lock`): a replayer that lost it decides, moves and
-writes nothing more. The holder takes back only what dead tenures left claimed (heartbeat
-expired), never a live one's; a replayer stalled past the TTL inside one decision finishes
-that scoring, and its move fails if a successor took the message back. On RabbitMQ, the
-message is acked only once its rewritten copy is confirmed; a replayer killed between the two
-leaves the original to come back. Either way, a message that comes back after it was scored
-is handed on again as it was the first time (the record keeps the handoff:
-:mod:`gatekeeper.redis.handoff`), and a worker runs one copy of the two
+Nothing is lost when the replayer is killed at any moment. On Redis a message is claimed
+into its lock tenure's processing list (RPOPLPUSH) and leaves it only by ``move.lua`` (one
+atomic step); on RabbitMQ it is acked only once its rewritten copy is confirmed. The lock is
+checked before every decision (:mod:`gatekeeper.redis.lock`): a replayer that lost it decides,
+moves and writes nothing more, and only dead tenures' claims are taken back. A message that
+comes back after it was scored is handed on again as it was the first time (the record keeps
+the handoff: :mod:`gatekeeper.redis.handoff`), and a worker runs one copy of the two
 (:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
 """
 
@@ -48,6 +43,7 @@ from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import (
     H_ATTEMPT,
+    H_COPY,
     H_DEADLINE_AT,
     H_DECISION,
     H_DWELL_S,
@@ -60,7 +56,7 @@ from gatekeeper.core.ledger import Outcome, Path, make_row, window_id
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline
-from gatekeeper.redis.handoff import Handoff, recalled, remember
+from gatekeeper.redis.handoff import Handoff, as_scored, recalled, remember
 from gatekeeper.redis.lock import OneHolder
 from gatekeeper.redis.runs import Finished, RunLedger
 from gatekeeper.redis.sweep import forget_purged, sweep
@@ -166,16 +162,22 @@ class Replayer:
 
     def _replay_all(self, counts: Counter[str]) -> None:
         for taken in self.broker.take(self.defer):
-            if not self._holder.check():
-                # No decision, no move, no row. The message is left where it is: without the
-                # lock we write nothing to the queues; the holder takes it back (Redis: our
-                # tenure has ended; RabbitMQ: it is given back to defer).
-                self.broker.leave(taken)
-                return
             try:
-                counts[self._handle(taken)] += 1
-            except Exception as exc:  # one bad message must not stop the others
-                counts[self._set_aside(taken, exc)] += 1
+                if not self._holder.check():
+                    # No decision, no move, no row. The message is left where it is: without
+                    # the lock we write nothing to the queues; the holder takes it back
+                    # (Redis: our tenure has ended; RabbitMQ: it is given back to defer).
+                    self.broker.leave(taken)
+                    return
+                try:
+                    label = self._handle(taken)
+                except Exception as exc:  # one bad message must not stop the others
+                    label = self._set_aside(taken, exc)
+                counts[label] += 1
+            except BaseException:  # nothing could move it (the broker, the gate's Redis)
+                if not taken.done:
+                    self.broker.leave(taken)  # given back now, not held unacked for ever
+                raise
 
     def _set_aside(self, taken: Taken, exc: Exception) -> str:
         """A message that failed to replay: back to defer with a backoff, or, after
@@ -183,6 +185,8 @@ class Replayer:
         self.log.warning("replay_failed", queue=self.defer, error=repr(exc))
         if taken.done:  # handed on already (a fault after): nothing more to move
             return "replay_error_after_handoff"
+        if not self.broker.holds(taken):  # its connection is gone: the broker gives it back
+            return "given_back"
         message = taken.message
         if message is None:  # not even readable: kept as it is, where a person can see it
             self.broker.send(taken, self.settings.dead_letter_queue, None)
@@ -230,6 +234,10 @@ class Replayer:
         deadline = headers.get(H_DEADLINE_AT)
         if isinstance(deadline, (int, float)) and deadline <= now:
             return self._abandon(taken, message, now, record)
+        if gated and nonce_of(headers) and record.get("prev_nonce") == nonce_of(headers):
+            self.log.warning("replay_scored_not_handed_on", job_id=job_id, attempt=attempt,
+                             decision=record.get("decision"))  # fmt: skip
+            as_scored(self.pipeline.store, job_id, attempt, record, headers)  # type: ignore[arg-type]
         if not (gated and self._deferred_by_the_gate(record, headers)):
             # Not a message the gate parked here (put in defer by hand or by a caller, or by
             # a publisher older than records): its headers are not the gate's, so it is not
@@ -275,6 +283,7 @@ class Replayer:
         return bool(nonce) and record.get("nonce") == nonce and record.get("decision") == "defer"
 
     def _send(self, taken: Taken, message: dict[str, Any], queue: str, why: str) -> str:
+        message["headers"][H_COPY] = uuid.uuid4().hex  # this copy's own: a worker runs one
         self.broker.send(taken, queue, message)
         return f"to_{queue}" if why not in ("not_gated", "unverified") else why
 
@@ -340,6 +349,7 @@ class Replayer:
             except Exception as exc:  # Redis down, a bug: log, wait, try again; never exit
                 self.log.warning("replay_pass_failed", error=repr(exc))
                 self.counts["pass_failed"] += 1
+                self.broker.abort()  # nothing stays taken and unacked behind a failed pass
                 counts = Counter()
             if once:
                 break

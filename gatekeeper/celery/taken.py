@@ -62,6 +62,10 @@ class Broker(Protocol):
     def hold(self, taken: Taken, message: dict[str, Any] | None, wait_s: float) -> bool:
         """Put ``taken`` back in the queue it came from, to be looked at in ``wait_s``."""
 
+    def holds(self, taken: Taken) -> bool:
+        """Whether ``taken`` is still this broker's to hand on (RabbitMQ: its channel is
+        open; once it closed, the broker gives the message back itself)."""
+
     def leave(self, taken: Taken) -> None:
         """Hand nothing on: the message stays where it is, for the lock's holder."""
 
@@ -74,6 +78,13 @@ class Broker(Protocol):
     def waiting(self, queue: str) -> set[str] | None:
         """``<job_id>:<attempt>`` of every gated message still to run from ``queue``, or
         None when the broker cannot list a queue without consuming it (RabbitMQ)."""
+
+    def delayed(self, queue: str) -> int | None:
+        """Messages of ``queue`` waiting out a backoff elsewhere (RabbitMQ's delay queues);
+        None where they wait in the queue itself (Redis)."""
+
+    def abort(self) -> None:
+        """After a failed pass: give back whatever is taken and not handed on."""
 
     def close(self) -> None:
         """Give the connection back."""

@@ -12,6 +12,7 @@ __all__ = [
     "H_ATTEMPT",
     "H_ATTEMPT_PUBLISHED_AT",
     "H_BAD_INPUT",
+    "H_COPY",
     "H_DEADLINE_AT",
     "H_DEADLINE_S",
     "H_DECISION",
@@ -52,6 +53,9 @@ H_DECISION = "gatekeeper_decision"
 H_REASON = "gatekeeper_reason"
 H_DWELL_S = "gatekeeper_dwell_s"
 H_NONCE = "gatekeeper_nonce"
+H_COPY = "gatekeeper_copy"
+"""A random value per copy the replayer (or a requeue, or the expiry) publishes: one decision
+handed on twice (a crash between publish and ack) is two copies, and a worker runs one."""
 """The random per-publish value of the gate's record of this attempt (``rec:<job>:<attempt>``)."""
 
 OVERRIDES = frozenset({"gatekeeper_deadline_s", H_DEADLINE_AT, H_EXPECTED_SERVICE_S, H_TOKENS_IN})

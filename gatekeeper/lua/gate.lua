@@ -52,7 +52,9 @@
 --                            always is for fast publish (a stalled script must not push a
 --                            message that fallback.lua pushed meanwhile)
 -- ARGV[24] prev_nonce        the nonce the message already carries for this attempt (a
---                            replay of a deferred attempt), '' for a first publish
+--                            replay of a deferred attempt), '' for a first publish; kept in
+--                            the record, so that a replayer killed before it handed the
+--                            message on finds the message it scored still the gate's
 -- ARGV[25] allowance_units  the wait an admission reserves, in units (free_wait_allowance_s x
 --                            queue_wait_unit_per_second; 0 in optimistic mode): with its
 --                            tokens, the most the attempt can be charged (SPEC's ceiling)
@@ -188,7 +190,7 @@ local function decided(decision, reason, dwell, projected)
     redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
       'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],
       'published_ms', ARGV[19], 'deadline_ms', ARGV[21], 'dwell_s', shown, 'free_admitted', free,
-      'reserved', admitted and fmt(reserve) or '0')
+      'reserved', admitted and fmt(reserve) or '0', 'prev_nonce', ARGV[24])
     redis.call('EXPIRE', KEYS[6], tonumber(ARGV[20]))
   end
   -- An admission is counted in admitted_free alone (the review reads it as

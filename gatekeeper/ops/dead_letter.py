@@ -13,13 +13,14 @@ second requeue of it hands it on exactly as the first did (the record keeps the 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import click
 
 from gatekeeper.celery.broker import BROKER_ERRORS, Taken
 from gatekeeper.celery.message import nonce_of
-from gatekeeper.core.headers import H_ATTEMPT, H_DEADLINE_AT, H_NONCE
+from gatekeeper.core.headers import H_ATTEMPT, H_COPY, H_DEADLINE_AT, H_NONCE
 from gatekeeper.ops.context import settings_of
 from gatekeeper.ops.oncall import broker_of, redis_client
 from gatekeeper.redis.attempt import carried_publish
@@ -97,8 +98,10 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
             remember(runs, job_id, publish.attempt, nonce, handoff)
         why = routing.reason.value
     else:
-        why = "handed_on_again (a requeue of it was cut short)"
+        deadline_s = float(headers.get(H_DEADLINE_AT) or 0) - time.time()
+        why = "handed_on_again: a requeue of it was cut short; its deadline is kept"
     handoff.apply(headers)
+    headers[H_COPY] = uuid.uuid4().hex  # a requeue cut short and redone: a worker runs one copy
     try:
         moved = broker.send(taken, handoff.queue, message)
     except BROKER_ERRORS as exc:

@@ -270,9 +270,15 @@ def status(ctx: click.Context) -> None:
             lengths.append(f"{queue}={broker.length(queue)}")
         except BROKER_ERRORS as exc:
             raise click.ClickException(f"cannot read the broker ({broker.shown}): {exc}") from exc
-    claimed = broker.claimed()  # None: RabbitMQ holds a replayer's unacked messages itself
+    try:
+        claimed = broker.claimed()  # None: RabbitMQ holds a replayer's unacked messages itself
+        delayed = broker.delayed(settings.defer_queue)  # RabbitMQ: waiting out a backoff
+    except BROKER_ERRORS as exc:
+        raise click.ClickException(f"cannot read the broker ({broker.shown}): {exc}") from exc
     if claimed is not None:
         lengths.append(f"{settings.defer_queue}:replaying={claimed}")
+    if delayed is not None:
+        lengths.append(f"{settings.defer_queue}:delayed={delayed}")
     broker.close()
     click.echo("queues " + " ".join(lengths) + f" (broker {broker.shown})")
     try:

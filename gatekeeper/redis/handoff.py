@@ -19,9 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gatekeeper.core.headers import H_NONCE
 from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.store import GateStore
 
-__all__ = ["HANDOFF", "HANDOFF_FROM", "Handoff", "recalled", "remember"]
+__all__ = ["HANDOFF", "HANDOFF_FROM", "Handoff", "as_scored", "recalled", "remember"]
 
 HANDOFF_FROM = "handoff_from"
 HANDOFF = "handoff"
@@ -63,3 +65,16 @@ def recalled(record: Mapping[str, str], nonce: str) -> Handoff | None:
                        tuple(document["drop"]), float(document.get("wait_s") or 0))  # fmt: skip
     except (ValueError, TypeError, KeyError):
         return None
+
+
+def as_scored(
+    store: GateStore, job_id: str, attempt: int, record: dict[str, str], headers: dict[str, Any]
+) -> None:
+    """A message the gate scored (its nonce is the record's ``prev_nonce``: the decision
+    replaced it) with no handoff kept: its replayer died in between and no copy left. It is
+    the gate's message still: what that decision admitted is given back (no message carries
+    it), and the message is taken as the record's own, as parked, to be scored again."""
+    if record.get("decision") == "admit_free" and record.get("window", "").isdigit():
+        store.release(job_id, attempt, int(record["window"]), unpublished=True)
+    headers[H_NONCE] = record["nonce"]
+    record["decision"] = "defer"

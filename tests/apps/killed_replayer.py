@@ -1,7 +1,8 @@
 """A replayer that SIGKILLs itself in the middle of its batch, at the worst moment: on its
 ``GATEKEEPER_TEST_KILL_AT``-th handoff, after the rewritten copy is published (RabbitMQ:
 confirmed, before the original is acked) or before the move (Redis: after the gate scored
-the message). Settings from the environment, as ``gatekeeper replay`` reads them."""
+the message); with ``GATEKEEPER_TEST_KILL_IN=remember``, after the gate scored it and before
+its handoff is kept. Settings from the environment, as ``gatekeeper replay`` reads them."""
 
 from __future__ import annotations
 
@@ -27,17 +28,31 @@ def _die_on_the_nth() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+KILL_IN = os.environ.get("GATEKEEPER_TEST_KILL_IN", "handoff")
+
+
 class KilledAmqp(AmqpBroker):
     def _ack(self, taken: Taken) -> None:
-        _die_on_the_nth()  # the copy is confirmed; the original is not acked
+        if KILL_IN == "handoff":
+            _die_on_the_nth()  # the copy is confirmed; the original is not acked
         super()._ack(taken)
 
 
 class KilledRedis(RedisBroker):
     def _moved(self, taken: Taken, target: str, message: dict[str, Any] | None) -> bool:
-        _die_on_the_nth()  # the gate scored it; the claimed copy is not moved
+        if KILL_IN == "handoff":
+            _die_on_the_nth()  # the gate scored it; the claimed copy is not moved
         return super()._moved(taken, target, message)
 
+
+if os.environ.get("GATEKEEPER_TEST_KILL_IN") == "remember":
+    # Killed after the gate scored the message, before its handoff is kept in the record.
+    import gatekeeper.celery.replay as replay_module
+
+    def _killed_remember(*_: Any) -> None:
+        _die_on_the_nth()
+
+    replay_module.remember = _killed_remember  # type: ignore[assignment]
 
 settings = load_settings()
 broker = broker_for(settings)
