@@ -49,6 +49,16 @@ def test_rules_file_passes_promtool_check() -> None:
     assert f"SUCCESS: {len(alerting_rules())} rules found" in check.stdout
 
 
+def test_scrape_config_passes_promtool_check() -> None:
+    """config/prometheus/prometheus.yml (compose's Prometheus) parses and finds the rules."""
+    check = subprocess.run(
+        [_promtool(), "check", "config", "prometheus.yml"],
+        cwd=RULES_DIR, capture_output=True, text=True,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "SUCCESS: 1 rule files found" in check.stdout
+
+
 def test_every_rule_passes_its_promtool_unit_tests() -> None:
     run = subprocess.run(
         [_promtool(), "test", "rules", RULE_TESTS.name],
