@@ -7,30 +7,17 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from typing import Any
 
 import pytest
 import yaml
 
 from gatekeeper import defaults
-from tests.conftest import REPO_ROOT, missing_server
-from tests.metrics_contract import CONTRACT
+from tests.conftest import missing_server
+from tests.metrics_contract import CONTRACT, RULES, alerting_rules
 
-RULES_DIR = REPO_ROOT / "config" / "prometheus"
-RULES = RULES_DIR / "gatekeeper-rules.yml"
+RULES_DIR = RULES.parent
 RULE_TESTS = RULES_DIR / "gatekeeper-rules.test.yml"
 SEVERITIES = {"critical", "warning"}
-
-
-def alerting_rules() -> dict[str, dict[str, Any]]:
-    """Every alerting rule of the rules file, by name."""
-    document = yaml.safe_load(RULES.read_text())
-    return {
-        rule["alert"]: rule
-        for group in document["groups"]
-        for rule in group["rules"]
-        if "alert" in rule
-    }
 
 
 def _promtool() -> str:

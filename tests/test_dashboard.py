@@ -16,9 +16,8 @@ import yaml
 
 from tests.conftest import REPO_ROOT, missing_server, unused_port
 from tests.fake_exporter import exposition, fake_exporter
-from tests.metrics_contract import CONTRACT, METRICS_DOC
+from tests.metrics_contract import CONTRACT, METRICS_DOC, RULES, alerting_rules
 from tests.prometheus import PrometheusServer, find_prometheus, finite_values
-from tests.test_alert_rules import RULES, alerting_rules
 
 DASHBOARD = REPO_ROOT / "config" / "grafana" / "gatekeeper.json"
 PROVISIONING = REPO_ROOT / "config" / "grafana" / "provisioning"
