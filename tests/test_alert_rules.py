@@ -96,6 +96,11 @@ def test_slack_miss_rule_restates_the_auto_freeze_defaults(restated: str, value:
     assert value in expr, f"{restated}: expected {value!r} in {expr!r}"
 
 
+def test_slack_miss_summary_names_the_error_budget_in_force() -> None:
+    summary = alerting_rules()["GatekeeperSlackMissesOverBudget"]["annotations"]["summary"]
+    assert f"(error budget {defaults.MISS_ERROR_BUDGET:.0%})" in summary
+
+
 def test_rules_file_names_only_metrics_of_the_contract() -> None:
     used: set[str] = set()
     for rule in alerting_rules().values():
