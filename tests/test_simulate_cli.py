@@ -175,3 +175,10 @@ def test_on_the_default_night_the_gate_misses_no_more_than_free_and_uses_less_re
     gate = results[Policy.GATE]
     assert gate.missed <= results[Policy.ALWAYS_FREE].missed
     assert gate.reserved_s < results[Policy.ALWAYS_RESERVED].reserved_s
+
+
+def test_the_readme_shows_what_the_default_night_prints() -> None:
+    readme = (REPO / "README.md").read_text()
+    settings = load_settings(REPO_CONFIG)
+    for line in simulate_lines(GateKnobs.of(settings), settings.simulate):
+        assert line in readme
