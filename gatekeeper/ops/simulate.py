@@ -135,6 +135,7 @@ def simulate(ctx: click.Context, config: Path | None, seed: int | None, jobs: in
             problems = "; ".join(
                 str(error["msg"]).removeprefix("Value error, ") for error in exc.errors()
             )
-            raise click.BadParameter(problems, param_hint="--seed/--jobs") from exc
+            hint = "/".join(f"--{name}" for name in changes)
+            raise click.BadParameter(problems, param_hint=hint) from exc
     for line in simulate_lines(GateKnobs.of(settings), night):
         click.echo(line)
