@@ -30,6 +30,7 @@ from pydantic_settings import (
 from gatekeeper import defaults
 from gatekeeper.core.ledger import BudgetMode
 from gatekeeper.errors import ConfigError
+from gatekeeper.night import NightSettings
 
 __all__ = [
     "CONFIG_FILE_ENV",
@@ -198,6 +199,8 @@ class GatekeeperSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     drill: DrillSettings = DrillSettings()
+    simulate: NightSettings = NightSettings()
+    """The declared night of ``gatekeeper simulate`` (:mod:`gatekeeper.night`)."""
 
     @field_validator("log_format", "log_level", mode="before")
     @classmethod

@@ -18,6 +18,7 @@ from gatekeeper.ops.demo import demo
 from gatekeeper.ops.drill import dwell_table_lines, run_ledger_drill, write_ledger
 from gatekeeper.ops.flag_commands import flags, init
 from gatekeeper.ops.oncall import ledger, replay, report, status, sweep
+from gatekeeper.ops.simulate import simulate
 
 __all__ = ["CONFIG_OPTION", "main"]
 
@@ -113,3 +114,4 @@ def decide_command(
 
 for _command in (dead_letter, demo, flags, init, ledger, replay, report, status, sweep):
     main.add_command(_command)
+main.add_command(simulate)
