@@ -92,6 +92,14 @@ def rabbitmq_url(rabbitmq_server: str) -> str:
     return rabbitmq_server
 
 
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    """Each broker gatekeeper reads, in turn: the session's Redis, then its RabbitMQ."""
+    if request.param == "redis":
+        return redis_url
+    return str(request.getfixturevalue("rabbitmq_url"))
+
+
 def initialised(client: redis.Redis, keys: Keys | None = None) -> None:
     """What ``gatekeeper init`` writes, as a deployment initialised before any ledger window
     would have it (``-inf``: every window counts toward a clean hour, whatever a test's

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import time
 import urllib.error
@@ -19,6 +18,8 @@ from types import TracebackType
 from typing import Any
 
 import yaml
+
+from tests.processes import stop_group
 
 DEBIAN_SERVER = "/usr/bin/prometheus"
 
@@ -105,15 +106,7 @@ class PrometheusServer:
         value: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        process = self._process
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_group(self._process)
 
 
 def finite_values(series: list[dict[str, Any]]) -> list[float]:

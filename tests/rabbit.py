@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
+
+from tests.processes import stop_group
 
 DEBIAN_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 
@@ -97,12 +98,4 @@ class RabbitServer:
         value: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        process = self._process
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_group(self._process)

@@ -29,13 +29,6 @@ pytestmark = [pytest.mark.celery, pytest.mark.servers]
 KEYS = Keys()
 
 
-@pytest.fixture(params=["redis", "rabbitmq"])
-def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
-    if request.param == "redis":
-        return redis_url
-    return str(request.getfixturevalue("rabbitmq_url"))
-
-
 def _deferred(app: Any, redis_client: redis.Redis, n: int) -> list[str]:
     """``n`` tasks deferred for the free queue's age (a stale admission); then the admission
     is gone, so a replay admits them."""

@@ -43,13 +43,6 @@ TIGHT = {"gatekeeper_deadline_s": 0.5}
 KEYS = Keys()
 
 
-@pytest.fixture(params=["redis", "rabbitmq"])
-def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
-    if request.param == "redis":
-        return redis_url
-    return str(request.getfixturevalue("rabbitmq_url"))
-
-
 def _runs(client: redis.Redis) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in client.lrange(RUNS_KEY, 0, -1)]
 
