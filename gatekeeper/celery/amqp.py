@@ -88,6 +88,12 @@ def _as_is(message: Any) -> dict[str, Any]:
     return document
 
 
+CONFIRM_TIMEOUT_S = 30.0
+"""How long a publish waits for RabbitMQ's confirm (a broker under a memory or disk alarm
+blocks publishers): past it the publish fails, the connection is dropped and the original,
+never acked, goes back to defer."""
+
+
 class Unroutable(Exception):
     """A publish RabbitMQ confirmed but returned: no queue was bound to take it."""
 
@@ -279,7 +285,7 @@ class AmqpBroker:
                 message["body"], exchange="", routing_key=queue, headers=message["headers"],
                 content_type=message.get("content-type") or "application/json",
                 content_encoding=message.get("content-encoding") or "utf-8",
-                retry=False, mandatory=True, **options,
+                retry=False, mandatory=True, confirm_timeout=CONFIRM_TIMEOUT_S, **options,
             )  # fmt: skip
         except (ChannelError, MessageNacked):
             self._drop_publishing()
