@@ -63,6 +63,7 @@ from gatekeeper.redis.gate import Pipeline
 from gatekeeper.redis.handoff import Handoff, recalled, remember
 from gatekeeper.redis.lock import OneHolder
 from gatekeeper.redis.runs import Finished, RunLedger
+from gatekeeper.redis.snapshot import forget_deferred, pass_completed
 from gatekeeper.redis.sweep import forget_purged, sweep
 from gatekeeper.settings import GatekeeperSettings
 
@@ -142,6 +143,7 @@ class Replayer:
         """Look at every message in defer once; returns what happened to them. Ends early,
         with ``lock_lost``, when the lock is found lost before a decision."""
         counts: Counter[str] = Counter()
+        began = self.clock()
         if self._holder.check():
             self.recover()
             self._replay_all(counts)
@@ -150,6 +152,9 @@ class Replayer:
             counts["lock_lost"] += 1
         self.counts.update(counts)
         now = self.clock()
+        if self._holder.held:  # for gatekeeper metrics: the last pass, the deadlines left
+            pass_completed(self.gate_client, self.pipeline.store.keys, began, now,
+                           self.settings.replay_backoff_max_s)  # fmt: skip
         if self._holder.held and now - self._last_sweep >= SWEEP_EVERY_S:
             self._last_sweep = now
             self._sweep(now)
@@ -173,9 +178,13 @@ class Replayer:
                 self.broker.leave(taken)
                 return
             try:
-                counts[self._handle(taken)] += 1
+                outcome = self._handle(taken)
             except Exception as exc:  # one bad message must not stop the others
-                counts[self._set_aside(taken, exc)] += 1
+                outcome = self._set_aside(taken, exc)
+            counts[outcome] += 1
+            if outcome.startswith(("to_", "dead_lettered", "handed_on")) and taken.message:
+                keys = self.pipeline.store.keys  # left defer: its deadline no longer counts
+                forget_deferred(self.gate_client, keys, taken.message["headers"])
 
     def _set_aside(self, taken: Taken, exc: Exception) -> str:
         """A message that failed to replay: back to defer with a backoff, or, after
@@ -236,7 +245,7 @@ class Replayer:
             # scored from them. It runs on reserved, and its row is unverified or none.
             self.log.warning("replay_unverified", job_id=job_id, queue=self.defer)
             return self._send(taken, message, self.settings.reserved_queue, "unverified")
-        publish = carried_publish(headers, "replay")
+        publish = carried_publish(headers, "replay", record.get("label", ""))
         try:
             routing = self.pipeline.route(publish)
         except Exception as exc:  # never lose the message: park it where it can run
