@@ -31,7 +31,9 @@ from gatekeeper.redis.attempt import Publish, carried_publish, label_of
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.store import GateStore
 from tests.apps.gated_app import create_app
+from tests.calls import gate_call
 from tests.conftest import gate_settings, initialised, missing_server
 from tests.scrape import by_label, scrape, serving, value
 
@@ -249,3 +251,11 @@ def test_a_broker_that_cannot_be_read_says_so_and_the_rest_is_served(
     assert value(samples, "gatekeeper_broker_up") == 0
     assert value(samples, "gatekeeper_redis_up") == 1
     assert by_label(samples, "gatekeeper_queue_messages", "queue") == {}
+
+
+def test_a_gate_script_sent_twice_counts_its_decision_once(redis_client: redis.Redis) -> None:
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    keys, args = store.gate_call(gate_call(time.time(), job_id="twice", task="tests.embed"))
+    for _ in range(2):  # a retrying client sends the very request again
+        store._gate_reply(store._reply_now(keys, args))
+    assert redis_client.hgetall(KEYS.totals) == {b"decided:admit_free:fits:tests.embed": b"1"}

@@ -259,3 +259,29 @@ def test_the_celery_command_serves_the_apps_metrics(
         samples = scrape(url)
     assert value(samples, "gatekeeper_dwell_gate_enabled") == 1  # the app's own setting
     assert value(samples, "gatekeeper_redis_up") == 1
+
+
+@pytest.mark.servers
+def test_on_rabbitmq_the_queue_lengths_are_a_passive_declares_as_in_status(
+    redis_url: str, redis_client: redis.Redis, rabbitmq_url: str
+) -> None:
+    settings = gate_settings(redis_url, broker_url=rabbitmq_url)
+    embed = create_app(settings, rabbitmq_url).tasks["tests.embed"]
+    for n in range(3):
+        embed.delay(n)
+    embed.apply_async((9,), headers={"gatekeeper_deadline_s": 1.5})
+    embed.apply_async((8,), headers={"gatekeeper_expected_service_s": 0})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
+    env.update(GATEKEEPER_REDIS_URL=redis_url, GATEKEEPER_BROKER_URL=rabbitmq_url)
+    with exporter(env) as url:
+        expected = {("free",): 3, ("defer",): 1, ("reserved",): 1, ("dead_letter",): 0}
+        lengths = lambda: by_label(scrape(url), "gatekeeper_queue_messages", "queue")  # noqa: E731
+        assert wait_until(lambda: lengths() == expected, timeout_s=10), lengths()
+        samples = scrape(url)
+    status = cli(env, "status")
+    queues = fields(next(line for line in status if line.startswith("queues ")))
+    assert {role: int(queues[role]) for role in ("free", "defer", "reserved", "dead_letter")} == {
+        role: int(n) for (role,), n in expected.items()
+    }
+    assert value(samples, "gatekeeper_broker_up") == 1
+    assert value(samples, "gatekeeper_defer_claimed_messages") is None  # RabbitMQ holds them

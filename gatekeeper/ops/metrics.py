@@ -287,5 +287,6 @@ def metrics(ctx: click.Context, port: int, host: str) -> None:
         signal.signal(sig, lambda signum, frame: stop.set())
     click.echo(f"serving http://{host}:{server.server_port}/metrics "
                f"(gate {shown_url(collector.client)}, namespace {settings.namespace})")  # fmt: skip
-    stop.wait()
+    while not stop.wait(1.0):  # woken once a second: a signal always gets its turn
+        pass
     server.shutdown()
