@@ -67,6 +67,16 @@ def exposition(scrape: int, now: float) -> str:
         *_metric("gatekeeper_replayer_last_pass_timestamp_seconds", "gauge", round(now - 0.4, 3)),
         *_metric("gatekeeper_redis_up", "gauge", 1),
         *_metric("gatekeeper_scrape_duration_seconds", "gauge", 0.0031),
+        *_metric("gatekeeper_window_free_admissions", "gauge", 38),
+        *_metric("gatekeeper_window_slack_misses", "gauge", 0),
+        *_metric("gatekeeper_free_waiting_attempts", "gauge", 3),
+        *_metric("gatekeeper_defer_claimed_messages", "gauge", 0),
+        *_metric("gatekeeper_reruns_after_row_total", "counter", 1),
+        *_metric("gatekeeper_forged_runs_total", "counter", 0 + n),
+        *_metric("gatekeeper_unverified_runs_total", "counter", 2),
+        *_metric("gatekeeper_state_initialised_timestamp_seconds", "gauge", round(now - 86400)),
+        *_metric("gatekeeper_redis_noeviction", "gauge", 1),
+        *_metric("gatekeeper_broker_up", "gauge", 1),
     ]
     return "\n".join(lines) + "\n"
 

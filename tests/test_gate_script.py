@@ -211,7 +211,8 @@ def test_waiting_entries_past_the_horizon_stop_counting(redis_client: redis.Redi
 
 
 def test_every_key_the_script_touches_shares_one_hash_tag() -> None:
-    names = [KEYS.free_waiting, KEYS.window(1), KEYS.window_rows(1), KEYS.flags, KEYS.flags_log]
+    names = [KEYS.free_waiting, KEYS.window(1), KEYS.window_rows(1), KEYS.flags, KEYS.flags_log,
+             KEYS.totals, KEYS.deferred, KEYS.replayer_last_pass]  # fmt: skip
     assert {name.split("{")[1].split("}")[0] for name in names} == {"script"}
 
 

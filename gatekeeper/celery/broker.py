@@ -57,15 +57,18 @@ def check_broker(url: str | None, field: str = "broker_url") -> str:
     )
 
 
-def broker_for(settings: GatekeeperSettings, app: Any = None, ident: str = "") -> Broker:
+def broker_for(
+    settings: GatekeeperSettings, app: Any = None, ident: str = "", timeout_s: float = 5.0
+) -> Broker:
     """The broker of these settings (``broker_url``, else the app's); ConfigError names the
-    field when gatekeeper cannot read it."""
+    field when gatekeeper cannot read it. ``timeout_s``: a Redis broker's socket timeouts
+    (the metrics exporter's are short, so that a hung broker cannot hang a scrape)."""
     url = settings.effective_broker_url
     if check_broker(url, "GATEKEEPER_BROKER_URL") == "amqp":
         from gatekeeper.celery.amqp import AmqpBroker
 
         return AmqpBroker(str(url), settings, app)
-    client = client_for(str(url), 5.0, retry_on_timeout=False)
+    client = client_for(str(url), timeout_s, retry_on_timeout=False)
     return RedisBroker(client, settings)
 
 

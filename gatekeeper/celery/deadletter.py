@@ -1,4 +1,5 @@
-"""A dead-lettered task ends in the result backend, so that callers, ``link_error`` and
+"""A task whose deadline passed in defer is abandoned (:func:`abandon`: its row, the dead
+letter, the alert lines), and ends in the result backend, so that callers, ``link_error`` and
 chords see it end instead of waiting forever.
 
 When the replayer abandons a task (its deadline passed in defer) and it knows the Celery app
@@ -19,9 +20,14 @@ from typing import Any
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
 
+from gatekeeper.celery.freeze import maybe_freeze
+from gatekeeper.celery.message import nonce_of
+from gatekeeper.core.headers import H_ATTEMPT, H_DEADLINE_AT, H_DECISION, H_DWELL_S, H_REASON
+from gatekeeper.core.ledger import Outcome, Path, make_row, window_id
 from gatekeeper.errors import DeadlineAbandoned
+from gatekeeper.redis.runs import Finished
 
-__all__ = ["fail_in_backend"]
+__all__ = ["abandon", "fail_in_backend"]
 
 
 def fail_in_backend(app: Any, message: dict[str, Any], deadline_at: float) -> str:
@@ -54,3 +60,52 @@ def _body(message: dict[str, Any]) -> tuple[Any, Any, Any]:
         raw = base64.b64decode(raw)
     args, kwargs, embed = json.loads(raw)
     return args, kwargs, embed
+
+
+def abandon(
+    self: Any, taken: Any, message: dict[str, Any], now: float, record: dict[str, str]
+) -> str:
+    """The replayer's abandonment of a task whose deadline passed in defer: its row, the move
+    to the dead letter, its failure in the result backend, the alert lines, the freeze check
+    (``self`` is the :class:`~gatekeeper.celery.replay.Replayer`)."""
+    headers = message["headers"]
+    job_id, attempt = str(headers.get("id")), int(headers.get(H_ATTEMPT) or 1)
+    slack_ms = round((float(headers[H_DEADLINE_AT]) - now) * 1000)
+    row = make_row(
+        job_id=job_id, attempt=attempt, path=Path.FREE, outcome=Outcome.ABANDONED,
+        queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=slack_ms,
+    )  # fmt: skip
+    # Whether a free admission is abandoned (a slack miss) is the gate's record's word,
+    # and only for the message that carries its nonce; another gets an unverified row.
+    trusted = bool(record) and record.get("nonce") == nonce_of(headers)
+    was_free = trusted and record.get("free_admitted") == "1"
+    if trusted:
+        done = self.runs.abandon(row, round(now * 1000), slack_miss=was_free)
+    else:
+        self.runs.unverified(row, round(now * 1000))
+        done = Finished(False, 0, 0)
+    headers.update({H_DECISION: "abandoned", H_REASON: "deadline_passed"})
+    self._send(taken, message, self.settings.dead_letter_queue, "deadline_passed")
+    fields = {
+        "task": headers.get("task"), "job_id": job_id, "attempt": attempt,
+        "deadline_slack_s": slack_ms / 1000, "retries": headers.get("retries"),
+        "queue": self.settings.dead_letter_queue,
+    }  # fmt: skip
+    # Only the gate's own message may end a task in the backend: a forged copy naming
+    # another job's id must not mark that job failed.
+    stored = "unverified"
+    if trusted:
+        stored = fail_in_backend(self.app, message, float(headers[H_DEADLINE_AT]))
+    self.alerts.error("task_abandoned", reason="deadline_passed", result=stored, **fields)
+    if was_free:
+        self.alerts.error(
+            "slack_miss", decision="admit_free", slack_miss=True,
+            dwell_s=headers.get(H_DWELL_S), abandoned=True, **fields,
+        )  # fmt: skip
+        if done.written:
+            window = window_id(now, self.settings.window_seconds)
+            maybe_freeze(
+                self.pipeline.flags, self.alerts, window, done.slack_misses,
+                done.admitted_free, now,
+            )  # fmt: skip
+    return "dead_lettered"

@@ -1,7 +1,8 @@
 """The auto-freeze: slack misses over the error budget turn the free path off in Redis.
 
 The rule is the core's (:func:`gatekeeper.core.health.should_freeze`); this writes the flag
-(with its reason, as actor ``gatekeeper:auto-freeze``) and the alert line.
+(with its reason, as actor ``gatekeeper:auto-freeze``, counting ``freezes`` in the lifetime
+totals in the same transaction) and the alert line.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def maybe_freeze(
         f"slack misses {misses}/{admitted} = {misses / admitted:.1%} of free admissions in "
         f"window {window} exceed miss_error_budget {budget:.1%}"
     )
-    flags.set("free_path_enabled", "false", reason, "gatekeeper:auto-freeze", now)
+    flags.set("free_path_enabled", "false", reason, "gatekeeper:auto-freeze", now,
+              counted="freezes")  # fmt: skip
     alerts.error(
         "free_path_frozen", window=window, slack_misses=misses, admitted_free=admitted,
         miss_error_budget=budget, reason=reason,

@@ -31,34 +31,31 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 import redis
 from redis.exceptions import LockError
 
 from gatekeeper.celery.broker import Broker, RedisBroker, Taken
-from gatekeeper.celery.deadletter import fail_in_backend
-from gatekeeper.celery.freeze import maybe_freeze
+from gatekeeper.celery.deadletter import abandon
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_COPY,
     H_DEADLINE_AT,
-    H_DECISION,
-    H_DWELL_S,
     H_NONCE,
-    H_REASON,
     H_REPLAY_AFTER,
     H_REPLAYS,
 )
-from gatekeeper.core.ledger import Outcome, Path, make_row, window_id
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline
 from gatekeeper.redis.handoff import Handoff, as_scored, recalled, remember
 from gatekeeper.redis.lock import OneHolder
-from gatekeeper.redis.runs import Finished, RunLedger
+from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.snapshot import forget_deferred, pass_completed
 from gatekeeper.redis.sweep import forget_purged, sweep
 from gatekeeper.settings import GatekeeperSettings
 
@@ -138,6 +135,7 @@ class Replayer:
         """Look at every message in defer once; returns what happened to them. Ends early,
         with ``lock_lost``, when the lock is found lost before a decision."""
         counts: Counter[str] = Counter()
+        began = self.clock()
         if self._holder.check():
             self.recover()
             self._replay_all(counts)
@@ -146,6 +144,9 @@ class Replayer:
             counts["lock_lost"] += 1
         self.counts.update(counts)
         now = self.clock()
+        if self._holder.held:  # for gatekeeper metrics: the last pass, the deadlines left
+            pass_completed(self.gate_client, self.pipeline.store.keys, began, now,
+                           self.settings.replay_backoff_max_s)  # fmt: skip
         if self._holder.held and now - self._last_sweep >= SWEEP_EVERY_S:
             self._last_sweep = now
             self._sweep(now)
@@ -178,6 +179,10 @@ class Replayer:
                 if not taken.done:
                     self.broker.leave(taken)  # given back now, not held unacked for ever
                 raise
+            if label.startswith(("to_", "dead_lettered", "handed_on")) and taken.message:
+                with suppress(redis.RedisError):  # trimmed after it passes, if not now
+                    forget_deferred(self.gate_client, self.pipeline.store.keys,
+                                    taken.message["headers"])  # fmt: skip
 
     def _set_aside(self, taken: Taken, exc: Exception) -> str:
         """A message that failed to replay: back to defer with a backoff, or, after
@@ -244,7 +249,7 @@ class Replayer:
             # scored from them. It runs on reserved, and its row is unverified or none.
             self.log.warning("replay_unverified", job_id=job_id, queue=self.defer)
             return self._send(taken, message, self.settings.reserved_queue, "unverified")
-        publish = carried_publish(headers, "replay")
+        publish = carried_publish(headers, "replay", record.get("label", ""))
         try:
             routing = self.pipeline.route(publish)
         except Exception as exc:  # never lose the message: park it where it can run
@@ -290,47 +295,7 @@ class Replayer:
     def _abandon(
         self, taken: Taken, message: dict[str, Any], now: float, record: dict[str, str]
     ) -> str:
-        headers = message["headers"]
-        job_id, attempt = str(headers.get("id")), int(headers.get(H_ATTEMPT) or 1)
-        slack_ms = round((float(headers[H_DEADLINE_AT]) - now) * 1000)
-        row = make_row(
-            job_id=job_id, attempt=attempt, path=Path.FREE, outcome=Outcome.ABANDONED,
-            queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=slack_ms,
-        )  # fmt: skip
-        # Whether a free admission is abandoned (a slack miss) is the gate's record's word,
-        # and only for the message that carries its nonce; another gets an unverified row.
-        trusted = bool(record) and record.get("nonce") == nonce_of(headers)
-        was_free = trusted and record.get("free_admitted") == "1"
-        if trusted:
-            done = self.runs.abandon(row, round(now * 1000), slack_miss=was_free)
-        else:
-            self.runs.unverified(row, round(now * 1000))
-            done = Finished(False, 0, 0)
-        headers.update({H_DECISION: "abandoned", H_REASON: "deadline_passed"})
-        self._send(taken, message, self.settings.dead_letter_queue, "deadline_passed")
-        fields = {
-            "task": headers.get("task"), "job_id": job_id, "attempt": attempt,
-            "deadline_slack_s": slack_ms / 1000, "retries": headers.get("retries"),
-            "queue": self.settings.dead_letter_queue,
-        }  # fmt: skip
-        # Only the gate's own message may end a task in the backend: a forged copy naming
-        # another job's id must not mark that job failed.
-        stored = "unverified"
-        if trusted:
-            stored = fail_in_backend(self.app, message, float(headers[H_DEADLINE_AT]))
-        self.alerts.error("task_abandoned", reason="deadline_passed", result=stored, **fields)
-        if was_free:
-            self.alerts.error(
-                "slack_miss", decision="admit_free", slack_miss=True,
-                dwell_s=headers.get(H_DWELL_S), abandoned=True, **fields,
-            )  # fmt: skip
-            if done.written:
-                window = window_id(now, self.settings.window_seconds)
-                maybe_freeze(
-                    self.pipeline.flags, self.alerts, window, done.slack_misses,
-                    done.admitted_free, now,
-                )  # fmt: skip
-        return "dead_lettered"
+        return abandon(self, taken, message, now, record)
 
     # -- the loop -----------------------------------------------------------------------
 

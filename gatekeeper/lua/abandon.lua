@@ -3,6 +3,7 @@
 -- KEYS[1] abandoned:<job_id>:<attempt>  string marker: this attempt already has its row
 -- KEYS[2] window:<id>                   hash: rows:abandoned, slack_misses, admitted_free
 -- KEYS[3] window:<id>:rows              list: ledger rows (JSON)
+-- KEYS[4] totals                        hash: lifetime abandoned, slack_misses (never expire)
 --
 -- ARGV[1] row           JSON (built by the Python core: no tokens, no wait charge)
 -- ARGV[2] retention_s
@@ -16,8 +17,10 @@ end
 redis.call('RPUSH', KEYS[3], ARGV[1])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))
 redis.call('HINCRBY', KEYS[2], 'rows:abandoned', 1)
+redis.call('HINCRBY', KEYS[4], 'abandoned', 1)
 if ARGV[3] == '1' then
   redis.call('HINCRBY', KEYS[2], 'slack_misses', 1)
+  redis.call('HINCRBY', KEYS[4], 'slack_misses', 1)
 end
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
 local misses = tonumber(redis.call('HGET', KEYS[2], 'slack_misses') or '0')

@@ -20,6 +20,7 @@
 -- KEYS[6] window:<admission window> hash: exposure, admitted_free, slack_misses; and a free
 --                                   row's tax_units, rows:<outcome>, killed_free
 -- KEYS[7] window:<admission window>:rows  list: a free row's
+-- KEYS[8] totals                    hash: lifetime killed_rows, slack_misses (never expire)
 --
 -- ARGV[1] member        <job_id>:<attempt>
 -- ARGV[2] run           the run this row belongs to
@@ -84,6 +85,9 @@ redis.call('RPUSH', rows, row)
 redis.call('EXPIRE', rows, tonumber(ARGV[8]))
 redis.call('HINCRBY', window, 'rows:' .. ARGV[4], 1)
 redis.call('EXPIRE', window, tonumber(ARGV[8]))
+if ARGV[4] == 'killed' then
+  redis.call('HINCRBY', KEYS[8], 'killed_rows', 1)
+end
 if redis.call('TTL', KEYS[1]) == -1 then  -- a record that expired mid-run, written anew
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
 end
@@ -95,6 +99,7 @@ end
 if ARGV[7] == '1' then
   redis.call('HINCRBY', KEYS[6], 'slack_misses', 1)
   redis.call('EXPIRE', KEYS[6], tonumber(ARGV[8]))
+  redis.call('HINCRBY', KEYS[8], 'slack_misses', 1)
 end
 if ARGV[9] == '1' then
   redis.call('ZREM', KEYS[5], ARGV[1])

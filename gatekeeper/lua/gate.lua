@@ -22,7 +22,11 @@
 --                           changes nothing and pushes nothing
 -- KEYS[7] run:<job_id>:<attempt-1>  the previous attempt's record (KEYS[6] again for attempt
 --                           1): its free_admitted carries over
--- KEYS[8..10]               (fast publish only) the broker lists of the free, defer and
+-- KEYS[8] totals            hash: lifetime counters (never expire), decided:<decision>:
+--                           <reason>:<task> here (gatekeeper metrics exports them)
+-- KEYS[9] deferred          sorted set: deferred attempts, score = deadline (ms), the
+--                           DEFERRED_CAP (ARGV[27]) nearest kept
+-- KEYS[10..12]              (fast publish only) the broker lists of the free, defer and
 --                           reserved queues: kombu's list names, on this same server
 --
 -- ARGV[1]  now_ms            the caller's clock (scripts never read the time)
@@ -58,8 +62,11 @@
 -- ARGV[25] allowance_units  the wait an admission reserves, in units (free_wait_allowance_s x
 --                            queue_wait_unit_per_second; 0 in optimistic mode): with its
 --                            tokens, the most the attempt can be charged (SPEC's ceiling)
--- ARGV[26..28]              (fast publish only) the free, defer and reserved queue names
--- ARGV[29..]                (fast publish only) the kombu message, JSON, cut at the values
+-- ARGV[26] task             the task's label for the totals (a registered gated task's
+--                            name, else 'other'), kept in the record for its replays
+-- ARGV[27] deferred_cap      how many members `deferred` keeps
+-- ARGV[28..30]              (fast publish only) the free, defer and reserved queue names
+-- ARGV[31..]                (fast publish only) the kombu message, JSON, cut at the values
 --                            the decision decides: text, name, text, name, ..., text
 --                            (gatekeeper/redis/push.py); the names are decision, reason,
 --                            dwell, free, window and queue
@@ -95,7 +102,7 @@ local retention = tonumber(ARGV[12])
 local delay = tonumber(ARGV[16])
 
 local allowance = tonumber(ARGV[25])
-local fast = #ARGV >= 29
+local fast = #ARGV >= 31
 local held = redis.call('HMGET', KEYS[6], 'nonce', 'decision', 'reason', 'free_admitted',
   'runs', 'rowed', 'dup:' .. ARGV[18])
 if held[1] == ARGV[18] then
@@ -164,13 +171,13 @@ local function push(decision, reason, shown, free)
     dwell = shown == 'nan' and 'null' or shown,
     free = free == '1' and 'true' or 'false',
     window = admitted and ARGV[17] or 'null',
-    queue = '"' .. ARGV[26 + index] .. '"',  -- queue names need no escaping (settings)
+    queue = '"' .. ARGV[28 + index] .. '"',  -- queue names need no escaping (settings)
   }
   local out = {}
-  for i = 29, #ARGV do
-    if (i - 29) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
+  for i = 31, #ARGV do
+    if (i - 31) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
   end
-  redis.call('LPUSH', KEYS[8 + index], table.concat(out))
+  redis.call('LPUSH', KEYS[10 + index], table.concat(out))
 end
 
 local reserve = 0  -- what an admission holds in exposure (set below, before admitting)
@@ -190,7 +197,7 @@ local function decided(decision, reason, dwell, projected)
     redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
       'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],
       'published_ms', ARGV[19], 'deadline_ms', ARGV[21], 'dwell_s', shown, 'free_admitted', free,
-      'reserved', admitted and fmt(reserve) or '0', 'prev_nonce', ARGV[24])
+      'reserved', admitted and fmt(reserve) or '0', 'prev_nonce', ARGV[24], 'label', ARGV[26])
     redis.call('EXPIRE', KEYS[6], tonumber(ARGV[20]))
   end
   -- An admission is counted in admitted_free alone (the review reads it as
@@ -199,6 +206,12 @@ local function decided(decision, reason, dwell, projected)
     or 'decided:' .. decision .. ':' .. reason
   if redis.call('HINCRBY', KEYS[2], counter, 1) == 1 then
     redis.call('EXPIRE', KEYS[2], retention)
+  end
+  -- The lifetime total of the same decision, which never expires (Prometheus' counter).
+  redis.call('HINCRBY', KEYS[8], 'decided:' .. decision .. ':' .. reason .. ':' .. ARGV[26], 1)
+  if decision == 'defer' then  -- the nearest deadlines among deferred attempts
+    redis.call('ZADD', KEYS[9], ARGV[21], ARGV[2])
+    redis.call('ZREMRANGEBYRANK', KEYS[9], tonumber(ARGV[27]), -1)
   end
   -- The review's marks (gatekeeper/review.py review_marks): only finite inputs get here.
   if finite(dwell) and finite(slack) and finite(service) and finite(tax) then

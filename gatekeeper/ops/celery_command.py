@@ -21,6 +21,6 @@ __all__ = ["gatekeeper"]
 @CONFIG_OPTION
 @click.pass_context
 def gatekeeper(ctx: click.Context, config: Path | None) -> None:
-    """Deadline-aware admission control: status, flags, replay, report, ledger, sweep."""
+    """Deadline-aware admission control: status, flags, replay, report, ledger, sweep, metrics."""
     parent: Any = ctx.obj  # celery's CLIContext: the app -A loaded
     ctx.obj = {"config": config, "app": getattr(parent, "app", None)}

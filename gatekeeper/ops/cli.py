@@ -17,6 +17,7 @@ from gatekeeper.ops.dead_letter import dead_letter
 from gatekeeper.ops.demo import demo
 from gatekeeper.ops.drill import dwell_table_lines, run_ledger_drill, write_ledger
 from gatekeeper.ops.flag_commands import flags, init
+from gatekeeper.ops.metrics import metrics
 from gatekeeper.ops.oncall import ledger, replay, report, status, sweep
 from gatekeeper.ops.simulate import simulate
 
@@ -112,6 +113,6 @@ def decide_command(
     click.echo(line)
 
 
-for _command in (dead_letter, demo, flags, init, ledger, replay, report, status, sweep):
+for _command in (dead_letter, demo, flags, init, ledger, metrics, replay, report, status, sweep):
     main.add_command(_command)
 main.add_command(simulate)

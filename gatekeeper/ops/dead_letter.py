@@ -90,7 +90,7 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
     handoff = recalled(record, nonce)
     if handoff is None:  # the first requeue of it: scored again, with its new deadline
         headers[H_DEADLINE_AT] = time.time() + deadline_s
-        publish = carried_publish(headers, "requeue")
+        publish = carried_publish(headers, "requeue", record.get("label", ""))
         routing = Pipeline.create(settings, gate, time.time).route(publish)
         handoff = Handoff(routing.queue or settings.reserved_queue, dict(routing.headers),
                           routing.drop)  # fmt: skip

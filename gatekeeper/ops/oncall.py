@@ -30,6 +30,7 @@ from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import app_of, settings_of
+from gatekeeper.ops.metrics import DEFAULT_HOST, collector_for, listening
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
@@ -305,11 +306,18 @@ def status(ctx: click.Context) -> None:
 
 @click.command()
 @click.option("--once", is_flag=True, help="One pass over defer, then exit.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Also serve gatekeeper metrics at /metrics on this port.")  # fmt: skip
+@click.option("--metrics-host", default=DEFAULT_HOST, show_default=True,
+              help="Address the metrics are served on.")  # fmt: skip
 @click.pass_context
-def replay(ctx: click.Context, once: bool) -> None:
+def replay(ctx: click.Context, once: bool, metrics_port: int | None, metrics_host: str) -> None:
     """Score deferred tasks again and hand them to free, reserved, defer or the dead letters."""
     settings = settings_of(ctx)
     replayer = Replayer(settings, broker_of(ctx), redis_client(ctx), app=app_of(ctx))
+    if metrics_port is not None:
+        collector = collector_for(settings, app_of(ctx))
+        listening(ctx, collector, metrics_host, metrics_port)  # a daemon thread: ends with us
     stop = threading.Event()
 
     def on_signal(signum: int, _: Any) -> None:

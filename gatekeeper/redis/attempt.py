@@ -31,6 +31,7 @@ from gatekeeper.core.headers import (
 from gatekeeper.core.ledger import window_id
 from gatekeeper.core.spec import DeclaredInputs, GatedSpec, header_number, resolve_inputs
 from gatekeeper.errors import BadDeclaredInput
+from gatekeeper.redis.keys import OTHER_TASK
 
 __all__ = [
     "Attempt",
@@ -40,6 +41,7 @@ __all__ = [
     "carried_publish",
     "delay_of",
     "identity",
+    "label_of",
     "resolve",
 ]
 
@@ -58,6 +60,8 @@ class Publish:
     spec_error: BadDeclaredInput | None = None
     origin: str = "publish"
     """``publish`` (the hook) or ``replay`` (the replayer re-scoring a deferred task)."""
+    label: str = ""
+    """The task's label in the metrics' totals when it is not ``task`` (:func:`label_of`)."""
 
     @property
     def attempt(self) -> int:
@@ -95,6 +99,16 @@ class Attempt:
             "deadline_ms": str(round(self.inputs.deadline_at * 1000)),
             "dwell_s": f"{dwell_s:.6f}" if math.isfinite(dwell_s) else "nan",
         }
+
+
+def label_of(publish: Publish) -> str:
+    """The task's name as the lifetime totals count it, bounded by the gated tasks an app
+    registers: the hook decides only tasks it found gated in its app, so a publish's own name;
+    a replay or requeue the label its gate record kept (``label``, set by the caller), else
+    ``other`` (a message's ``task`` header alone proves nothing)."""
+    if publish.label:
+        return publish.label
+    return publish.task if publish.origin == "publish" else OTHER_TASK
 
 
 def identity(publish: Publish) -> dict[str, Any]:
@@ -199,10 +213,10 @@ def delay_of(eta: Any, now: float) -> float:
     return max(0.0, due.timestamp() - now)
 
 
-def carried_publish(headers: dict[str, Any], origin: str) -> Publish:
+def carried_publish(headers: dict[str, Any], origin: str, label: str = "") -> Publish:
     """A publish of a message already decided once (a replay, a requeue), scored from the
     inputs its headers carry; types are checked where the pipeline resolves them (a bad one
-    fails closed there, as ``spec_error``)."""
+    fails closed there, as ``spec_error``). ``label``: the task label its gate record kept."""
     try:
         spec: GatedSpec | None = GatedSpec(
             expected_service_s=headers.get(H_EXPECTED_SERVICE_S),  # type: ignore[arg-type]
@@ -215,4 +229,4 @@ def carried_publish(headers: dict[str, Any], origin: str) -> Publish:
     return Publish(task=str(headers.get("task")), job_id=str(headers.get("id")),
                    retries=int(headers.get("retries") or 0),
                    max_retries=headers.get(H_MAX_RETRIES), spec=spec, headers=headers,
-                   spec_error=spec_error, origin=origin)  # fmt: skip
+                   spec_error=spec_error, origin=origin, label=label)  # fmt: skip

@@ -228,14 +228,16 @@ class FlagStore:
             self._cached, self._read_at = None, -math.inf
 
     def set(
-        self, name: str, value: str, reason: str, actor: str, now: float, force: bool = False
-    ) -> FlagChange:
-        """Store an override and log it; re-opening the free path needs a clean hour or force."""
+        self, name: str, value: str, reason: str, actor: str, now: float, force: bool = False,
+        counted: str | None = None,
+    ) -> FlagChange:  # fmt: skip
+        """Store an override and log it; re-opening the free path needs a clean hour or force.
+        ``counted``: a field of the lifetime ``totals`` counted in the same transaction."""
         parsed = parse_flag(name, value)
         text = str(parsed).lower() if isinstance(parsed, bool) else repr(parsed)
         if name == "free_path_enabled" and parsed is True:
             reason = self._reopen_reason(reason, now, force)
-        return self._write(name, text, reason, actor, now)
+        return self._write(name, text, reason, actor, now, counted)
 
     def unset(
         self, name: str, reason: str, actor: str, now: float, force: bool = False
@@ -297,8 +299,9 @@ class FlagStore:
         return self._write(STATE_FIELD, repr(now), reason, actor, now)
 
     def _write(
-        self, name: str, value: str | None, reason: str, actor: str, now: float
-    ) -> FlagChange:
+        self, name: str, value: str | None, reason: str, actor: str, now: float,
+        counted: str | None = None,
+    ) -> FlagChange:  # fmt: skip
         change = FlagChange(name=name, value=value, reason=reason, actor=actor, at=now)
         entry = json.dumps(change.__dict__)
         try:
@@ -310,6 +313,8 @@ class FlagStore:
                 pipe.hset(self.keys.flags, name, value)
             pipe.lpush(self.keys.flags_log, entry)
             pipe.ltrim(self.keys.flags_log, 0, FLAG_LOG_LENGTH - 1)
+            if counted is not None:
+                pipe.hincrby(self.keys.totals, counted, 1)
             pipe.execute()
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot write flag {name}: {exc}") from exc

@@ -51,6 +51,7 @@ from gatekeeper.redis.attempt import (
     bad_headers,
     bad_input_stamp,
     identity,
+    label_of,
     resolve,
 )
 from gatekeeper.redis.breaker import Breaker
@@ -177,7 +178,8 @@ class Pipeline:
             marks = review_marks(Decision.RESERVED.value, Reason.BAD_INPUT.value, *[math.nan] * 4)
             win = window_id(now, self.settings.window_seconds)
             self.store.record_decision(win, publish.job_id, publish.attempt, Decision.RESERVED,
-                                       Reason.BAD_INPUT, marks, {})  # fmt: skip
+                                       Reason.BAD_INPUT, marks, {},
+                                       task=label_of(publish))  # fmt: skip
             stamp = bad_input_stamp(publish, now)
             routing = self._finish(Decision.RESERVED, Reason.BAD_INPUT, stamp, fields,
                                    error=str(exc), field=exc.field)  # fmt: skip
@@ -219,6 +221,7 @@ class Pipeline:
         free = self.store.record_decision(
             attempt.window, attempt.publish.job_id, attempt.publish.attempt, decision, reason,
             marks, attempt.record(_number(fields.get("dwell_s"))), attempt.prev_nonce,
+            label_of(attempt.publish),
         )  # fmt: skip
         headers = attempt.headers if free is not None else _unrecorded(attempt.headers)
         return self._finish(decision, reason, headers, fields, free=bool(free))
@@ -237,7 +240,7 @@ class Pipeline:
             budget_mode=self.settings.budget_mode, nonce=attempt.nonce,
             published_s=attempt.published_s, deadline_s=attempt.inputs.deadline_at,
             delay_s=attempt.delay_s, push=push, prev_nonce=attempt.prev_nonce,
-            wait_allowance_s=self.settings.free_wait_allowance_s,
+            wait_allowance_s=self.settings.free_wait_allowance_s, task=label_of(publish),
         )  # fmt: skip
         try:
             scored = self.store.score(call)
@@ -298,7 +301,7 @@ class Pipeline:
         try:
             earlier = self.store.push_fallback(push, publish.job_id, publish.attempt,
                                                Decision.RESERVED, reason, text, record,
-                                               prev_nonce)  # fmt: skip
+                                               prev_nonce, label_of(publish))  # fmt: skip
         except LedgerUnavailable as down:
             self._finish(Decision.RESERVED, reason, headers, fields, error=f"{error}; {down}")
             raise PublishFailed(f"cannot publish {publish.job_id}: {down}") from down

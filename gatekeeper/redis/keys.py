@@ -37,7 +37,9 @@ namespace's slot):
     they match), ``decision``, ``reason``, ``window`` (the admission's window, empty unless
     admitted), ``tokens_in``, ``admitted_ms``, ``published_ms``, ``deadline_ms``, ``dwell_s``,
     ``free_admitted`` (``1`` once an attempt of the job was admitted to free), ``reserved``
-    (what an admission reserved: the most its rows may be charged) and ``charged`` (what they
+    (what an admission reserved: the most its rows may be charged), ``label`` (the task's
+    name as the metrics count it: a registered gated task's, else ``other``; a replay of
+    the attempt is counted under it again) and ``charged`` (what they
     were charged so far); ``expired_ms`` when its wait allowance ran out on free (its decision
     is then ``reserved``, reason ``free_wait_expired``). Then the
     worker's runs: ``runs`` (how many times a worker started it: more than one after a
@@ -66,6 +68,25 @@ namespace's slot):
     ``gatekeeper_nonce`` is not their record's (run as ordinary tasks, priced nothing);
     ``unverified_runs``, runs of messages with gatekeeper headers and no nonce (an older
     publisher, or a decision made without Redis: unpriced rows).
+``gatekeeper:{default}:totals`` - hash, no TTL (lifetime counters, never reset)
+    What ``gatekeeper metrics`` exports as Prometheus counters, each incremented by the script
+    (or transaction) that records its event: ``decided:<decision>:<reason>:<task>`` (every
+    decision the gate recorded: ``gate.lua``, ``record.lua``, ``fallback.lua``; replays
+    included; ``<task>`` is the run record's ``label``, so the field count stays bounded by
+    the gated tasks an app registers), ``slack_misses`` (``finish.lua``, ``abandon.lua``),
+    ``killed_rows`` (``finish.lua``, for the worker and the sweep; unverified rows too),
+    ``abandoned`` (``abandon.lua``; unverified rows too) and ``freezes`` (the auto-freeze's
+    flag write). Windows expire and their sums would look like resets; these do not.
+``gatekeeper:{default}:deferred`` - sorted set, no TTL, at most ``DEFERRED_CAP`` members
+    Attempts the gate deferred (``gate.lua``, ``record.lua``): member ``<job_id>:<attempt>``,
+    score = its deadline in ms (``gatekeeper_defer_next_deadline_seconds``). The replayer
+    removes a member when it hands the message on or dead-letters it, and after each
+    completed pass those whose deadline passed more than ``replay_backoff_max_s`` before it
+    began (a purged or lost message: any still in defer would have been abandoned); the
+    scripts keep only the ``DEFERRED_CAP`` nearest deadlines.
+``gatekeeper:{default}:replayer:last_pass`` - string, no TTL
+    Unix seconds at which a replayer last completed a pass over defer (with the lock held).
+    Kept without a TTL so that a replayer gone for good shows as an old time, not as nothing.
 ``gatekeeper:{default}:worker:<hostname>`` - string, TTL = 3 x ``worker_heartbeat_s``
     A live worker of a gated app (its main process refreshes it): the sweep writes ``killed``
     for a stale run only once the heartbeat of the worker it started on is gone.
@@ -100,7 +121,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Keys"]
+__all__ = ["DEFERRED_CAP", "OTHER_TASK", "Keys"]
+
+DEFERRED_CAP = 10_000
+"""The most members ``deferred`` keeps (the nearest deadlines): bounded without a replayer."""
+OTHER_TASK = "other"
+"""The task label of a decision whose task is not known to be a registered gated task."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +160,18 @@ class Keys:
     @property
     def stats(self) -> str:
         return f"{self.base}:stats"
+
+    @property
+    def totals(self) -> str:
+        return f"{self.base}:totals"
+
+    @property
+    def deferred(self) -> str:
+        return f"{self.base}:deferred"
+
+    @property
+    def replayer_last_pass(self) -> str:
+        return f"{self.base}:replayer:last_pass"
 
     @property
     def started(self) -> str:

@@ -25,6 +25,9 @@ from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["Finished", "RunLedger", "RunRecord", "Started"]
 
+_TOTALLED = {Outcome.KILLED: "killed_rows", Outcome.ABANDONED: "abandoned"}
+"""Outcomes counted in the lifetime ``totals`` (keys.py), by their field there."""
+
 
 @dataclass(frozen=True)
 class RunRecord:
@@ -246,6 +249,8 @@ class RunLedger:
             pipe.expire(self.keys.window_rows(window), self.retention_s)
             pipe.hincrby(self.keys.window(window), f"unverified:{row.outcome.value}", 1)
             pipe.expire(self.keys.window(window), self.retention_s)
+            if row.outcome in _TOTALLED:  # a ledger row all the same: in the lifetime totals
+                pipe.hincrby(self.keys.totals, _TOTALLED[row.outcome], 1)
             pipe.execute()
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot write an unverified row: {exc}") from exc
@@ -272,6 +277,7 @@ class RunLedger:
             self.keys.started,
             self.keys.window(admission_window),
             self.keys.window_rows(admission_window),
+            self.keys.totals,
         ]
         text = json.dumps(row.to_json())  # retry_tax is its last field (LedgerRow's order)
         args = [
@@ -299,6 +305,7 @@ class RunLedger:
             self.keys.abandoned(row.job_id, row.attempt),
             self.keys.window(window),
             self.keys.window_rows(window),
+            self.keys.totals,
         ]
         args = [json.dumps(row.to_json()), str(self.retention_s), "1" if slack_miss else "0"]
         try:

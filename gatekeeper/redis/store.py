@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -20,12 +19,16 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from gatekeeper.core.dwell import Decision, Reason
-from gatekeeper.core.ledger import BudgetMode
-from gatekeeper.defaults import QUEUE_AGE_HORIZON_S, RECORD_RETENTION_S, WINDOW_RETENTION_S
+from gatekeeper.defaults import (
+    QUEUE_AGE_HORIZON_S,
+    RECORD_RETENTION_S,
+    WINDOW_RETENTION_S,
+)
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.breaker import Breaker
+from gatekeeper.redis.call import DECISIONS, REASONS, GateCall, ScoredAttempt
 from gatekeeper.redis.cluster import is_cluster
-from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.keys import DEFERRED_CAP, OTHER_TASK, Keys
 from gatekeeper.redis.push import Push
 from gatekeeper.redis.scripts import evalsha, load_lua, read_windows, text_of
 from gatekeeper.redis.wire import Line
@@ -34,62 +37,6 @@ __all__ = ["GateCall", "GateStore", "ScoredAttempt"]
 
 RERUN = 22
 """Index of gate.lua's ARGV[23], the request-may-have-run flag, in the argument list."""
-
-
-@dataclass(slots=True)
-class GateCall:
-    """One decision's inputs to ``gate.lua`` (documented at the top of the script).
-
-    Not frozen, like the other objects made on every publish: a frozen dataclass's
-    ``__init__`` costs several times a plain one's."""
-
-    now_s: float
-    window_id: int
-    job_id: str
-    attempt: int
-    expected_service_s: float
-    retry_tax_s: float
-    deadline_slack_s: float
-    max_queue_age_s: float
-    tokens_in: int
-    budget_units: float
-    queue_wait_unit_per_second: float
-    budget_mode: BudgetMode
-    nonce: str
-    published_s: float
-    """This attempt's first publish (a replayed attempt keeps it: its wait includes defer)."""
-    deadline_s: float = 0.0
-    """The attempt's deadline, Unix seconds (kept in the record)."""
-    prev_nonce: str = ""
-    """The nonce the message already carries for this attempt (a replay), else ''."""
-    delay_s: float = 0.0
-    wait_allowance_s: float = 0.0
-    """``free_wait_allowance_s``: the wait an admission reserves (0: its tokens alone)."""
-    push: Push | None = None
-
-
-@dataclass(slots=True)
-class ScoredAttempt:
-    """What the gate script decided for one attempt."""
-
-    decision: Decision
-    reason: Reason
-    queue_age_s: float
-    dwell_s: float
-    projected_tax: float
-    free_admitted: bool
-    """This attempt or an earlier one of the job was admitted to free (the gate's record)."""
-
-
-_DECISIONS: dict[bytes | str, Decision] = {
-    **{d.value: d for d in Decision},
-    **{d.value.encode(): d for d in Decision},
-}
-_REASONS: dict[bytes | str, Reason] = {
-    **{r.value: r for r in Reason},
-    **{r.value.encode(): r for r in Reason},
-}
-"""The scripts' replies (bytes, or text from a decoding client) to the core's enums."""
 
 
 class GateStore:
@@ -136,8 +83,10 @@ class GateStore:
             self.keys.inflight,
             self.keys.flags,
             *self._records(call.job_id, call.attempt),
+            self.keys.totals,
+            self.keys.deferred,
         ]
-        cap, budget, unit, mode, horizon, retention, ttl, allowance = self._fixed(call)
+        cap, budget, unit, mode, horizon, retention, ttl, allowance, most = self._fixed(call)
         args = [
             repr(call.now_s * 1000),
             f"{call.job_id}:{call.attempt}",
@@ -164,6 +113,8 @@ class GateStore:
             "0",  # rerun: set by _reply_now, whose client may send the request again
             call.prev_nonce,
             allowance,
+            call.task,
+            most,
         ]
         if call.push is not None:  # fast publish: the script pushes the decided message too
             keys += call.push.lists
@@ -180,6 +131,7 @@ class GateStore:
                 repr(float(call.queue_wait_unit_per_second)), call.budget_mode.value,
                 repr(self.horizon_s * 1000), str(self.retention_s), str(self.record_ttl_s),
                 repr(float(call.wait_allowance_s * call.queue_wait_unit_per_second)),
+                str(DEFERRED_CAP),
             ))  # fmt: skip
         return self._fixed_args[1]
 
@@ -238,8 +190,8 @@ class GateStore:
         try:
             decision, reason, age, dwell, projected, free = reply
             return ScoredAttempt(
-                decision=_DECISIONS[decision],
-                reason=_REASONS[reason],
+                decision=DECISIONS[decision],
+                reason=REASONS[reason],
                 queue_age_s=float(age),
                 dwell_s=float(dwell),
                 projected_tax=float(projected),
@@ -258,6 +210,7 @@ class GateStore:
         marks: tuple[bool, bool],
         record: dict[str, str],
         prev_nonce: str = "",
+        task: str = OTHER_TASK,
     ) -> bool | None:
         """Count a decision made in process and write the gate's record of the attempt
         (``record.lua``); returns the record's ``free_admitted``, None when it was not
@@ -265,9 +218,11 @@ class GateStore:
         attempt holds a live record): the decision stands, and its row will be unverified."""
         if self.breaker is not None and self.breaker.is_open:
             return None
-        keys = [self.keys.window(window_id), *self._records(job_id, attempt)]
+        keys = [self.keys.window(window_id), *self._records(job_id, attempt), self.keys.totals,
+                self.keys.deferred]  # fmt: skip
         args = [decision.value, reason.value, "1" if marks[0] else "0", "1" if marks[1] else "0",
-                str(self.retention_s), str(self.record_ttl_s), prev_nonce]  # fmt: skip
+                str(self.retention_s), str(self.record_ttl_s), prev_nonce, task,
+                str(DEFERRED_CAP), f"{job_id}:{attempt}"]  # fmt: skip
         for name, value in record.items():
             args += [name, value]
         try:
@@ -280,7 +235,7 @@ class GateStore:
 
     def push_fallback(
         self, push: Push, job_id: str, attempt: int, decision: Decision, reason: Reason,
-        text: str, record: dict[str, str], prev_nonce: str = "",
+        text: str, record: dict[str, str], prev_nonce: str = "", task: str = OTHER_TASK,
     ) -> tuple[Decision, Reason] | None:  # fmt: skip
         """Push a fast publish's message that gate.lua did not push, as ``text``; None when
         pushed now, else (decision, reason) of the push this request already made.
@@ -295,9 +250,9 @@ class GateStore:
         if breaker is not None and not breaker.opened_here():
             breaker.check(f"cannot push {job_id}")
         index = {Decision.ADMIT_FREE: 0, Decision.DEFER: 1, Decision.RESERVED: 2}[decision]
-        keys = [self.keys.run(job_id, attempt), push.lists[index]]
+        keys = [self.keys.run(job_id, attempt), push.lists[index], self.keys.totals]
         args = [push.nonce, decision.value, reason.value, text, str(self.record_ttl_s),
-                prev_nonce]  # fmt: skip
+                prev_nonce, task]  # fmt: skip
         for name, value in record.items():
             args += [name, value]
         try:
@@ -315,7 +270,7 @@ class GateStore:
             breaker.answered()
         if not reply:
             return None
-        return _DECISIONS.get(reply[0], Decision.RESERVED), _REASONS.get(
+        return DECISIONS.get(reply[0], Decision.RESERVED), REASONS.get(
             reply[1], Reason.GATE_UNAVAILABLE
         )
 

@@ -1,0 +1,119 @@
+"""What ``gatekeeper metrics`` reads of a namespace at scrape time, and what the replayer
+writes for it.
+
+A scrape reads one small bounded hash of lifetime counters (``totals``), a few fields of the
+current window, the head of two sorted sets, the flags, the stats and the replayer's last
+pass, in one transaction (every key shares the namespace's hash tag, so one cluster slot),
+then ``INFO memory``: never a whole large hash or list. Key names and lifetimes are in
+:mod:`gatekeeper.redis.keys`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from gatekeeper.core.headers import H_ATTEMPT
+from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.scripts import text_of
+
+__all__ = ["WINDOW_FIELDS", "Snapshot", "forget_deferred", "pass_completed", "read_snapshot"]
+
+WINDOW_FIELDS = ("tax_units", "exposure", "admitted_free", "slack_misses")
+"""The current window's fields a scrape reads (``gatekeeper status`` prints them)."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One namespace's state as read in one transaction, as text."""
+
+    totals: dict[str, str]
+    window: dict[str, str]
+    oldest_waiting_ms: float | None
+    """The score of the free queue's oldest waiting admission (None: none waiting)."""
+    waiting: int
+    next_deadline_ms: float | None
+    """The nearest deadline among deferred attempts (None: none deferred)."""
+    flags: dict[str, str]
+    stats: dict[str, str]
+    last_pass_s: float | None
+    """When a replayer last completed a pass (None: never)."""
+    policy: str | None = None
+    """The server's ``maxmemory-policy`` (``unknown`` when it does not say)."""
+    decisions: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    """The ``decided:<decision>:<reason>:<task>`` totals as (task, decision, reason) -> n."""
+
+
+def _text(raw: Mapping[Any, Any]) -> dict[str, str]:
+    return {text_of(k): text_of(v) for k, v in raw.items()}
+
+
+def _head(pair: list[tuple[Any, float]]) -> float | None:
+    return float(pair[0][1]) if pair else None
+
+
+def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
+    """The namespace's state for a scrape; :class:`LedgerUnavailable` when Redis cannot be
+    read (a timeout on a hung server included: the caller's client sets how long)."""
+    try:
+        pipe = client.pipeline(transaction=True)
+        pipe.hgetall(keys.totals)
+        pipe.hmget(keys.window(window_id), list(WINDOW_FIELDS))
+        pipe.zrange(keys.free_waiting, 0, 0, withscores=True)
+        pipe.zcard(keys.free_waiting)
+        pipe.zrange(keys.deferred, 0, 0, withscores=True)
+        pipe.hgetall(keys.flags)
+        pipe.hgetall(keys.stats)
+        pipe.get(keys.replayer_last_pass)
+        totals, window, oldest, waiting, nearest, flags, stats, last = pipe.execute()
+        policy = client.info("memory").get("maxmemory_policy")
+    except redis.RedisError as exc:
+        raise LedgerUnavailable(f"cannot read the gate's Redis: {exc}") from exc
+    counted = _text(totals)
+    decisions = {}
+    for name, value in counted.items():
+        kind, _, rest = name.partition(":")
+        decision, _, rest = rest.partition(":")
+        reason, _, task = rest.partition(":")
+        if kind == "decided" and task:
+            decisions[(task, decision, reason)] = int(value)
+    return Snapshot(
+        totals=counted,
+        window={n: text_of(v) for n, v in zip(WINDOW_FIELDS, window, strict=True) if v},
+        oldest_waiting_ms=_head(oldest),
+        waiting=int(waiting),
+        next_deadline_ms=_head(nearest),
+        flags=_text(flags),
+        stats=_text(stats),
+        last_pass_s=float(text_of(last)) if last is not None else None,
+        policy=str(policy) if policy else "unknown",
+        decisions=decisions,
+    )
+
+
+def forget_deferred(client: redis.Redis, keys: Keys, headers: Mapping[str, Any]) -> None:
+    """A deferred message left defer for good (handed on, dead-lettered): its deadline no
+    longer counts. Best effort: a member left behind is trimmed after its deadline."""
+    job_id, attempt = headers.get("id"), headers.get(H_ATTEMPT)
+    if job_id is None or type(attempt) is not int:
+        return
+    with contextlib.suppress(redis.RedisError):
+        client.zrem(keys.deferred, f"{job_id}:{attempt}")
+
+
+def pass_completed(
+    client: redis.Redis, keys: Keys, began_s: float, now_s: float, backoff_max_s: float
+) -> None:
+    """A replayer completed, at ``now_s``, a pass that began at ``began_s``: record the time,
+    and drop the deferred deadlines older than ``backoff_max_s`` before it began (a message
+    still in defer with such a deadline would have been abandoned in this pass: it was purged
+    or lost)."""
+    pipe = client.pipeline(transaction=True)
+    pipe.set(keys.replayer_last_pass, repr(now_s))
+    pipe.zremrangebyscore(keys.deferred, "-inf", f"({(began_s - backoff_max_s) * 1000!r}")
+    pipe.execute()
