@@ -19,6 +19,8 @@ __all__ = [
     "QUEUE_WAIT_UNIT_PER_SECOND",
     "RECORD_RETENTION_S",
     "REDIS_TIMEOUT_S",
+    "SERVICE_DRIFT_FACTOR",
+    "SERVICE_TIME_MIN_SAMPLES",
     "STALE_ATTEMPT_S",
     "WINDOW_RETENTION_S",
     "WINDOW_SECONDS",
@@ -75,3 +77,11 @@ WINDOW_RETENTION_S = 8 * 24 * 3600
 RECORD_RETENTION_S = 2 * 24 * 3600
 """An attempt's record (the gate's, then its runs') outlives any sane visibility timeout,
 retry delay or deadline."""
+SERVICE_TIME_MIN_SAMPLES = 100
+"""Runs a task needs before its observed p95 is used (``service_time=learned`` or ``max``) or
+said to drift: the p95 of 100 runs rests on its 5 slowest, so one slow run moves it by at
+most a bucket or two; of 20 it would be the second slowest run, whatever the tail."""
+SERVICE_DRIFT_FACTOR = 1.5
+"""``service_time_drift`` fires when the observed p95 is more than this times the declared
+guess: SPEC section 6's default. Below it the bucket error (4.9 %) and an honest guess's
+spread are noise; at 1.5 a task's retry tax is also under-counted by a third or more."""

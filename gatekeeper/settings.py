@@ -157,6 +157,12 @@ class GatekeeperSettings(BaseSettings):
     miss_error_budget: float = Field(defaults.MISS_ERROR_BUDGET, ge=0, le=1, allow_inf_nan=False)
     miss_min_admissions: int = Field(defaults.MISS_MIN_ADMISSIONS, ge=1)
     """A window's miss rate can freeze the free path only after this many free admissions."""
+    service_time: Literal["declared", "learned", "max"] = "declared"
+    """The service time decisions use: ``declared`` (always, until an operator switches),
+    ``learned`` (the observed p95) or ``max`` (the larger); :mod:`gatekeeper.core.service`."""
+    service_time_min_samples: int = Field(defaults.SERVICE_TIME_MIN_SAMPLES, ge=1)
+    """Runs a task needs before its p95 is used or said to drift (the declared value till then)."""
+    service_drift_factor: float = Field(defaults.SERVICE_DRIFT_FACTOR, ge=1, allow_inf_nan=False)
     worker_heartbeat_s: float = Field(defaults.WORKER_HEARTBEAT_S, gt=0, allow_inf_nan=False)
     """How often a worker proves itself alive to the sweep (TTL: three intervals)."""
     stale_attempt_s: float = Field(defaults.STALE_ATTEMPT_S, gt=0, allow_inf_nan=False)
@@ -202,7 +208,7 @@ class GatekeeperSettings(BaseSettings):
     simulate: NightSettings = NightSettings()
     """The declared night of ``gatekeeper simulate`` (:mod:`gatekeeper.night`)."""
 
-    @field_validator("log_format", "log_level", mode="before")
+    @field_validator("log_format", "log_level", "service_time", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value

@@ -26,6 +26,8 @@ def test_defaults_match_the_spec() -> None:
     assert settings.queue_wait_unit_per_second == 200
     assert settings.budget_mode is BudgetMode.EXPOSURE
     assert settings.miss_error_budget == 0.01
+    assert (settings.service_time, settings.service_time_min_samples) == ("declared", 100)
+    assert settings.service_drift_factor == 1.5
     assert (settings.free_queue, settings.defer_queue, settings.reserved_queue) == (
         "free",
         "defer",
@@ -45,6 +47,10 @@ def test_defaults_match_the_spec() -> None:
         ("GATEKEEPER_DRILL__SEED", "x", "valid integer"),
         ("GATEKEEPER_FREE_QUEUE", "fr ee", "pattern '^[A-Za-z0-9_.:\\-]+$'"),  # case kept
         ("GATEKEEPER_REDIS_URL", "localhost:6379", "expected a Redis URL (redis://"),
+        ("GATEKEEPER_SERVICE_TIME", "p95", "'declared', 'learned' or 'max'"),
+        ("GATEKEEPER_SERVICE_TIME_MIN_SAMPLES", "0", "greater than or equal to 1"),
+        ("GATEKEEPER_SERVICE_DRIFT_FACTOR", "0.5", "greater than or equal to 1"),
+        ("GATEKEEPER_SERVICE_DRIFT_FACTOR", "inf", "finite number"),
     ],
 )
 def test_a_bad_value_names_the_variable_and_what_was_expected(
@@ -145,3 +151,8 @@ def test_the_workers_need_a_broker_besides_a_cluster(monkeypatch: pytest.MonkeyP
         ConfigError, match=r"^GATEKEEPER_BROKER_URL: .* unless it is a Redis Cluster"
     ):
         create_app()
+
+
+def test_the_service_time_setting_reads_in_any_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEKEEPER_SERVICE_TIME", "MAX")
+    assert load_settings().service_time == "max"

@@ -48,10 +48,14 @@ from gatekeeper.logs import make_logger
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger, RunRecord
+from gatekeeper.redis.service_times import ServiceTimes
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["WorkerSide", "maybe_freeze"]
+__all__ = ["TIME_LIMIT_REASONS", "WorkerSide", "maybe_freeze"]
+
+TIME_LIMIT_REASONS = frozenset({"TimeLimitExceeded", "SoftTimeLimitExceeded"})
+"""The failures that mean a run was cut off by its time limit: it ran at least that long."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class WorkerSide:
         self.clock = clock
         self.runs = RunLedger.from_settings(client, settings)
         self.store = GateStore(client, Keys(settings.key_prefix, settings.namespace))
+        self.service = ServiceTimes(client, self.store.keys)
         self.log = make_logger(settings, "worker")
         self.alerts = make_logger(settings, "alert")
         self._running: dict[str, _Running] = {}
@@ -241,6 +246,14 @@ class WorkerSide:
 
     # -- both ---------------------------------------------------------------------------
 
+    def _learns(self, task: str, outcome: Outcome, reason: str) -> bool:
+        """Whether a run's time counts toward its task's learned service time: an ``ok`` run,
+        or one killed by its time limit (a lower bound), of a task this app registers (so
+        the tasks tracked are bounded by the app's own gated tasks)."""
+        if outcome is not Outcome.OK and reason not in TIME_LIMIT_REASONS:
+            return False
+        return task in self.app.tasks
+
     def _end_unverified(
         self, job_id: str, running: _Running, outcome: Outcome, reason: str,
         tokens_in: int | None, tokens_out: int | None,
@@ -279,6 +292,10 @@ class WorkerSide:
             queue_wait_ms=row.queue_wait_ms, tokens_in=row.tokens_in, retry_tax=row.retry_tax,
             deadline_slack_ms=row.deadline_slack_ms,
         )  # fmt: skip
+        if current and record.started_ms and self._learns(record.task, outcome, reason):
+            ran_s, cut = (now - record.started_ms) / 1000, outcome is not Outcome.OK
+            self._guarded("service_time", job_id,
+                          lambda: self.service.observe(record.task, ran_s, cut))  # fmt: skip
         if miss:
             self.alerts.error(
                 "slack_miss", decision="admit_free", slack_miss=True, task=record.task,

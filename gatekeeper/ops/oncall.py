@@ -31,12 +31,14 @@ from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import app_of, settings_of
 from gatekeeper.ops.metrics import DEFAULT_HOST, collector_for, listening
+from gatekeeper.ops.service_status import service_lines
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import read_windows, text_of
+from gatekeeper.redis.service_times import ServiceTimes
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import forget_purged
 from gatekeeper.redis.sweep import sweep as sweep_runs
@@ -302,6 +304,11 @@ def status(ctx: click.Context) -> None:
     # or a decision made without Redis; unpriced rows).
     counters = ("reruns_after_row", "forged_runs", "unverified_runs")
     click.echo(" ".join(f"{name}={stats.get(name, 0)}" for name in counters))
+    try:  # per task: the declared service time and the learned p95 (SPEC section 6)
+        service = service_lines(ServiceTimes(gate, keys), settings, app_of(ctx))
+    except LedgerUnavailable as exc:
+        raise click.ClickException(f"cannot read the gate's Redis: {exc}") from exc
+    click.echo("\n".join(service) if service else "service no task has observed runs yet")
 
 
 @click.command()

@@ -9,7 +9,7 @@ the attempt (what its ledger row needs, written to Redis with the decision).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -36,6 +36,7 @@ from gatekeeper.redis.keys import OTHER_TASK
 __all__ = [
     "Attempt",
     "Publish",
+    "Service",
     "bad_headers",
     "bad_input_stamp",
     "carried_publish",
@@ -87,6 +88,8 @@ class Attempt:
     fields: dict[str, Any]
     prev_nonce: str = ""
     """The nonce a replayed attempt's message carries (its record's, if it is the gate's)."""
+    service_s: float = math.nan
+    """The service time the decision uses: the declared one, or the learned p95."""
 
     def record(self, dwell_s: float) -> dict[str, str]:
         """The gate's record of this attempt, for a decision made without ``gate.lua`` (the
@@ -120,8 +123,18 @@ def identity(publish: Publish) -> dict[str, Any]:
     return fields
 
 
-def resolve(publish: Publish, now: float, window_seconds: int, nonce: str) -> Attempt:
-    """The attempt's inputs and headers; raises :class:`BadDeclaredInput` naming the field."""
+Service = Callable[[str, float], tuple[float, dict[str, Any]]]
+"""The service time to decide with for a task and its declared value, with the decision
+line's fields for it (:meth:`gatekeeper.redis.service_times.LearnedService.choose`)."""
+
+
+def resolve(
+    publish: Publish, now: float, window_seconds: int, nonce: str, service: Service | None = None
+) -> Attempt:
+    """The attempt's inputs and headers; raises :class:`BadDeclaredInput` naming the field.
+
+    ``service`` picks the service time the decision uses (declared or learned); the headers
+    carry the declared one on (a retry or a replay chooses again)."""
     if publish.spec_error is not None:
         raise publish.spec_error
     if publish.spec is None:
@@ -132,12 +145,14 @@ def resolve(publish: Publish, now: float, window_seconds: int, nonce: str) -> At
     inputs = resolve_inputs(publish.spec, publish.headers, now)
     delay = delay_of(publish.headers.get("eta"), now)
     left = 0 if publish.max_retries is None else publish.max_retries - publish.retries
-    tax_s = retry_tax_s(left, inputs.expected_service_s)
+    declared = inputs.expected_service_s
+    service_s, chosen = (declared, {}) if service is None else service(publish.task, declared)
+    tax_s = retry_tax_s(left, service_s)
     slack = inputs.deadline_at - now
     fields = identity(publish)
     if delay:
         fields["delay_s"] = delay
-    fields.update(expected_service_s=inputs.expected_service_s, retry_tax_s=tax_s,
+    fields.update(expected_service_s=service_s, **chosen, retry_tax_s=tax_s,
                   deadline_slack_s=slack, tokens=inputs.tokens_in)  # fmt: skip
     same_attempt = publish.headers.get(H_ATTEMPT) == publish.attempt
     carried = publish.headers.get(H_ATTEMPT_PUBLISHED_AT) if same_attempt else None
@@ -159,7 +174,7 @@ def resolve(publish: Publish, now: float, window_seconds: int, nonce: str) -> At
         headers[H_MAX_RETRIES] = publish.max_retries
     return Attempt(publish, now, window_id(now, window_seconds), inputs, delay, tax_s, slack,
                    published, nonce, headers, fields,
-                   prev if isinstance(prev, str) else "")  # fmt: skip
+                   prev if isinstance(prev, str) else "", service_s)  # fmt: skip
 
 
 def bad_input_stamp(publish: Publish, now: float) -> dict[str, Any]:

@@ -59,6 +59,7 @@ from gatekeeper.redis.cluster import probe_of
 from gatekeeper.redis.flags import Flags, FlagStore, in_canary
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.push import Push, new_nonce, values_for
+from gatekeeper.redis.service_times import LearnedService, ServiceTimes
 from gatekeeper.redis.store import GateCall, GateStore
 from gatekeeper.settings import GatekeeperSettings
 
@@ -107,6 +108,8 @@ class Pipeline:
         self.flags = flags
         self.log = logger
         self.clock = clock
+        times = ServiceTimes(store.client, store.keys, store.breaker)
+        self.learned = LearnedService(times, settings, logger, wall=clock)
         self._queues = {
             Decision.ADMIT_FREE: settings.free_queue,
             Decision.DEFER: settings.defer_queue,
@@ -172,7 +175,8 @@ class Pipeline:
         """Step 2: the attempt's inputs, or reserved for a declared input that is bad."""
         now = self.clock()
         try:
-            return resolve(publish, now, self.settings.window_seconds, new_nonce())
+            return resolve(publish, now, self.settings.window_seconds, new_nonce(),
+                           self.learned.choose)  # fmt: skip
         except BadDeclaredInput as exc:
             fields = identity(publish)
             marks = review_marks(Decision.RESERVED.value, Reason.BAD_INPUT.value, *[math.nan] * 4)
@@ -200,7 +204,7 @@ class Pipeline:
         if not flags.free_path_enabled:
             return self._recorded(attempt, Decision.RESERVED, Reason.FREE_PATH_DISABLED)
         cap = self.settings.max_queue_age_s
-        service, tax_s, slack, delay = (attempt.inputs.expected_service_s, attempt.tax_s,
+        service, tax_s, slack, delay = (attempt.service_s, attempt.tax_s,
                                         attempt.slack_s, attempt.delay_s)  # fmt: skip
         if guards_pass(service, tax_s, slack, cap, delay):
             return None
@@ -232,7 +236,7 @@ class Pipeline:
         publish, inputs, fields = attempt.publish, attempt.inputs, attempt.fields
         call = GateCall(
             now_s=attempt.now, window_id=attempt.window, job_id=publish.job_id,
-            attempt=publish.attempt, expected_service_s=inputs.expected_service_s,
+            attempt=publish.attempt, expected_service_s=attempt.service_s,
             retry_tax_s=attempt.tax_s, deadline_slack_s=attempt.slack_s,
             max_queue_age_s=self.settings.max_queue_age_s, tokens_in=inputs.tokens_in,
             budget_units=self.settings.budget_units,

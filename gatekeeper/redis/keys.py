@@ -87,6 +87,17 @@ namespace's slot):
 ``gatekeeper:{default}:replayer:last_pass`` - string, no TTL
     Unix seconds at which a replayer last completed a pass over defer (with the lock held).
     Kept without a TTL so that a replayer gone for good shows as an old time, not as nothing.
+``gatekeeper:{default}:service:times:<task>`` - hash, no TTL
+    The observed service times of one gated task (:mod:`gatekeeper.core.service`): fields
+    ``b<index>``, how many ``ok`` runs (and runs killed by their time limit, counted as lower
+    bounds, also in ``lower_bounds``) fell in each log-spaced bucket. At most 200 buckets,
+    so bounded whatever the traffic; written only for tasks registered as gated on a worker.
+``gatekeeper:{default}:service:names`` - set, no TTL
+    The task names that have a ``service:times:<task>`` hash (for ``gatekeeper status``).
+``gatekeeper:{default}:service:drift:<window id>:<task>`` - string, TTL = ``window_seconds``
+    Set (``SET NX``) by the first publisher to see the task's p95 over
+    ``service_drift_factor`` times its declared value in that window: one
+    ``service_time_drift`` line per window per task, whatever the number of processes.
 ``gatekeeper:{default}:worker:<hostname>`` - string, TTL = 3 x ``worker_heartbeat_s``
     A live worker of a gated app (its main process refreshes it): the sweep writes ``killed``
     for a stale run only once the heartbeat of the worker it started on is gone.
@@ -195,3 +206,13 @@ class Keys:
 
     def window_rows(self, window_id: int) -> str:
         return f"{self.base}:window:{window_id}:rows"
+
+    def service(self, task: str) -> str:
+        return f"{self.base}:service:times:{task}"
+
+    @property
+    def service_tasks(self) -> str:
+        return f"{self.base}:service:names"
+
+    def service_drift(self, task: str, window_id: int) -> str:
+        return f"{self.base}:service:drift:{window_id}:{task}"

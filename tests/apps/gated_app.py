@@ -159,6 +159,14 @@ def create_app(
             time.sleep(30)
         return "second run"
 
+    @gatekeeper.gated(expected_service_s=0.8, tokens_in=100, deadline_s=60)
+    @app.task(bind=True, name="tests.long_tail", max_retries=0, shared=False)
+    def long_tail(self: Any, sleep_s: float) -> str:
+        """Declared at 0.8 s, runs as long as it is told (SPEC section 6's 8 s guess, scaled)."""
+        record(self)
+        time.sleep(sleep_s)
+        return "ok"
+
     @app.task(bind=True, name="tests.plain", shared=False)
     def plain(self: Any) -> str:
         record(self)
