@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -161,3 +162,13 @@ def test_a_windows_figures_for_the_charts_and_a_window_older_than_the_age_field(
     assert figures.free_age_max_s == 41.25
     older = window_figures(8, {"admitted_free": "2"})  # written before the age was kept
     assert older.free_age_max_s is None and older.decisions["admit_free"] == 2
+
+
+def test_report_html_to_a_path_it_cannot_write_names_the_option(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = CliRunner().invoke(main, ["report", "--html", str(blocker / "review.html")])
+    assert result.exit_code == 2 and "--html" in result.output

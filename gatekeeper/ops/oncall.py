@@ -1,6 +1,7 @@
 """The on-call's commands: ledger, sweep, status, report and the replayer.
 
-The flag commands are in :mod:`gatekeeper.ops.flag_commands`.
+The flag commands are in :mod:`gatekeeper.ops.flag_commands`; ``report --html`` draws its page
+with :mod:`gatekeeper.ops.review_page`.
 
 Registered on the ``gatekeeper`` group by :mod:`gatekeeper.ops.cli`. Each reads settings at the edge
 and talks to the gate's Redis (``GATEKEEPER_REDIS_URL``) and, for queue lengths and the
@@ -31,6 +32,7 @@ from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import app_of, settings_of
 from gatekeeper.ops.metrics import DEFAULT_HOST, collector_for, listening
+from gatekeeper.ops.review_page import review_page
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
@@ -194,8 +196,15 @@ def _since(value: str) -> float:
 @click.option(
     "--since", "since", default="7d", show_default=True, help="How far back: 7d, 24h, 90m, 900s."
 )
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the review as one self-contained HTML page of charts (opens offline).",
+)
 @click.pass_context
-def report(ctx: click.Context, since: str) -> None:  # fmt: skip
+def report(ctx: click.Context, since: str, html_path: Path | None) -> None:  # fmt: skip
     """The review's three ratios over a fixed window, and decisions by kind and reason."""
     settings = settings_of(ctx)
     seconds = _since(since)
@@ -223,6 +232,15 @@ def report(ctx: click.Context, since: str) -> None:  # fmt: skip
     )
     for line in review.lines():
         click.echo(line)
+    if html_path is not None:
+        page = review_page(windows, first, settings, since=since, generated_at=now)
+        try:
+            html_path.parent.mkdir(parents=True, exist_ok=True)
+            html_path.write_text(page, encoding="utf-8")
+        except OSError as exc:
+            raise click.BadParameter(f"cannot write {html_path}: {exc.strerror}",
+                                     param_hint="--html") from exc  # fmt: skip
+        click.echo(f"wrote {html_path}")
 
 
 @click.command()
