@@ -32,7 +32,8 @@ SIZE = 900
 FILLED = (0, 1, 3, 5)
 """How many windows back each filled window is (the others in the report stay empty)."""
 HOSTILE = '<img src=x onerror="alert(1)">'
-"""A reason name someone with write access to Redis could plant in a window hash."""
+"""A reason name someone with write access to Redis could plant in a window hash (and one
+more below, ``decided:start:planted``, whose kind is the name of a figure of the page)."""
 
 
 def decide(store: GateStore, client: redis.Redis, job: str, at: float, *, age_s: float = 0.0,
@@ -85,6 +86,8 @@ def history(client: redis.Redis, now: float) -> None:
             "reserved/dwell_over_slack"  # 40 s of service fit the 60 s: the age sent it away
         )
     client.hincrby(KEYS.window(current), f"decided:defer:{HOSTILE}", 1)
+    # A planted kind named like a figure of the page's data must not replace it.
+    client.hincrby(KEYS.window(current), "decided:start:planted", 10**18)
 
 
 @pytest.fixture()

@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from gatekeeper.core.review import KINDS, RATIO_MEANINGS, Review, summarize_review, window_figures
+from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["CHARTS", "review_page"]
@@ -255,7 +256,7 @@ def review_page(
         figures.append({
             "id": figure.window_id,
             "start": figure.window_id * size,
-            **figure.decisions,
+            **{kind: figure.decisions.get(kind, 0) for kind in KINDS},  # not Redis's names
             "tax_units": _finite(round(figure.tax_units, 3)),
             "killed_free": figure.killed_free,
             "free_age_max_s": _finite(figure.free_age_max_s),
@@ -301,8 +302,8 @@ and below do not need it.</p></noscript>
 {"".join(_figure(name) for name in CHARTS)}
 <h2>Decisions by kind and reason</h2>
 {_decisions_table(review)}
-<p class="note">Windows are kept eight days; older ones count as empty. Written by
-<code>gatekeeper report --html</code>; it reads the ledger windows in Redis.</p>
+<p class="note">Made by gatekeeper from the ledger windows in Redis, which are kept
+{WINDOW_RETENTION_S // 86400} days: older ones count as empty.</p>
 <script type="application/json" id="review-data">{_json_block(data)}</script>
 <script>{_SCRIPT}</script>
 </body></html>
