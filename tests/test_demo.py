@@ -4,36 +4,63 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from gatekeeper.core.review import RATIO_MEANINGS
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.celery
 
 
-def test_the_demo_runs_the_workload_to_its_summary_and_leaves_nothing_behind(
-    tmp_path: Path,
-) -> None:
+@dataclass(frozen=True)
+class DemoRun:
+    """One run of ``python -m gatekeeper demo`` from a clean directory, and what it wrote."""
+
+    result: subprocess.CompletedProcess[str]
+    out: Path
+    page: Path
+
+    @property
+    def lines(self) -> list[str]:
+        return self.result.stdout.splitlines()
+
+    @property
+    def summary(self) -> str:
+        return next(line for line in self.lines if line.startswith("finished="))
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """The demo, run once for the tests of this module (it takes about a minute)."""
+    folder = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
-    out = tmp_path / "ledger.json"
+    out, page = folder / "ledger.json", folder / "review.html"
     result = subprocess.run(
-        [sys.executable, "-m", "gatekeeper", "demo", "--out", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+        [sys.executable, "-m", "gatekeeper", "demo", "--out", str(out), "--html", str(page)],
+        cwd=folder, env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
+    return DemoRun(result, out, page)
+
+
+def test_the_demo_runs_the_workload_to_its_summary_and_leaves_nothing_behind(
+    demo_run: DemoRun,
+) -> None:
+    result, out, page = demo_run.result, demo_run.out, demo_run.page
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
-    summary = next(line for line in lines if line.startswith("finished="))
+    lines, summary = demo_run.lines, demo_run.summary
     counts = dict(part.split("=") for part in summary.split())
     # Only first attempts die (max_retries=1): every job ends ok or dead-lettered.
     assert int(counts["finished"]) + int(counts["abandoned"]) == 40
-    assert any(line.startswith("free_missed=") for line in lines)
-    assert any(line.startswith("defer_savable=") for line in lines)
-    assert any(line.startswith("reserved_age_shift=") for line in lines)
-    assert lines[-1] == f"wrote {out}"
+    assert lines[-2:] == [
+        f"wrote {out} (the JSON ledger: every row)",
+        f"wrote {page} (the review as charts: open it in a browser, offline)",
+    ]
     document = json.loads(out.read_text())
     assert document["summary"] == summary
     jobs = {row["job_id"] for row in document["rows"]}
@@ -54,3 +81,27 @@ def test_a_job_is_accounted_for_only_by_a_final_row() -> None:
         {"job_id": "failed", "attempt": 2, "outcome": "killed"},  # no retry left (max 1)
     ]
     assert _finished(rows, max_retries=1) == {"ok", "dead", "failed"}
+
+
+def test_the_demos_output_explains_its_numbers_to_a_newcomer(demo_run: DemoRun) -> None:
+    assert demo_run.result.returncode == 0, demo_run.result.stdout + demo_run.result.stderr
+    lines = demo_run.lines
+    at = lines.index(demo_run.summary)
+    assert lines[at + 1].startswith("  budget_left: declared units, not money (budget_units=")
+    decisions = lines[at + 2]
+    assert decisions.startswith("decisions admit_free=")
+    assert "(replays included: a deferred task counts again" in decisions
+    counts = {k: int(v) for k, v in (p.split("=") for p in decisions.split(" (")[0].split()[1:])}
+    assert sum(counts.values()) >= 40  # one per job at least; a replay's re-scoring adds one
+    for offset, name in enumerate(("free_missed", "defer_savable", "reserved_age_shift")):
+        ratio, meaning = lines[at + 3 + 2 * offset], lines[at + 4 + 2 * offset]
+        assert ratio.startswith(f"{name}=")
+        assert meaning == f"  = the share of {RATIO_MEANINGS[name]}"
+    # The page shows the same run: its windows hold the decisions the output counted.
+    text = demo_run.page.read_text(encoding="utf-8")
+    block = re.search(r'id="review-data">([^<]*)</script>', text)
+    assert block is not None
+    data = json.loads(block.group(1))
+    shown = {kind: sum(w[kind] for w in data["windows"]) for kind in counts}
+    assert shown == counts
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?[a-z]*:?//""", text)

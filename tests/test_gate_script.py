@@ -313,6 +313,22 @@ def test_an_admission_is_counted_once_and_the_window_gets_its_ttl(
     assert 0 < redis_client.ttl(KEYS.window(WINDOW)) <= 1000
 
 
+def test_the_window_keeps_the_oldest_free_queue_age_its_decisions_saw(
+    redis_client: redis.Redis,
+) -> None:
+    redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
+    store = GateStore(redis_client, KEYS, horizon_s=1e9)
+    seen = []
+    for job, age_ms in (("empty", None), ("five", 5000), ("twelve", 12_250), ("three", 3000)):
+        redis_client.delete(KEYS.free_waiting)
+        if age_ms is not None:
+            redis_client.zadd(KEYS.free_waiting, {"older:1": NOW_S * 1000 - age_ms})
+        store.score(gate_call(**_inputs(job)))
+        seen.append(redis_client.hget(KEYS.window(WINDOW), "free_age_max_ms"))
+    # An empty queue is kept as 0 (so a window with none of it predates the field).
+    assert seen == [b"0", b"5000", b"12250", b"12250"]
+
+
 def test_a_fractional_exposure_left_by_another_writer_still_takes_an_admission(
     redis_client: redis.Redis,
 ) -> None:

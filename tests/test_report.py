@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -12,7 +13,14 @@ from hypothesis import strategies as st
 
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.ledger import BudgetMode, Outcome, window_id
-from gatekeeper.core.review import DEFER_FIT, RESERVED_AGE_SHIFT, review_marks, summarize_review
+from gatekeeper.core.review import (
+    DEFER_FIT,
+    FREE_AGE_MAX,
+    RESERVED_AGE_SHIFT,
+    review_marks,
+    summarize_review,
+    window_figures,
+)
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger, RunRecord
@@ -141,3 +149,26 @@ def test_windows_written_before_admissions_were_counted_once_are_not_counted_twi
         "reserved/dwell_over_slack": 1,
     }
     assert (review.free_admissions, review.defers, review.reserved) == (7, 2, 1)
+
+
+def test_a_windows_figures_for_the_charts_and_a_window_older_than_the_age_field() -> None:
+    fields = {
+        "admitted_free": "3", "decided:defer:queue_age_cap": "2", "decided:reserved:x": "1",
+        "tax_units": "1620.5", "slack_misses": "1", "killed_free": "1", FREE_AGE_MAX: "41250",
+    }  # fmt: skip
+    figures = window_figures(7, fields)
+    assert figures.decisions == {"admit_free": 3, "defer": 2, "reserved": 1}
+    assert (figures.tax_units, figures.slack_misses, figures.killed_free) == (1620.5, 1, 1)
+    assert figures.free_age_max_s == 41.25
+    older = window_figures(8, {"admitted_free": "2"})  # written before the age was kept
+    assert older.free_age_max_s is None and older.decisions["admit_free"] == 2
+
+
+def test_report_html_to_a_path_it_cannot_write_names_the_option(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = CliRunner().invoke(main, ["report", "--html", str(blocker / "review.html")])
+    assert result.exit_code == 2 and "--html" in result.output

@@ -13,18 +13,46 @@ Over a fixed window (a week by default), from the per-window decision counters:
 
 ``gate.lua`` counts the marks for the decisions it makes; :mod:`gatekeeper.redis.gate` counts
 the others with :func:`review_marks`. A test holds the two to the same answers.
+
+:func:`window_figures` reads one window's hash for the report's charts (decisions by kind, the
+tax, slack misses, and the free queue's oldest age that ``gate.lua`` saw in it).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gatekeeper.core.dwell import Decision, Reason
 
-__all__ = ["DEFER_FIT", "RESERVED_AGE_SHIFT", "Review", "review_marks", "summarize_review"]
+__all__ = [
+    "DEFER_FIT",
+    "FREE_AGE_MAX",
+    "KINDS",
+    "RATIO_MEANINGS",
+    "RESERVED_AGE_SHIFT",
+    "Review",
+    "WindowFigures",
+    "review_marks",
+    "summarize_review",
+    "window_figures",
+]
 
+KINDS = ("admit_free", "defer", "reserved")
+"""The decision kinds, in the order the review shows them."""
+FREE_AGE_MAX = "free_age_max_ms"
+"""Window field: the oldest free-queue age (ms) a decision of ``gate.lua`` saw in the window
+(absent in windows written before it was kept, and while the free queue stayed empty)."""
+RATIO_MEANINGS = {
+    "free_missed": "free admissions that ended after their deadline "
+    "(high: the service-time guesses are too kind)",
+    "defer_savable": "age-cap defers whose dwell still fit the deadline "
+    "(high: reserved capacity could have run them at once)",
+    "reserved_age_shift": "shifts to reserved that only the free queue's age caused "
+    "(high: the age cap is stricter than the deadlines)",
+}
+"""Each review ratio in a few words, for the demo and the HTML report."""
 DEFER_FIT = "review:defer_fit"
 RESERVED_AGE_SHIFT = "review:reserved_age_shift"
 DECIDED_PREFIX = "decided:"
@@ -72,6 +100,15 @@ class Review:
     decisions: dict[str, int] = field(default_factory=dict)
 
     @property
+    def by_kind(self) -> dict[str, int]:
+        """Decisions by kind (admit_free, defer, reserved), every reason added up."""
+        kinds = dict.fromkeys(KINDS, 0)
+        for name, number in self.decisions.items():
+            kind = name.split("/")[0]
+            kinds[kind] = kinds.get(kind, 0) + number
+        return kinds
+
+    @property
     def free_missed(self) -> float | None:
         return _ratio(self.slack_misses, self.free_admissions)
 
@@ -116,17 +153,44 @@ def summarize_review(windows: Iterable[Mapping[str, str]]) -> Review:
                 decisions[name] = decisions.get(name, 0) + int(value)
     if totals["admitted_free"]:  # gate.lua counts admissions in admitted_free alone
         decisions[ADMIT_FITS] = totals["admitted_free"]
-    by_kind = {kind: 0 for kind in ("admit_free", "defer", "reserved")}
-    for name, number in decisions.items():
-        kind = name.split("/")[0]
-        by_kind[kind] = by_kind.get(kind, 0) + number
-    return Review(
+    review = Review(
         windows=count,
         free_admissions=totals["admitted_free"],
         slack_misses=totals["slack_misses"],
-        defers=by_kind["defer"],
+        defers=0,
         defers_savable=totals[DEFER_FIT],
-        reserved=by_kind["reserved"],
+        reserved=0,
         reserved_age_shifts=totals[RESERVED_AGE_SHIFT],
         decisions=decisions,
+    )
+    kinds = review.by_kind
+    return replace(review, defers=kinds["defer"], reserved=kinds["reserved"])
+
+
+@dataclass(frozen=True)
+class WindowFigures:
+    """What the report draws for one window."""
+
+    window_id: int
+    decisions: dict[str, int]
+    """By kind (:data:`KINDS`); replays included: every scoring of a deferred task counts."""
+    tax_units: float
+    admitted_free: int
+    slack_misses: int
+    killed_free: int
+    free_age_max_s: float | None
+    """None where the window does not keep it (written before it was kept, or empty)."""
+
+
+def window_figures(window_id: int, fields: Mapping[str, str]) -> WindowFigures:
+    """One window's figures from its hash as stored (missing fields are zero)."""
+    age = fields.get(FREE_AGE_MAX)
+    return WindowFigures(
+        window_id=window_id,
+        decisions=summarize_review([fields]).by_kind,
+        tax_units=float(fields.get("tax_units", 0)),
+        admitted_free=int(fields.get("admitted_free", 0)),
+        slack_misses=int(fields.get("slack_misses", 0)),
+        killed_free=int(fields.get("killed_free", 0)),
+        free_age_max_s=None if age is None else float(age) / 1000,
     )

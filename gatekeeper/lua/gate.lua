@@ -8,7 +8,8 @@
 -- KEYS[1] free:waiting      sorted set: member <job_id>:<attempt>, score = when it is due (ms)
 -- KEYS[2] window:<id>       hash: tax_units, exposure, admitted_free, rejected,
 --                           decided:<decision>:<reason> (not for admissions: admitted_free
---                           counts those), review:defer_fit, review:reserved_age_shift
+--                           counts those), review:defer_fit, review:reserved_age_shift,
+--                           free_age_max_ms (the oldest free-queue age a decision saw)
 -- KEYS[3] window:<id>:rows  list: ledger rows (JSON), oldest first
 -- KEYS[4] inflight          hash: <job_id>:<attempt> -> "<reserved>|<window id>|<admitted ms>"
 -- KEYS[5] flags             hash: live flag overrides (free_path_enabled read here, so a
@@ -212,6 +213,12 @@ local function decided(decision, reason, dwell, projected)
   if decision == 'defer' then  -- the nearest deadlines among deferred attempts
     redis.call('ZADD', KEYS[9], ARGV[21], ARGV[2])
     redis.call('ZREMRANGEBYRANK', KEYS[9], tonumber(ARGV[27]), -1)
+  end
+  -- The free queue's age as this decision saw it: the window keeps the oldest, for the
+  -- report's chart (0 written once: the window was decided here with the queue empty).
+  local age_ms = math.floor(age * 1000)
+  if age_ms > tonumber(redis.call('HGET', KEYS[2], 'free_age_max_ms') or '-1') then
+    redis.call('HSET', KEYS[2], 'free_age_max_ms', age_ms)
   end
   -- The review's marks (gatekeeper/review.py review_marks): only finite inputs get here.
   if finite(dwell) and finite(slack) and finite(service) and finite(tax) then

@@ -6,7 +6,9 @@ first attempts, a reserved worker and the replayer, each a child process of its 
 the gate on for every job of its own namespace and queues (so it never touches another
 deployment's flags or queues on a shared Redis); publishes ``[drill] jobs`` tasks at a seeded
 pace, with service times compressed by ``time_scale``; shows a progress line with live counts;
-and ends with the ledger summary, the review ratios and the JSON ledger's path. Everything it
+and ends with the ledger summary (``budget_left`` and the decision counts explained), the
+review ratios each with its meaning, and the paths of the JSON ledger and of the review as an
+HTML page of charts (:mod:`gatekeeper.ops.review_page`). Everything it
 started is stopped on the way out, Ctrl-C included. It exits 1 when a task was lost: one
 that neither finished, failed on its last attempt nor was dead-lettered.
 """
@@ -30,10 +32,11 @@ import click
 import redis
 
 from gatekeeper.core.ledger import LedgerRow, Outcome, summarize, window_id
-from gatekeeper.core.review import Review, summarize_review
+from gatekeeper.core.review import RATIO_MEANINGS, Review, summarize_review
 from gatekeeper.errors import EmbeddedRedisError
 from gatekeeper.ops.context import settings_of
 from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.ops.review_page import review_page
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.store import GateStore
@@ -95,10 +98,25 @@ def _spawn(name: str, module: str, env: dict[str, str], folder: Path) -> Child:
 
 def _decisions(review: Review) -> Counter[str]:
     """Decisions by kind (admit_free, defer, reserved) from the review's kind/reason counts."""
-    counts: Counter[str] = Counter()
-    for name, count in review.decisions.items():
-        counts[name.split("/")[0]] += count
-    return counts
+    return Counter(review.by_kind)
+
+
+def _explained(review: Review, settings: GatekeeperSettings) -> list[str]:
+    """The end of the demo's output for a newcomer: what the summary's numbers are in, and
+    each review ratio with what it means."""
+    kinds = _decisions(review)
+    lines = [
+        f"  budget_left: declared units, not money (budget_units={settings.budget_units:g} "
+        f"per {settings.window_seconds} s window, less the free path's retry tax: the tokens "
+        f"of killed free attempts + {settings.queue_wait_unit_per_second:g} per second waited)",
+        f"decisions admit_free={kinds['admit_free']} defer={kinds['defer']} "
+        f"reserved={kinds['reserved']} (replays included: a deferred task counts again each "
+        "time the replayer scores it)",
+    ]
+    for text in review.lines()[:3]:
+        name = text.split("=", 1)[0]
+        lines += [text, f"  = the share of {RATIO_MEANINGS[name]}"]
+    return lines
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -120,8 +138,8 @@ def _progress(done: int, total: int, decisions: Counter[str], rows: list[dict[st
     filled = width * done // max(total, 1)
     outcomes = Counter(row["outcome"] for row in rows)
     return (
-        f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total} done | "
-        f"admit_free={decisions['admit_free']} defer={decisions['defer']} "
+        f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total} done | decisions "
+        f"(with replays) admit_free={decisions['admit_free']} defer={decisions['defer']} "
         f"reserved={decisions['reserved']} | ok={outcomes['ok']} killed={outcomes['killed']} "
         f"rejected={outcomes['rejected']} abandoned={outcomes['abandoned']}"
     )
@@ -152,8 +170,15 @@ def _wait_ready(child: Child, timeout_s: float = 60) -> None:
     default=None,
     help="Where to write the JSON ledger (default: the temp dir).",
 )
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the review as an HTML page of charts (default: the temp dir).",
+)
 @click.pass_context
-def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt: skip
+def demo(ctx: click.Context, timeout_s: float, out: Path | None, html_path: Path | None) -> None:
     """Run the declared workload through a free worker, a reserved worker and the replayer."""
     base = settings_of(ctx)
     # Ctrl-C and kill both unwind through the ExitStack, which stops every child; set here
@@ -200,7 +225,8 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt
         for child in children[:2]:
             _wait_ready(child)
         store = GateStore(redis.Redis.from_url(url), Keys(settings.key_prefix, settings.namespace))
-        first_window = window_id(time.time(), settings.window_seconds)
+        started = time.time()
+        first_window = window_id(started, settings.window_seconds)
         ids_file = folder / "published.txt"
         producer = _spawn(
             "producer",
@@ -217,7 +243,8 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt
         while True:
             windows = range(first_window, window_id(time.time(), settings.window_seconds) + 1)
             rows = [row for w in windows for row in store.window_rows(w)]
-            review = summarize_review(store.windows(windows))
+            windows_read = store.windows(windows)
+            review = summarize_review(windows_read)
             if not ids and producer.process.poll() is not None:
                 if producer.process.returncode != 0:
                     raise click.ClickException(f"the producer failed:\n{producer.log.read_text()}")
@@ -240,9 +267,16 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None) -> None:  # fmt
         out.write_text(json.dumps({"run": run_id, "summary": summary.line(), "rows": rows},
                                   indent=2) + "\n")  # fmt: skip
         click.echo(summary.line())
-        for text in review.lines()[:3]:
+        for text in _explained(review, settings):
             click.echo(text)
-        click.echo(f"wrote {out}")
+        click.echo(f"wrote {out} (the JSON ledger: every row)")
+        html_path = html_path or Path(tempfile.gettempdir()) / f"gatekeeper-demo-{run_id}.html"
+        ran = f"the start of the demo ({time.time() - started:.0f} s)"
+        page = review_page(
+            windows_read, first_window, settings, since=ran, generated_at=time.time()
+        )
+        html_path.write_text(page, encoding="utf-8")
+        click.echo(f"wrote {html_path} (the review as charts: open it in a browser, offline)")
         lost = sorted((ids or set()) - done) if ids else ["(the producer never finished)"]
         if lost:
             click.echo(f"LOST {len(lost)} task(s): {', '.join(lost[:5])}", err=True)

@@ -1,6 +1,7 @@
-"""The on-call's commands: ledger, sweep, status, report and the replayer.
+"""The on-call's commands: ledger, sweep, status and the replayer.
 
-The flag commands are in :mod:`gatekeeper.ops.flag_commands`.
+The flag commands are in :mod:`gatekeeper.ops.flag_commands`, ``report`` (and its ``--html``
+page) in :mod:`gatekeeper.ops.report`.
 
 Registered on the ``gatekeeper`` group by :mod:`gatekeeper.ops.cli`. Each reads settings at the edge
 and talks to the gate's Redis (``GATEKEEPER_REDIS_URL``) and, for queue lengths and the
@@ -10,7 +11,6 @@ replayer, the broker (``GATEKEEPER_BROKER_URL``, else the same Redis).
 from __future__ import annotations
 
 import json
-import re
 import signal
 import tempfile
 import threading
@@ -25,8 +25,6 @@ import redis
 from gatekeeper.celery.broker import BROKER_ERRORS, Broker, broker_for, shown_url
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.core.ledger import LedgerRow, summarize, window_id
-from gatekeeper.core.review import summarize_review
-from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import app_of, settings_of
@@ -48,7 +46,6 @@ __all__ = [
     "ledger",
     "redis_client",
     "replay",
-    "report",
     "show_value",
     "status",
     "sweep",
@@ -182,49 +179,6 @@ def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
                    "horizon)")  # fmt: skip
     else:
         click.echo(f"swept={len(rows)} forgotten={forgotten}")
-
-
-def _since(value: str) -> float:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw]?)", value.strip())
-    if not match:
-        raise click.BadParameter(f"expected a duration like 7d, 24h or 900s, got {value!r}")
-    unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match.group(2)]
-    return float(match.group(1)) * unit
-
-
-@click.command()
-@click.option(
-    "--since", "since", default="7d", show_default=True, help="How far back: 7d, 24h, 90m, 900s."
-)
-@click.pass_context
-def report(ctx: click.Context, since: str) -> None:  # fmt: skip
-    """The review's three ratios over a fixed window, and decisions by kind and reason."""
-    settings = settings_of(ctx)
-    seconds = _since(since)
-    now = time.time()
-    first, last = (
-        window_id(now - seconds, settings.window_seconds),
-        window_id(now, settings.window_seconds),
-    )
-    keys = Keys(settings.key_prefix, settings.namespace)
-    try:
-        windows = read_windows(redis_client(ctx), keys, range(first, last + 1))
-    except LedgerUnavailable as exc:
-        raise click.ClickException(str(exc)) from exc
-    review = summarize_review(windows)
-    if seconds > WINDOW_RETENTION_S:
-        click.echo(
-            f"note: windows are kept {WINDOW_RETENTION_S // 86400} days; older ones "
-            "are gone and count as empty",
-            err=True,
-        )
-    start = datetime.fromtimestamp(first * settings.window_seconds, tz=timezone.utc)
-    click.echo(
-        f"since={since} from={start.isoformat(timespec='minutes')} windows={len(windows)} "
-        f"window_seconds={settings.window_seconds}"
-    )
-    for line in review.lines():
-        click.echo(line)
 
 
 @click.command()

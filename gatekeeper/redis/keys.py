@@ -53,9 +53,11 @@ namespace's slot):
     free attempts admitted and not finished reserved),
     ``admitted_free``, ``rejected``, ``rows:<outcome>`` (rows by outcome, both paths),
     ``killed_free``, ``slack_misses``, ``unverified:<outcome>`` (unverified rows, counted apart:
-    never toward a freeze or against a clean hour) and ``decided:<decision>:<reason>`` counters
-    (admissions are counted in ``admitted_free`` only). The TTL is set by the write that
-    creates a counter, so a window lives about its retention from its first decisions.
+    never toward a freeze or against a clean hour), ``decided:<decision>:<reason>`` counters
+    (admissions are counted in ``admitted_free`` only) and ``free_age_max_ms``, the oldest
+    free-queue age a decision of ``gate.lua`` saw in the window (for ``report --html``). The
+    TTL is set by the write that creates a counter, so a window lives about its retention from
+    its first decisions.
 ``gatekeeper:{default}:window:<id>:rows`` - list, TTL = window retention
     The window's ledger rows, one JSON object each, oldest first.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
