@@ -44,6 +44,7 @@ __all__ = [
     "identity",
     "label_of",
     "resolve",
+    "unrecorded",
 ]
 
 
@@ -245,3 +246,9 @@ def carried_publish(headers: dict[str, Any], origin: str, label: str = "") -> Pu
                    retries=int(headers.get("retries") or 0),
                    max_retries=headers.get(H_MAX_RETRIES), spec=spec, headers=headers,
                    spec_error=spec_error, origin=origin, label=label)  # fmt: skip
+
+
+def unrecorded(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """Headers for a decision the gate could not record: no nonce, so the message claims no
+    record (its row is unverified, not mistaken for a forgery)."""
+    return {key: value for key, value in headers.items() if key != H_NONCE}

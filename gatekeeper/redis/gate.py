@@ -37,7 +37,6 @@ from gatekeeper.core.headers import (
     H_DECISION,
     H_DWELL_S,
     H_FREE_ADMITTED,
-    H_NONCE,
     H_REASON,
     H_WINDOW,
 )
@@ -53,6 +52,7 @@ from gatekeeper.redis.attempt import (
     identity,
     label_of,
     resolve,
+    unrecorded,
 )
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.cluster import probe_of
@@ -194,7 +194,7 @@ class Pipeline:
         """Step 3: decisions made without the gate script."""
         if flags.unread is not None:  # the settings turn the gate on; Redis is unreachable
             return self._finish(Decision.RESERVED, Reason.GATE_UNAVAILABLE,
-                                _unrecorded(attempt.headers), attempt.fields,
+                                unrecorded(attempt.headers), attempt.fields,
                                 error=flags.unread)  # fmt: skip
         if flags.state_missing:
             return self._recorded(attempt, Decision.RESERVED, Reason.STATE_MISSING)
@@ -227,7 +227,7 @@ class Pipeline:
             marks, attempt.record(_number(fields.get("dwell_s"))), attempt.prev_nonce,
             label_of(attempt.publish),
         )  # fmt: skip
-        headers = attempt.headers if free is not None else _unrecorded(attempt.headers)
+        headers = attempt.headers if free is not None else unrecorded(attempt.headers)
         return self._finish(decision, reason, headers, fields, free=bool(free))
 
     def _scored(self, attempt: Attempt, render: Render | None) -> Routing:
@@ -249,7 +249,7 @@ class Pipeline:
         try:
             scored = self.store.score(call)
         except LedgerUnavailable as exc:
-            headers = _unrecorded(attempt.headers)
+            headers = unrecorded(attempt.headers)
             if push is not None:  # fast publish: push the built message here instead
                 return self._push_instead(push, publish, Reason.GATE_UNAVAILABLE, headers,
                                           fields, str(exc), attempt.record(math.nan),
@@ -351,12 +351,6 @@ class Pipeline:
         except Exception:
             pass
         return Routing(queue, decision, reason, headers, published)
-
-
-def _unrecorded(headers: Mapping[str, Any]) -> dict[str, Any]:
-    """Headers for a decision the gate could not record: no nonce, so the message claims no
-    record (its row is unverified, not mistaken for a forgery)."""
-    return {key: value for key, value in headers.items() if key != H_NONCE}
 
 
 def _number(value: Any) -> float:
