@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 __all__ = [
@@ -71,8 +72,9 @@ class ServiceHistogram:
     lower_bounds: int = 0
     """How many of the runs were killed by their time limit (they ran at least that long)."""
 
-    @property
+    @cached_property
     def samples(self) -> int:
+        """How many runs (computed once: every publish of the task asks, until the next read)."""
         return sum(self.counts.values())
 
     def quantile(self, q: float) -> float | None:
@@ -88,7 +90,7 @@ class ServiceHistogram:
                 return bucket_value(index)
         return bucket_value(max(self.counts))  # unreachable: the counts sum to total
 
-    @property
+    @cached_property
     def p95(self) -> float | None:
         return self.quantile(0.95)
 
