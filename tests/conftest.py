@@ -100,6 +100,15 @@ def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
     return str(request.getfixturevalue("rabbitmq_url"))
 
 
+def clear_of_a_window_edge(window_seconds: int, margin_s: float) -> None:
+    """Wait, when a window boundary is less than ``margin_s`` away, until it has passed: a test
+    whose figures must sit in the windows it wrote them to (a report, a scrape compared with
+    the ledger's counts) must not straddle one."""
+    left = window_seconds - time.time() % window_seconds
+    if left < margin_s:
+        time.sleep(left + 0.05)
+
+
 def initialised(client: redis.Redis, keys: Keys | None = None) -> None:
     """What ``gatekeeper init`` writes, as a deployment initialised before any ledger window
     would have it (``-inf``: every window counts toward a clean hour, whatever a test's

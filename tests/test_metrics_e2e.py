@@ -25,6 +25,7 @@ from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import (
     REPO_ROOT,
+    clear_of_a_window_edge,
     gate_settings,
     missing_server,
     running_worker,
@@ -208,6 +209,7 @@ def test_a_real_prometheus_scraping_the_replayers_metrics_gives_the_ledgers_deci
                GATEKEEPER_CANARY_PERCENT="100", GATEKEEPER_REPLAY_POLL_S="0.2",
                GATEKEEPER_REPLAY_BACKOFF_S="0.2")  # fmt: skip
     keys = Keys()
+    clear_of_a_window_edge(900, 120)  # its decisions, budget and report in one window
     app = create_app(gate_settings(redis_url, max_queue_age_s=1.0), redis_url)
     embed, flaky = app.tasks["tests.embed"], app.tasks["tests.flaky"]
     served = exporter(env, "replay", "--metrics-port", "{port}",

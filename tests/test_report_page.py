@@ -25,7 +25,7 @@ from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.store import GateStore
 from tests.browser import find_chromium, load, png_size, screenshot
 from tests.calls import gate_call
-from tests.conftest import missing_server
+from tests.conftest import clear_of_a_window_edge, missing_server
 
 KEYS = Keys()
 SIZE = 900
@@ -102,6 +102,7 @@ def chromium() -> str:
 @pytest.fixture()
 def page(redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
          tmp_path: Path) -> Path:  # fmt: skip
+    clear_of_a_window_edge(SIZE, 30)  # the report must see the windows the history wrote
     now = time.time()
     history(redis_client, now)
     monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
