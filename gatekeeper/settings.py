@@ -28,6 +28,7 @@ from pydantic_settings import (
 )
 
 from gatekeeper import defaults
+from gatekeeper.app_conf import APP_CONF_PREFIX, AppConfSource
 from gatekeeper.core.ledger import BudgetMode
 from gatekeeper.errors import ConfigError
 from gatekeeper.night import NightSettings
@@ -48,31 +49,6 @@ DEFAULT_CONFIG_FILE = Path("config/gatekeeper.toml")
 
 _toml_file: ContextVar[Path | None] = ContextVar("gatekeeper_toml_file", default=None)
 _app_conf: ContextVar[Any] = ContextVar("gatekeeper_app_conf", default=None)
-APP_CONF_PREFIX = "gatekeeper_"
-"""A Celery app's keys for gatekeeper's settings: ``gatekeeper_<setting>``, lower case."""
-
-
-class AppConfSource(PydanticBaseSettingsSource):
-    """The ``gatekeeper_<setting>`` keys of a Celery app's ``conf``, and its ``broker_url`` as
-    the broker (so the gate's Redis is the app's broker when that is Redis)."""
-
-    def __init__(self, settings_cls: type[BaseSettings], conf: Any) -> None:
-        super().__init__(settings_cls)
-        self.conf = conf
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return self.conf.get(APP_CONF_PREFIX + field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        for name in self.settings_cls.model_fields:
-            value = self.conf.get(APP_CONF_PREFIX + name)
-            if value is not None:
-                values[name] = value
-        broker = self.conf.get("broker_url")
-        if "broker_url" not in values and isinstance(broker, str) and broker:
-            values["broker_url"] = broker
-        return values
 
 
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]

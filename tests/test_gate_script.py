@@ -15,6 +15,7 @@ from gatekeeper.core.ledger import BudgetMode, Outcome, Path, admit, make_row
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis import wire
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.scripts import read_rows
 from gatekeeper.redis.store import GateStore
 from tests.calls import gate_call
 from tests.conftest import initialised, unused_port
@@ -224,14 +225,15 @@ def test_the_scripts_rejected_row_is_the_cores_row(redis_client: redis.Redis, jo
         retry_tax_s=0, deadline_slack_s=-1.234, max_queue_age_s=30, tokens_in=500,
         budget_units=100, queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE,
     ))  # fmt: skip
-    assert store.window_rows(WINDOW) == []  # a passed deadline defers before the budget
+    # a passed deadline defers before the budget
+    assert read_rows(store.client, store.keys, WINDOW) == []
     redis_client.delete(KEYS.run(job_id, 3))  # a new publish of the attempt, not a duplicate
     store.score(gate_call(
         now_s=NOW_S, window_id=WINDOW, job_id=job_id, attempt=3, expected_service_s=1,
         retry_tax_s=0, deadline_slack_s=1.234, max_queue_age_s=30, tokens_in=500,
         budget_units=100, queue_wait_unit_per_second=0, budget_mode=BudgetMode.EXPOSURE,
     ))  # fmt: skip
-    (stored,) = store.window_rows(WINDOW)
+    (stored,) = read_rows(store.client, store.keys, WINDOW)
     expected = make_row(
         job_id=job_id, attempt=3, path=Path.FREE, outcome=Outcome.REJECTED, queue_wait_ms=0,
         tokens_in=0, tokens_out=0, deadline_slack_ms=1234,
@@ -402,7 +404,7 @@ def test_the_gate_script_sent_twice_decides_once(redis_client: redis.Redis, budg
     window = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.window(WINDOW)).items()}
     if budget == 100.0:
         assert first.reason.value == "retry_tax_budget"
-        assert len(store.window_rows(WINDOW)) == 1 and window["rejected"] == "1"
+        assert len(read_rows(store.client, store.keys, WINDOW)) == 1 and window["rejected"] == "1"
     else:
         assert first.decision.value == "admit_free"
         assert window["admitted_free"] == "1" and float(window["exposure"]) == 500 + 2 * 200

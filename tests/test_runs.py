@@ -13,6 +13,7 @@ from gatekeeper.core.ledger import Outcome, window_id
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger, RunRecord, Started
+from gatekeeper.redis.scripts import read_rows
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import sweep
 
@@ -87,7 +88,7 @@ def test_a_second_finish_of_the_same_run_writes_nothing(redis_client: redis.Redi
     row = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200)
     assert runs.finish(row, 1, rec, T0_MS + 200).written
     assert not runs.finish(row, 1, rec, T0_MS + 300).written
-    assert len(GateStore(redis_client, KEYS).window_rows(window_id(T0_MS / 1000, 900))) == 1
+    assert len(read_rows(redis_client, KEYS, window_id(T0_MS / 1000, 900))) == 1
     state = window_hash(redis_client, T0_MS)
     assert float(state[b"exposure"]) == 0 and float(state[b"tax_units"]) == 1220
 

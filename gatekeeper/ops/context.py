@@ -4,6 +4,7 @@ the way the source prints them."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import click
@@ -11,7 +12,7 @@ import click
 from gatekeeper.errors import ConfigError
 from gatekeeper.settings import GatekeeperSettings, load_settings
 
-__all__ = ["app_of", "format_number", "settings_of"]
+__all__ = ["app_of", "duration_s", "format_number", "settings_of"]
 
 
 def app_of(ctx: click.Context) -> Any:
@@ -49,3 +50,13 @@ def format_number(value: float) -> str:
     if float(value).is_integer():
         return str(int(value))
     return str(round(value, 3))
+
+
+def duration_s(value: str) -> float:
+    """``--since``: a duration like ``7d``, ``24h``, ``90m`` or ``900s`` (or plain seconds)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw]?)", value.strip())
+    if not match:
+        raise click.BadParameter(f"expected a duration like 7d, 24h or 900s, got {value!r}",
+                                 param_hint="--since")  # fmt: skip
+    unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match.group(2)]
+    return float(match.group(1)) * unit

@@ -39,7 +39,7 @@ from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.ops.review_page import review_page
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.store import GateStore
+from gatekeeper.redis.scripts import read_rows, read_windows
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["demo"]
@@ -224,7 +224,8 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None, html_path: Path
         children.append(_spawn("replayer", "workers.replayer", env, folder))
         for child in children[:2]:
             _wait_ready(child)
-        store = GateStore(redis.Redis.from_url(url), Keys(settings.key_prefix, settings.namespace))
+        client = redis.Redis.from_url(url)
+        keys = Keys(settings.key_prefix, settings.namespace)
         started = time.time()
         first_window = window_id(started, settings.window_seconds)
         ids_file = folder / "published.txt"
@@ -242,8 +243,8 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None, html_path: Path
         last_print = 0.0
         while True:
             windows = range(first_window, window_id(time.time(), settings.window_seconds) + 1)
-            rows = [row for w in windows for row in store.window_rows(w)]
-            windows_read = store.windows(windows)
+            rows = [row for w in windows for row in read_rows(client, keys, w)]
+            windows_read = read_windows(client, keys, windows)
             review = summarize_review(windows_read)
             if not ids and producer.process.poll() is not None:
                 if producer.process.returncode != 0:

@@ -35,7 +35,7 @@ from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
-from gatekeeper.redis.scripts import read_windows, text_of
+from gatekeeper.redis.scripts import read_rows, read_windows, text_of
 from gatekeeper.redis.service_times import ServiceTimes
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import forget_purged
@@ -115,9 +115,9 @@ def ledger(ctx: click.Context, window: str, json_path: Path | None) -> None:  # 
     """Print a window's summary line and write its rows as JSON."""
     settings = settings_of(ctx)
     ident = _window_option(window, time.time(), settings.window_seconds)
-    store = GateStore(redis_client(ctx), Keys(settings.key_prefix, settings.namespace))
+    keys = Keys(settings.key_prefix, settings.namespace)
     try:
-        rows = store.window_rows(ident)
+        rows = read_rows(redis_client(ctx), keys, ident)
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     summary = summarize([LedgerRow.from_json(row) for row in rows], settings.budget_units)

@@ -7,7 +7,6 @@ Registered on the ``gatekeeper`` group by :mod:`gatekeeper.ops.cli`.
 
 from __future__ import annotations
 
-import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,21 +17,13 @@ from gatekeeper.core.ledger import window_id
 from gatekeeper.core.review import summarize_review
 from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
-from gatekeeper.ops.context import settings_of
+from gatekeeper.ops.context import duration_s, settings_of
 from gatekeeper.ops.oncall import redis_client
 from gatekeeper.ops.review_page import review_page
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import read_windows
 
 __all__ = ["report"]
-
-
-def _since(value: str) -> float:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw]?)", value.strip())
-    if not match:
-        raise click.BadParameter(f"expected a duration like 7d, 24h or 900s, got {value!r}")
-    unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match.group(2)]
-    return float(match.group(1)) * unit
 
 
 @click.command()
@@ -50,7 +41,7 @@ def _since(value: str) -> float:
 def report(ctx: click.Context, since: str, html_path: Path | None) -> None:  # fmt: skip
     """The review's three ratios over a fixed window, and decisions by kind and reason."""
     settings = settings_of(ctx)
-    seconds = _since(since)
+    seconds = duration_s(since)
     now = time.time()
     first, last = (
         window_id(now - seconds, settings.window_seconds),

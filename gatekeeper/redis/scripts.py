@@ -7,6 +7,7 @@ it) and ``now`` always comes in ARGV.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from functools import cache
 from importlib import resources
@@ -19,7 +20,7 @@ from redis.exceptions import NoScriptError, RedisClusterException
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.keys import Keys
 
-__all__ = ["evalsha", "load_lua", "read_windows", "text_of"]
+__all__ = ["evalsha", "load_lua", "read_rows", "read_windows", "text_of"]
 
 
 @cache
@@ -49,6 +50,15 @@ def read_windows(client: redis.Redis, keys: Keys, ids: Iterable[int]) -> list[di
     except (redis.RedisError, RedisClusterException) as exc:  # a cluster's own, too
         raise LedgerUnavailable(f"cannot read the ledger windows: {exc}") from exc
     return [{text_of(k): text_of(v) for k, v in fields.items()} for fields in raw]
+
+
+def read_rows(client: redis.Redis, keys: Keys, window_id: int) -> list[dict[str, Any]]:
+    """The ledger rows stored for one window, oldest first."""
+    try:
+        raw = client.lrange(keys.window_rows(window_id), 0, -1)
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise LedgerUnavailable(f"cannot read window {window_id}: {exc}") from exc
+    return [json.loads(text_of(item)) for item in raw]
 
 
 def text_of(value: bytes | str | int | float) -> str:

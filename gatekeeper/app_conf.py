@@ -1,0 +1,40 @@
+"""A Celery app's ``conf`` as a settings source: ``app.conf.gatekeeper_<setting>`` keys (as
+redbeat reads ``redbeat_*``), and the app's own ``broker_url`` as gatekeeper's broker.
+
+:func:`gatekeeper.settings.load_settings` adds it, between the environment and ``.env``, when
+it is given an app.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
+__all__ = ["APP_CONF_PREFIX", "AppConfSource"]
+
+APP_CONF_PREFIX = "gatekeeper_"
+"""A Celery app's keys for gatekeeper's settings: ``gatekeeper_<setting>``, lower case."""
+
+
+class AppConfSource(PydanticBaseSettingsSource):
+    """The ``gatekeeper_<setting>`` keys of a Celery app's ``conf``, and its ``broker_url`` as
+    the broker (so the gate's Redis is the app's broker when that is Redis)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], conf: Any) -> None:
+        super().__init__(settings_cls)
+        self.conf = conf
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return self.conf.get(APP_CONF_PREFIX + field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for name in self.settings_cls.model_fields:
+            value = self.conf.get(APP_CONF_PREFIX + name)
+            if value is not None:
+                values[name] = value
+        broker = self.conf.get("broker_url")
+        if "broker_url" not in values and isinstance(broker, str) and broker:
+            values["broker_url"] = broker
+        return values
