@@ -139,6 +139,8 @@ class GatekeeperSettings(BaseSettings):
     service_time_min_samples: int = Field(defaults.SERVICE_TIME_MIN_SAMPLES, ge=1)
     """Runs a task needs before its p95 is used or said to drift (the declared value till then)."""
     service_drift_factor: float = Field(defaults.SERVICE_DRIFT_FACTOR, ge=1, allow_inf_nan=False)
+    decision_record_cap: int = Field(defaults.DECISION_RECORD_CAP, ge=0, le=10**9)
+    """Decisions kept, inputs and all, for ``gatekeeper tune`` (0: none are kept)."""
     worker_heartbeat_s: float = Field(defaults.WORKER_HEARTBEAT_S, gt=0, allow_inf_nan=False)
     """How often a worker proves itself alive to the sweep (TTL: three intervals)."""
     stale_attempt_s: float = Field(defaults.STALE_ATTEMPT_S, gt=0, allow_inf_nan=False)

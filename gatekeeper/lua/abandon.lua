@@ -4,10 +4,13 @@
 -- KEYS[2] window:<id>                   hash: rows:abandoned, slack_misses, admitted_free
 -- KEYS[3] window:<id>:rows              list: ledger rows (JSON)
 -- KEYS[4] totals                        hash: lifetime abandoned, slack_misses (never expire)
+-- KEYS[5] decisions                     stream: the decision records; a slack miss adds an
+--                                       entry `miss` = ARGV[4] while it exists
 --
 -- ARGV[1] row           JSON (built by the Python core: no tokens, no wait charge)
 -- ARGV[2] retention_s
 -- ARGV[3] slack_miss    1 when an earlier attempt of the job was admitted to the free path
+-- ARGV[4] member        <job_id>:<attempt>
 --
 -- Returns {written (0|1), slack_misses, admitted_free} of the window.
 
@@ -21,6 +24,9 @@ redis.call('HINCRBY', KEYS[4], 'abandoned', 1)
 if ARGV[3] == '1' then
   redis.call('HINCRBY', KEYS[2], 'slack_misses', 1)
   redis.call('HINCRBY', KEYS[4], 'slack_misses', 1)
+  if redis.call('EXISTS', KEYS[5]) == 1 then
+    redis.call('XADD', KEYS[5], '*', 'miss', ARGV[4])
+  end
 end
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
 local misses = tonumber(redis.call('HGET', KEYS[2], 'slack_misses') or '0')

@@ -21,6 +21,8 @@
 --                                   row's tax_units, rows:<outcome>, killed_free
 -- KEYS[7] window:<admission window>:rows  list: a free row's
 -- KEYS[8] totals                    hash: lifetime killed_rows, slack_misses (never expire)
+-- KEYS[9] decisions                 stream: the decision records; a slack miss adds an entry
+--                                   `miss` = member while it exists (gate.lua trims it)
 --
 -- ARGV[1] member        <job_id>:<attempt>
 -- ARGV[2] run           the run this row belongs to
@@ -100,6 +102,9 @@ if ARGV[7] == '1' then
   redis.call('HINCRBY', KEYS[6], 'slack_misses', 1)
   redis.call('EXPIRE', KEYS[6], tonumber(ARGV[8]))
   redis.call('HINCRBY', KEYS[8], 'slack_misses', 1)
+  if redis.call('EXISTS', KEYS[9]) == 1 then
+    redis.call('XADD', KEYS[9], '*', 'miss', ARGV[1])
+  end
 end
 if ARGV[9] == '1' then
   redis.call('ZREM', KEYS[5], ARGV[1])

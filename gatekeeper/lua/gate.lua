@@ -27,7 +27,9 @@
 --                           <reason>:<task> here (gatekeeper metrics exports them)
 -- KEYS[9] deferred          sorted set: deferred attempts, score = deadline (ms), the
 --                           DEFERRED_CAP (ARGV[27]) nearest kept
--- KEYS[10..12]              (fast publish only) the broker lists of the free, defer and
+-- KEYS[10] decisions         stream: the decision records (gatekeeper/core/whatif.py FIELDS),
+--                           about ARGV[29] entries kept
+-- KEYS[11..13]              (fast publish only) the broker lists of the free, defer and
 --                           reserved queues: kombu's list names, on this same server
 --
 -- ARGV[1]  now_ms            the caller's clock (scripts never read the time)
@@ -66,8 +68,12 @@
 -- ARGV[26] task             the task's label for the totals (a registered gated task's
 --                            name, else 'other'), kept in the record for its replays
 -- ARGV[27] deferred_cap      how many members `deferred` keeps
--- ARGV[28..30]              (fast publish only) the free, defer and reserved queue names
--- ARGV[31..]                (fast publish only) the kombu message, JSON, cut at the values
+-- ARGV[28] publisher         the record's `p` field: what the publisher knew and the script
+--                            does not ('<declared>|<learned p95>|<samples>|<retries left>|
+--                            <wait allowance s>')
+-- ARGV[29] record_cap        how many decision records to keep (about); '0': none
+-- ARGV[30..32]              (fast publish only) the free, defer and reserved queue names
+-- ARGV[33..]                (fast publish only) the kombu message, JSON, cut at the values
 --                            the decision decides: text, name, text, name, ..., text
 --                            (gatekeeper/redis/push.py); the names are decision, reason,
 --                            dwell, free, window and queue
@@ -103,7 +109,9 @@ local retention = tonumber(ARGV[12])
 local delay = tonumber(ARGV[16])
 
 local allowance = tonumber(ARGV[25])
-local fast = #ARGV >= 31
+local fast = #ARGV >= 33
+local record_cap = tonumber(ARGV[29])
+local seen  -- the window's tax_units and exposure, once read (for the record)
 local held = redis.call('HMGET', KEYS[6], 'nonce', 'decision', 'reason', 'free_admitted',
   'runs', 'rowed', 'dup:' .. ARGV[18])
 if held[1] == ARGV[18] then
@@ -172,13 +180,13 @@ local function push(decision, reason, shown, free)
     dwell = shown == 'nan' and 'null' or shown,
     free = free == '1' and 'true' or 'false',
     window = admitted and ARGV[17] or 'null',
-    queue = '"' .. ARGV[28 + index] .. '"',  -- queue names need no escaping (settings)
+    queue = '"' .. ARGV[30 + index] .. '"',  -- queue names need no escaping (settings)
   }
   local out = {}
-  for i = 31, #ARGV do
-    if (i - 31) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
+  for i = 33, #ARGV do
+    if (i - 33) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
   end
-  redis.call('LPUSH', KEYS[10 + index], table.concat(out))
+  redis.call('LPUSH', KEYS[11 + index], table.concat(out))
 end
 
 local reserve = 0  -- what an admission holds in exposure (set below, before admitting)
@@ -228,6 +236,15 @@ local function decided(decision, reason, dwell, projected)
       redis.call('HINCRBY', KEYS[2], 'review:reserved_age_shift', 1)
     end
   end
+  -- The decision record (gatekeeper tune): its inputs as this script saw them. The age in
+  -- 17 digits, so that it reads back as the same double.
+  if record_cap > 0 then
+    seen = seen or redis.call('HMGET', KEYS[2], 'tax_units', 'exposure')
+    redis.call('XADD', KEYS[10], 'MAXLEN', '~', record_cap, '*', 'd', decision, 'r', reason,
+      'j', ARGV[2], 'k', ARGV[26], 'a', string.format('%.17g', age), 's', ARGV[3],
+      'x', ARGV[4], 'l', ARGV[5], 'y', ARGV[16], 'n', ARGV[7], 'c', ARGV[6], 'b', ARGV[8],
+      'u', ARGV[9], 'm', ARGV[10], 'tu', seen[1] or '0', 'e', seen[2] or '0', 'p', ARGV[28])
+  end
   return {decision, reason, fmt(age), shown, fmt(projected), free}
 end
 
@@ -252,6 +269,7 @@ if age > cap then return decided('defer', 'queue_age_cap', dwell, 0) end
 if dwell > slack then return decided('reserved', 'dwell_over_slack', dwell, 0) end
 
 local held_now = redis.call('HMGET', KEYS[2], 'tax_units', 'exposure')
+seen = held_now
 local tax_units = tonumber(held_now[1] or '0')
 local exposure = 0
 if ARGV[10] == 'exposure' then

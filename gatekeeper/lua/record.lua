@@ -6,13 +6,17 @@
 -- KEYS[3] run:<job_id>:<attempt-1>  the previous attempt's record (KEYS[2] again for attempt 1)
 -- KEYS[4] totals                   hash: lifetime decided:<decision>:<reason>:<task> counters
 -- KEYS[5] deferred                 sorted set: deferred attempts by deadline (see gate.lua)
+-- KEYS[6] decisions                stream: the decision records (see gate.lua)
 --
 -- ARGV[1] decision   ARGV[2] reason   ARGV[3] defer_fit (0|1)   ARGV[4] reserved_age_shift (0|1)
 -- ARGV[5] retention_s (the window's TTL)   ARGV[6] record_ttl_s
 -- ARGV[7] prev_nonce (the nonce a replayed attempt's message carries, else '')
 -- ARGV[8] task (the label the totals count it under)   ARGV[9] deferred_cap
 -- ARGV[10] member <job_id>:<attempt>
--- ARGV[11..] field, value pairs of the record (nonce, tokens_in, deadline_ms, ...)
+-- ARGV[11] record_cap (how many decision records to keep, about; '0': none)
+-- ARGV[12..28] the decision record's values, in gatekeeper/core/whatif.py FIELDS order (the
+--              Python side knows them all: no queue age, tax or exposure was read, so '')
+-- ARGV[29..] field, value pairs of the record (nonce, tokens_in, deadline_ms, ...)
 --
 -- Returns the record's free_admitted ('1' when an earlier attempt of the job was admitted),
 -- or 'unrecorded': no record fields (a bad input: its row stays unverified), or another
@@ -20,8 +24,10 @@
 
 -- Sent again (a lost reply): the record already holds this request's nonce, so it was
 -- counted and written; answer as then, change nothing.
+local FIELDS = {'d', 'r', 'j', 'k', 'a', 's', 'x', 'l', 'y', 'n', 'c', 'b', 'u', 'm', 'tu', 'e',
+  'p'}
 local deadline
-for i = 11, #ARGV - 1, 2 do
+for i = 29, #ARGV - 1, 2 do
   if ARGV[i] == 'nonce' then
     local held = redis.call('HMGET', KEYS[2], 'nonce', 'free_admitted')
     if held[1] == ARGV[i + 1] then return held[2] or '0' end
@@ -39,7 +45,15 @@ if ARGV[1] == 'defer' and deadline then
 end
 if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[1], 'review:defer_fit', 1) end
 if ARGV[4] == '1' then redis.call('HINCRBY', KEYS[1], 'review:reserved_age_shift', 1) end
-if #ARGV < 11 then return 'unrecorded' end  -- counted only (a bad input's row is unverified)
+if tonumber(ARGV[11]) > 0 then
+  local entry = {}
+  for i, name in ipairs(FIELDS) do
+    entry[#entry + 1] = name
+    entry[#entry + 1] = ARGV[11 + i]
+  end
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[11], '*', unpack(entry))
+end
+if #ARGV < 29 then return 'unrecorded' end  -- counted only (a bad input's row is unverified)
 local held = redis.call('HMGET', KEYS[2], 'nonce', 'runs', 'rowed')
 local runs, rowed = tonumber(held[2] or '0'), tonumber(held[3] or '0')
 if held[1] and held[1] ~= ARGV[7] and (runs == 0 or rowed < runs) then
@@ -51,7 +65,7 @@ if KEYS[3] ~= KEYS[2] and redis.call('HGET', KEYS[3], 'free_admitted') == '1' th
 end
 local fields = {'decision', ARGV[1], 'reason', ARGV[2], 'window', '', 'free_admitted', free,
   'label', ARGV[8]}
-for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 29, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[6]))
 return free

@@ -21,6 +21,7 @@ from gatekeeper.ops.metrics import metrics
 from gatekeeper.ops.oncall import ledger, replay, status, sweep
 from gatekeeper.ops.report import report
 from gatekeeper.ops.simulate import simulate
+from gatekeeper.ops.tune import tune
 
 __all__ = ["CONFIG_OPTION", "main"]
 
@@ -117,3 +118,4 @@ def decide_command(
 for _command in (dead_letter, demo, flags, init, ledger, metrics, replay, report, status, sweep):
     main.add_command(_command)
 main.add_command(simulate)
+main.add_command(tune)

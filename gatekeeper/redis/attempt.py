@@ -91,6 +91,8 @@ class Attempt:
     """The nonce a replayed attempt's message carries (its record's, if it is the gate's)."""
     service_s: float = math.nan
     """The service time the decision uses: the declared one, or the learned p95."""
+    publisher: str = "||0|0|0"
+    """The decision record's ``p`` field (:data:`gatekeeper.core.whatif.FIELDS`)."""
 
     def record(self, dwell_s: float) -> dict[str, str]:
         """The gate's record of this attempt, for a decision made without ``gate.lua`` (the
@@ -130,12 +132,18 @@ line's fields for it (:meth:`gatekeeper.redis.service_times.LearnedService.choos
 
 
 def resolve(
-    publish: Publish, now: float, window_seconds: int, nonce: str, service: Service | None = None
+    publish: Publish,
+    now: float,
+    window_seconds: int,
+    nonce: str,
+    service: Service | None = None,
+    wait_allowance_s: float = 0.0,
 ) -> Attempt:
     """The attempt's inputs and headers; raises :class:`BadDeclaredInput` naming the field.
 
     ``service`` picks the service time the decision uses (declared or learned); the headers
-    carry the declared one on (a retry or a replay chooses again)."""
+    carry the declared one on (a retry or a replay chooses again). ``wait_allowance_s`` goes
+    into the decision record only."""
     if publish.spec_error is not None:
         raise publish.spec_error
     if publish.spec is None:
@@ -150,6 +158,12 @@ def resolve(
     service_s, chosen = (declared, {}) if service is None else service(publish.task, declared)
     tax_s = retry_tax_s(left, service_s)
     slack = inputs.deadline_at - now
+    # The decision record's p: the p95 the decision used exactly, else as its line shows it.
+    p95 = service_s if chosen.get("service_source") == "learned" else chosen.get(
+        "service_learned_p95_s")  # fmt: skip
+    learned = "" if p95 is None else repr(float(p95))
+    samples = chosen.get("service_samples", 0)
+    publisher = f"{declared!r}|{learned}|{samples}|{max(left, 0)}|{wait_allowance_s!r}"
     fields = identity(publish)
     if delay:
         fields["delay_s"] = delay
@@ -175,7 +189,7 @@ def resolve(
         headers[H_MAX_RETRIES] = publish.max_retries
     return Attempt(publish, now, window_id(now, window_seconds), inputs, delay, tax_s, slack,
                    published, nonce, headers, fields,
-                   prev if isinstance(prev, str) else "", service_s)  # fmt: skip
+                   prev if isinstance(prev, str) else "", service_s, publisher)  # fmt: skip
 
 
 def bad_input_stamp(publish: Publish, now: float) -> dict[str, Any]:

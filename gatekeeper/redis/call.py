@@ -44,6 +44,10 @@ class GateCall:
     """``free_wait_allowance_s``: the wait an admission reserves (0: its tokens alone)."""
     task: str = OTHER_TASK
     """The task's label in the lifetime totals (:func:`gatekeeper.redis.attempt.label_of`)."""
+    publisher: str = "||0|0|0"
+    """The decision record's ``p`` field (:mod:`gatekeeper.core.whatif`): what the publisher
+    knew and the script does not (the declared and learned service times, the retries left,
+    the wait allowance)."""
     push: Push | None = None
 
 

@@ -56,6 +56,7 @@ from gatekeeper.redis.attempt import (
 )
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.cluster import probe_of
+from gatekeeper.redis.decisions import in_process_inputs
 from gatekeeper.redis.flags import Flags, FlagStore, in_canary
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.push import Push, new_nonce, values_for
@@ -127,7 +128,8 @@ class Pipeline:
         breaker = None
         if settings.breaker_open_s:
             breaker = Breaker(client, settings.breaker_open_s, log, probe_of(client, keys.flags))
-        store = GateStore(client, keys, horizon_s=settings.queue_age_horizon_s, breaker=breaker)
+        store = GateStore(client, keys, horizon_s=settings.queue_age_horizon_s, breaker=breaker,
+                          decision_record_cap=settings.decision_record_cap)  # fmt: skip
         flags = FlagStore(client, settings, keys, breaker=breaker)
         return cls(settings, store, flags, log, clock)
 
@@ -176,7 +178,7 @@ class Pipeline:
         now = self.clock()
         try:
             return resolve(publish, now, self.settings.window_seconds, new_nonce(),
-                           self.learned.choose)  # fmt: skip
+                           self.learned.choose, self.settings.free_wait_allowance_s)  # fmt: skip
         except BadDeclaredInput as exc:
             fields = identity(publish)
             marks = review_marks(Decision.RESERVED.value, Reason.BAD_INPUT.value, *[math.nan] * 4)
@@ -225,7 +227,7 @@ class Pipeline:
         free = self.store.record_decision(
             attempt.window, attempt.publish.job_id, attempt.publish.attempt, decision, reason,
             marks, attempt.record(_number(fields.get("dwell_s"))), attempt.prev_nonce,
-            label_of(attempt.publish),
+            label_of(attempt.publish), in_process_inputs(attempt, self.settings),
         )  # fmt: skip
         headers = attempt.headers if free is not None else unrecorded(attempt.headers)
         return self._finish(decision, reason, headers, fields, free=bool(free))
@@ -245,6 +247,7 @@ class Pipeline:
             published_s=attempt.published_s, deadline_s=attempt.inputs.deadline_at,
             delay_s=attempt.delay_s, push=push, prev_nonce=attempt.prev_nonce,
             wait_allowance_s=self.settings.free_wait_allowance_s, task=label_of(publish),
+            publisher=attempt.publisher,
         )  # fmt: skip
         try:
             scored = self.store.score(call)

@@ -86,6 +86,14 @@ namespace's slot):
     completed pass those whose deadline passed more than ``replay_backoff_max_s`` before it
     began (a purged or lost message: any still in defer would have been abandoned); the
     scripts keep only the ``DEFERRED_CAP`` nearest deadlines.
+``gatekeeper:{default}:decisions`` - stream, no TTL, about ``decision_record_cap`` entries
+    The decision records ``gatekeeper tune`` re-decides (:mod:`gatekeeper.core.whatif`): one
+    entry per decision the gate recorded (``gate.lua``, ``record.lua``), with its inputs as
+    the script saw them, never the task's arguments (fields: ``FIELDS`` there); trimmed by
+    ``XADD MAXLEN ~`` with every decision, so the oldest go first. And one entry ``miss`` =
+    ``<job_id>:<attempt>`` per slack miss (``finish.lua``, ``abandon.lua``, only while the
+    stream exists), so that ``tune`` knows which admissions later missed their deadline.
+    docs/decision-records.md gives its size.
 ``gatekeeper:{default}:replayer:last_pass`` - string, no TTL
     Unix seconds at which a replayer last completed a pass over defer (with the lock held).
     Kept without a TTL so that a replayer gone for good shows as an old time, not as nothing.
@@ -181,6 +189,10 @@ class Keys:
     @property
     def deferred(self) -> str:
         return f"{self.base}:deferred"
+
+    @property
+    def decisions(self) -> str:
+        return f"{self.base}:decisions"
 
     @property
     def replayer_last_pass(self) -> str:

@@ -278,6 +278,7 @@ class RunLedger:
             self.keys.window(admission_window),
             self.keys.window_rows(admission_window),
             self.keys.totals,
+            self.keys.decisions,
         ]
         text = json.dumps(row.to_json())  # retry_tax is its last field (LedgerRow's order)
         args = [
@@ -306,8 +307,10 @@ class RunLedger:
             self.keys.window(window),
             self.keys.window_rows(window),
             self.keys.totals,
+            self.keys.decisions,
         ]
-        args = [json.dumps(row.to_json()), str(self.retention_s), "1" if slack_miss else "0"]
+        args = [json.dumps(row.to_json()), str(self.retention_s), "1" if slack_miss else "0",
+                f"{row.job_id}:{row.attempt}"]  # fmt: skip
         try:
             written, misses, admitted = evalsha(self.client, self._abandon, keys, args)
         except redis.RedisError as exc:

@@ -9,9 +9,8 @@ path's calls then fail at once, without a socket, until its probe finds Redis ba
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -19,7 +18,9 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from gatekeeper.core.dwell import Decision, Reason
+from gatekeeper.core.whatif import FIELDS
 from gatekeeper.defaults import (
+    DECISION_RECORD_CAP,
     QUEUE_AGE_HORIZON_S,
     RECORD_RETENTION_S,
     WINDOW_RETENTION_S,
@@ -30,7 +31,7 @@ from gatekeeper.redis.call import DECISIONS, REASONS, GateCall, ScoredAttempt
 from gatekeeper.redis.cluster import is_cluster
 from gatekeeper.redis.keys import DEFERRED_CAP, OTHER_TASK, Keys
 from gatekeeper.redis.push import Push
-from gatekeeper.redis.scripts import evalsha, load_lua, read_windows, text_of
+from gatekeeper.redis.scripts import evalsha, load_lua, text_of
 from gatekeeper.redis.wire import Line
 
 __all__ = ["GateCall", "GateStore", "ScoredAttempt"]
@@ -51,6 +52,7 @@ class GateStore:
         retention_s: int = WINDOW_RETENTION_S,
         record_ttl_s: int = RECORD_RETENTION_S,
         breaker: Breaker | None = None,
+        decision_record_cap: int = DECISION_RECORD_CAP,
     ) -> None:
         self.client = client
         self.breaker = breaker
@@ -58,6 +60,7 @@ class GateStore:
         self.horizon_s = horizon_s
         self.retention_s = retention_s
         self.record_ttl_s = record_ttl_s
+        self.record_cap = str(decision_record_cap)
         self._gate: Script = client.register_script(load_lua("gate.lua"))
         self._record: Script = client.register_script(load_lua("record.lua"))
         self._release: Script = client.register_script(load_lua("release.lua"))
@@ -85,6 +88,7 @@ class GateStore:
             *self._records(call.job_id, call.attempt),
             self.keys.totals,
             self.keys.deferred,
+            self.keys.decisions,
         ]
         cap, budget, unit, mode, horizon, retention, ttl, allowance, most = self._fixed(call)
         args = [
@@ -115,6 +119,8 @@ class GateStore:
             allowance,
             call.task,
             most,
+            call.publisher,
+            self.record_cap,
         ]
         if call.push is not None:  # fast publish: the script pushes the decided message too
             keys += call.push.lists
@@ -211,18 +217,24 @@ class GateStore:
         record: dict[str, str],
         prev_nonce: str = "",
         task: str = OTHER_TASK,
+        inputs: Mapping[str, str] | None = None,
     ) -> bool | None:
-        """Count a decision made in process and write the gate's record of the attempt
-        (``record.lua``); returns the record's ``free_admitted``, None when it was not
-        recorded (Redis failed or the breaker is open, a bad input, or another publish of the
-        attempt holds a live record): the decision stands, and its row will be unverified."""
+        """Count a decision made in process, keep its decision record (``inputs``: the
+        fields of :data:`~gatekeeper.core.whatif.FIELDS` it knows) and write the gate's
+        record of the attempt (``record.lua``); returns the record's ``free_admitted``, None
+        when it was not recorded (Redis failed or the breaker is open, a bad input, or
+        another publish of the attempt holds a live record): the decision stands, and its
+        row will be unverified."""
         if self.breaker is not None and self.breaker.is_open:
             return None
         keys = [self.keys.window(window_id), *self._records(job_id, attempt), self.keys.totals,
-                self.keys.deferred]  # fmt: skip
+                self.keys.deferred, self.keys.decisions]  # fmt: skip
+        member = f"{job_id}:{attempt}"
         args = [decision.value, reason.value, "1" if marks[0] else "0", "1" if marks[1] else "0",
                 str(self.retention_s), str(self.record_ttl_s), prev_nonce, task,
-                str(DEFERRED_CAP), f"{job_id}:{attempt}"]  # fmt: skip
+                str(DEFERRED_CAP), member, self.record_cap]  # fmt: skip
+        values = {**(inputs or {}), "d": decision.value, "r": reason.value, "j": member, "k": task}
+        args += [values.get(name, "") for name in FIELDS]
         for name, value in record.items():
             args += [name, value]
         try:
@@ -295,18 +307,6 @@ class GateStore:
             if self.breaker is not None:
                 self.breaker.failed(exc)
             raise LedgerUnavailable(f"cannot release {member}: {exc}") from exc
-
-    def window_rows(self, window_id: int) -> list[dict[str, Any]]:
-        """The rows stored for one window, oldest first."""
-        try:
-            raw = self.client.lrange(self.keys.window_rows(window_id), 0, -1)
-        except redis.RedisError as exc:
-            raise LedgerUnavailable(f"cannot read window {window_id}: {exc}") from exc
-        return [json.loads(text_of(item)) for item in raw]
-
-    def windows(self, ids: Iterable[int]) -> list[dict[str, str]]:
-        """The window hashes as text (``tax_units``, ``exposure``, counters), one round trip."""
-        return read_windows(self.client, self.keys, ids)
 
 
 def _ms(seconds: float) -> int:
