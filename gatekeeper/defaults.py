@@ -87,7 +87,7 @@ SERVICE_DRIFT_FACTOR = 1.5
 guess: SPEC section 6's default. Below it the bucket error (4.9 %) and an honest guess's
 spread are noise; at 1.5 a task's retry tax is also under-counted by a third or more."""
 DECISION_RECORD_CAP = 1_000_000
-"""Decisions kept for ``gatekeeper tune`` (a stream trimmed to about this many): about 230 MB
-at about 230 bytes a decision (docs/decision-records.md). That is a week of a batch that
-makes 1.6 decisions a second, a day at 11.6 a second; a week at 10 a second needs 6,048,000
-(about 1.4 GB), at 100 a second 60,480,000 (about 14 GB). 0 keeps none."""
+"""Decisions kept for ``gatekeeper tune`` (a stream trimmed to about this many): about 215 MB
+at about 215 bytes a decision (measured: docs/decision-records.md). That is a week of a batch
+that makes 1.6 decisions a second, 27.8 hours at 10 a second; a week at 10 a second needs
+6,048,000 (about 1.3 GB), at 100 a second 60,480,000 (about 13 GB). 0 keeps none."""

@@ -23,6 +23,7 @@ and ``a2`` then finishes after its deadline: one slack miss among four admission
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -309,8 +310,7 @@ def test_a_decision_made_in_process_that_a_knob_pushes_past_its_guards_is_undeci
         retries_left=0, wait_allowance_s=10.0,
     )  # fmt: skip
     assert redecide(record, Knob("max_queue_age_s", 10.0)).reason == "bad_service_guess"
-    fixed = DecisionRecord(**{**record.__dict__, "expected_service_s": 5.0,
-                              "reason": "queue_age_cap"})  # fmt: skip
+    fixed = dataclasses.replace(record, expected_service_s=5.0, reason="queue_age_cap")
     assert redecide(fixed).decision is None
     result = compare([record, fixed])
     assert result.undecidable == 1 and result.would_be == {"defer/bad_service_guess": 1}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gatekeeper.core.dwell import Decision, GateInputs, Reason, decide, retry_tax_s
 from gatekeeper.core.ledger import BudgetMode, admit
@@ -37,6 +37,7 @@ __all__ = [
     "DecisionRecord",
     "Knob",
     "Redecided",
+    "Tally",
     "compare",
     "record_fields",
     "redecide",
@@ -63,7 +64,7 @@ window's tax and exposure, and ``p`` = ``<declared>|<learned p95>|<samples>|<ret
 <wait allowance s>`` (what the publisher knew). Empty: not read (a decision made in process)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DecisionRecord:
     """One recorded decision and its inputs (seconds, units), as its script saw them."""
 
@@ -204,36 +205,101 @@ class Comparison:
     records: int
     as_was: dict[str, int]
     would_be: dict[str, int]
-    changes: list[Change]
+    changed: int
     undecidable: int
     """Records the knob needs an input for that was never read: in no ``would_be`` count."""
+    changes: list[Change]
+    """The first changes (all of them unless a limit was given), undecidable ones included."""
     review_was: Review
     review_now: Review
     unknown_outcomes: int
     """Free admissions the knob adds: their outcome (a slack miss or not) is unknown."""
-    missed: int = field(default=0)
-    """Slack misses in the record that belong to a recorded free admission."""
 
 
-def _missed_admissions(
-    records: list[DecisionRecord], misses: Iterable[tuple[str, int, int]]
-) -> set[int]:
-    """Indexes of the admissions that later missed their slack: each miss (job id, attempt,
-    when) belongs to the job's latest free admission at or before that attempt and moment."""
-    admissions: dict[str, list[int]] = {}
-    for index, record in enumerate(records):
-        if record.decision == Decision.ADMIT_FREE.value:
-            admissions.setdefault(record.job_id, []).append(index)
-    missed: set[int] = set()
-    for job_id, attempt, at_ms in misses:
-        owner = None
-        for index in admissions.get(job_id, ()):
-            record = records[index]
-            if record.attempt <= attempt and record.at_ms <= at_ms:
-                owner = index
-        if owner is not None:
-            missed.add(owner)
-    return missed
+@dataclass(slots=True)
+class _Admission:
+    attempt: int
+    at_ms: int
+    still: bool
+    """Admitted in the would-be column too (its outcome is known there)."""
+
+
+class Tally:
+    """:func:`compare`, one record at a time, so that a week of records need not be held:
+    what it keeps per record is a counter; per free admission a few numbers (its misses are
+    attributed at the end); the changes up to ``show``."""
+
+    def __init__(self, knob: Knob | None = None, min_samples: int = 1,
+                 show: int | None = None) -> None:  # fmt: skip
+        self.knob, self.min_samples, self.show = knob, min_samples, show
+        self.was: Counter[str] = Counter()
+        self.now: Counter[str] = Counter()
+        self.marks = {"was": [0, 0], "now": [0, 0]}
+        self.changes: list[Change] = []
+        self.records = self.changed = self.undecidable = self.unknown = 0
+        self.admissions: dict[str, list[_Admission]] = {}
+
+    def add(self, record: DecisionRecord) -> None:
+        """Re-decide one record (records in the order they were made)."""
+        self.records += 1
+        before = f"{record.decision}/{record.reason}"
+        self.was[before] += 1
+        age = record.queue_age_s or 0.0
+        dwell = age + record.expected_service_s + record.retry_tax_s + record.delay_s
+        self._mark("was", record.decision, record.reason, dwell, record,
+                   record.expected_service_s, record.retry_tax_s)  # fmt: skip
+        after = redecide(record, self.knob, self.min_samples)
+        admitted = record.decision == Decision.ADMIT_FREE.value
+        if after.decision is None:
+            self.undecidable += 1
+            self._change(Change(record, before, None))
+        else:
+            name = f"{after.decision}/{after.reason}"
+            self.now[name] += 1
+            self._mark("now", after.decision, after.reason or "", after.dwell_s, record,
+                       after.expected_service_s, after.retry_tax_s)  # fmt: skip
+            if after.decision == Decision.ADMIT_FREE.value and not admitted:
+                self.unknown += 1
+            if name != before:
+                self.changed += 1
+                self._change(Change(record, before, name))
+        if admitted:
+            still = after.decision == Decision.ADMIT_FREE.value
+            self.admissions.setdefault(record.job_id, []).append(
+                _Admission(record.attempt, record.at_ms, still)
+            )
+
+    def _mark(self, column: str, decision: str, reason: str, dwell: float,
+              record: DecisionRecord, service: float, tax: float) -> None:  # fmt: skip
+        marks = review_marks(decision, reason, dwell, record.deadline_slack_s, service, tax)
+        for i, mark in enumerate(marks):
+            self.marks[column][i] += mark
+
+    def _change(self, change: Change) -> None:
+        if self.show is None or len(self.changes) < self.show:
+            self.changes.append(change)
+
+    def result(self, misses: Iterable[tuple[str, int, int]] = ()) -> Comparison:
+        """Both columns, with the recorded slack misses ``(job_id, attempt, at_ms)``: each
+        belongs to the job's latest free admission at or before that attempt and moment."""
+        missed: set[int] = set()
+        for job_id, attempt, at_ms in misses:
+            owner = None
+            for admission in self.admissions.get(job_id, ()):
+                if admission.attempt <= attempt and admission.at_ms <= at_ms:
+                    owner = admission
+            if owner is not None:
+                missed.add(id(owner))
+        owners = [a for group in self.admissions.values() for a in group]
+        known = sum(a.still for a in owners)
+        known_missed = sum(a.still and id(a) in missed for a in owners)
+        return Comparison(
+            records=self.records, as_was=dict(self.was), would_be=dict(self.now),
+            changed=self.changed, undecidable=self.undecidable, changes=self.changes,
+            review_was=_review(dict(self.was), len(owners), len(missed), *self.marks["was"]),
+            review_now=_review(dict(self.now), known, known_missed, *self.marks["now"]),
+            unknown_outcomes=self.unknown,
+        )  # fmt: skip
 
 
 def _review(
@@ -254,48 +320,8 @@ def compare(
     knob: Knob | None = None,
     min_samples: int = 1,
 ) -> Comparison:
-    """Re-decide every record under ``knob``; ``misses`` are the recorded slack misses as
-    ``(job_id, attempt, at_ms)``."""
-    kept = list(records)
-    missed = _missed_admissions(kept, misses)
-    was: Counter[str] = Counter()
-    now: Counter[str] = Counter()
-    marks = {"was": [0, 0], "now": [0, 0]}
-    changes: list[Change] = []
-    undecidable = unknown = known = known_missed = 0
-    for index, record in enumerate(kept):
-        before = f"{record.decision}/{record.reason}"
-        was[before] += 1
-        as_recorded = record.queue_age_s or 0.0
-        dwell = as_recorded + record.expected_service_s + record.retry_tax_s + record.delay_s
-        for i, mark in enumerate(review_marks(record.decision, record.reason, dwell,
-                                              record.deadline_slack_s, record.expected_service_s,
-                                              record.retry_tax_s)):  # fmt: skip
-            marks["was"][i] += mark
-        after = redecide(record, knob, min_samples)
-        if after.decision is None:
-            undecidable += 1
-            changes.append(Change(record, before, None))
-            continue
-        name = f"{after.decision}/{after.reason}"
-        now[name] += 1
-        for i, mark in enumerate(review_marks(after.decision, after.reason or "", after.dwell_s,
-                                              record.deadline_slack_s, after.expected_service_s,
-                                              after.retry_tax_s)):  # fmt: skip
-            marks["now"][i] += mark
-        if after.decision == Decision.ADMIT_FREE.value:
-            if record.decision == Decision.ADMIT_FREE.value:
-                known += 1
-                known_missed += index in missed
-            else:
-                unknown += 1
-        if name != before:
-            changes.append(Change(record, before, name))
-    admitted_was = was.get(f"{Decision.ADMIT_FREE.value}/{Reason.FITS.value}", 0)
-    return Comparison(
-        records=len(kept), as_was=dict(was), would_be=dict(now), changes=changes,
-        undecidable=undecidable,
-        review_was=_review(dict(was), admitted_was, len(missed), *marks["was"]),
-        review_now=_review(dict(now), known, known_missed, *marks["now"]),
-        unknown_outcomes=unknown, missed=len(missed),
-    )  # fmt: skip
+    """Re-decide every record under ``knob`` (all of them at once: :class:`Tally`)."""
+    tally = Tally(knob, min_samples)
+    for record in records:
+        tally.add(record)
+    return tally.result(misses)

@@ -28,11 +28,11 @@ from datetime import datetime, timezone
 import click
 
 from gatekeeper.core.review import Review
-from gatekeeper.core.whatif import Comparison, Knob, compare
+from gatekeeper.core.whatif import Comparison, DecisionRecord, Knob, Tally
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.ops.context import duration_s, format_number, settings_of
 from gatekeeper.ops.oncall import redis_client
-from gatekeeper.redis.decisions import Recorded, read_records
+from gatekeeper.redis.decisions import entries, stream_state
 from gatekeeper.redis.keys import Keys
 
 __all__ = ["tune", "tune_lines"]
@@ -83,14 +83,14 @@ def tune_lines(result: Comparison, show: int) -> list[str]:
     lines += _table(result.as_was, result.would_be, width)
     was, now = result.review_was.by_kind, result.review_now.by_kind
     lines += ["kind " + line for line in _table(was, now, width - 5)]
-    changed = sum(1 for c in result.changes if c.now is not None)
-    lines.append(f"changed={changed} undecidable={result.undecidable}")
+    lines.append(f"changed={result.changed} undecidable={result.undecidable}")
     for change in result.changes[:show]:
         record = change.record
         lines.append(f"change job_id={record.job_id} attempt={record.attempt} task={record.task} "
                      f"as_was={change.was} would_be={change.now or 'undecidable'}")  # fmt: skip
-    if len(result.changes) > show:
-        lines.append(f"changes_not_shown={len(result.changes) - show} (--show N lists more)")
+    hidden = result.changed + result.undecidable - min(show, len(result.changes))
+    if hidden > 0:
+        lines.append(f"changes_not_shown={hidden} (--show N lists more)")
     lines += _review_lines(result.review_was, result.review_now, result.unknown_outcomes)
     return lines
 
@@ -113,11 +113,10 @@ def _knob(
     return given[0] if given else None
 
 
-def _recorded(recorded: Recorded, knob: Knob | None) -> str:
+def _recorded(values: set[float | str], knob: Knob | None) -> str:
     if knob is None or knob.name == "service_time":
         return "as_decided"
-    values = sorted({getattr(r, knob.name) for r in recorded.records})
-    return ",".join(format_number(v) for v in values) or "none"
+    return ",".join(format_number(float(v)) for v in sorted(values, key=float)) or "none"
 
 
 @click.command()
@@ -146,28 +145,45 @@ def tune(
                  service_time.lower() if service_time else None)  # fmt: skip
     start_ms = (time.time() - duration_s(since)) * 1000
     keys = Keys(settings.key_prefix, settings.namespace)
+    tally = Tally(knob, settings.service_time_min_samples, show)
+    misses: list[tuple[str, int, int]] = []
+    unreadable = 0
+    values: set[float | str] = set()  # the knob's values as recorded
     try:
-        recorded = read_records(redis_client(ctx), keys, int(start_ms))
+        client = redis_client(ctx)
+        length, first_ms = stream_state(client, keys)
+        for entry in entries(client, keys, int(start_ms)):
+            if isinstance(entry, DecisionRecord):
+                tally.add(entry)
+                if knob is not None and knob.name != "service_time":
+                    values.add(getattr(entry, knob.name))
+            elif entry is None:
+                unreadable += 1
+            else:
+                misses.append(entry)
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
-    result = compare(recorded.records, recorded.misses, knob, settings.service_time_min_samples)
+    result = tally.result(misses)
     shown, value = "none", ""
     if knob is not None:
         text = knob.value if isinstance(knob.value, str) else format_number(knob.value)
         shown, value = knob.name, f" value={text}"
     click.echo(f"tune since={since} from={_iso(start_ms)} records={result.records} "
-               f"misses={len(recorded.misses)} knob={shown}{value} "
-               f"recorded={_recorded(recorded, knob)}")  # fmt: skip
+               f"misses={len(misses)} knob={shown}{value} "
+               f"recorded={_recorded(values, knob)}")  # fmt: skip
     if settings.decision_record_cap == 0:
         click.echo("note: decision_record_cap is 0: no decisions are being recorded", err=True)
     cap = settings.decision_record_cap
-    if recorded.first_ms is not None and recorded.first_ms > start_ms + 60_000:
-        why = (f"older ones were trimmed at decision_record_cap={cap}"
-               if cap and recorded.length >= 0.9 * cap else "none were recorded before")
-        click.echo(f"note: the record begins at {_iso(recorded.first_ms)}, after --since: "
-                   f"{why}", err=True)  # fmt: skip
-    if recorded.unreadable:
-        click.echo(f"note: {recorded.unreadable} entries are not records of this version "
+    if first_ms is not None and first_ms > start_ms + 60_000:
+        why = (
+            f"older ones were trimmed at decision_record_cap={cap}"
+            if cap and length >= 0.9 * cap
+            else "none were recorded before"
+        )
+        click.echo(f"note: the record begins at {_iso(first_ms)}, after --since: {why}",
+                   err=True)  # fmt: skip
+    if unreadable:
+        click.echo(f"note: {unreadable} entries are not records of this version "
                    "and were left out", err=True)  # fmt: skip
     for line in tune_lines(result, show):
         click.echo(line)

@@ -24,7 +24,7 @@ from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import text_of
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["Recorded", "in_process_inputs", "read_records"]
+__all__ = ["Entry", "Recorded", "entries", "in_process_inputs", "read_records", "stream_state"]
 
 PAGE = 10_000
 """Entries read per ``XRANGE``."""
@@ -58,31 +58,55 @@ class Recorded:
     """Entries the stream holds (``XLEN``): near the cap, the oldest are being trimmed."""
 
 
+Entry = DecisionRecord | tuple[str, int, int] | None
+"""A record, a slack miss ``(job_id, attempt, at_ms)``, or None for an entry that is neither
+(written by another version)."""
+
+
 def read_records(client: redis.Redis, keys: Keys, since_ms: int) -> Recorded:
-    """Every record and miss from ``since_ms`` (Unix ms) on, oldest first."""
+    """Every record and miss from ``since_ms`` (Unix ms) on, oldest first, held in memory
+    (``gatekeeper tune`` reads them one at a time with :func:`entries`)."""
     out = Recorded()
+    out.length, out.first_ms = stream_state(client, keys)
+    for entry in entries(client, keys, since_ms):
+        if entry is None:
+            out.unreadable += 1
+        elif isinstance(entry, DecisionRecord):
+            out.records.append(entry)
+        else:
+            out.misses.append(entry)
+    return out
+
+
+def stream_state(client: redis.Redis, keys: Keys) -> tuple[int, int | None]:
+    """How many entries the stream holds, and when its oldest was written (None: empty)."""
     try:
-        out.length = int(client.xlen(keys.decisions))
+        length = int(client.xlen(keys.decisions))
         oldest = client.xrange(keys.decisions, "-", "+", count=1)
-        if oldest:
-            out.first_ms = _ms(oldest[0][0])
-        for ident, fields in _entries(client, keys.decisions, since_ms):
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise LedgerUnavailable(f"cannot read the decision records: {exc}") from exc
+    return length, _ms(oldest[0][0]) if oldest else None
+
+
+def entries(client: redis.Redis, keys: Keys, since_ms: int) -> Iterator[Entry]:
+    """The stream's entries from ``since_ms`` on, oldest first, read a page at a time."""
+    try:
+        for ident, fields in _pages(client, keys.decisions, since_ms):
             at = _ms(ident)
             text = {text_of(k): text_of(v) for k, v in fields.items()}
             if "miss" in text:
                 job_id, _, attempt = text["miss"].rpartition(":")
-                out.misses.append((job_id, int(attempt), at))
+                yield (job_id, int(attempt), at) if attempt.isdigit() else None
                 continue
             try:
-                out.records.append(DecisionRecord.from_fields(text, at))
+                yield DecisionRecord.from_fields(text, at)
             except (KeyError, ValueError):
-                out.unreadable += 1
+                yield None
     except (redis.RedisError, RedisClusterException) as exc:
         raise LedgerUnavailable(f"cannot read the decision records: {exc}") from exc
-    return out
 
 
-def _entries(client: redis.Redis, key: str, since_ms: int) -> Iterator[tuple[Any, Any]]:
+def _pages(client: redis.Redis, key: str, since_ms: int) -> Iterator[tuple[Any, Any]]:
     start: str = str(max(since_ms, 0))
     while True:
         page: list[tuple[Any, Any]] = client.xrange(key, start, "+", count=PAGE) or []
