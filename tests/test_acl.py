@@ -80,4 +80,7 @@ def test_the_readmes_acl_is_enough_for_everything_the_gate_does_on_its_redis(
     assert sorted((row["job_id"], row["outcome"]) for row in rows) == sorted(
         [(job, "ok") for job in admitted] + [(late, "abandoned")]
     )
+    # Decision records were written (gate.lua, record.lua) and tune reads them back.
+    assert "changed=0 undecidable=0 superseded=0" in cli("tune", "--since", "1h")
+    assert admin.hget(KEYS.totals, "records_refused") is None
     assert refused(admin) == []

@@ -10,6 +10,7 @@ queue's age is the time since ``a1`` was admitted, for nobody starts it)::
     job  t     slack  age   dwell  decision                      budget check
     a1   0     90     0     16     admit_free/fits               0 + 3000 = 3000
     h1   1     -10    -     -      defer/deadline_passed         (in process: no age read)
+    z1   2     -      -     -      reserved/bad_input            (its service time is text)
     a2   12    90     12    28     admit_free/fits               3000 + 2400 + 3000 = 8400
     b1   25    30     25    41     reserved/dwell_over_slack     (service + tax 16 <= 30)
     d1   28    200    28    44     admit_free/fits               6000 + 5600 + 3000 = 14600
@@ -38,6 +39,7 @@ from gatekeeper.core.headers import H_NONCE
 from gatekeeper.core.ledger import BudgetMode, LedgerRow, Outcome, Path
 from gatekeeper.core.spec import GatedSpec
 from gatekeeper.core.whatif import DecisionRecord, Knob, compare, redecide
+from gatekeeper.errors import BadDeclaredInput
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.attempt import Publish
 from gatekeeper.redis.decisions import read_records
@@ -53,12 +55,12 @@ from tests.conftest import gate_settings
 T0 = 1_800_000_000.0  # a window's first second (900 s windows)
 TASK = "tests.embed"
 HISTORY: list[tuple[str, float, float]] = [  # job, t, slack
-    ("a1", 0, 90), ("h1", 1, -10), ("a2", 12, 90), ("b1", 25, 30), ("d1", 28, 200),
+    ("a1", 0, 90), ("h1", 1, -10), ("z1", 2, 90), ("a2", 12, 90), ("b1", 25, 30), ("d1", 28, 200),
     ("e1", 29, 200), ("f1", 29.5, 200), ("c1", 35, 90), ("c2", 36, 40),
 ]  # fmt: skip
 AS_WAS = {
     "admit_free/fits": 4, "defer/deadline_passed": 1, "defer/queue_age_cap": 2,
-    "reserved/dwell_over_slack": 1, "reserved/retry_tax_budget": 1,
+    "reserved/bad_input": 1, "reserved/dwell_over_slack": 1, "reserved/retry_tax_budget": 1,
 }  # fmt: skip
 
 
@@ -78,10 +80,14 @@ def play_history(redis_url: str, client: redis.Redis) -> dict[str, str]:
     for job, t, slack in HISTORY:
         clock["t"] = t
         spec = GatedSpec(expected_service_s=8, tokens_in=1000, deadline_at=T0 + t + slack)
-        routing = pipeline.route(Publish(TASK, job, 0, 1, spec, {}))
+        publish = Publish(TASK, job, 0, 1, spec, {})
+        if job == "z1":  # as the hook passes a declared input that is not a number
+            publish = Publish(TASK, job, 0, 1, None, {}, spec_error=BadDeclaredInput(
+                "expected_service_s", "a number", "eight"))  # fmt: skip
+        routing = pipeline.route(publish)
         assert routing.decision is not None
         routed[job] = f"{routing.decision.value}/{routing.reason.value}"
-        nonces[job] = routing.headers[H_NONCE]
+        nonces[job] = routing.headers.get(H_NONCE, "")
     runs = RunLedger(client, Keys(), window_seconds=900, queue_wait_unit_per_second=200)
     own = {"task": TASK, "retries": "0", "max_retries": "1", "time_limit_s": "0", "tokens_out": "0"}
     started = runs.start("a2", 1, nonces["a2"], own, int((T0 + 40) * 1000))
@@ -133,12 +139,12 @@ def changes(lines: list[str]) -> dict[str, str]:
 
 def test_with_no_knob_the_recorded_decisions_are_reproduced_exactly(history: dict) -> None:
     lines = tune()
-    assert fields_of(lines[0])["records"] == "9" and fields_of(lines[0])["misses"] == "1"
+    assert fields_of(lines[0])["records"] == "10" and fields_of(lines[0])["misses"] == "1"
     was, now = columns(lines)
     assert was == now == AS_WAS
     routed = {name: list(history.values()).count(name) for name in set(history.values())}
     assert was == routed  # the record holds every decision as it was routed
-    assert "changed=0 undecidable=0" in lines and changes(lines) == {}
+    assert "changed=0 undecidable=0 superseded=0" in lines and changes(lines) == {}
     assert review(lines, "free_missed") == {
         "as_was": "0.2500", "would_be": "0.2500", "slack_misses": "1/1",
         "free_admissions": "4/4", "unknown_outcome": "0",
@@ -152,9 +158,10 @@ def test_a_lower_age_cap_defers_what_waited_past_it(history: dict) -> None:
     was, now = columns(lines)
     assert was == AS_WAS
     # b1 (age 25), d1 (28), e1 (29), f1 (29.5) are past 20 s; a1 (0), a2 (12) are not.
-    assert now == {"admit_free/fits": 2, "defer/deadline_passed": 1, "defer/queue_age_cap": 6}
+    assert now == {"admit_free/fits": 2, "defer/deadline_passed": 1, "defer/queue_age_cap": 6,
+                   "reserved/bad_input": 1}  # fmt: skip
     assert changes(lines) == dict.fromkeys(["b1", "d1", "e1", "f1"], "defer/queue_age_cap")
-    assert "changed=4 undecidable=0" in lines
+    assert "changed=4 undecidable=0 superseded=0" in lines
     assert review(lines, "free_missed") == {  # a1 and a2 admitted in both: a2 missed
         "as_was": "0.2500", "would_be": "0.5000", "slack_misses": "1/1",
         "free_admissions": "4/2", "unknown_outcome": "0",
@@ -163,9 +170,9 @@ def test_a_lower_age_cap_defers_what_waited_past_it(history: dict) -> None:
     assert review(lines, "defer_savable") == {
         "as_was": "0.3333", "would_be": "0.5714", "defers_dwell_fit": "1/4", "defers": "3/7",
     }  # fmt: skip
-    assert review(lines, "reserved_age_shift") == {
-        "as_was": "0.5000", "would_be": "n/a", "reserved_dwell_fit_without_age": "1/0",
-        "reserved": "2/0",
+    assert review(lines, "reserved_age_shift") == {  # b1 of b1, f1, z1; then z1 alone
+        "as_was": "0.3333", "would_be": "0.0000", "reserved_dwell_fit_without_age": "1/0",
+        "reserved": "3/1",
     }  # fmt: skip
 
 
@@ -173,7 +180,7 @@ def test_a_bigger_budget_admits_what_it_refused_with_an_unknown_outcome(history:
     lines = tune("--budget-units", "30000")  # f1: 20,900 <= 30,000
     _, now = columns(lines)
     assert now == {"admit_free/fits": 5, "defer/deadline_passed": 1, "defer/queue_age_cap": 2,
-                   "reserved/dwell_over_slack": 1}  # fmt: skip
+                   "reserved/bad_input": 1, "reserved/dwell_over_slack": 1}  # fmt: skip
     assert changes(lines) == {"f1": "admit_free/fits"}
     assert review(lines, "free_missed") == {
         "as_was": "0.2500", "would_be": "0.2500", "slack_misses": "1/1",
@@ -194,7 +201,7 @@ def test_a_cheaper_wait_admits_what_its_price_refused(history: dict) -> None:
     # 12,000 + 29.5 x 100 + 2,000 = 16,950 <= 20,000 (the exposure as the script saw it).
     lines = tune("--queue-wait-unit-per-second", "100")
     assert changes(lines) == {"f1": "admit_free/fits"}
-    assert "changed=1 undecidable=0" in lines
+    assert "changed=1 undecidable=0 superseded=0" in lines
 
 
 def test_a_dearer_wait_refuses_what_its_price_admitted(history: dict) -> None:
@@ -222,7 +229,7 @@ def test_the_learned_p95_sends_long_tasks_away_from_the_free_path(
     assert changes(lines) == {"a2": "reserved/dwell_over_slack"}
     assert review(lines, "free_missed")["would_be"] == "0.0000"  # a2 was the miss
     monkeypatch.setenv("GATEKEEPER_SERVICE_TIME_MIN_SAMPLES", "6")  # not enough runs yet
-    assert "changed=0 undecidable=0" in tune("--service-time", "max")
+    assert "changed=0 undecidable=0 superseded=0" in tune("--service-time", "max")
 
 
 def test_one_knob_at_a_time(monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
@@ -337,7 +344,7 @@ def test_a_celery_apps_publishes_are_recorded_and_reproduced(
     was, now = columns(out)
     assert was == now == {"admit_free/fits": 1, "defer/queue_age_cap": 1,
                           "defer/deadline_passed": 1}  # fmt: skip
-    assert "changed=0 undecidable=0" in out
+    assert "changed=0 undecidable=0 superseded=0" in out
     for _, fields in redis_client.xrange(Keys().decisions):  # the task's arguments: nowhere
         assert b"a prompt" not in b"".join(fields.values())
     assert changes(tune("--max-queue-age-s", "60")) == {
@@ -358,8 +365,77 @@ def test_an_abandoned_free_admission_is_a_recorded_miss(
     assert compare(recorded.records, recorded.misses).review_was.slack_misses == 2
 
 
-def test_a_miss_starts_no_record_where_none_are_kept(redis_client: redis.Redis) -> None:
-    runs = RunLedger(redis_client, Keys(), window_seconds=900, queue_wait_unit_per_second=200)
-    row = LedgerRow("x", 1, Path.RESERVED, 0, 0, 0, Outcome.ABANDONED, -5, 0.0)
-    assert runs.abandon(row, int(T0 * 1000), slack_miss=True).written
-    assert not redis_client.exists(Keys().decisions)
+def test_with_a_cap_of_zero_a_miss_adds_nothing_to_an_old_stream(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    play_history(redis_url, redis_client)  # records kept, then the cap is set to 0
+    length = redis_client.xlen(Keys().decisions)
+    runs = RunLedger(redis_client, Keys(), window_seconds=900, queue_wait_unit_per_second=200,
+                     decision_record_cap=0)  # fmt: skip
+    for i in range(3):
+        row = LedgerRow(f"x{i}", 1, Path.RESERVED, 0, 0, 0, Outcome.ABANDONED, -5, 0.0)
+        assert runs.abandon(row, int(T0 * 1000), slack_miss=True).written
+    assert redis_client.xlen(Keys().decisions) == length
+
+
+def test_replays_the_knob_would_have_handed_on_are_superseded(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a1 admitted at 0 (nobody starts it); x deferred by the 30 s cap at 35, and its replays
+    # at 45 and 55 deferred again. Under a cap of 100, x is admitted at 35: once.
+    clock = {"t": 0.0}
+    pipeline = Pipeline.create(history_settings(redis_url), redis_client,
+                               lambda: T0 + clock["t"])  # fmt: skip
+    spec = GatedSpec(expected_service_s=8, tokens_in=1000, deadline_at=T0 + 500)
+    pipeline.route(Publish(TASK, "a1", 0, 1, spec, {}))
+    headers: dict[str, Any] = {}
+    for t in (35, 45, 55):
+        clock["t"] = t
+        origin = "replay" if headers else "publish"
+        routing = pipeline.route(Publish(TASK, "x", 0, 1, spec, headers, origin=origin))
+        assert routing.reason.value == "queue_age_cap"
+        headers = dict(routing.headers)
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    lines = tune("--max-queue-age-s", "100")
+    was, now = columns(lines)
+    assert was == {"admit_free/fits": 1, "defer/queue_age_cap": 3}
+    assert now == {"admit_free/fits": 2}  # 35 + 8 + 8 <= 465; 3000 + 7000 + 3000 <= 20000
+    assert "changed=1 undecidable=0 superseded=2" in lines
+    assert review(lines, "free_missed")["unknown_outcome"] == "1"
+
+
+def test_a_record_the_server_refuses_leaves_the_decision_whole(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A stream key of another type (or an ACL from before records: no XADD) refuses the
+    # record; the decision, its record of the attempt and its exposure stand as decided.
+    redis_client.set(Keys().decisions, "not a stream")
+    pipeline = Pipeline.create(history_settings(redis_url), redis_client, lambda: T0)
+    spec = GatedSpec(expected_service_s=8, tokens_in=1000, deadline_s=90)
+    admitted = pipeline.route(Publish(TASK, "a", 0, 1, spec, {}))
+    late = pipeline.route(Publish(TASK, "late", 0, 1, GatedSpec(8, deadline_at=T0 - 1), {}))
+    assert (admitted.reason.value, late.reason.value) == ("fits", "deadline_passed")
+    assert redis_client.hget(Keys().run("a", 1), "decision") == b"admit_free"
+    assert redis_client.hget(Keys().totals, "records_refused") == b"2"
+
+
+def test_a_refused_record_is_said_by_tune(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis_client.hset(Keys().totals, "records_refused", 3)
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    result = CliRunner().invoke(main, ["tune", "--since", "1h"])
+    assert result.exit_code == 0 and "3 decisions could not be recorded" in result.stderr
+
+
+def test_a_since_before_the_epoch_starts_at_the_epoch(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    assert tune_since("99999999999w")[0].startswith("tune since=99999999999w from=1970-01-01")
+
+
+def tune_since(since: str) -> list[str]:
+    result = CliRunner().invoke(main, ["tune", "--since", since])
+    assert result.exit_code == 0, result.output
+    return result.stdout.splitlines()

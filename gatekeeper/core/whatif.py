@@ -32,6 +32,7 @@ from gatekeeper.core.service import ServiceTimeMode, choose_service
 
 __all__ = [
     "KNOBS",
+    "NOTHING_KNOWN",
     "Change",
     "Comparison",
     "DecisionRecord",
@@ -62,6 +63,8 @@ stores them once per node): decision, reason, ``<job_id>:<attempt>``, task label
 service used, retry tax, slack, delay, tokens, cap, budget, wait weight, budget mode, the
 window's tax and exposure, and ``p`` = ``<declared>|<learned p95>|<samples>|<retries left>|
 <wait allowance s>`` (what the publisher knew). Empty: not read (a decision made in process)."""
+NOTHING_KNOWN = "||0|0|0"
+"""``p`` for a decision whose inputs could not be read (a bad input)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,7 @@ class DecisionRecord:
     def from_fields(cls, fields: Mapping[str, str], at_ms: int = 0) -> DecisionRecord:
         """Parse a stream entry; raises ValueError (or KeyError) for one that is not a record."""
         job_id, _, attempt = fields["j"].rpartition(":")
-        declared, p95, samples, left, allowance = fields["p"].split("|")
+        declared, p95, samples, left, allowance = (fields["p"] or NOTHING_KNOWN).split("|")
         return cls(
             job_id=job_id, attempt=int(attempt), task=fields["k"], decision=fields["d"],
             reason=fields["r"], queue_age_s=_maybe(fields["a"]),
@@ -210,10 +213,16 @@ class Comparison:
     """Records the knob needs an input for that was never read: in no ``would_be`` count."""
     changes: list[Change]
     """The first changes (all of them unless a limit was given), undecidable ones included."""
+    superseded: int
+    """Replays of an attempt that the knob would have handed on already (a defer that it
+    admits or reserves): in no ``would_be`` count, for that attempt was decided once."""
     review_was: Review
     review_now: Review
     unknown_outcomes: int
     """Free admissions the knob adds: their outcome (a slack miss or not) is unknown."""
+
+
+_HANDED_ON = (Decision.ADMIT_FREE.value, Decision.RESERVED.value)
 
 
 @dataclass(slots=True)
@@ -236,8 +245,10 @@ class Tally:
         self.now: Counter[str] = Counter()
         self.marks = {"was": [0, 0], "now": [0, 0]}
         self.changes: list[Change] = []
-        self.records = self.changed = self.undecidable = self.unknown = 0
+        self.records = self.changed = self.undecidable = self.unknown = self.superseded = 0
         self.admissions: dict[str, list[_Admission]] = {}
+        self.settled: set[tuple[str, int]] = set()
+        """Attempts deferred as they were that the knob hands on: their replays follow."""
 
     def add(self, record: DecisionRecord) -> None:
         """Re-decide one record (records in the order they were made)."""
@@ -248,8 +259,18 @@ class Tally:
         dwell = age + record.expected_service_s + record.retry_tax_s + record.delay_s
         self._mark("was", record.decision, record.reason, dwell, record,
                    record.expected_service_s, record.retry_tax_s)  # fmt: skip
-        after = redecide(record, self.knob, self.min_samples)
         admitted = record.decision == Decision.ADMIT_FREE.value
+        attempt = (record.job_id, record.attempt)
+        if attempt in self.settled:  # a replay of what the would-be column handed on
+            self.superseded += 1
+            if admitted:  # its outcome belongs to an attempt the knob already decided
+                self.admissions.setdefault(record.job_id, []).append(
+                    _Admission(record.attempt, record.at_ms, False)
+                )
+            return
+        after = redecide(record, self.knob, self.min_samples)
+        if record.decision == Decision.DEFER.value and after.decision in _HANDED_ON:
+            self.settled.add(attempt)
         if after.decision is None:
             self.undecidable += 1
             self._change(Change(record, before, None))
@@ -296,6 +317,7 @@ class Tally:
         return Comparison(
             records=self.records, as_was=dict(self.was), would_be=dict(self.now),
             changed=self.changed, undecidable=self.undecidable, changes=self.changes,
+            superseded=self.superseded,
             review_was=_review(dict(self.was), len(owners), len(missed), *self.marks["was"]),
             review_now=_review(dict(self.now), known, known_missed, *self.marks["now"]),
             unknown_outcomes=self.unknown,

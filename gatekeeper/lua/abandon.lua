@@ -5,12 +5,13 @@
 -- KEYS[3] window:<id>:rows              list: ledger rows (JSON)
 -- KEYS[4] totals                        hash: lifetime abandoned, slack_misses (never expire)
 -- KEYS[5] decisions                     stream: the decision records; a slack miss adds an
---                                       entry `miss` = ARGV[4] while it exists
+--                                       entry `miss` = ARGV[4] (unless ARGV[5] is 0)
 --
 -- ARGV[1] row           JSON (built by the Python core: no tokens, no wait charge)
 -- ARGV[2] retention_s
 -- ARGV[3] slack_miss    1 when an earlier attempt of the job was admitted to the free path
 -- ARGV[4] member        <job_id>:<attempt>
+-- ARGV[5] record_cap    how many decision records to keep (about); '0': none
 --
 -- Returns {written (0|1), slack_misses, admitted_free} of the window.
 
@@ -24,8 +25,11 @@ redis.call('HINCRBY', KEYS[4], 'abandoned', 1)
 if ARGV[3] == '1' then
   redis.call('HINCRBY', KEYS[2], 'slack_misses', 1)
   redis.call('HINCRBY', KEYS[4], 'slack_misses', 1)
-  if redis.call('EXISTS', KEYS[5]) == 1 then
-    redis.call('XADD', KEYS[5], '*', 'miss', ARGV[4])
+  if tonumber(ARGV[5]) > 0 then  -- best effort, as in gate.lua
+    local kept = redis.pcall('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'miss', ARGV[4])
+    if type(kept) == 'table' and kept.err then
+      redis.call('HINCRBY', KEYS[4], 'records_refused', 1)
+    end
   end
 end
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))

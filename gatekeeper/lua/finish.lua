@@ -22,7 +22,7 @@
 -- KEYS[7] window:<admission window>:rows  list: a free row's
 -- KEYS[8] totals                    hash: lifetime killed_rows, slack_misses (never expire)
 -- KEYS[9] decisions                 stream: the decision records; a slack miss adds an entry
---                                   `miss` = member while it exists (gate.lua trims it)
+--                                   `miss` = member (unless ARGV[11] is 0)
 --
 -- ARGV[1] member        <job_id>:<attempt>
 -- ARGV[2] run           the run this row belongs to
@@ -34,6 +34,7 @@
 -- ARGV[8] retention_s   TTL of the window's keys
 -- ARGV[9] current       1 when this run is the attempt's latest start (it leaves `started`)
 -- ARGV[10] row head     the row's JSON without its last field (retry_tax) and closing brace
+-- ARGV[11] record_cap    how many decision records to keep (about); '0': none
 --
 -- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free}.
 
@@ -102,8 +103,11 @@ if ARGV[7] == '1' then
   redis.call('HINCRBY', KEYS[6], 'slack_misses', 1)
   redis.call('EXPIRE', KEYS[6], tonumber(ARGV[8]))
   redis.call('HINCRBY', KEYS[8], 'slack_misses', 1)
-  if redis.call('EXISTS', KEYS[9]) == 1 then
-    redis.call('XADD', KEYS[9], '*', 'miss', ARGV[1])
+  if tonumber(ARGV[11]) > 0 then  -- best effort, as in gate.lua
+    local kept = redis.pcall('XADD', KEYS[9], 'MAXLEN', '~', ARGV[11], '*', 'miss', ARGV[1])
+    if type(kept) == 'table' and kept.err then
+      redis.call('HINCRBY', KEYS[8], 'records_refused', 1)
+    end
   end
 end
 if ARGV[9] == '1' then

@@ -24,7 +24,8 @@
 -- KEYS[7] run:<job_id>:<attempt-1>  the previous attempt's record (KEYS[6] again for attempt
 --                           1): its free_admitted carries over
 -- KEYS[8] totals            hash: lifetime counters (never expire), decided:<decision>:
---                           <reason>:<task> here (gatekeeper metrics exports them)
+--                           <reason>:<task> here (gatekeeper metrics exports them), and
+--                           records_refused (decision records that could not be written)
 -- KEYS[9] deferred          sorted set: deferred attempts, score = deadline (ms), the
 --                           DEFERRED_CAP (ARGV[27]) nearest kept
 -- KEYS[10] decisions         stream: the decision records (gatekeeper/core/whatif.py FIELDS),
@@ -237,13 +238,18 @@ local function decided(decision, reason, dwell, projected)
     end
   end
   -- The decision record (gatekeeper tune): its inputs as this script saw them. The age in
-  -- 17 digits, so that it reads back as the same double.
+  -- 17 digits, so that it reads back as the same double. Best effort: a refused XADD (an ACL
+  -- from before records, the key of another type) must not fail a decision whose writes
+  -- are made (a script is not rolled back); it is counted in totals' records_refused.
   if record_cap > 0 then
     seen = seen or redis.call('HMGET', KEYS[2], 'tax_units', 'exposure')
-    redis.call('XADD', KEYS[10], 'MAXLEN', '~', record_cap, '*', 'd', decision, 'r', reason,
+    local kept = redis.pcall('XADD', KEYS[10], 'MAXLEN', '~', record_cap, '*', 'd', decision, 'r', reason,
       'j', ARGV[2], 'k', ARGV[26], 'a', string.format('%.17g', age), 's', ARGV[3],
       'x', ARGV[4], 'l', ARGV[5], 'y', ARGV[16], 'n', ARGV[7], 'c', ARGV[6], 'b', ARGV[8],
       'u', ARGV[9], 'm', ARGV[10], 'tu', seen[1] or '0', 'e', seen[2] or '0', 'p', ARGV[28])
+    if type(kept) == 'table' and kept.err then
+      redis.call('HINCRBY', KEYS[8], 'records_refused', 1)
+    end
   end
   return {decision, reason, fmt(age), shown, fmt(projected), free}
 end

@@ -51,7 +51,10 @@ if tonumber(ARGV[11]) > 0 then
     entry[#entry + 1] = name
     entry[#entry + 1] = ARGV[11 + i]
   end
-  redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[11], '*', unpack(entry))
+  local kept = redis.pcall('XADD', KEYS[6], 'MAXLEN', '~', ARGV[11], '*', unpack(entry))
+  if type(kept) == 'table' and kept.err then  -- best effort, as in gate.lua
+    redis.call('HINCRBY', KEYS[4], 'records_refused', 1)
+  end
 end
 if #ARGV < 29 then return 'unrecorded' end  -- counted only (a bad input's row is unverified)
 local held = redis.call('HMGET', KEYS[2], 'nonce', 'runs', 'rowed')

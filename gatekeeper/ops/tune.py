@@ -6,15 +6,17 @@ Prints, in this order::
     tune since=7d from=<ISO> records=INT misses=INT knob=NAME value=V recorded=V[,V...]
     decision                        as_was  would_be  change      (one row per decision/reason)
     kind admit_free ...                                         (the same, by kind)
-    changed=INT undecidable=INT
+    changed=INT undecidable=INT superseded=INT
     change job_id=ID attempt=INT task=NAME as_was=D/R would_be=D/R   (the first --show)
     review free_missed as_was=R would_be=R slack_misses=A/B free_admissions=A/B unknown_outcome=N
     review defer_savable ...  /  review reserved_age_shift ...
 
 With no knob it re-decides the records as they were, and must find ``changed=0``. A record
 the knob would send past an input that was never read (a decision made before the gate
-script, which read no queue age) is ``undecidable`` and counted in no ``would_be`` row. Each
-decision is re-decided against the window state it saw (:mod:`gatekeeper.core.whatif`).
+script, which read no queue age) is ``undecidable`` and counted in no ``would_be`` row; a
+replay of a deferred attempt that the knob would have admitted or reserved at an earlier
+scoring is ``superseded`` (counted once, where the knob decides it). Each decision is
+re-decided against the window state it saw (:mod:`gatekeeper.core.whatif`).
 
 Registered on the ``gatekeeper`` group by :mod:`gatekeeper.ops.cli`.
 """
@@ -83,7 +85,8 @@ def tune_lines(result: Comparison, show: int) -> list[str]:
     lines += _table(result.as_was, result.would_be, width)
     was, now = result.review_was.by_kind, result.review_now.by_kind
     lines += ["kind " + line for line in _table(was, now, width - 5)]
-    lines.append(f"changed={result.changed} undecidable={result.undecidable}")
+    lines.append(f"changed={result.changed} undecidable={result.undecidable} "
+                 f"superseded={result.superseded}")  # fmt: skip
     for change in result.changes[:show]:
         record = change.record
         lines.append(f"change job_id={record.job_id} attempt={record.attempt} task={record.task} "
@@ -143,7 +146,7 @@ def tune(
     settings = settings_of(ctx)
     knob = _knob(max_queue_age_s, budget_units, queue_wait_unit_per_second,
                  service_time.lower() if service_time else None)  # fmt: skip
-    start_ms = (time.time() - duration_s(since)) * 1000
+    start_ms = max(0.0, (time.time() - duration_s(since)) * 1000)
     keys = Keys(settings.key_prefix, settings.namespace)
     tally = Tally(knob, settings.service_time_min_samples, show)
     misses: list[tuple[str, int, int]] = []
@@ -151,12 +154,13 @@ def tune(
     values: set[float | str] = set()  # the knob's values as recorded
     try:
         client = redis_client(ctx)
-        length, first_ms = stream_state(client, keys)
+        length, first_ms, refused = stream_state(client, keys)
         for entry in entries(client, keys, int(start_ms)):
             if isinstance(entry, DecisionRecord):
                 tally.add(entry)
-                if knob is not None and knob.name != "service_time":
-                    values.add(getattr(entry, knob.name))
+                value = getattr(entry, knob.name, None) if knob is not None else None
+                if isinstance(value, float) and math.isfinite(value):  # not a bad input's
+                    values.add(value)
             elif entry is None:
                 unreadable += 1
             else:
@@ -182,6 +186,9 @@ def tune(
         )
         click.echo(f"note: the record begins at {_iso(first_ms)}, after --since: {why}",
                    err=True)  # fmt: skip
+    if refused:
+        click.echo(f"note: {refused} decisions could not be recorded (the server refused the "
+                   "XADD: an ACL without +xadd, or the key is not a stream)", err=True)  # fmt: skip
     if unreadable:
         click.echo(f"note: {unreadable} entries are not records of this version "
                    "and were left out", err=True)  # fmt: skip

@@ -30,6 +30,7 @@ from gatekeeper.core.headers import (
 )
 from gatekeeper.core.ledger import window_id
 from gatekeeper.core.spec import DeclaredInputs, GatedSpec, header_number, resolve_inputs
+from gatekeeper.core.whatif import NOTHING_KNOWN
 from gatekeeper.errors import BadDeclaredInput
 from gatekeeper.redis.keys import OTHER_TASK
 
@@ -91,7 +92,7 @@ class Attempt:
     """The nonce a replayed attempt's message carries (its record's, if it is the gate's)."""
     service_s: float = math.nan
     """The service time the decision uses: the declared one, or the learned p95."""
-    publisher: str = "||0|0|0"
+    publisher: str = NOTHING_KNOWN
     """The decision record's ``p`` field (:data:`gatekeeper.core.whatif.FIELDS`)."""
 
     def record(self, dwell_s: float) -> dict[str, str]:
@@ -158,10 +159,10 @@ def resolve(
     service_s, chosen = (declared, {}) if service is None else service(publish.task, declared)
     tax_s = retry_tax_s(left, service_s)
     slack = inputs.deadline_at - now
-    # The decision record's p: the p95 the decision used exactly, else as its line shows it.
-    p95 = service_s if chosen.get("service_source") == "learned" else chosen.get(
-        "service_learned_p95_s")  # fmt: skip
+    p95 = chosen.get("service_learned_p95_s")  # exact in the decision record, 6 places in the line
     learned = "" if p95 is None else repr(float(p95))
+    if p95 is not None:
+        chosen = {**chosen, "service_learned_p95_s": round(p95, 6)}
     samples = chosen.get("service_samples", 0)
     publisher = f"{declared!r}|{learned}|{samples}|{max(left, 0)}|{wait_allowance_s!r}"
     fields = identity(publish)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.ledger import BudgetMode
+from gatekeeper.core.whatif import NOTHING_KNOWN
 from gatekeeper.redis.keys import OTHER_TASK
 from gatekeeper.redis.push import Push
 
@@ -44,7 +45,7 @@ class GateCall:
     """``free_wait_allowance_s``: the wait an admission reserves (0: its tokens alone)."""
     task: str = OTHER_TASK
     """The task's label in the lifetime totals (:func:`gatekeeper.redis.attempt.label_of`)."""
-    publisher: str = "||0|0|0"
+    publisher: str = NOTHING_KNOWN
     """The decision record's ``p`` field (:mod:`gatekeeper.core.whatif`): what the publisher
     knew and the script does not (the declared and learned service times, the retries left,
     the wait allowance)."""

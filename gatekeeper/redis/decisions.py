@@ -67,7 +67,7 @@ def read_records(client: redis.Redis, keys: Keys, since_ms: int) -> Recorded:
     """Every record and miss from ``since_ms`` (Unix ms) on, oldest first, held in memory
     (``gatekeeper tune`` reads them one at a time with :func:`entries`)."""
     out = Recorded()
-    out.length, out.first_ms = stream_state(client, keys)
+    out.length, out.first_ms, _ = stream_state(client, keys)
     for entry in entries(client, keys, since_ms):
         if entry is None:
             out.unreadable += 1
@@ -78,14 +78,16 @@ def read_records(client: redis.Redis, keys: Keys, since_ms: int) -> Recorded:
     return out
 
 
-def stream_state(client: redis.Redis, keys: Keys) -> tuple[int, int | None]:
-    """How many entries the stream holds, and when its oldest was written (None: empty)."""
+def stream_state(client: redis.Redis, keys: Keys) -> tuple[int, int | None, int]:
+    """How many entries the stream holds, when its oldest was written (None: empty), and how
+    many records the server refused over the deployment's life (``records_refused``)."""
     try:
         length = int(client.xlen(keys.decisions))
         oldest = client.xrange(keys.decisions, "-", "+", count=1)
+        refused = int(client.hget(keys.totals, "records_refused") or 0)
     except (redis.RedisError, RedisClusterException) as exc:
         raise LedgerUnavailable(f"cannot read the decision records: {exc}") from exc
-    return length, _ms(oldest[0][0]) if oldest else None
+    return length, _ms(oldest[0][0]) if oldest else None, refused
 
 
 def entries(client: redis.Redis, keys: Keys, since_ms: int) -> Iterator[Entry]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import redis
 
 from gatekeeper.core.ledger import LedgerRow, Outcome, Path, make_row, window_id
-from gatekeeper.defaults import FREE_WAIT_ALLOWANCE_S, WINDOW_RETENTION_S
+from gatekeeper.defaults import DECISION_RECORD_CAP, FREE_WAIT_ALLOWANCE_S, WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.cluster import home
 from gatekeeper.redis.keys import Keys
@@ -125,6 +125,7 @@ class RunLedger:
         queue_wait_unit_per_second: float,
         retention_s: int = WINDOW_RETENTION_S,
         wait_allowance_s: float = FREE_WAIT_ALLOWANCE_S,
+        decision_record_cap: int = DECISION_RECORD_CAP,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -132,6 +133,7 @@ class RunLedger:
         self.unit = queue_wait_unit_per_second
         self.allowance_ms = round(wait_allowance_s * 1000)
         self.retention_s = retention_s
+        self.record_cap = str(decision_record_cap)
         self._start = client.register_script(load_lua("start.lua"))
         self._finish = client.register_script(load_lua("finish.lua"))
         self._abandon = client.register_script(load_lua("abandon.lua"))
@@ -145,6 +147,7 @@ class RunLedger:
             window_seconds=settings.window_seconds,
             queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
             wait_allowance_s=settings.free_wait_allowance_s,
+            decision_record_cap=settings.decision_record_cap,
         )
 
     def start(
@@ -292,6 +295,7 @@ class RunLedger:
             str(self.retention_s),
             "1" if current else "0",
             text[: text.rindex(', "retry_tax": ')],  # the head finish.lua re-prices a capped row
+            self.record_cap,
         ]
         try:
             written, misses, admitted = evalsha(self.client, self._finish, keys, args)
@@ -310,7 +314,7 @@ class RunLedger:
             self.keys.decisions,
         ]
         args = [json.dumps(row.to_json()), str(self.retention_s), "1" if slack_miss else "0",
-                f"{row.job_id}:{row.attempt}"]  # fmt: skip
+                f"{row.job_id}:{row.attempt}", self.record_cap]  # fmt: skip
         try:
             written, misses, admitted = evalsha(self.client, self._abandon, keys, args)
         except redis.RedisError as exc:

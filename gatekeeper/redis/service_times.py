@@ -132,7 +132,7 @@ class LearnedService:
                                       self.settings.service_time_min_samples)  # fmt: skip
         return used, {
             "service_declared_s": declared_s,
-            "service_learned_p95_s": None if p95 is None else round(p95, 6),
+            "service_learned_p95_s": p95,  # exact (the decision record's); the line rounds it
             "service_samples": samples,
             "service_source": source,
         }

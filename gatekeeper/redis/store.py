@@ -18,7 +18,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from gatekeeper.core.dwell import Decision, Reason
-from gatekeeper.core.whatif import FIELDS
+from gatekeeper.core.whatif import FIELDS, NOTHING_KNOWN
 from gatekeeper.defaults import (
     DECISION_RECORD_CAP,
     QUEUE_AGE_HORIZON_S,
@@ -233,7 +233,8 @@ class GateStore:
         args = [decision.value, reason.value, "1" if marks[0] else "0", "1" if marks[1] else "0",
                 str(self.retention_s), str(self.record_ttl_s), prev_nonce, task,
                 str(DEFERRED_CAP), member, self.record_cap]  # fmt: skip
-        values = {**(inputs or {}), "d": decision.value, "r": reason.value, "j": member, "k": task}
+        values = {"p": NOTHING_KNOWN, **(inputs or {}), "d": decision.value, "r": reason.value,
+                  "j": member, "k": task}  # fmt: skip
         args += [values.get(name, "") for name in FIELDS]
         for name, value in record.items():
             args += [name, value]
