@@ -1,0 +1,562 @@
+"""Worker throughput of a gated no-op task against the same task ungated, on real Celery workers.
+
+Run on demand (this is not a test)::
+
+    python bench/worker.py [-n N] [--rounds R] [--pools solo,prefork] [--profile]
+
+What it measures. One embedded ``redis-server`` is broker and gate. In each round the bench
+publishes ``N`` tasks of a plain no-op task (to ``celery``) and ``N`` of the same no-op task
+gated with ``@gatekeeper.gated`` (decided ``admit_free``, to ``free``), then renames both lists
+aside, starts a real Celery worker (``celery worker -Q free,celery``, this file's app, started
+as a subprocess) and waits until it is ready. It then gives the worker one kind at a time
+(``RENAME`` back, atomic: the worker's blocking pop wakes at once), the order alternating by
+round, and times from the rename to the end of the last task of that kind (each run notes its
+end, after gatekeeper's worker hooks, in a per-process file: one ``write`` per task). Worker
+start-up is outside the timed section, and so is publishing. The worker is stopped after each
+round; a pool (``solo``, ``prefork`` with 2 children) runs all its rounds before the next.
+
+The Redis counters come from the same timed sections: ``INFO stats`` and ``INFO
+commandstats`` read before the rename and after the last task, corrected for the readings
+themselves. They include the worker's idle traffic while the bench polls for the end (a
+blocking pop and kombu's housekeeping about once a second), a few commands per section.
+
+How to read the output:
+
+``<pool> plain:`` / ``<pool> gated:``
+    Tasks/s over the timed sections of the rounds (all rounds' tasks over all rounds' time),
+    then each round's figure.
+``<pool> ratio=``
+    Gated tasks/s divided by plain tasks/s, with the per-round spread (each round's two kinds
+    run on the same worker process, a few seconds apart).
+``redis per gated attempt``
+    ``total_reads_processed`` (one socket read per request of a synchronous client: round
+    trips) and ``total_commands_processed`` (every command, those inside Lua scripts too) per
+    task, gated and plain, and their difference: the gate's share of what a task costs Redis.
+``commandstats per gated attempt``
+    ``INFO commandstats`` calls per gated task minus per plain task, by command, and the
+    server's own time per task (``usec``) for both kinds.
+``checks:``
+    What the bench verified before printing any figure (below).
+``ratio=``
+    The solo pool's ratio, last: the issue's figure (target >= 0.80).
+
+The bench checks what it measured before it prints a number: every published gated task must
+have been decided ``admit_free/fits`` by the gate (its run record in Redis), sit in ``free``
+after publishing (and every plain one in ``celery``), have run exactly once, taken from
+``free``, with one start in its record (``runs=1``, ``rowed=1``) and exactly one ledger row,
+``path=free`` ``outcome=ok``, in the window rows; every plain task must have run exactly once,
+taken from ``celery``. Otherwise it prints one ``bench: ...`` line per failed check on stderr,
+no figure, and exits with status 1.
+
+The worker writes its log (Celery's at ``WARNING``, gatekeeper's ``ledger_row`` line per gated
+run at its default ``info``) to a file, as a deployment does. Settings the bench does not set
+itself come from ``GATEKEEPER_*`` variables (``GATEKEEPER_LOG_LEVEL=warning`` measures the
+gate without its per-run line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import datetime
+import io
+import json
+import os
+import platform
+import pstats
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import celery
+import redis
+from celery import Celery, signals
+
+import gatekeeper
+from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis.flags import FlagStore
+from gatekeeper.redis.keys import Keys
+from gatekeeper.settings import GatekeeperSettings
+
+PLAIN, GATED = "plain", "gated"
+TASKS = {PLAIN: "bench.noop_plain", GATED: "bench.noop_gated"}
+QUEUES = {PLAIN: "celery", GATED: "free"}
+HELD = {kind: f"bench:held:{queue}" for kind, queue in QUEUES.items()}
+"""Where a round's published messages wait (renamed aside) until the worker is ready."""
+POOLS = {"solo": ("solo", 1), "prefork": ("prefork", 2)}
+COUNTERS = ("total_reads_processed", "total_commands_processed")
+KEYS = Keys()
+REPO = Path(gatekeeper.__file__).resolve().parents[1]
+"""The checkout whose gatekeeper this process imported: the worker imports the same one."""
+
+
+def bench_settings(url: str) -> GatekeeperSettings:
+    """The gate on for every job; a budget and a wait allowance no round can exhaust, so that
+    every one of N tasks published at once fits (the bench measures the admit path)."""
+    return GatekeeperSettings(
+        redis_url=url,
+        dwell_gate_enabled=True,
+        canary_percent=100,
+        budget_units=1e12,
+        free_wait_allowance_s=600,
+    )
+
+
+def create_app(url: str, records: Path | None = None) -> Celery:
+    """The bench's app: the same no-op twice, ungated and gated; with ``records``, each run
+    appends ``kind id routing_key end_time`` to a file of its process's own there."""
+    app = Celery("bench_worker", broker=url)
+    app.conf.update(
+        task_default_queue=QUEUES[PLAIN],
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+    )
+
+    @app.task(name=TASKS[PLAIN], shared=False)
+    def noop_plain() -> None:
+        return None
+
+    @gatekeeper.gated(expected_service_s=0.01, tokens_in=1, deadline_s=600)
+    @app.task(name=TASKS[GATED], shared=False)
+    def noop_gated() -> None:
+        return None
+
+    gatekeeper.install(app, bench_settings(url))
+    if records is not None:
+        note = RunNotes(records)
+        for kind in (PLAIN, GATED):
+            signals.task_postrun.connect(note.receiver(kind), sender=app.tasks[TASKS[kind]],
+                                         weak=False)  # fmt: skip
+    return app
+
+
+class RunNotes:
+    """One line per finished run, written by the process that ran it (task_postrun fires
+    after task_success, so after gatekeeper's row): one unbuffered ``write``, no Redis."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._fd = -1
+        self._pid = -1
+
+    def receiver(self, kind: str) -> Any:
+        def noted(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+            if self._pid != os.getpid():  # a prefork child: a file of its own
+                self._pid = os.getpid()
+                name = self.folder / f"runs.{self._pid}"
+                self._fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            queue = (sender.request.delivery_info or {}).get("routing_key")
+            os.write(self._fd, f"{kind} {task_id} {queue} {time.time():.6f}\n".encode())
+
+        return noted
+
+
+def serve(url: str, pool: str, concurrency: int, folder: Path, profile: bool) -> int:
+    """The worker subprocess: this file's app, consuming ``free`` and ``celery``."""
+    app = create_app(url, folder)
+
+    def ready(**_: Any) -> None:
+        (folder / "ready").write_text(str(os.getpid()))
+
+    signals.worker_ready.connect(ready, weak=False)
+    argv = [
+        "worker", "-P", pool, "-c", str(concurrency), "-Q", "free,celery", "-l", "WARNING",
+        "--without-heartbeat", "--without-gossip", "--without-mingle",
+        "-n", f"bench-{os.getpid()}@%h",
+    ]  # fmt: skip
+    profiler = cProfile.Profile() if profile else None
+    try:
+        if profiler is not None:
+            profiler.enable()
+        app.worker_main(argv)
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(folder / "profile")
+    return 0
+
+
+# -- the bench side ----------------------------------------------------------------------
+
+
+@dataclass
+class Section:
+    """One kind's timed section of one round."""
+
+    kind: str
+    seconds: float
+    counters: dict[str, int]
+    commands: Counter[str]
+    usec: Counter[str]
+
+
+@dataclass
+class Round:
+    pool: str
+    ids: dict[str, list[str]] = field(default_factory=dict)
+    sections: dict[str, Section] = field(default_factory=dict)
+    runs: list[tuple[str, str, str, float]] = field(default_factory=list)
+    """Every run the worker noted: kind, id, the queue it was taken from, its end time."""
+    queued: dict[str, int] = field(default_factory=dict)
+    """Messages in each kind's queue after publishing."""
+
+
+class Server:
+    """Readings of the server's counters, corrected for what a reading itself costs."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        first = self.read()
+        second = self.read()
+        self.overhead = {name: second[0][name] - first[0][name] for name in COUNTERS}
+        self.overhead_commands = second[1] - first[1]
+
+    def read(self) -> tuple[dict[str, int], Counter[str], Counter[str]]:
+        stats = self.client.info("stats")
+        calls: Counter[str] = Counter()
+        usec: Counter[str] = Counter()
+        for name, value in self.client.info("commandstats").items():
+            command = name.removeprefix("cmdstat_")
+            calls[command] = int(value["calls"])
+            usec[command] = int(value["usec"])
+        return {name: int(stats[name]) for name in COUNTERS}, calls, usec
+
+    def since(
+        self, before: tuple[dict[str, int], Counter[str], Counter[str]]
+    ) -> tuple[dict[str, int], Counter[str], Counter[str]]:
+        after = self.read()
+        counters = {n: after[0][n] - before[0][n] - self.overhead[n] for n in COUNTERS}
+        calls = after[1].copy()
+        calls.subtract(before[1])
+        calls.subtract(self.overhead_commands)
+        usec = after[2].copy()
+        usec.subtract(before[2])
+        return counters, +calls, +usec
+
+
+def noted_runs(folder: Path) -> list[tuple[str, str, str, float]]:
+    runs = []
+    for path in folder.glob("runs.*"):
+        for line in path.read_text().splitlines():
+            kind, job_id, queue, end = line.split(" ")
+            runs.append((kind, job_id, queue, float(end)))
+    return runs
+
+
+@contextlib.contextmanager
+def worker(url: str, pool: str, folder: Path, profile: bool = False) -> Iterator[None]:
+    """A worker subprocess of this file's app, ready; stopped (warm shutdown) on leaving."""
+    name, concurrency = POOLS[pool]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    command = [sys.executable, __file__, "--serve", "--redis-url", url, "--pool", name,
+               "--concurrency", str(concurrency), "--folder", str(folder)]  # fmt: skip
+    if profile:
+        command.append("--profile")
+    with (folder / "worker.log").open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (folder / "ready").exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the {pool} worker did not start:\n"
+                    + (folder / "worker.log").read_text(errors="replace")[-3000:]
+                )
+            time.sleep(0.05)
+        yield
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_for(folder: Path, kind: str, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sum(run[0] == kind for run in noted_runs(folder)) >= count:
+            return
+        time.sleep(0.05)
+
+
+class Bench:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = redis.Redis.from_url(url)
+        self.server = Server(self.client)
+        FlagStore(self.client, bench_settings(url)).initialise(
+            "bench/worker.py: a new namespace", "bench", time.time(), open_path=True
+        )
+        # The decision logger binds sys.stderr when it is built (at the first gated publish):
+        # build it on /dev/null, so the line is rendered and written, not shown.
+        self.devnull = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
+        saved, sys.stderr = sys.stderr, self.devnull
+        try:
+            self.app = create_app(url)
+            self.publish(GATED, 50)  # and warm the publisher: its script, its connections
+        finally:
+            sys.stderr = saved
+        # The warm-up's admissions would hold the free queue's age up: forgotten.
+        self.client.delete(*QUEUES.values(), KEYS.free_waiting, KEYS.inflight)
+        self.profile_text = ""
+
+    def close(self) -> None:
+        self.app.close()
+        self.client.close()
+        self.devnull.close()
+
+    def publish(self, kind: str, n: int) -> list[str]:
+        task = self.app.tasks[TASKS[kind]]
+        return [task.delay().id for _ in range(n)]
+
+    def round(self, pool: str, n: int, first: str, profile: bool = False) -> Round:
+        result = Round(pool)
+        self.client.delete(*QUEUES.values(), *HELD.values())
+        kinds = (first, GATED if first == PLAIN else PLAIN)
+        for kind in kinds:
+            result.ids[kind] = self.publish(kind, n)
+        for kind in kinds:
+            result.queued[kind] = int(self.client.llen(QUEUES[kind]))
+            if result.queued[kind]:
+                self.client.rename(QUEUES[kind], HELD[kind])
+        with tempfile.TemporaryDirectory(prefix="gatekeeper-bench-worker-") as tmp:
+            folder = Path(tmp)
+            with worker(self.url, pool, folder, profile):
+                for kind in kinds:
+                    if not result.queued[kind]:
+                        continue
+                    before = self.server.read()
+                    start = time.time()
+                    self.client.rename(HELD[kind], QUEUES[kind])
+                    wait_for(folder, kind, n, timeout_s=max(60.0, n / 20))
+                    counters, calls, usec = self.server.since(before)
+                    ends = [run[3] for run in noted_runs(folder) if run[0] == kind]
+                    seconds = (max(ends) if ends else time.time()) - start
+                    result.sections[kind] = Section(kind, seconds, counters, calls, usec)
+            result.runs = noted_runs(folder)
+            if profile and (folder / "profile").exists():
+                self.profile_text = profile_summary(folder / "profile")
+        return result
+
+
+def check(rounds: list[Round], client: redis.Redis) -> list[str]:
+    """Why the rounds do not measure what the bench claims; empty when they do."""
+    problems: list[str] = []
+    rows = ledger_rows(client)
+    for number, rnd in enumerate(rounds, 1):
+        where = f"{rnd.pool} round {number}"
+        for kind in (PLAIN, GATED):
+            ids = rnd.ids[kind]
+            if rnd.queued[kind] != len(ids):
+                problems.append(f"{where}: {rnd.queued[kind]} of {len(ids)} {kind} tasks were "
+                                f"in {QUEUES[kind]} after publishing")  # fmt: skip
+            ran = Counter(run[1] for run in rnd.runs if run[0] == kind)
+            missing = [i for i in ids if ran[i] == 0]
+            twice = [i for i in ids if ran[i] > 1]
+            strangers = set(ran) - set(ids)
+            if missing or twice or strangers:
+                problems.append(f"{where}: {kind} runs: {len(missing)} of {len(ids)} never ran, "
+                                f"{len(twice)} ran more than once, {len(strangers)} not "
+                                "published this round")  # fmt: skip
+            elsewhere = Counter(run[2] for run in rnd.runs
+                                if run[0] == kind and run[2] != QUEUES[kind])  # fmt: skip
+            if elsewhere:
+                problems.append(f"{where}: {kind} runs taken from another queue than "
+                                f"{QUEUES[kind]}: {dict(elsewhere)}")  # fmt: skip
+            if kind not in rnd.sections:
+                problems.append(f"{where}: no timed section for {kind}")
+        problems.extend(f"{where}: {p}" for p in gated_checks(client, rnd.ids[GATED], rows))
+    return problems
+
+
+def ledger_rows(client: redis.Redis) -> dict[str, list[dict[str, Any]]]:
+    """Every ledger row in the window rows, by job id."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for key in client.scan_iter(match=f"{KEYS.base}:window:*:rows", _type="list"):
+        for raw in client.lrange(key, 0, -1):
+            row = json.loads(raw)
+            rows.setdefault(row["job_id"], []).append(row)
+    return rows
+
+
+def gated_checks(client: redis.Redis, ids: list[str], rows: dict[str, Any]) -> list[str]:
+    """Each gated task: decided admit_free/fits, started once, one ok row on the free path."""
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hmget(KEYS.run(job_id, 1), "decision", "reason", "runs", "rowed")
+    records = pipe.execute()
+    decided: Counter[str] = Counter()
+    started: Counter[str] = Counter()
+    rowed: Counter[str] = Counter()
+    for job_id, (decision, reason, runs, done) in zip(ids, records, strict=True):
+        text = [(v or b"").decode() for v in (decision, reason, runs, done)]
+        decided[f"{text[0] or 'none'}/{text[1] or 'none'}"] += 1
+        started[f"runs={text[2] or 0} rowed={text[3] or 0}"] += 1
+        mine = rows.get(job_id, [])
+        rowed[", ".join(sorted(f"{r['path']}/{r['outcome']}" for r in mine)) or "none"] += 1
+    problems = []
+    if set(decided) != {"admit_free/fits"}:
+        problems.append(f"gated tasks not all decided admit_free/fits: {dict(decided)}")
+    if set(started) != {"runs=1 rowed=1"}:
+        problems.append(f"gated records not all started once with their row: {dict(started)}")
+    if set(rowed) != {"free/ok"}:
+        problems.append(f"gated ledger rows not one free/ok each: {dict(rowed)}")
+    return problems
+
+
+def profile_summary(path: Path) -> str:
+    out = io.StringIO()
+    stats = pstats.Stats(str(path), stream=out)
+    out.write("== cProfile of the worker (solo, one extra gated section): by own time ==\n")
+    stats.sort_stats("tottime").print_stats(20)
+    out.write("== gatekeeper's own functions, cumulative ==\n")
+    stats.sort_stats("cumulative").print_stats(r"/gatekeeper/", 25)
+    return out.getvalue()
+
+
+def rate(rounds: list[Round], kind: str, n: int) -> tuple[float, list[float]]:
+    per = [n / r.sections[kind].seconds for r in rounds]
+    total = n * len(rounds) / sum(r.sections[kind].seconds for r in rounds)
+    return total, per
+
+
+def report(pool: str, rounds: list[Round], n: int) -> tuple[list[str], float]:
+    lines = []
+    rates = {}
+    for kind in (PLAIN, GATED):
+        total, per = rate(rounds, kind, n)
+        rates[kind] = (total, per)
+        shown = " ".join(f"{r:.0f}" for r in per)
+        lines.append(f"{pool} {kind}: {total:.0f} tasks/s (rounds: {shown})")
+    ratios = sorted(g / p for g, p in zip(rates[GATED][1], rates[PLAIN][1], strict=True))
+    ratio = rates[GATED][0] / rates[PLAIN][0]
+    lines.append(
+        f"{pool} ratio={ratio:.3f} (gated/plain tasks/s; per-round min={ratios[0]:.3f} "
+        f"median={statistics.median(ratios):.3f} max={ratios[-1]:.3f})"
+    )
+    per: dict[str, dict[str, float]] = {}
+    calls: dict[str, Counter[str]] = {}
+    usec: dict[str, float] = {}
+    for kind in (PLAIN, GATED):
+        sections = [r.sections[kind] for r in rounds]
+        count = n * len(sections)
+        per[kind] = {c: sum(s.counters[c] for s in sections) / count for c in COUNTERS}
+        calls[kind] = sum((s.commands for s in sections), Counter())
+        usec[kind] = sum(sum(s.usec.values()) for s in sections) / count
+    trips = {k: per[k]["total_reads_processed"] for k in per}
+    cmds = {k: per[k]["total_commands_processed"] for k in per}
+    lines.append(
+        f"{pool} redis per gated attempt: round_trips={trips[GATED]:.2f} "
+        f"commands={cmds[GATED]:.2f} (plain: round_trips={trips[PLAIN]:.2f} "
+        f"commands={cmds[PLAIN]:.2f}; the gate's: round_trips={trips[GATED] - trips[PLAIN]:.2f} "
+        f"commands={cmds[GATED] - cmds[PLAIN]:.2f})"
+    )
+    count = n * len(rounds)
+    extra = calls[GATED].copy()
+    extra.subtract(calls[PLAIN])
+    shown = " ".join(
+        f"{c}={v / count:+.2f}" for c, v in extra.most_common() if abs(v) >= count / 20
+    )
+    lines.append(
+        f"{pool} commandstats per gated attempt, minus plain: {shown}; server usec per task "
+        f"gated={usec[GATED]:.0f} plain={usec[PLAIN]:.0f}"
+    )
+    return lines, ratio
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-n", type=positive, default=2000, help="tasks per kind per round")
+    parser.add_argument("--rounds", type=positive, default=3, help="rounds per pool (default 3)")
+    parser.add_argument(
+        "--pools",
+        default="prefork,solo",
+        help="comma-separated, in this order (default prefork,solo)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="then one extra solo round under cProfile"
+    )
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--redis-url", help=argparse.SUPPRESS)
+    parser.add_argument("--pool", help=argparse.SUPPRESS)
+    parser.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        return serve(args.redis_url, args.pool, args.concurrency, Path(args.folder), args.profile)
+    pools = [p for p in args.pools.split(",") if p]
+    unknown = [p for p in pools if p not in POOLS]
+    if unknown:
+        parser.error(f"--pools: expected solo and/or prefork, got {unknown}")
+
+    print(
+        f"bench/worker.py {datetime.datetime.now().isoformat(timespec='seconds')} "
+        f"N={args.n} rounds={args.rounds} python={platform.python_version()} "
+        f"celery={celery.__version__} gatekeeper={gatekeeper.__version__} cpus={os.cpu_count()}"
+    )
+    started = time.perf_counter()
+    with EmbeddedRedis() as server:
+        bench = Bench(server.url)
+        try:
+            status = run(bench, server.port, pools, args.n, args.rounds, args.profile)
+        finally:
+            bench.close()
+    print(f"elapsed={time.perf_counter() - started:.1f}s")
+    return status
+
+
+def run(bench: Bench, port: int, pools: list[str], n: int, rounds: int, profile: bool) -> int:
+    version = bench.client.info("server")["redis_version"]
+    print(f"redis=embedded :{port} (broker and gate) redis_version={version}", flush=True)
+    results: dict[str, list[Round]] = {}
+    for pool in pools:  # the order of the kinds alternates round by round
+        results[pool] = [bench.round(pool, n, (PLAIN, GATED)[i % 2]) for i in range(rounds)]
+    problems = check([r for rs in results.values() for r in rs], bench.client)
+    if problems:  # no figure: it would not be that of the path the bench claims
+        for problem in problems:
+            print(f"bench: {problem}", file=sys.stderr)
+        return 1
+    ratios = {}
+    for pool in pools:
+        lines, ratios[pool] = report(pool, results[pool], n)
+        for line in lines:
+            print(line)
+    print(
+        "checks: every gated task admit_free/fits, run once from free, one free/ok ledger "
+        "row; every plain task run once from celery"
+    )
+    if profile:
+        extra = bench.round("solo", n, GATED, profile=True)
+        failed = check([extra], bench.client)
+        if failed:
+            print("bench: the profiled round failed its checks: " + "; ".join(failed),
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        print(bench.profile_text)
+    if "solo" in ratios:
+        print(f"ratio={ratios['solo']:.3f} (solo pool, gated/plain tasks/s; target >= 0.80)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
