@@ -122,12 +122,12 @@ def create_app(url: str, records: Path | None = None) -> Celery:
         worker_hijack_root_logger=False,
     )
 
-    @app.task(name=TASKS[PLAIN], shared=False)
+    @app.task(name=TASKS[PLAIN], shared=False)  # type: ignore[untyped-decorator]
     def noop_plain() -> None:
         return None
 
     @gatekeeper.gated(expected_service_s=0.01, tokens_in=1, deadline_s=600)
-    @app.task(name=TASKS[GATED], shared=False)
+    @app.task(name=TASKS[GATED], shared=False)  # type: ignore[untyped-decorator]
     def noop_gated() -> None:
         return None
 
@@ -420,7 +420,7 @@ def gated_checks(client: redis.Redis, ids: list[str], rows: dict[str, Any]) -> l
 def profile_summary(path: Path) -> str:
     out = io.StringIO()
     stats = pstats.Stats(str(path), stream=out)
-    out.write("== cProfile of the worker (solo, one extra gated section): by own time ==\n")
+    out.write("== cProfile of the worker (an extra solo round, both kinds): by own time ==\n")
     stats.sort_stats("tottime").print_stats(20)
     out.write("== gatekeeper's own functions, cumulative ==\n")
     stats.sort_stats("cumulative").print_stats(r"/gatekeeper/", 25)
@@ -447,17 +447,17 @@ def report(pool: str, rounds: list[Round], n: int) -> tuple[list[str], float]:
         f"{pool} ratio={ratio:.3f} (gated/plain tasks/s; per-round min={ratios[0]:.3f} "
         f"median={statistics.median(ratios):.3f} max={ratios[-1]:.3f})"
     )
-    per: dict[str, dict[str, float]] = {}
+    per_task: dict[str, dict[str, float]] = {}
     calls: dict[str, Counter[str]] = {}
     usec: dict[str, float] = {}
     for kind in (PLAIN, GATED):
         sections = [r.sections[kind] for r in rounds]
         count = n * len(sections)
-        per[kind] = {c: sum(s.counters[c] for s in sections) / count for c in COUNTERS}
+        per_task[kind] = {c: sum(s.counters[c] for s in sections) / count for c in COUNTERS}
         calls[kind] = sum((s.commands for s in sections), Counter())
         usec[kind] = sum(sum(s.usec.values()) for s in sections) / count
-    trips = {k: per[k]["total_reads_processed"] for k in per}
-    cmds = {k: per[k]["total_commands_processed"] for k in per}
+    trips = {k: v["total_reads_processed"] for k, v in per_task.items()}
+    cmds = {k: v["total_commands_processed"] for k, v in per_task.items()}
     lines.append(
         f"{pool} redis per gated attempt: round_trips={trips[GATED]:.2f} "
         f"commands={cmds[GATED]:.2f} (plain: round_trips={trips[PLAIN]:.2f} "
