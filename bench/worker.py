@@ -90,8 +90,6 @@ from gatekeeper.settings import GatekeeperSettings
 PLAIN, GATED = "plain", "gated"
 TASKS = {PLAIN: "bench.noop_plain", GATED: "bench.noop_gated"}
 QUEUES = {PLAIN: "celery", GATED: "free"}
-HELD = {kind: f"bench:held:{queue}" for kind, queue in QUEUES.items()}
-"""Where a round's published messages wait (renamed aside) until the worker is ready."""
 POOLS = {"solo": ("solo", 1), "prefork": ("prefork", 2)}
 COUNTERS = ("total_reads_processed", "total_commands_processed")
 KEYS = Keys()
@@ -195,7 +193,7 @@ class Section:
 
     kind: str
     seconds: float
-    counters: dict[str, int]
+    counters: Counter[str]
     commands: Counter[str]
     usec: Counter[str]
 
@@ -322,34 +320,66 @@ class Bench:
         task = self.app.tasks[TASKS[kind]]
         return [task.delay().id for _ in range(n)]
 
-    def round(self, pool: str, n: int, first: str, profile: bool = False) -> Round:
+    def round(self, pool: str, n: int, blocks: int, first: str, profile: bool = False) -> Round:
+        """Publish ``n`` of each kind, hold them aside in ``blocks`` lists per kind, start a
+        worker and give it the blocks in turn (ABBA: first, other, other, first, ...)."""
         result = Round(pool)
-        self.client.delete(*QUEUES.values(), *HELD.values())
-        kinds = (first, GATED if first == PLAIN else PLAIN)
-        for kind in kinds:
+        self.client.delete(*QUEUES.values())
+        other = GATED if first == PLAIN else PLAIN
+        for kind in (first, other):
             result.ids[kind] = self.publish(kind, n)
-        for kind in kinds:
-            result.queued[kind] = int(self.client.llen(QUEUES[kind]))
-            if result.queued[kind]:
-                self.client.rename(QUEUES[kind], HELD[kind])
+        held = {kind: self.hold(kind, n, blocks) for kind in (first, other)}
+        for kind in (first, other):
+            result.queued[kind] = sum(size for _, size in held[kind])
+        if any(result.queued[kind] != n for kind in held):
+            return result  # not what the round must time: check() says why, nothing timed
+        order = [(first, other) if b % 2 == 0 else (other, first) for b in range(blocks)]
         with tempfile.TemporaryDirectory(prefix="gatekeeper-bench-worker-") as tmp:
             folder = Path(tmp)
             with worker(self.url, pool, folder, profile):
-                for kind in kinds:
-                    if not result.queued[kind]:
-                        continue
-                    before = self.server.read()
-                    start = time.time()
-                    self.client.rename(HELD[kind], QUEUES[kind])
-                    wait_for(folder, kind, n, timeout_s=max(60.0, n / 20))
-                    counters, calls, usec = self.server.since(before)
-                    ends = [run[3] for run in noted_runs(folder) if run[0] == kind]
-                    seconds = (max(ends) if ends else time.time()) - start
-                    result.sections[kind] = Section(kind, seconds, counters, calls, usec)
+                done = Counter[str]()
+                for b, kinds in enumerate(order):
+                    for kind in kinds:
+                        name, size = held[kind][b]
+                        done[kind] += size
+                        self.timed_block(result, folder, kind, name, done[kind])
             result.runs = noted_runs(folder)
             if profile and (folder / "profile").exists():
                 self.profile_text = profile_summary(folder / "profile")
         return result
+
+    def hold(self, kind: str, n: int, blocks: int) -> list[tuple[str, int]]:
+        """Move the kind's queue into ``blocks`` lists of about ``n / blocks`` messages each,
+        oldest first (kombu pops from the right; RPOPLPUSH keeps the order)."""
+        queue, held = QUEUES[kind], []
+        for b in range(blocks):
+            name, size = f"bench:held:{queue}:{b}", n // blocks + (b < n % blocks)
+            self.client.delete(name)
+            pipe = self.client.pipeline(transaction=False)
+            for _ in range(size):
+                pipe.rpoplpush(queue, name)
+            pipe.execute()
+            held.append((name, int(self.client.llen(name))))
+        return held
+
+    def timed_block(self, result: Round, folder: Path, kind: str, name: str, total: int) -> None:
+        """Give the worker one held block and time it, up to the end of its last task."""
+        before = self.server.read()
+        start = time.time()
+        # RENAMENX: the queue's list is gone (the worker took the last block), never replaced.
+        if not self.client.renamenx(name, QUEUES[kind]):
+            raise RuntimeError(f"{QUEUES[kind]} still holds messages: not renamed over")
+        wait_for(folder, kind, total, timeout_s=60.0)
+        counters, calls, usec = self.server.since(before)
+        ends = sorted(run[3] for run in noted_runs(folder) if run[0] == kind)
+        end = ends[-1] if len(ends) >= total else time.time()
+        section = result.sections.setdefault(
+            kind, Section(kind, 0.0, Counter(), Counter(), Counter())
+        )
+        section.seconds += end - start
+        section.counters.update(counters)
+        section.commands.update(calls)
+        section.usec.update(usec)
 
 
 def check(rounds: list[Round], client: redis.Redis) -> list[str]:
@@ -489,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=positive, default=2000, help="tasks per kind per round")
     parser.add_argument("--rounds", type=positive, default=3, help="rounds per pool (default 3)")
     parser.add_argument(
+        "--blocks", type=positive, default=10, help="blocks per kind per round (default 10)"
+    )
+    parser.add_argument(
         "--pools",
         default="prefork,solo",
         help="comma-separated, in this order (default prefork,solo)",
@@ -508,29 +541,32 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in pools if p not in POOLS]
     if unknown:
         parser.error(f"--pools: expected solo and/or prefork, got {unknown}")
+    if args.blocks > args.n:
+        parser.error("--blocks must not exceed -n")
 
     print(
         f"bench/worker.py {datetime.datetime.now().isoformat(timespec='seconds')} "
-        f"N={args.n} rounds={args.rounds} python={platform.python_version()} "
+        f"N={args.n} rounds={args.rounds} blocks={args.blocks} python={platform.python_version()} "
         f"celery={celery.__version__} gatekeeper={gatekeeper.__version__} cpus={os.cpu_count()}"
     )
     started = time.perf_counter()
     with EmbeddedRedis() as server:
         bench = Bench(server.url)
         try:
-            status = run(bench, server.port, pools, args.n, args.rounds, args.profile)
+            status = run(bench, server.port, pools, args, args.profile)
         finally:
             bench.close()
     print(f"elapsed={time.perf_counter() - started:.1f}s")
     return status
 
 
-def run(bench: Bench, port: int, pools: list[str], n: int, rounds: int, profile: bool) -> int:
+def run(bench: Bench, port: int, pools: list[str], args: argparse.Namespace, profile: bool) -> int:
+    n, rounds, blocks = args.n, args.rounds, args.blocks
     version = bench.client.info("server")["redis_version"]
     print(f"redis=embedded :{port} (broker and gate) redis_version={version}", flush=True)
     results: dict[str, list[Round]] = {}
     for pool in pools:  # the order of the kinds alternates round by round
-        results[pool] = [bench.round(pool, n, (PLAIN, GATED)[i % 2]) for i in range(rounds)]
+        results[pool] = [bench.round(pool, n, blocks, (PLAIN, GATED)[i % 2]) for i in range(rounds)]
     problems = check([r for rs in results.values() for r in rs], bench.client)
     if problems:  # no figure: it would not be that of the path the bench claims
         for problem in problems:
@@ -546,7 +582,7 @@ def run(bench: Bench, port: int, pools: list[str], n: int, rounds: int, profile:
         "row; every plain task run once from celery"
     )
     if profile:
-        extra = bench.round("solo", n, GATED, profile=True)
+        extra = bench.round("solo", n, blocks, GATED, profile=True)
         failed = check([extra], bench.client)
         if failed:
             print("bench: the profiled round failed its checks: " + "; ".join(failed),
