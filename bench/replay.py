@@ -428,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                         problems.extend(failed.problems)
         client.close()
     if problems:  # no figure: it would not be that of a replay that lost nothing
+        sys.stdout.flush()
         for problem in problems:
             print(f"bench: {problem}", file=sys.stderr)
         print(f"elapsed={time.perf_counter() - started:.1f}s")

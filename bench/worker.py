@@ -569,6 +569,7 @@ def run(bench: Bench, port: int, pools: list[str], args: argparse.Namespace, pro
         results[pool] = [bench.round(pool, n, blocks, (PLAIN, GATED)[i % 2]) for i in range(rounds)]
     problems = check([r for rs in results.values() for r in rs], bench.client)
     if problems:  # no figure: it would not be that of the path the bench claims
+        sys.stdout.flush()
         for problem in problems:
             print(f"bench: {problem}", file=sys.stderr)
         return 1
