@@ -61,6 +61,7 @@ import contextlib
 import cProfile
 import datetime
 import io
+import itertools
 import json
 import os
 import platform
@@ -87,9 +88,14 @@ from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
 from gatekeeper.settings import GatekeeperSettings
 
-PLAIN, GATED = "plain", "gated"
-TASKS = {PLAIN: "bench.noop_plain", GATED: "bench.noop_gated"}
-QUEUES = {PLAIN: "celery", GATED: "free"}
+PLAIN, GATED, YARDSTICK = "plain", "gated", "pings"
+KINDS = (PLAIN, GATED, YARDSTICK)
+TASKS = {PLAIN: "bench.noop_plain", GATED: "bench.noop_gated", YARDSTICK: "bench.noop_pings"}
+QUEUES = {PLAIN: "celery", GATED: "free", YARDSTICK: "bench_pings"}
+YARDSTICK_PINGS = 3
+"""PINGs the yardstick task sends: the round trips the gate adds to a run (measured below)."""
+ORDERS = list(itertools.permutations(KINDS))
+"""The kinds' orders within a block, cycled, so that each kind follows each other alike."""
 POOLS = {"solo": ("solo", 1), "prefork": ("prefork", 2)}
 COUNTERS = ("total_reads_processed", "total_commands_processed")
 KEYS = Keys()
@@ -129,13 +135,35 @@ def create_app(url: str, records: Path | None = None) -> Celery:
     def noop_gated() -> None:
         return None
 
+    pinger = Pinger(url)
+
+    @app.task(name=TASKS[YARDSTICK], queue=QUEUES[YARDSTICK], shared=False)  # type: ignore[untyped-decorator]
+    def noop_pings() -> None:
+        pinger.ping(YARDSTICK_PINGS)
+
     gatekeeper.install(app, bench_settings(url))
     if records is not None:
         note = RunNotes(records)
-        for kind in (PLAIN, GATED):
+        for kind in KINDS:
             signals.task_postrun.connect(note.receiver(kind), sender=app.tasks[TASKS[kind]],
                                          weak=False)  # fmt: skip
     return app
+
+
+class Pinger:
+    """A Redis client per process (a prefork child makes its own), for the yardstick."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._client: redis.Redis | None = None
+        self._pid = -1
+
+    def ping(self, count: int) -> None:
+        if self._pid != os.getpid():
+            self._pid, self._client = os.getpid(), redis.Redis.from_url(self.url)
+        assert self._client is not None
+        for _ in range(count):
+            self._client.ping()
 
 
 class RunNotes:
@@ -168,7 +196,8 @@ def serve(url: str, pool: str, concurrency: int, folder: Path, profile: bool) ->
 
     signals.worker_ready.connect(ready, weak=False)
     argv = [
-        "worker", "-P", pool, "-c", str(concurrency), "-Q", "free,celery", "-l", "WARNING",
+        "worker", "-P", pool, "-c", str(concurrency), "-Q", ",".join(QUEUES.values()),
+        "-l", "WARNING",
         "--without-heartbeat", "--without-gossip", "--without-mingle",
         "-n", f"bench-{os.getpid()}@%h",
     ]  # fmt: skip
@@ -320,20 +349,20 @@ class Bench:
         task = self.app.tasks[TASKS[kind]]
         return [task.delay().id for _ in range(n)]
 
-    def round(self, pool: str, n: int, blocks: int, first: str, profile: bool = False) -> Round:
+    def round(self, pool: str, n: int, blocks: int, turn: int, profile: bool = False) -> Round:
         """Publish ``n`` of each kind, hold them aside in ``blocks`` lists per kind, start a
-        worker and give it the blocks in turn (ABBA: first, other, other, first, ...)."""
+        worker and give it the blocks one kind at a time, in every order alike (``turn``:
+        where this round starts in :data:`ORDERS`)."""
         result = Round(pool)
         self.client.delete(*QUEUES.values())
-        other = GATED if first == PLAIN else PLAIN
-        for kind in (first, other):
+        for kind in KINDS:
             result.ids[kind] = self.publish(kind, n)
-        held = {kind: self.hold(kind, n, blocks) for kind in (first, other)}
-        for kind in (first, other):
+        held = {kind: self.hold(kind, n, blocks) for kind in KINDS}
+        for kind in KINDS:
             result.queued[kind] = sum(size for _, size in held[kind])
         if any(result.queued[kind] != n for kind in held):
             return result  # not what the round must time: check() says why, nothing timed
-        order = [(first, other) if b % 2 == 0 else (other, first) for b in range(blocks)]
+        order = [ORDERS[(turn + b) % len(ORDERS)] for b in range(blocks)]
         with tempfile.TemporaryDirectory(prefix="gatekeeper-bench-worker-") as tmp:
             folder = Path(tmp)
             with worker(self.url, pool, folder, profile):
@@ -388,7 +417,7 @@ def check(rounds: list[Round], client: redis.Redis) -> list[str]:
     rows = ledger_rows(client)
     for number, rnd in enumerate(rounds, 1):
         where = f"{rnd.pool} round {number}"
-        for kind in (PLAIN, GATED):
+        for kind in KINDS:
             ids = rnd.ids[kind]
             if rnd.queued[kind] != len(ids):
                 problems.append(f"{where}: {rnd.queued[kind]} of {len(ids)} {kind} tasks were "
@@ -450,7 +479,7 @@ def gated_checks(client: redis.Redis, ids: list[str], rows: dict[str, Any]) -> l
 def profile_summary(path: Path) -> str:
     out = io.StringIO()
     stats = pstats.Stats(str(path), stream=out)
-    out.write("== cProfile of the worker (an extra solo round, both kinds): by own time ==\n")
+    out.write("== cProfile of the worker (an extra solo round, all kinds): by own time ==\n")
     stats.sort_stats("tottime").print_stats(20)
     out.write("== gatekeeper's own functions, cumulative ==\n")
     stats.sort_stats("cumulative").print_stats(r"/gatekeeper/", 25)
@@ -466,7 +495,7 @@ def rate(rounds: list[Round], kind: str, n: int) -> tuple[float, list[float]]:
 def report(pool: str, rounds: list[Round], n: int) -> tuple[list[str], float]:
     lines = []
     rates = {}
-    for kind in (PLAIN, GATED):
+    for kind in KINDS:
         total, per = rate(rounds, kind, n)
         rates[kind] = (total, per)
         shown = " ".join(f"{r:.0f}" for r in per)
@@ -477,10 +506,16 @@ def report(pool: str, rounds: list[Round], n: int) -> tuple[list[str], float]:
         f"{pool} ratio={ratio:.3f} (gated/plain tasks/s; per-round min={ratios[0]:.3f} "
         f"median={statistics.median(ratios):.3f} max={ratios[-1]:.3f})"
     )
+    lines.append(
+        f"{pool} ratio_with_{YARDSTICK_PINGS}_extra_round_trips="
+        f"{rates[YARDSTICK][0] / rates[PLAIN][0]:.3f} (a plain no-op that sends "
+        f"{YARDSTICK_PINGS} PINGs: what a gate with the gate's round trips and nothing else "
+        "would reach here)"
+    )
     per_task: dict[str, dict[str, float]] = {}
     calls: dict[str, Counter[str]] = {}
     usec: dict[str, float] = {}
-    for kind in (PLAIN, GATED):
+    for kind in KINDS:
         sections = [r.sections[kind] for r in rounds]
         count = n * len(sections)
         per_task[kind] = {c: sum(s.counters[c] for s in sections) / count for c in COUNTERS}
@@ -492,7 +527,8 @@ def report(pool: str, rounds: list[Round], n: int) -> tuple[list[str], float]:
         f"{pool} redis per gated attempt: round_trips={trips[GATED]:.2f} "
         f"commands={cmds[GATED]:.2f} (plain: round_trips={trips[PLAIN]:.2f} "
         f"commands={cmds[PLAIN]:.2f}; the gate's: round_trips={trips[GATED] - trips[PLAIN]:.2f} "
-        f"commands={cmds[GATED] - cmds[PLAIN]:.2f})"
+        f"commands={cmds[GATED] - cmds[PLAIN]:.2f}; pings: round_trips="
+        f"{trips[YARDSTICK]:.2f} commands={cmds[YARDSTICK]:.2f})"
     )
     count = n * len(rounds)
     extra = calls[GATED].copy()
@@ -566,7 +602,7 @@ def run(bench: Bench, port: int, pools: list[str], args: argparse.Namespace, pro
     print(f"redis=embedded :{port} (broker and gate) redis_version={version}", flush=True)
     results: dict[str, list[Round]] = {}
     for pool in pools:  # the order of the kinds alternates round by round
-        results[pool] = [bench.round(pool, n, blocks, (PLAIN, GATED)[i % 2]) for i in range(rounds)]
+        results[pool] = [bench.round(pool, n, blocks, i * blocks) for i in range(rounds)]
     problems = check([r for rs in results.values() for r in rs], bench.client)
     if problems:  # no figure: it would not be that of the path the bench claims
         sys.stdout.flush()
@@ -583,7 +619,7 @@ def run(bench: Bench, port: int, pools: list[str], args: argparse.Namespace, pro
         "row; every plain task run once from celery"
     )
     if profile:
-        extra = bench.round("solo", n, blocks, GATED, profile=True)
+        extra = bench.round("solo", n, blocks, 0, profile=True)
         failed = check([extra], bench.client)
         if failed:
             print("bench: the profiled round failed its checks: " + "; ".join(failed),
