@@ -5,15 +5,18 @@ Run on demand (this is not a test)::
     python bench/worker.py [-n N] [--rounds R] [--pools solo,prefork] [--profile]
 
 What it measures. One embedded ``redis-server`` is broker and gate. In each round the bench
-publishes ``N`` tasks of a plain no-op task (to ``celery``) and ``N`` of the same no-op task
-gated with ``@gatekeeper.gated`` (decided ``admit_free``, to ``free``), then renames both lists
-aside, starts a real Celery worker (``celery worker -Q free,celery``, this file's app, started
-as a subprocess) and waits until it is ready. It then gives the worker one kind at a time
-(``RENAME`` back, atomic: the worker's blocking pop wakes at once), the order alternating by
-round, and times from the rename to the end of the last task of that kind (each run notes its
-end, after gatekeeper's worker hooks, in a per-process file: one ``write`` per task). Worker
-start-up is outside the timed section, and so is publishing. The worker is stopped after each
-round; a pool (``solo``, ``prefork`` with 2 children) runs all its rounds before the next.
+publishes ``N`` tasks of a plain no-op task (to ``celery``), ``N`` of the same no-op task gated
+with ``@gatekeeper.gated`` (decided ``admit_free``, to ``free``) and ``N`` of a yardstick (a
+plain task whose body sends three ``PING`` commands to the same Redis, to ``bench_pings``),
+then moves each queue aside into ``--blocks`` lists (10) and starts a real Celery worker
+(``celery worker -Q free,celery,bench_pings``, this file's app, as a subprocess), and waits
+until it is ready. It then gives the worker one block of one kind at a time (``RENAMENX``
+onto the queue's name: atomic, and the worker's blocking pop wakes at once), the three kinds
+in every order alike, and times each block from the rename to the end of its last task (each
+run notes its end, after gatekeeper's worker hooks, in a per-process file: one ``write`` per
+task). So all kinds see the same moments of a shared machine; worker start-up and publishing
+are not timed. The worker is stopped after each round; a pool (``solo``, ``prefork`` with 2
+children) runs all its rounds before the next.
 
 The Redis counters come from the same timed sections: ``INFO stats`` and ``INFO
 commandstats`` read before the rename and after the last task, corrected for the readings
@@ -25,13 +28,19 @@ How to read the output:
 ``<pool> plain:`` / ``<pool> gated:``
     Tasks/s over the timed sections of the rounds (all rounds' tasks over all rounds' time),
     then each round's figure.
+``<pool> pings:``
+    The yardstick's tasks/s.
 ``<pool> ratio=``
-    Gated tasks/s divided by plain tasks/s, with the per-round spread (each round's two kinds
-    run on the same worker process, a few seconds apart).
+    Gated tasks/s divided by plain tasks/s, with the per-round spread (each round's kinds run
+    on the same worker process, block by block).
+``<pool> ratio_with_3_extra_round_trips=``
+    The yardstick's tasks/s divided by plain tasks/s: what a gate that cost a run nothing but
+    its three round trips (the figure measured below) would reach on this machine.
 ``redis per gated attempt``
     ``total_reads_processed`` (one socket read per request of a synchronous client: round
     trips) and ``total_commands_processed`` (every command, those inside Lua scripts too) per
-    task, gated and plain, and their difference: the gate's share of what a task costs Redis.
+    task, gated and plain, and their difference: the gate's share of what a task costs Redis;
+    the yardstick's for comparison.
 ``commandstats per gated attempt``
     ``INFO commandstats`` calls per gated task minus per plain task, by command, and the
     server's own time per task (``usec``) for both kinds.
@@ -44,9 +53,9 @@ The bench checks what it measured before it prints a number: every published gat
 have been decided ``admit_free/fits`` by the gate (its run record in Redis), sit in ``free``
 after publishing (and every plain one in ``celery``), have run exactly once, taken from
 ``free``, with one start in its record (``runs=1``, ``rowed=1``) and exactly one ledger row,
-``path=free`` ``outcome=ok``, in the window rows; every plain task must have run exactly once,
-taken from ``celery``. Otherwise it prints one ``bench: ...`` line per failed check on stderr,
-no figure, and exits with status 1.
+``path=free`` ``outcome=ok``, in the window rows; every plain task (and every yardstick) must
+have run exactly once, taken from ``celery`` (``bench_pings``). Otherwise it prints one
+``bench: ...`` line per failed check on stderr, no figure, and exits with status 1.
 
 The worker writes its log (Celery's at ``WARNING``, gatekeeper's ``ledger_row`` line per gated
 run at its default ``info``) to a file, as a deployment does. Settings the bench does not set
@@ -616,7 +625,7 @@ def run(bench: Bench, port: int, pools: list[str], args: argparse.Namespace, pro
             print(line)
     print(
         "checks: every gated task admit_free/fits, run once from free, one free/ok ledger "
-        "row; every plain task run once from celery"
+        "row; every plain task run once from celery, every pings task from bench_pings"
     )
     if profile:
         extra = bench.round("solo", n, blocks, 0, profile=True)
