@@ -2,7 +2,7 @@
 
 Run on demand (this is not a test)::
 
-    python bench/worker.py [-n N] [--rounds R] [--pools solo,prefork] [--profile]
+    python bench/worker.py [-n N] [--rounds R] [--blocks B] [--pools prefork,solo] [--profile]
 
 What it measures. One embedded ``redis-server`` is broker and gate. In each round the bench
 publishes ``N`` tasks of a plain no-op task (to ``celery``), ``N`` of the same no-op task gated
