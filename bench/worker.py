@@ -125,8 +125,9 @@ def bench_settings(url: str) -> GatekeeperSettings:
 
 
 def create_app(url: str, records: Path | None = None) -> Celery:
-    """The bench's app: the same no-op twice, ungated and gated; with ``records``, each run
-    appends ``kind id routing_key end_time`` to a file of its process's own there."""
+    """The bench's app: the no-op ungated, gated, and with the yardstick's PINGs; with
+    ``records``, each run appends ``kind id routing_key end_time`` to a file of its process's
+    own there."""
     app = Celery("bench_worker", broker=url)
     app.conf.update(
         task_default_queue=QUEUES[PLAIN],
@@ -197,7 +198,7 @@ class RunNotes:
 
 
 def serve(url: str, pool: str, concurrency: int, folder: Path, profile: bool) -> int:
-    """The worker subprocess: this file's app, consuming ``free`` and ``celery``."""
+    """The worker subprocess: this file's app, consuming the three kinds' queues."""
     app = create_app(url, folder)
 
     def ready(**_: Any) -> None:
@@ -227,7 +228,7 @@ def serve(url: str, pool: str, concurrency: int, folder: Path, profile: bool) ->
 
 @dataclass
 class Section:
-    """One kind's timed section of one round."""
+    """One kind's timed blocks in one round, summed."""
 
     kind: str
     seconds: float
