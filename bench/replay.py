@@ -5,15 +5,14 @@ Run on demand (this is not a test)::
     python bench/replay.py [-n N] [--rounds R] [--rabbitmq] [--profile]
 
 What it measures. One embedded ``redis-server`` is broker and gate. Each round publishes
-``N`` gated tasks while the gate defers them (a stale member of the free queue's waiting set
-(200 s old) makes the queue older than ``max_queue_age_s`` (120 s): ``defer/queue_age_cap``, as in
-tests/test_replay.py), then removes that member, so the same tasks fit again, and times one
-pass of :class:`gatekeeper.celery.replay.Replayer` (what ``gatekeeper replay --once`` runs,
-built the way the command builds it: broker from the settings, the app for the dead-letter
-results) from the start of ``run(once=True)`` to its end. Before the timed pass one pass runs on
-an empty ``defer`` (the scripts are loaded, and the sweep that a replayer makes once a minute
-is made there, as a long-running replayer would have made it already). Publishing is not
-timed.
+``N`` gated tasks while the gate defers them (a member of the free queue's waiting set, 200 s
+old, makes the queue older than ``max_queue_age_s``, 120 s here: ``defer/queue_age_cap``, as
+in tests/test_replay.py), then removes that member, so the same tasks fit again, and times
+one pass of :class:`gatekeeper.celery.replay.Replayer` (what ``gatekeeper replay --once``
+runs, built the way the command builds it: broker from the settings, the app for the
+dead-letter results) from the start of ``run(once=True)`` to its end. Before the publishes
+one pass runs on an empty ``defer`` (the sweep that a replayer makes once a minute is made
+there, as a long-running replayer would have made it already). Publishing is not timed.
 
 With ``--rabbitmq`` the same rounds run with RabbitMQ as broker (Debian's ``rabbitmq-server``,
 started as tests/rabbit.py starts it, on free loopback ports) and the embedded Redis as the
@@ -315,6 +314,14 @@ class Bench:
         return problems
 
 
+class Failed(Exception):
+    """The rounds did not measure what the bench claims: ``problems`` says why."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
 def run_broker(kind: Kind, gate_url: str, n: int, rounds: int, profile: bool) -> list[str]:
     """The rounds on one broker: the lines to print, or raises Failed with the reasons."""
     bench = Bench(kind, gate_url)
@@ -352,12 +359,6 @@ def run_broker(kind: Kind, gate_url: str, n: int, rounds: int, profile: bool) ->
         stats.sort_stats("cumulative").print_stats(r"/gatekeeper/", 25)
         lines.append(out.getvalue())
     return lines
-
-
-class Failed(Exception):
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("; ".join(problems))
-        self.problems = problems
 
 
 @contextlib.contextmanager
