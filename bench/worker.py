@@ -113,14 +113,16 @@ REPO = Path(gatekeeper.__file__).resolve().parents[1]
 
 
 def bench_settings(url: str) -> GatekeeperSettings:
-    """The gate on for every job; a budget and a wait allowance no round can exhaust, so that
-    every one of N tasks published at once fits (the bench measures the admit path)."""
+    """The gate on for every job; a budget, a wait allowance and an age cap no round can
+    exhaust (N tasks wait in ``free`` while the others are published), so that every one of
+    N tasks published at once fits (the bench measures the admit path)."""
     return GatekeeperSettings(
         redis_url=url,
         dwell_gate_enabled=True,
         canary_percent=100,
         budget_units=1e12,
         free_wait_allowance_s=600,
+        max_queue_age_s=600,
     )
 
 
