@@ -1,0 +1,38 @@
+"""``bench/memory.py`` checks itself before it prints: every job admitted, run once, one
+free/ok row, nothing left waiting, one decision record each. Run tiny, as a subprocess (its
+own embedded Redis and a real worker)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.redis, pytest.mark.celery]
+
+BENCH = REPO_ROOT / "bench" / "memory.py"
+
+
+def run_bench(cwd: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
+    env.update(PYTHONPATH=str(REPO_ROOT), **env_vars)
+    return subprocess.run([sys.executable, str(BENCH), "-n", "30"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+
+
+def test_the_bench_prints_bytes_per_finished_job_last(tmp_path: Path) -> None:
+    result = run_bench(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1].startswith("beyond_row_bytes_per_job=")
+    assert any(line.startswith("run_records: bytes_per_job=") for line in lines)
+
+
+def test_jobs_that_did_not_run_on_free_fail_the_bench(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, GATEKEEPER_FREE_PATH_ENABLED="false")
+    assert result.returncode != 0 and "bytes_per_job" not in result.stdout
