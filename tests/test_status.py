@@ -42,6 +42,9 @@ def test_status_shows_flags_with_who_when_why_queues_age_and_budget(
         "exposure=2100" in budget and "budget_left=3000" in budget and "admitted_free=1" in budget
     )
     assert "reruns_after_row=0 forged_runs=0 unverified_runs=0" in lines
+    records = next(line for line in lines if line.startswith("records "))
+    assert records.startswith("records entries=2 since=20")  # both decisions, recorded now
+    assert records.endswith(" decision_record_cap=1000000 refused=0")
 
 
 def test_status_counts_every_replayers_claims(

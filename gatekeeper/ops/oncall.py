@@ -32,6 +32,7 @@ from gatekeeper.ops.metrics import DEFAULT_HOST, collector_for, listening
 from gatekeeper.ops.service_status import service_lines
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
+from gatekeeper.redis.decisions import stream_state
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
@@ -263,6 +264,14 @@ def status(ctx: click.Context) -> None:
     except LedgerUnavailable as exc:
         raise click.ClickException(f"cannot read the gate's Redis: {exc}") from exc
     click.echo("\n".join(service) if service else "service no task has observed runs yet")
+    try:  # what gatekeeper tune can re-decide
+        length, first_ms, refused = stream_state(gate, keys)
+    except LedgerUnavailable as exc:
+        raise click.ClickException(f"cannot read the gate's Redis: {exc}") from exc
+    since = "-" if first_ms is None else datetime.fromtimestamp(
+        first_ms / 1000, tz=timezone.utc).isoformat(timespec="seconds")  # fmt: skip
+    click.echo(f"records entries={length} since={since} "
+               f"decision_record_cap={settings.decision_record_cap} refused={refused}")  # fmt: skip
 
 
 @click.command()
