@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import redis
 
 from gatekeeper.core.ledger import LedgerRow, Outcome, Path, make_row, window_id
+from gatekeeper.core.service import bucket_of
 from gatekeeper.defaults import DECISION_RECORD_CAP, FREE_WAIT_ALLOWANCE_S, WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.cluster import home
@@ -267,8 +268,14 @@ class RunLedger:
         *,
         slack_miss: bool = False,
         current: bool = True,
+        service_s: float | None = None,
+        lower_bound: bool = False,
     ) -> Finished:
-        """Apply one run's row atomically; a second call for the same run writes nothing."""
+        """Apply one run's row atomically; a second call for the same run writes nothing.
+
+        ``service_s``: the run's time, counted in its task's learned service time (SPEC
+        section 6) in the same step, only if the row is written (``lower_bound``: it was
+        cut off by its time limit). None: the run does not count."""
         member = f"{row.job_id}:{row.attempt}"
         row_window = window_id(now_ms / 1000, self.window_seconds)
         admission_window = record.window
@@ -282,6 +289,8 @@ class RunLedger:
             self.keys.window_rows(admission_window),
             self.keys.totals,
             self.keys.decisions,
+            self.keys.service(record.task),
+            self.keys.service_tasks,
         ]
         text = json.dumps(row.to_json())  # retry_tax is its last field (LedgerRow's order)
         args = [
@@ -296,6 +305,9 @@ class RunLedger:
             "1" if current else "0",
             text[: text.rindex(', "retry_tax": ')],  # the head finish.lua re-prices a capped row
             self.record_cap,
+            "" if service_s is None else f"b{bucket_of(service_s)}",
+            "1" if lower_bound else "0",
+            record.task,
         ]
         try:
             written, misses, admitted = evalsha(self.client, self._finish, keys, args)
