@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import pytest
 from hypothesis import given
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from gatekeeper.core.dwell import Reason
 from gatekeeper.core.ledger import (
     BudgetMode,
+    LedgerRow,
     Outcome,
     Path,
     admit,
@@ -107,6 +109,8 @@ def test_row_json_has_every_spec_field_in_order() -> None:
         "retry_tax",
     ]
     assert row.to_json()["path"] == "reserved"
+    assert list(row.to_json()) == [field.name for field in fields(LedgerRow)]  # none left out
+    assert LedgerRow.from_json(row.to_json()) == row
 
 
 # tax_units, exposure, queue_age_s, tokens, budget, mode, admitted, projected

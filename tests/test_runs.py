@@ -10,6 +10,7 @@ import redis
 from click.testing import CliRunner
 
 from gatekeeper.core.ledger import Outcome, window_id
+from gatekeeper.core.service import bucket_of
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger, RunRecord, Started
@@ -178,3 +179,57 @@ def test_a_run_after_the_attempt_has_its_row_is_counted_as_a_rerun(
         runs, redis_client, "job", 1, record(), T0_MS + 300
     )  # delivered again after it finished
     assert redis_client.hget(KEYS.stats, "reruns_after_row") == b"1"
+
+
+def test_a_row_that_counts_adds_its_run_to_the_tasks_buckets_in_the_same_step_once(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    start_run(runs, redis_client, "job", 1, record(task="tasks.embed"), T0_MS + 100)
+    _, rec = runs.record("job", 1) or (0, record())
+    row = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 30_100)
+    assert runs.finish(row, 1, rec, T0_MS + 30_100, service_s=30.0, lower_bound=True).written
+    assert not runs.finish(row, 1, rec, T0_MS + 30_200, service_s=30.1, lower_bound=True).written
+    stored = redis_client.hgetall(KEYS.service("tasks.embed"))
+    assert stored == {f"b{bucket_of(30.0)}".encode(): b"1", b"lower_bounds": b"1"}
+    assert redis_client.smembers(KEYS.service_tasks) == {b"tasks.embed"}
+    assert redis_client.ttl(KEYS.service("tasks.embed")) == -1
+
+
+def test_a_row_that_does_not_count_leaves_the_learned_service_times_alone(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    start_run(runs, redis_client, "job", 1, record(task="tasks.embed"), T0_MS + 100)
+    _, rec = runs.record("job", 1) or (0, record())
+    assert runs.finish(runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 200), 1, rec,
+                       T0_MS + 200).written  # fmt: skip
+    assert not redis_client.exists(KEYS.service("tasks.embed"), KEYS.service_tasks)
+
+
+def test_runs_start_and_finish_after_the_server_forgot_the_scripts(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    assert runs._line is not None  # the worker's own line, as the gate script's
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
+    redis_client.script_flush()
+    started = start_run(runs, redis_client, "job", 2, record(), T0_MS + 100)
+    redis_client.script_flush()
+    assert started.record is not None
+    row = runs.row_for("job", 2, started.record, Outcome.OK, T0_MS + 200)
+    assert runs.finish(row, started.run, started.record, T0_MS + 200).written
+
+
+def test_a_client_of_one_connection_starts_and_finishes_runs_through_redis_py(
+    redis_url: str,
+) -> None:
+    client = redis.Redis.from_url(redis_url, single_connection_client=True)
+    runs = ledger(client)
+    assert runs._line is None
+    started = start_run(runs, client, "job", 1, record(), T0_MS + 100)
+    assert started.record is not None
+    row = runs.row_for("job", 1, started.record, Outcome.OK, T0_MS + 200)
+    assert runs.finish(row, started.run, started.record, T0_MS + 200).written
+    client.close()

@@ -48,7 +48,6 @@ from gatekeeper.logs import make_logger
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger, RunRecord
-from gatekeeper.redis.service_times import ServiceTimes
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
 
@@ -86,7 +85,6 @@ class WorkerSide:
         self.clock = clock
         self.runs = RunLedger.from_settings(client, settings)
         self.store = GateStore(client, Keys(settings.key_prefix, settings.namespace))
-        self.service = ServiceTimes(client, self.store.keys)
         self.log = make_logger(settings, "worker")
         self.alerts = make_logger(settings, "alert")
         self._running: dict[str, _Running] = {}
@@ -283,7 +281,12 @@ class WorkerSide:
         miss = (
             outcome is Outcome.OK and record.decision == "admit_free" and now > record.deadline_ms
         )
-        done = self.runs.finish(row, run, record, now, slack_miss=miss, current=current)
+        learns = current and bool(record.started_ms) and self._learns(record.task, outcome, reason)
+        done = self.runs.finish(
+            row, run, record, now, slack_miss=miss, current=current,
+            service_s=(now - record.started_ms) / 1000 if learns else None,
+            lower_bound=outcome is not Outcome.OK,
+        )  # fmt: skip
         if not done.written:
             return
         self.log.info(
@@ -292,10 +295,6 @@ class WorkerSide:
             queue_wait_ms=row.queue_wait_ms, tokens_in=row.tokens_in, retry_tax=row.retry_tax,
             deadline_slack_ms=row.deadline_slack_ms,
         )  # fmt: skip
-        if current and record.started_ms and self._learns(record.task, outcome, reason):
-            ran_s, cut = (now - record.started_ms) / 1000, outcome is not Outcome.OK
-            self._guarded("service_time", job_id,
-                          lambda: self.service.observe(record.task, ran_s, cut))  # fmt: skip
         if miss:
             self.alerts.error(
                 "slack_miss", decision="admit_free", slack_miss=True, task=record.task,

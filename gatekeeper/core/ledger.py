@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -136,10 +136,18 @@ class LedgerRow:
 
     def to_json(self) -> dict[str, Any]:
         """A plain dict in field order, enums as their values (the ledger file's row form)."""
-        row = asdict(self)
-        row["path"] = self.path.value
-        row["outcome"] = self.outcome.value
-        return row
+        # Spelled out, not dataclasses.asdict (a deep copy): a worker builds one per run.
+        return {
+            "job_id": self.job_id,
+            "attempt": self.attempt,
+            "path": self.path.value,
+            "queue_wait_ms": self.queue_wait_ms,
+            "tokens_in": self.tokens_in,
+            "tokens_out": self.tokens_out,
+            "outcome": self.outcome.value,
+            "deadline_slack_ms": self.deadline_slack_ms,
+            "retry_tax": self.retry_tax,
+        }
 
 
 def make_row(

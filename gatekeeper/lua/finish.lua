@@ -1,4 +1,5 @@
--- finish.lua: write the one ledger row of a run, charge its tax, release its exposure.
+-- finish.lua: write the one ledger row of a run, charge its tax, release its exposure, and
+-- count the run's time in its task's learned service time.
 --
 -- Idempotent per run: a signal that fires twice, or a retried write, finds `rowed` already
 -- at this run and changes nothing. The row itself is built by the caller from the Python core
@@ -10,6 +11,11 @@
 -- tax would pass that is written with the tax it was charged. The exposure an attempt holds
 -- goes with its rows: a dead run's row (`current` 0: its redelivered copy is running) takes
 -- only its own tax out; the latest run's row the rest, and closes the reservation.
+--
+-- Learned service times (SPEC section 6): when the caller says the run counts (ARGV[12] is
+-- its bucket's field, chosen by gatekeeper/core/service.py bucket_of), the row's write adds
+-- one to that bucket in the same step, so a run is counted once, only with its row, and a
+-- worker's run costs no round trip of its own for it.
 --
 -- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row; reserved,
 --                                  charged
@@ -23,6 +29,8 @@
 -- KEYS[8] totals                    hash: lifetime killed_rows, slack_misses (never expire)
 -- KEYS[9] decisions                 stream: the decision records; a slack miss adds an entry
 --                                   `miss` = member (unless ARGV[11] is 0)
+-- KEYS[10] service:times:<task>     hash: b<bucket> -> runs, lower_bounds (no TTL)
+-- KEYS[11] service:names            set: the tasks that have a service:times hash (no TTL)
 --
 -- ARGV[1] member        <job_id>:<attempt>
 -- ARGV[2] run           the run this row belongs to
@@ -35,6 +43,10 @@
 -- ARGV[9] current       1 when this run is the attempt's latest start (it leaves `started`)
 -- ARGV[10] row head     the row's JSON without its last field (retry_tax) and closing brace
 -- ARGV[11] record_cap    how many decision records to keep (about); '0': none
+-- ARGV[12] bucket        the run's service-time bucket field (`b<i>`); '': the run does not
+--                        count (not ok and not cut by its time limit, or not this app's task)
+-- ARGV[13] lower_bound   1 when the run was killed by its time limit (it ran at least that)
+-- ARGV[14] task          the task's name, for service:names
 --
 -- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free}.
 
@@ -112,6 +124,13 @@ if ARGV[7] == '1' then
 end
 if ARGV[9] == '1' then
   redis.call('ZREM', KEYS[5], ARGV[1])
+end
+if ARGV[12] ~= '' then
+  redis.call('HINCRBY', KEYS[10], ARGV[12], 1)
+  if ARGV[13] == '1' then
+    redis.call('HINCRBY', KEYS[10], 'lower_bounds', 1)
+  end
+  redis.call('SADD', KEYS[11], ARGV[14])
 end
 local misses = tonumber(redis.call('HGET', KEYS[6], 'slack_misses') or '0')
 local admitted = tonumber(redis.call('HGET', KEYS[6], 'admitted_free') or '0')

@@ -12,15 +12,19 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, replace
+from typing import Any
 
 import redis
+from redis.commands.core import Script
 
 from gatekeeper.core.ledger import LedgerRow, Outcome, Path, make_row, window_id
+from gatekeeper.core.service import bucket_of
 from gatekeeper.defaults import DECISION_RECORD_CAP, FREE_WAIT_ALLOWANCE_S, WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.cluster import home
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
+from gatekeeper.redis.wire import Line, call_script, has_lines
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["Finished", "RunLedger", "RunRecord", "Started"]
@@ -137,6 +141,7 @@ class RunLedger:
         self._start = client.register_script(load_lua("start.lua"))
         self._finish = client.register_script(load_lua("finish.lua"))
         self._abandon = client.register_script(load_lua("abandon.lua"))
+        self._line = Line() if has_lines(client) else None  # start and finish, per thread
 
     @classmethod
     def from_settings(cls, client: redis.Redis, settings: GatekeeperSettings) -> RunLedger:
@@ -177,18 +182,24 @@ class RunLedger:
         ]
         try:
             try:
-                reply = evalsha(self.client, self._start, keys, args)
+                reply = self._call(self._start, keys, args)
             except (redis.ConnectionError, redis.TimeoutError):
-                reply = evalsha(self.client, self._start, keys, args)  # safe: the token
+                reply = self._call(self._start, keys, args)  # safe: the token
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot record the start of {member}: {exc}") from exc
         if not int(reply[0]):
             return Started(run=0, dead_run=0, dead=None, record=None, refused=text_of(reply[1]))
         run, dead_run, dead_started = int(reply[1]), int(reply[2]), int(float(reply[3]))
-        flat = [text_of(part) for part in reply[4:]]
+        flat = [part.decode() if isinstance(part, bytes) else str(part) for part in reply[4:]]
         record = RunRecord.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
         dead = replace(record, started_ms=dead_started) if dead_run else None
         return Started(run=run, dead_run=dead_run, dead=dead, record=record)
+
+    def _call(self, script: Script, keys: list[str], args: list[str]) -> Any:
+        """A run's script through this thread's line (redis-py's way where there is none)."""
+        if self._line is None:
+            return evalsha(self.client, script, keys, args)
+        return call_script(self._line, self.client, script, keys, args)
 
     def fields(self, job_id: str, attempt: int) -> dict[str, str]:
         """The attempt's record as stored (empty when there is none)."""
@@ -267,8 +278,14 @@ class RunLedger:
         *,
         slack_miss: bool = False,
         current: bool = True,
+        service_s: float | None = None,
+        lower_bound: bool = False,
     ) -> Finished:
-        """Apply one run's row atomically; a second call for the same run writes nothing."""
+        """Apply one run's row atomically; a second call for the same run writes nothing.
+
+        ``service_s``: the run's time, counted in its task's learned service time (SPEC
+        section 6) in the same step, only if the row is written (``lower_bound``: it was
+        cut off by its time limit). None: the run does not count."""
         member = f"{row.job_id}:{row.attempt}"
         row_window = window_id(now_ms / 1000, self.window_seconds)
         admission_window = record.window
@@ -282,6 +299,8 @@ class RunLedger:
             self.keys.window_rows(admission_window),
             self.keys.totals,
             self.keys.decisions,
+            self.keys.service(record.task),
+            self.keys.service_tasks,
         ]
         text = json.dumps(row.to_json())  # retry_tax is its last field (LedgerRow's order)
         args = [
@@ -296,10 +315,13 @@ class RunLedger:
             "1" if current else "0",
             text[: text.rindex(', "retry_tax": ')],  # the head finish.lua re-prices a capped row
             self.record_cap,
+            "" if service_s is None else f"b{bucket_of(service_s)}",
+            "1" if lower_bound else "0",
+            record.task,
         ]
         try:
-            written, misses, admitted = evalsha(self.client, self._finish, keys, args)
-        except redis.RedisError as exc:
+            written, misses, admitted = self._call(self._finish, keys, args)
+        except (redis.RedisError, ValueError) as exc:  # ValueError: not finish.lua's reply
             raise LedgerUnavailable(f"cannot write the row of {member}: {exc}") from exc
         return Finished(bool(written), int(misses), int(admitted))
 

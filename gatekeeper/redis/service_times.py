@@ -1,13 +1,15 @@
 """Learned service times in Redis: the worker counts runs, the publisher reads them cached.
 
-The worker side (:meth:`ServiceTimes.observe`) adds one run to its task's bucket hash right
-after the run's row is written: one pipelined round trip (``HINCRBY`` of one bucket, ``SADD``
-of the name), no Lua. The publish side (:class:`LearnedService`) reads a task's hash at most
-once per ``flag_cache_s`` per process, so a publish costs no round trip of its own for it,
-and on that read says ``service_time_drift`` once per window per task (``SET NX`` with the
-window's TTL, across all processes) when the p95 exceeds the declared guess by
-``service_drift_factor``. A Redis that cannot be read leaves the last histogram in force (none
-before the first read: the declared value), never a failed publish.
+A worker counts a run in its task's bucket hash in the same ``finish.lua`` call that writes
+the run's row (:meth:`gatekeeper.redis.runs.RunLedger.finish`: no round trip of its own);
+:meth:`ServiceTimes.observe` counts one run directly, the same way (``HINCRBY`` of one
+bucket, ``SADD`` of the name), for runs timed elsewhere. The publish side
+(:class:`LearnedService`) reads a task's hash at most once per ``flag_cache_s`` per process,
+so a publish costs no round trip of its own for it, and on that read says
+``service_time_drift`` once per window per task (``SET NX`` with the window's TTL, across all
+processes) when the p95 exceeds the declared guess by ``service_drift_factor``. A Redis that
+cannot be read leaves the last histogram in force (none before the first read: the declared
+value), never a failed publish.
 """
 
 from __future__ import annotations

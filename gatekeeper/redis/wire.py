@@ -12,6 +12,10 @@ and ``read_response``.
 A call made while this thread's line awaits a reply (a signal handler that publishes
 mid-decision) goes through redis-py instead (the store's fallback): replies come back in
 order, so two calls in flight on one socket could swap answers.
+
+The worker's two scripts of a run (``start.lua``, ``finish.lua``) take the same way
+(:func:`call_script`), on a line of their own; where a line cannot be had (:func:`has_lines`:
+a cluster, a client of one connection) they go through redis-py.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+from redis.commands.core import Script
 from redis.exceptions import NoScriptError
+
+from gatekeeper.redis.cluster import is_cluster
+from gatekeeper.redis.scripts import evalsha
 
 hiredis: Any
 try:
@@ -32,7 +40,7 @@ try:
 except ImportError:  # pragma: no cover - hiredis is optional
     hiredis = None
 
-__all__ = ["Line"]
+__all__ = ["Line", "call_script", "has_lines"]
 
 RAW = hiredis is not None and hasattr(hiredis, "pack_command")
 """hiredis packs and parses; without it, redis-py's connection does both."""
@@ -122,6 +130,41 @@ class Line(threading.local):
 
     def release(self) -> None:
         self.busy = False
+
+
+def has_lines(client: redis.Redis) -> bool:
+    """Whether ``client``'s server can be reached on a line: not a cluster (a line is one
+    server's socket), nor a client of one connection (redis-py's ``single_connection_client``)
+    or with no pool."""
+    if is_cluster(client) or getattr(client, "connection", None) is not None:
+        return False
+    return getattr(client, "connection_pool", None) is not None
+
+
+def call_script(
+    line: Line, client: redis.Redis, script: Script, keys: Sequence[str], args: Sequence[str]
+) -> Any:
+    """``script``'s reply (a table) through this thread's ``line``, or through redis-py when
+    the line awaits another reply; a server without the script has it loaded first. Raises
+    redis-py's errors (the line is then closed: it may hold half a reply)."""
+    channel = line.take(client.connection_pool)
+    if channel is None:
+        return evalsha(client, script, list(keys), args)
+    try:
+        channel.send(["EVALSHA", script.sha, str(len(keys)), *keys, *args])
+        reply = channel.read()
+        if not isinstance(reply, list):  # not a script's table: out of step with its replies
+            raise redis.ResponseError(f"unexpected reply {reply!r}")
+        return reply
+    except NoScriptError:
+        pass  # a restarted or flushed Redis: loaded below, once the line is free again
+    except BaseException:
+        channel.close()
+        raise
+    finally:
+        channel.release()
+    client.script_load(script.script)
+    return evalsha(client, script, list(keys), args)
 
 
 _RESP3_ONLY = frozenset(
