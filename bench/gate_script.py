@@ -83,8 +83,9 @@ class Phase:
     calls: int = 0
     block_us: list[float] = field(default_factory=list)
     usec: float = 0.0
-    inner_usec: float = 0.0
-    inner_calls: int = 0
+    inner_usec: Counter[str] = field(default_factory=Counter)
+    """Server microseconds of the commands the script ran, by command."""
+    inner_calls: Counter[str] = field(default_factory=Counter)
     decided: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
@@ -179,8 +180,8 @@ def run_block(client: redis.Redis, phase: Phase, size: int, timed: bool) -> None
     phase.usec += float(evalsha["usec"])
     for name, stat in stats.items():
         if name not in ("cmdstat_evalsha", "cmdstat_config", "cmdstat_info"):
-            phase.inner_usec += float(stat["usec"])
-            phase.inner_calls += int(stat["calls"])
+            phase.inner_usec[name.removeprefix("cmdstat_")] += float(stat["usec"])
+            phase.inner_calls[name.removeprefix("cmdstat_")] += int(stat["calls"])
 
 
 def empty_us(client: redis.Redis, phase: Phase, size: int, blocks: int) -> float:
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-units", type=float, default=1e12)
     parser.add_argument("--baseline", help="another gate.lua to time in the same blocks")
     parser.add_argument("--redis-url", help="a scratch Redis instead of an embedded one")
+    parser.add_argument("--commands", action="store_true", help="the inner commands, by path")
     args = parser.parse_args(argv)
     scripts = {"gate.lua": load_lua("gate.lua")}
     if args.baseline:
@@ -266,8 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"path={phase.name} decided {PATHS[phase.path]} x{timed} "
               f"gate_lua_us={statistics.median(us):.1f} (blocks: min={min(us):.1f} "
               f"max={max(us):.1f}; mean={phase.usec / timed:.1f}) "
-              f"inner_us={phase.inner_usec / timed:.1f} "
-              f"redis_calls={phase.inner_calls / timed:.2f}")  # fmt: skip
+              f"inner_us={sum(phase.inner_usec.values()) / timed:.1f} "
+              f"redis_calls={sum(phase.inner_calls.values()) / timed:.2f}")  # fmt: skip
+        if args.commands:
+            by = sorted(phase.inner_usec, key=lambda name: -phase.inner_usec[name])
+            print(f"  {phase.name} inner us/decision: " + " ".join(
+                f"{name}={phase.inner_usec[name] / timed:.2f}"
+                f"(x{phase.inner_calls[name] / timed:.2f})" for name in by))  # fmt: skip
     print(
         f"empty_evalsha_us={floor:.1f} (a script that returns at once, the admit path's "
         "keys and arguments)"

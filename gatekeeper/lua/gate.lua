@@ -93,11 +93,13 @@ local function finite(x)
   return x ~= nil and x == x and x ~= math.huge and x ~= -math.huge
 end
 
--- Server time goes mostly to converting numbers, not to arithmetic: every number handed to
--- redis.call is written with '%.17g', and tostring, string.format and tonumber cost about a
--- microsecond each here. So arguments pass through as the text they came in (ARGV, or a
--- literal '1'), a value is written once and reused, and a zero is written as '0' without a
--- format (bench/gate_script.py measures it).
+-- Server time: besides the commands themselves, each redis.call and each of its arguments
+-- costs, and so does every conversion between text and number (a number handed to
+-- redis.call is written with '%.17g'; tostring, string.format and tonumber take half a
+-- microsecond to a microsecond each on the VM of bench/README.md). So arguments pass through
+-- as the text they came in (ARGV, or a literal '1'), a value is written once and reused, a
+-- zero is written as '0' without a format, and the window is read once (bench/gate_script.py
+-- measures each path).
 -- tostring writes 14 significant digits: a millisecond timestamp or a dwell in seconds keeps
 -- its precision, and it costs a fraction of string.format('%.17g') here.
 local fmt = tostring
