@@ -305,10 +305,12 @@ reserved = fmt(reserve)
 if redis.call('HSETNX', KEYS[4], ARGV[2], reserved .. '|' .. ARGV[17] .. '|' .. ARGV[1]) == 1 then
   -- A whole reservation takes HINCRBY (a fraction of HINCRBYFLOAT's cost); a fractional one,
   -- or a value some other writer left fractional, the float path. Under 1e14 a whole
-  -- number's 14-digit text is its integer text: written once, above.
+  -- number's 14-digit text is its integer text, written once above (but for -0).
   local whole = reserve == math.floor(reserve) and reserve < 2 ^ 53
   local amount = reserved
-  if whole and not (reserve < 1e14 and reserve > -1e14) then
+  if reserve == 0 then
+    amount = '0'
+  elseif whole and not (reserve < 1e14 and reserve > -1e14) then
     amount = string.format('%d', reserve)
   end
   if not whole or type(redis.pcall('HINCRBY', KEYS[2], 'exposure', amount)) == 'table' then
