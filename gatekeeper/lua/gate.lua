@@ -93,6 +93,13 @@ local function finite(x)
   return x ~= nil and x == x and x ~= math.huge and x ~= -math.huge
 end
 
+-- Server time: besides the commands themselves, each redis.call and each of its arguments
+-- costs, and so does every conversion between text and number (a number handed to
+-- redis.call is written with '%.17g'; tostring, string.format and tonumber take half a
+-- microsecond to a microsecond each on the VM of bench/README.md). So arguments pass through
+-- as the text they came in (ARGV, or a literal '1'), a value is written once and reused, a
+-- zero is written as '0' without a format, and the window is read once (bench/gate_script.py
+-- measures each path).
 -- tostring writes 14 significant digits: a millisecond timestamp or a dwell in seconds keeps
 -- its precision, and it costs a fraction of string.format('%.17g') here.
 local fmt = tostring
@@ -102,17 +109,9 @@ local service = tonumber(ARGV[3])
 local tax = tonumber(ARGV[4])
 local slack = tonumber(ARGV[5])
 local cap = tonumber(ARGV[6])
-local tokens = tonumber(ARGV[7])
-local budget = tonumber(ARGV[8])
-local unit = tonumber(ARGV[9])
-local horizon = tonumber(ARGV[11])
-local retention = tonumber(ARGV[12])
-local delay = tonumber(ARGV[16])
-
-local allowance = tonumber(ARGV[25])
+local delay = ARGV[16] == '0.0' and 0 or tonumber(ARGV[16])  -- most tasks are not delayed
 local fast = #ARGV >= 33
-local record_cap = tonumber(ARGV[29])
-local seen  -- the window's tax_units and exposure, once read (for the record)
+local seen  -- the window's tax_units, exposure and free_age_max_ms, once read
 local held = redis.call('HMGET', KEYS[6], 'nonce', 'decision', 'reason', 'free_admitted',
   'runs', 'rowed', 'dup:' .. ARGV[18])
 if held[1] == ARGV[18] then
@@ -128,23 +127,27 @@ end
 -- publish of the same task id and attempt must not orphan it, so it goes to reserved with
 -- no record of its own (its run is priced nothing; the live record keeps dup:<nonce> so that
 -- this request is never pushed twice). A replay presents the record's nonce.
-local runs, rowed = tonumber(held[5] or '0'), tonumber(held[6] or '0')
-local duplicate = held[1] and held[1] ~= ARGV[24] and (runs == 0 or rowed < runs)
+local duplicate = false
+if held[1] and held[1] ~= ARGV[24] then
+  local runs, rowed = tonumber(held[5] or '0'), tonumber(held[6] or '0')
+  duplicate = runs == 0 or rowed < runs
+end
 local carried = '0'
 if KEYS[7] ~= KEYS[6] and redis.call('HGET', KEYS[7], 'free_admitted') == '1' then
   carried = '1'
 end
 
 local age = 0
-local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-if oldest[2] and tonumber(oldest[2]) < now - horizon then
+local oldest = redis.call('ZRANGE', KEYS[1], '0', '0', 'WITHSCORES')
+local due = oldest[2] and tonumber(oldest[2])
+if due and due < now - tonumber(ARGV[11]) then
   -- Admissions past the horizon (a purged or lost message, never started) stop counting at
   -- once; up to 16 of them per call are also dropped and give back what they
   -- reserved, so that without a sweep `waiting` and `inflight` stay bounded. Their window
   -- and record keys are built here from KEYS[6]'s prefix, `<prefix>:{<namespace>}` up to its
   -- hash tag (neither holds a brace; a task id, chosen by the caller, may hold ':run:'), so
   -- they share its cluster slot.
-  local cutoff = '(' .. fmt(now - horizon)
+  local cutoff = '(' .. fmt(now - tonumber(ARGV[11]))
   local base = string.match(KEYS[6], '^[^{]*{[^}]*}')
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff, 'LIMIT', 0, 16)) do
     redis.call('ZREM', KEYS[1], member)
@@ -162,42 +165,39 @@ if oldest[2] and tonumber(oldest[2]) < now - horizon then
   end
   oldest = redis.call('ZRANGEBYSCORE', KEYS[1], string.sub(cutoff, 2), '+inf', 'WITHSCORES',
     'LIMIT', 0, 1)
+  due = oldest[2] and tonumber(oldest[2])
 end
-if oldest[2] then
-  age = math.max(0, now - tonumber(oldest[2])) / 1000
-end
-
-local function dwell_text(dwell)
-  if finite(dwell) then return string.format('%.6f', dwell) end
-  return 'nan'
+if due then
+  age = math.max(0, now - due) / 1000
 end
 
-local function push(decision, reason, shown, free)
-  local index = ({admit_free = 0, defer = 1, reserved = 2})[decision]
-  local admitted = decision == 'admit_free'
-  local values = {
-    decision = '"' .. decision .. '"',
-    reason = '"' .. reason .. '"',
-    dwell = shown == 'nan' and 'null' or shown,
-    free = free == '1' and 'true' or 'false',
-    window = admitted and ARGV[17] or 'null',
-    queue = '"' .. ARGV[30 + index] .. '"',  -- queue names need no escaping (settings)
-  }
-  local out = {}
-  for i = 33, #ARGV do
-    if (i - 33) % 2 == 0 then out[#out + 1] = ARGV[i] else out[#out + 1] = values[ARGV[i]] end
-  end
-  redis.call('LPUSH', KEYS[11 + index], table.concat(out))
-end
+local reserved = '0'  -- what an admission holds in exposure, as text (set before admitting)
 
-local reserve = 0  -- what an admission holds in exposure (set below, before admitting)
-
+-- Decided: the writes every decision makes, and the reply. dwell is nil when unknown (NaN);
+-- projected is the reply's text.
 local function decided(decision, reason, dwell, projected)
   local admitted = decision == 'admit_free'
   local free = (admitted or carried == '1') and '1' or '0'
-  local shown = dwell_text(dwell)
+  local shown = 'nan'
+  if finite(dwell) then shown = string.format('%.6f', dwell) end
   if fast then
-    push(decision, reason, shown, free)
+    -- The decided message, its cut pieces joined with the decided values (names need no
+    -- escaping: queue names come from settings).
+    local index = admitted and 0 or (decision == 'defer' and 1 or 2)
+    local out = {}
+    for i = 33, #ARGV, 2 do
+      out[#out + 1] = ARGV[i]
+      local name = ARGV[i + 1]
+      if name == nil then break
+      elseif name == 'decision' then out[#out + 1] = '"' .. decision .. '"'
+      elseif name == 'reason' then out[#out + 1] = '"' .. reason .. '"'
+      elseif name == 'dwell' then out[#out + 1] = shown == 'nan' and 'null' or shown
+      elseif name == 'free' then out[#out + 1] = free == '1' and 'true' or 'false'
+      elseif name == 'window' then out[#out + 1] = admitted and ARGV[17] or 'null'
+      elseif name == 'queue' then out[#out + 1] = '"' .. ARGV[30 + index] .. '"'
+      end
+    end
+    redis.call('LPUSH', KEYS[11 + index], table.concat(out))
   end
   -- The gate's record: what the attempt's ledger row needs, and the nonce that proves a
   -- message is the one decided here.
@@ -207,107 +207,116 @@ local function decided(decision, reason, dwell, projected)
     redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
       'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],
       'published_ms', ARGV[19], 'deadline_ms', ARGV[21], 'dwell_s', shown, 'free_admitted', free,
-      'reserved', admitted and fmt(reserve) or '0', 'prev_nonce', ARGV[24], 'label', ARGV[26])
-    redis.call('EXPIRE', KEYS[6], tonumber(ARGV[20]))
+      'reserved', admitted and reserved or '0', 'prev_nonce', ARGV[24], 'label', ARGV[26])
+    redis.call('EXPIRE', KEYS[6], ARGV[20])
   end
   -- An admission is counted in admitted_free alone (the review reads it as
   -- decided:admit_free:fits). The window's TTL is set by the write that creates the counter.
-  local counter = decision == 'admit_free' and 'admitted_free'
-    or 'decided:' .. decision .. ':' .. reason
-  if redis.call('HINCRBY', KEYS[2], counter, 1) == 1 then
-    redis.call('EXPIRE', KEYS[2], retention)
+  local counter = admitted and 'admitted_free' or 'decided:' .. decision .. ':' .. reason
+  if redis.call('HINCRBY', KEYS[2], counter, '1') == 1 then
+    redis.call('EXPIRE', KEYS[2], ARGV[12])
   end
   -- The lifetime total of the same decision, which never expires (Prometheus' counter).
-  redis.call('HINCRBY', KEYS[8], 'decided:' .. decision .. ':' .. reason .. ':' .. ARGV[26], 1)
+  redis.call('HINCRBY', KEYS[8], 'decided:' .. decision .. ':' .. reason .. ':' .. ARGV[26], '1')
   if decision == 'defer' then  -- the nearest deadlines among deferred attempts
     redis.call('ZADD', KEYS[9], ARGV[21], ARGV[2])
-    redis.call('ZREMRANGEBYRANK', KEYS[9], tonumber(ARGV[27]), -1)
+    redis.call('ZREMRANGEBYRANK', KEYS[9], ARGV[27], '-1')
   end
   -- The free queue's age as this decision saw it: the window keeps the oldest, for the
   -- report's chart (0 written once: the window was decided here with the queue empty).
+  seen = seen or redis.call('HMGET', KEYS[2], 'tax_units', 'exposure', 'free_age_max_ms')
   local age_ms = math.floor(age * 1000)
-  if age_ms > tonumber(redis.call('HGET', KEYS[2], 'free_age_max_ms') or '-1') then
-    redis.call('HSET', KEYS[2], 'free_age_max_ms', age_ms)
+  if age_ms > tonumber(seen[3] or '-1') then
+    redis.call('HSET', KEYS[2], 'free_age_max_ms', age_ms == 0 and '0' or age_ms)
   end
   -- The review's marks (gatekeeper/review.py review_marks): only finite inputs get here.
-  if finite(dwell) and finite(slack) and finite(service) and finite(tax) then
+  if (reason == 'queue_age_cap' or reason == 'dwell_over_slack') and finite(dwell)
+      and finite(slack) and finite(service) and finite(tax) then
     if reason == 'queue_age_cap' and slack > 0 and dwell <= slack then
-      redis.call('HINCRBY', KEYS[2], 'review:defer_fit', 1)
+      redis.call('HINCRBY', KEYS[2], 'review:defer_fit', '1')
     elseif decision == 'reserved' and reason == 'dwell_over_slack' and service + tax <= slack then
-      redis.call('HINCRBY', KEYS[2], 'review:reserved_age_shift', 1)
+      redis.call('HINCRBY', KEYS[2], 'review:reserved_age_shift', '1')
     end
   end
   -- The decision record (gatekeeper tune): its inputs as this script saw them. The age in
   -- 17 digits, so that it reads back as the same double. Best effort: a refused XADD (an ACL
   -- from before records, the key of another type) must not fail a decision whose writes
   -- are made (a script is not rolled back); it is counted in totals' records_refused.
-  if record_cap > 0 then
-    seen = seen or redis.call('HMGET', KEYS[2], 'tax_units', 'exposure')
-    local kept = redis.pcall('XADD', KEYS[10], 'MAXLEN', '~', record_cap, '*', 'd', decision, 'r', reason,
-      'j', ARGV[2], 'k', ARGV[26], 'a', string.format('%.17g', age), 's', ARGV[3],
+  if ARGV[29] ~= '0' then
+    local kept = redis.pcall('XADD', KEYS[10], 'MAXLEN', '~', ARGV[29], '*', 'd', decision,
+      'r', reason, 'j', ARGV[2], 'k', ARGV[26],
+      'a', age == 0 and '0' or string.format('%.17g', age), 's', ARGV[3],
       'x', ARGV[4], 'l', ARGV[5], 'y', ARGV[16], 'n', ARGV[7], 'c', ARGV[6], 'b', ARGV[8],
       'u', ARGV[9], 'm', ARGV[10], 'tu', seen[1] or '0', 'e', seen[2] or '0', 'p', ARGV[28])
     if type(kept) == 'table' and kept.err then
-      redis.call('HINCRBY', KEYS[8], 'records_refused', 1)
+      redis.call('HINCRBY', KEYS[8], 'records_refused', '1')
     end
   end
-  return {decision, reason, fmt(age), shown, fmt(projected), free}
+  return {decision, reason, age == 0 and '0' or fmt(age), shown, projected, free}
 end
 
 if duplicate then
-  return decided('reserved', 'duplicate_publish', 0 / 0, 0)
+  return decided('reserved', 'duplicate_publish', nil, '0')
 end
 local flags = redis.call('HMGET', KEYS[5], 'free_path_enabled', 'initialised_at')
 if not flags[2] then  -- the state marker is gone (lost, flushed) or was never written
-  return decided('reserved', 'state_missing', 0 / 0, 0)
+  return decided('reserved', 'state_missing', nil, '0')
 end
 if flags[1] == 'false' then
-  return decided('reserved', 'free_path_disabled', 0 / 0, 0)
+  return decided('reserved', 'free_path_disabled', nil, '0')
 end
 if not (finite(service) and finite(tax) and finite(slack) and finite(cap) and finite(delay)) then
-  return decided('defer', 'non_finite_input', 0 / 0, 0)
+  return decided('defer', 'non_finite_input', nil, '0')
 end
 local dwell = age + service + tax + delay
-if service <= 0 then return decided('defer', 'bad_service_guess', dwell, 0) end
-if slack <= 0 then return decided('defer', 'deadline_passed', dwell, 0) end
-if tax < 0 or cap < 0 or delay < 0 then return decided('defer', 'negative_input', dwell, 0) end
-if age > cap then return decided('defer', 'queue_age_cap', dwell, 0) end
-if dwell > slack then return decided('reserved', 'dwell_over_slack', dwell, 0) end
+if service <= 0 then return decided('defer', 'bad_service_guess', dwell, '0') end
+if slack <= 0 then return decided('defer', 'deadline_passed', dwell, '0') end
+if tax < 0 or cap < 0 or delay < 0 then return decided('defer', 'negative_input', dwell, '0') end
+if age > cap then return decided('defer', 'queue_age_cap', dwell, '0') end
+if dwell > slack then return decided('reserved', 'dwell_over_slack', dwell, '0') end
 
-local held_now = redis.call('HMGET', KEYS[2], 'tax_units', 'exposure')
-seen = held_now
-local tax_units = tonumber(held_now[1] or '0')
+-- One read of the window for the budget, the record and the age chart.
+seen = redis.call('HMGET', KEYS[2], 'tax_units', 'exposure', 'free_age_max_ms')
 local exposure = 0
 if ARGV[10] == 'exposure' then
-  exposure = tonumber(held_now[2] or '0')
+  exposure = tonumber(seen[2] or '0')
 end
-local projected = tax_units + exposure + age * unit
+local tax_units = 0
+if seen[1] then tax_units = tonumber(seen[1]) end
+local projected = tax_units + exposure + age * tonumber(ARGV[9])
 -- The ceiling: an admission reserves what the attempt may still cost, its tokens and its wait
 -- allowance (gatekeeper/core/ledger.py reservation), so that whatever it is charged later,
 -- in whichever window it finishes, its admission window never goes over budget.
-reserve = tokens + (ARGV[10] == 'exposure' and allowance or 0)
+local reserve = tonumber(ARGV[7]) + (ARGV[10] == 'exposure' and tonumber(ARGV[25]) or 0)
 local total = projected + reserve
+local budget = tonumber(ARGV[8])
 if not (finite(total) and finite(budget)) or total > budget then
-  redis.call('HINCRBY', KEYS[2], 'rejected', 1)
+  redis.call('HINCRBY', KEYS[2], 'rejected', '1')
   local row = '{"job_id": ' .. cjson.encode(ARGV[13]) .. ', "attempt": ' .. ARGV[14]
     .. ', "path": "free", "queue_wait_ms": 0, "tokens_in": 0, "tokens_out": 0'
     .. ', "outcome": "rejected", "deadline_slack_ms": ' .. ARGV[15] .. ', "retry_tax": 0.0}'
   redis.call('RPUSH', KEYS[3], row)
-  redis.call('EXPIRE', KEYS[3], retention)
-  return decided('reserved', 'retry_tax_budget', dwell, projected)
+  redis.call('EXPIRE', KEYS[3], ARGV[12])
+  return decided('reserved', 'retry_tax_budget', dwell, fmt(projected))
 end
 
 -- Idempotent per attempt: a replay re-scored after a crash does not hold its tokens twice.
-local held = fmt(reserve) .. '|' .. ARGV[17] .. '|' .. ARGV[1]
-if redis.call('HSETNX', KEYS[4], ARGV[2], held) == 1 then
+reserved = fmt(reserve)
+if redis.call('HSETNX', KEYS[4], ARGV[2], reserved .. '|' .. ARGV[17] .. '|' .. ARGV[1]) == 1 then
   -- A whole reservation takes HINCRBY (a fraction of HINCRBYFLOAT's cost); a fractional one,
-  -- or a value some other writer left fractional, the float path.
+  -- or a value some other writer left fractional, the float path. Under 1e14 a whole
+  -- number's 14-digit text is its integer text, written once above (but for -0).
   local whole = reserve == math.floor(reserve) and reserve < 2 ^ 53
-  if not whole or type(redis.pcall('HINCRBY', KEYS[2], 'exposure',
-      string.format('%d', reserve))) == 'table' then
+  local amount = reserved
+  if reserve == 0 then
+    amount = '0'
+  elseif whole and not (reserve < 1e14 and reserve > -1e14) then
+    amount = string.format('%d', reserve)
+  end
+  if not whole or type(redis.pcall('HINCRBY', KEYS[2], 'exposure', amount)) == 'table' then
     redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', reserve)
   end
 end
 -- A delayed task joins the free queue's wait when it is due, not before.
-redis.call('ZADD', KEYS[1], now + delay * 1000, ARGV[2])
-return decided('admit_free', 'fits', dwell, projected)
+redis.call('ZADD', KEYS[1], delay == 0 and ARGV[1] or now + delay * 1000, ARGV[2])
+return decided('admit_free', 'fits', dwell, fmt(projected))
