@@ -46,6 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import redis
+from options import positive  # bench/options.py (this folder is on sys.path)
 
 import gatekeeper
 from gatekeeper.core.ledger import BudgetMode
@@ -217,13 +218,6 @@ def server(url: str | None) -> Iterator[tuple[redis.Redis, str]]:
         return
     with EmbeddedRedis() as embedded:
         yield redis.Redis.from_url(embedded.url), f"embedded :{embedded.port}"
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

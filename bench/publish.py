@@ -98,6 +98,7 @@ from typing import Any
 import celery
 import redis
 from celery import Celery
+from options import positive  # bench/options.py (this folder is on sys.path)
 
 import gatekeeper
 from gatekeeper.core.dwell import Decision, Reason
@@ -596,13 +597,6 @@ def redis_urls(url: str | None, separate: bool) -> Iterator[tuple[str, str, str]
         return
     with EmbeddedRedis() as broker, EmbeddedRedis() as gate:
         yield broker.url, gate.url, f"redis=embedded broker :{broker.port}, gate :{gate.port}"
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

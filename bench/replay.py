@@ -65,6 +65,7 @@ from typing import Any
 import celery
 import redis
 from celery import Celery
+from options import positive  # bench/options.py (this folder is on sys.path)
 
 import gatekeeper
 from gatekeeper.celery.broker import broker_for
@@ -380,13 +381,6 @@ def rabbitmq() -> Iterator[str | None]:
         RabbitServer(Path(tmp)) as server,
     ):
         yield server.url
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,6 +90,7 @@ from typing import Any
 import celery
 import redis
 from celery import Celery, signals
+from options import positive  # bench/options.py (this folder is on sys.path)
 
 import gatekeeper
 from gatekeeper.ops.embedded import EmbeddedRedis
@@ -553,13 +554,6 @@ def report(pool: str, rounds: list[Round], n: int) -> tuple[list[str], float]:
         f"gated={usec[GATED]:.0f} plain={usec[PLAIN]:.0f}"
     )
     return lines, ratio
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,18 +6,16 @@ Each test runs the real bench, tiny, as a subprocess on an embedded ``redis-serv
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benches import run_bench as bench
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.redis
 
-BENCH = REPO_ROOT / "bench" / "gate_script.py"
 CALLS, BLOCKS = 20, 2
 TIMED = CALLS * BLOCKS
 ANSWERS_ADMIT = "return {'admit_free', 'fits', '0', '8.000000', '0', '1'}\n"
@@ -25,12 +23,8 @@ ANSWERS_ADMIT = "return {'admit_free', 'fits', '0', '8.000000', '0', '1'}\n"
 
 
 def run_bench(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run(
-        [sys.executable, str(BENCH), "--calls", str(CALLS), "--blocks", str(BLOCKS),
-         "--warmup", "5", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    return bench("gate_script.py", cwd, "--calls", str(CALLS), "--blocks", str(BLOCKS),
+                 "--warmup", "5", *args)  # fmt: skip
 
 
 def lines_starting(stdout: str, prefix: str) -> list[str]:

@@ -4,25 +4,18 @@ own embedded Redis and a real worker)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.benches import run_bench as bench
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery]
 
-BENCH = REPO_ROOT / "bench" / "memory.py"
-
 
 def run_bench(cwd: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
-    env.update(PYTHONPATH=str(REPO_ROOT), **env_vars)
-    return subprocess.run([sys.executable, str(BENCH), "-n", "30"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    return bench("memory.py", cwd, "-n", "30", timeout=180, **env_vars)
 
 
 def test_the_bench_prints_bytes_per_finished_job_last(tmp_path: Path) -> None:

@@ -6,29 +6,21 @@ Each test runs the real bench, tiny, as a subprocess (its own embedded Redis).
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.benches import run_bench as bench
 
 pytestmark = pytest.mark.redis
 
-BENCH = REPO_ROOT / "bench" / "replay.py"
 N = 30
 SMALL = ["-n", str(N), "--rounds", "2"]
 
 
 def run_bench(cwd: Path, *args: str, **env_vars: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
-    env.update(PYTHONPATH=str(REPO_ROOT), **env_vars)
-    return subprocess.run(
-        [sys.executable, str(BENCH), *SMALL, *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    return bench("replay.py", cwd, *SMALL, *args, **env_vars)
 
 
 def test_every_deferred_task_is_moved_to_free_once(tmp_path: Path) -> None:
