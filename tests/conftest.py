@@ -24,6 +24,7 @@ import redis
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.keys import Keys
 from gatekeeper.settings import GatekeeperSettings
+from tests.processes import stop
 
 TEST_REDIS_URL_ENV = "GATEKEEPER_TEST_REDIS_URL"
 
@@ -213,9 +214,4 @@ def running_worker(
             raise RuntimeError(f"worker did not start:\n{log_path.read_text(errors='replace')}")
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)

@@ -1,4 +1,5 @@
-"""Stopping a server the suite started in a session of its own (its whole process group)."""
+"""Stopping what the suite started: a process (:func:`stop`), or a server started in a
+session of its own, with its whole process group (:func:`stop_group`)."""
 
 from __future__ import annotations
 
@@ -16,4 +17,15 @@ def stop_group(process: subprocess.Popen[bytes] | None, timeout_s: float = 30.0)
         process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    """SIGTERM the process (a warm shutdown for a worker), then SIGKILL it after
+    ``timeout_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
         process.wait()

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gatekeeper.ops.metrics import GateCollector, serve
 from tests.conftest import REPO_ROOT, unused_port, wait_until
+from tests.processes import stop
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 """(sample name, sorted labels) -> value."""
@@ -89,9 +90,4 @@ def exporter(env: dict[str, str], *args: str, log: Any = subprocess.DEVNULL) -> 
         assert process.poll() is None, f"the exporter exited with {process.returncode}"
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)

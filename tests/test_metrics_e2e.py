@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from tests.conftest import (
     unused_port,
     wait_until,
 )
+from tests.prometheus import PrometheusServer, find_prometheus
 from tests.scrape import Samples, by_label, exporter, scrape, value
 
 pytestmark = pytest.mark.celery
@@ -148,56 +148,23 @@ def test_after_the_demo_once_quiet_a_scrape_agrees_with_status_and_the_ledger(
 
 
 @contextmanager
-def prometheus(folder: Path, target: str) -> Iterator[str]:
-    """Debian's Prometheus scraping ``target`` every second; yields its API's base URL."""
-    binary = shutil.which("prometheus")
-    if binary is None:
+def prometheus(folder: Path, target: str) -> Iterator[PrometheusServer]:
+    """Debian's Prometheus (tests/prometheus.py) scraping ``target`` every second."""
+    if find_prometheus() is None:
         missing_server("prometheus is not installed (apt-get install prometheus)")
-    port = unused_port()
-    config = folder / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-        "scrape_configs:\n  - job_name: gatekeeper\n    static_configs:\n"
-        f"      - targets: ['{urllib.parse.urlsplit(target).netloc}']\n"
-    )
-    log = (folder / "prometheus.log").open("wb")
-    process = subprocess.Popen(
-        [str(binary), f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            urllib.request.urlopen(f"{base}/-/ready", timeout=2).close()
-        except OSError:
-            return False
-        return True
-
-    try:
-        assert wait_until(ready, timeout_s=60, every_s=0.2), (folder / "prometheus.log").read_text()
-        yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [{"job_name": "gatekeeper", "static_configs": [
+            {"targets": [urllib.parse.urlsplit(target).netloc]}]}],
+    }  # fmt: skip
+    with PrometheusServer(folder / "prometheus", config, unused_port()) as server:
+        yield server
 
 
-def promql(base: str, query: str) -> dict[tuple[tuple[str, str], ...], float]:
+def promql(server: PrometheusServer, query: str) -> dict[tuple[tuple[str, str], ...], float]:
     """An instant query's vector: labels -> value."""
-    url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': query})}"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        answer = json.load(response)
-    assert answer["status"] == "success", answer
-    return {
-        tuple(sorted(item["metric"].items())): float(item["value"][1])
-        for item in answer["data"]["result"]
-    }
+    return {tuple(sorted(item["metric"].items())): float(item["value"][1])
+            for item in server.query(query)}  # fmt: skip
 
 
 @pytest.mark.servers
