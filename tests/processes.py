@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 
 def stop_group(process: subprocess.Popen[bytes] | None, timeout_s: float = 30.0) -> None:
@@ -29,3 +32,25 @@ def stop(process: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def wait_started(
+    process: subprocess.Popen[bytes], name: str, log: Path, ready: Callable[[], bool],
+    timeout_s: float,
+) -> None:  # fmt: skip
+    """Wait until ``ready()``; a server that exits or does not get there in ``timeout_s`` is
+    stopped (its group) and raises with the tail of its log."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited:\n{log_tail(log)}")
+        if ready():
+            return
+        time.sleep(0.2)
+    stop_group(process)
+    raise RuntimeError(f"{name} did not start:\n{log_tail(log)}")
+
+
+def log_tail(log: Path) -> str:
+    """The last 3,000 characters of a server's log."""
+    return log.read_text(errors="replace")[-3000:]

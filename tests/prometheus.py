@@ -9,7 +9,6 @@ import math
 import os
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -19,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from tests.processes import stop_group
+from tests.processes import log_tail, stop_group, wait_started
 
 DEBIAN_SERVER = "/usr/bin/prometheus"
 
@@ -60,18 +59,11 @@ class PrometheusServer:
                 stdout=out, stderr=subprocess.STDOUT, cwd=self.directory,
                 start_new_session=True,
             )  # fmt: skip
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"prometheus exited:\n{self.tail()}")
-            if self._ready():
-                return self
-            time.sleep(0.2)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"prometheus did not start:\n{self.tail()}")
+        wait_started(self._process, "prometheus", self.log, self._ready, self.start_timeout_s)
+        return self
 
     def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
+        return log_tail(self.log)
 
     def _ready(self) -> bool:
         try:

@@ -12,11 +12,10 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 from types import TracebackType
 
-from tests.processes import stop_group
+from tests.processes import stop_group, wait_started
 
 DEBIAN_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 
@@ -72,18 +71,12 @@ class RabbitServer:
                 [server], stdout=out, stderr=subprocess.STDOUT, env=env,
                 cwd=self.directory, start_new_session=True,
             )  # fmt: skip
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"rabbitmq-server exited:\n{self._tail()}")
-            if b"completed with" in self.log.read_bytes() and self._answers():
-                return self
-            time.sleep(0.2)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"rabbitmq-server did not start:\n{self._tail()}")
+        wait_started(self._process, "rabbitmq-server", self.log, self._started,
+                     self.start_timeout_s)  # fmt: skip
+        return self
 
-    def _tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
+    def _started(self) -> bool:
+        return b"completed with" in self.log.read_bytes() and self._answers()
 
     def _answers(self) -> bool:
         try:
