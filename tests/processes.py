@@ -1,5 +1,6 @@
-"""Stopping what the suite started: a process (:func:`stop`), or a server started in a
-session of its own, with its whole process group (:func:`stop_group`)."""
+"""Starting and stopping what the suite runs: a process (:func:`stop`), a server started in
+a session of its own, with its whole process group (:func:`stop_group`), and a server hung
+for a while (:func:`stopped`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -54,3 +56,15 @@ def wait_started(
 def log_tail(log: Path) -> str:
     """The last 3,000 characters of a server's log."""
     return log.read_text(errors="replace")[-3000:]
+
+
+@contextmanager
+def stopped(process: subprocess.Popen[bytes] | None) -> Iterator[None]:
+    """The process SIGSTOPped (a server the kernel still accepts connections for, that
+    answers nothing), and continued on leaving."""
+    assert process is not None
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(process.pid, signal.SIGCONT)

@@ -9,13 +9,10 @@ SIGSTOP (it keeps accepting connections and never answers) and always continued 
 from __future__ import annotations
 
 import multiprocessing
-import os
 import shutil
-import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -37,6 +34,7 @@ from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.store import GateStore
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, initialised, missing_server, queue_messages, wait_until
+from tests.processes import stopped
 
 
 @pytest.fixture()
@@ -51,17 +49,6 @@ def gate_server() -> Iterator[EmbeddedRedis]:
         yield server
     finally:
         server.stop()
-
-
-@contextmanager
-def stopped(server: EmbeddedRedis) -> Iterator[None]:
-    """The server SIGSTOPped: connections are accepted by the kernel, nothing is answered."""
-    assert server.process is not None
-    os.kill(server.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.process.pid, signal.SIGCONT)
 
 
 QUEUES = ("free", "defer", "reserved")
@@ -107,7 +94,7 @@ def test_a_hung_gate_redis_costs_one_timeout_then_every_publish_goes_to_reserved
     breaker = breaker_of(app)
     embed.delay(0)  # admitted: connections, script and flags warm
     published: list[tuple[float, str]] = []
-    with stopped(gate_server):
+    with stopped(gate_server.process):
         start = time.monotonic()
         while time.monotonic() - start < 4:
             published.append((time.monotonic() - start, embed.delay(1).id))
@@ -130,7 +117,7 @@ def test_while_the_breaker_is_open_no_command_reaches_the_gate_redis(
     embed = app.tasks["tests.embed"]
     breaker = breaker_of(app)
     embed.delay(0)
-    with stopped(gate_server):
+    with stopped(gate_server.process):
         embed.delay(1)  # waits out one timeout: the breaker opens
     observer = redis.Redis.from_url(gate_server.url)
     before = settled(observer)  # the stalled request ran once the server went on
@@ -150,7 +137,7 @@ def test_after_the_server_goes_on_the_probe_closes_the_breaker_and_the_script_de
     embed = app.tasks["tests.embed"]
     breaker = breaker_of(app)
     embed.delay(0)
-    with stopped(gate_server):
+    with stopped(gate_server.process):
         embed.delay(1)
     embed.delay(2)  # within breaker_open_s (1 s) of the timeout: not asked, reserved
     assert reasons(redis_client, "reserved") == ["gate_unavailable", "gate_unavailable"]
@@ -175,7 +162,7 @@ def test_with_the_broker_on_the_hung_server_a_publish_fails_and_lands_at_most_on
     embed = app.tasks["tests.embed"]
     breaker = breaker_of(app)
     embed.delay(0)
-    with stopped(gate_server), pytest.raises(OperationalError):
+    with stopped(gate_server.process), pytest.raises(OperationalError):
         # Its script times out and opens the breaker; it still tries its own fallback push.
         embed.apply_async((1,), task_id="first")
     trips = breaker.trips
@@ -200,7 +187,7 @@ def sent_while_stopped(server: EmbeddedRedis, call: Any) -> Counter[str]:
     """What reached the server (once it went on) from ``call`` made while it was stopped."""
     observer = redis.Redis.from_url(server.url)
     before = settled(observer)
-    with stopped(server), pytest.raises((LedgerUnavailable, redis.TimeoutError)):
+    with stopped(server.process), pytest.raises((LedgerUnavailable, redis.TimeoutError)):
         call()
     return +(settled(observer) - before)
 
@@ -243,7 +230,7 @@ def test_a_forked_child_starts_with_a_closed_breaker_and_probes_on_its_own(
     embed.delay(0)
     ours, theirs = multiprocessing.Pipe()
     child: Any = None
-    with stopped(gate_server):
+    with stopped(gate_server.process):
         embed.delay(1)
         assert breaker.is_open and breaker.probing
         child = multiprocessing.get_context("fork").Process(

@@ -6,14 +6,11 @@ suite's real Redis; the hung Redis is a real redis-server SIGSTOPped, as in test
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -35,6 +32,7 @@ from gatekeeper.redis.store import GateStore
 from tests.apps.gated_app import create_app
 from tests.calls import gate_call
 from tests.conftest import gate_settings, initialised, missing_server
+from tests.processes import stopped
 from tests.scrape import by_label, scrape, serving, value
 
 KEYS = Keys()
@@ -199,17 +197,6 @@ def test_the_auto_freeze_is_counted_and_the_flags_in_force_are_gauges(
     assert value(samples, "gatekeeper_state_initialised_timestamp_seconds") is None
 
 
-@contextmanager
-def stopped(server: EmbeddedRedis) -> Iterator[None]:
-    """The server SIGSTOPped: the kernel accepts connections, nothing is answered."""
-    assert server.process is not None
-    os.kill(server.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.process.pid, signal.SIGCONT)
-
-
 @pytest.fixture()
 def gate_server() -> Iterator[EmbeddedRedis]:
     """A redis-server of its own, to be hung."""
@@ -230,7 +217,7 @@ def test_a_hung_redis_answers_quickly_with_redis_up_0_and_nothing_else(
     settings = gate_settings(gate_server.url)  # redis_timeout_s 0.5, the gate's client
     with serving(collector_for(settings)) as url:
         assert value(scrape(url), "gatekeeper_redis_up") == 1
-        with stopped(gate_server):
+        with stopped(gate_server.process):
             began = time.monotonic()
             samples = scrape(url)
             took = time.monotonic() - began
