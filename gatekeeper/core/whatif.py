@@ -170,11 +170,11 @@ def redecide(record: DecisionRecord, knob: Knob | None = None, min_samples: int 
         cap = value if knob.name == "max_queue_age_s" else cap
         budget = value if knob.name == "budget_units" else budget
         unit = value if knob.name == "queue_wait_unit_per_second" else unit
+    if record.reason not in SCORED:  # decided before the gate: no knob changes it
+        return Redecided(record.decision, record.reason, math.nan, service, tax)
     age = record.queue_age_s
     gate = decide(GateInputs(age or 0.0, service, tax, record.deadline_slack_s, cap,
                              record.delay_s))  # fmt: skip
-    if record.reason not in SCORED:  # decided before the gate: no knob changes it
-        return Redecided(record.decision, record.reason, gate.dwell_s, service, tax)
     if gate.reason.value in GUARDS:
         return Redecided(gate.decision.value, gate.reason.value, gate.dwell_s, service, tax)
     if age is None:  # past the guards, the queue's age decides, and it was never read

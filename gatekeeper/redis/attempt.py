@@ -161,8 +161,8 @@ def resolve(
     slack = inputs.deadline_at - now
     p95 = chosen.get("service_learned_p95_s")  # exact in the decision record, 6 places in the line
     learned = "" if p95 is None else repr(float(p95))
-    if p95 is not None:
-        chosen = {**chosen, "service_learned_p95_s": round(p95, 6)}
+    if p95 is not None:  # the chooser's own dict, made for this publish
+        chosen["service_learned_p95_s"] = round(p95, 6)
     samples = chosen.get("service_samples", 0)
     publisher = f"{declared!r}|{learned}|{samples}|{max(left, 0)}|{wait_allowance_s!r}"
     fields = identity(publish)
