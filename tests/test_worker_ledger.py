@@ -132,6 +132,26 @@ def test_a_redelivered_message_reveals_the_run_that_died(
     assert "reason=worker_lost_redelivered" in (tmp_path / "w.log").read_text()
 
 
+def test_a_redelivered_run_that_dies_too_leaves_both_dead_runs_their_rows(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A start's reply is read when its run ends, but a redelivered run's at once: the row of
+    the run that died before it is written before its own body runs, so a second death loses
+    no row (the next start reveals only the run just before it)."""
+    with running_worker(redis_url, tmp_path / "w.log"):
+        job = app_for(redis_url).tasks["tests.lost_twice"].delay().id
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
+        assert wait_until(lambda: len(runs(redis_client)) == 2, 30)
+        assert [row["outcome"] for row in rows(redis_client)] == ["killed"]  # before run 2 ends
+        os.kill(runs(redis_client)[1]["pid"], signal.SIGKILL)
+        first, second, third = wait_rows(redis_client, 3)
+    assert [r["id"] for r in runs(redis_client)] == [job] * 3
+    assert [(r["outcome"], r["attempt"]) for r in (first, second, third)] == [
+        ("killed", 1), ("killed", 1), ("ok", 1)
+    ]  # fmt: skip
+
+
 def test_a_worker_that_vanishes_without_a_signal_is_swept(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

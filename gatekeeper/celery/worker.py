@@ -26,10 +26,16 @@ worker gone, no signal at all          none            ``gatekeeper sweep`` -> `
 
 Signals that fire twice (a hard time limit on Celery 5.7) are harmless: ``finish.lua`` writes
 one row per run. Nothing here raises into Celery: a fault is logged and the task goes on.
+
+A run's start is sent before its body runs and its reply read when it ends
+(gatekeeper/redis/run_start.py), so the task waits for one round trip of the ledger's, not
+two; a redelivered message's start is read at once, so the row of the run that died before it
+is written before this run can die too.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -47,6 +53,7 @@ from gatekeeper.core.ledger import Outcome
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
@@ -65,6 +72,25 @@ class _Running:
     run: int
     record: RunRecord
     verified: bool
+
+
+@dataclass(frozen=True)
+class _Starting:
+    """A run whose start was sent on this thread's line and whose reply is not read yet."""
+
+    call: StartCall[Started]
+    task: Any
+    attempt: int
+    headers: dict[str, Any]
+    now: int
+
+
+class _Starts(threading.local):
+    """The starts this thread sent and has not read, by task id (a line is a thread's own:
+    no other thread may read its replies)."""
+
+    def __init__(self) -> None:
+        self.by_job: dict[str, _Starting] = {}
 
 
 class WorkerSide:
@@ -88,6 +114,7 @@ class WorkerSide:
         self.log = make_logger(settings, "worker")
         self.alerts = make_logger(settings, "alert")
         self._running: dict[str, _Running] = {}
+        self._starts = _Starts()
         self._received = Received()
 
     def _ours(self, task: Any) -> bool:
@@ -170,22 +197,42 @@ class WorkerSide:
         if not claims(headers):
             return
         attempt = int(headers.get(H_ATTEMPT) or 1)
+        for earlier in list(self._starts.by_job):  # a run that ended without a signal here
+            self._read_start(earlier)
+        delivery = getattr(sender.request, "delivery_info", None) or {}
 
         def start() -> None:
             now = self._now_ms()
-            started = self.runs.start(task_id, attempt, nonce_of(headers),
-                                      own_fields(sender, headers), now)  # fmt: skip
+            call = self.runs.send_start(task_id, attempt, nonce_of(headers),
+                                        own_fields(sender, headers), now)  # fmt: skip
+            self._starts.by_job[task_id] = _Starting(call, sender, attempt, headers, now)
+            if delivery.get("redelivered"):  # its dead run's row now, not after this run
+                self._read_start(task_id)
+
+        self._guarded("start", task_id, start)
+
+    def _read_start(self, job_id: str) -> None:
+        """Read the reply of the start this thread sent for ``job_id``, and act on it: the
+        run is this process's to end, or refused; a dead earlier run gets its row."""
+        starting = self._starts.by_job.pop(job_id, None)
+        if starting is None:
+            return
+
+        def read() -> None:
+            started = starting.call.started()
+            task, attempt = starting.task, starting.attempt
             if started.record is None:
-                self._refused(sender, task_id, attempt, headers, started.refused, now)
+                self._refused(task, job_id, attempt, starting.headers, started.refused,
+                              starting.now)  # fmt: skip
                 return
-            self._running[task_id] = _Running(attempt, started.run, started.record, True)
+            self._running[job_id] = _Running(attempt, started.run, started.record, True)
             if started.dead is not None:
                 self._end(
-                    task_id, attempt, started.dead_run, started.dead, Outcome.KILLED,
+                    job_id, attempt, started.dead_run, started.dead, Outcome.KILLED,
                     "worker_lost_redelivered", current=False,
                 )  # fmt: skip
 
-        self._guarded("start", task_id, start)
+        self._guarded("start", job_id, read)
 
     def _refused(
         self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], kind: str, now: int
@@ -199,6 +246,8 @@ class WorkerSide:
 
     def _end_running(self, job_id: str | None, outcome: Outcome, reason: str) -> bool:
         """End the run this process is executing; False when it is not one of ours."""
+        if job_id is not None:
+            self._read_start(job_id)
         if job_id is None or job_id not in self._running:
             if job_id is not None:
                 take_metered(job_id)  # a run with no row (forged, ungated): its meter goes

@@ -23,6 +23,7 @@ from gatekeeper.defaults import DECISION_RECORD_CAP, FREE_WAIT_ALLOWANCE_S, WIND
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.cluster import home
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
 from gatekeeper.redis.wire import Line, call_script, has_lines
 from gatekeeper.settings import GatekeeperSettings
@@ -96,19 +97,6 @@ class RunRecord:
 
 
 @dataclass(frozen=True)
-class Started:
-    """A run that started; ``dead`` is an earlier run of the attempt that never got its row."""
-
-    run: int
-    dead_run: int
-    dead: RunRecord | None
-    record: RunRecord | None = None
-    """The run's record; None when the message is not the gate's (``refused`` says why)."""
-    refused: str = ""
-    """``unverified`` (no nonce: an old publisher, or decided without Redis) or ``forged``."""
-
-
-@dataclass(frozen=True)
 class Finished:
     """Whether the row was written (False: a duplicate), and the admission window's misses."""
 
@@ -155,45 +143,28 @@ class RunLedger:
             decision_record_cap=settings.decision_record_cap,
         )
 
-    def start(
-        self,
-        job_id: str,
-        attempt: int,
-        nonce: str,
-        own: dict[str, str],
-        now_ms: int,
-        token: str | None = None,
-    ) -> Started:
+    def start(self, job_id: str, attempt: int, nonce: str, own: dict[str, str], now_ms: int,
+              token: str | None = None) -> Started:  # fmt: skip
         """Record that a run began, if the message is the gate's (its ``nonce`` is the gate
         record's); ``own`` are the fields the worker knows itself (task, retries, ...).
 
         ``token`` (random unless given) makes ``start.lua`` safe to send twice: the same
         token again gets the same reply and counts no second run. So after a connection
         error or a timeout it is sent once more here (the client itself does not retry)."""
+        return self.send_start(job_id, attempt, nonce, own, now_ms, token).started()
+
+    def send_start(self, job_id: str, attempt: int, nonce: str, own: dict[str, str],
+                   now_ms: int, token: str | None = None) -> StartCall[Started]:  # fmt: skip
+        """:meth:`start`, sent now and read by ``started()`` on the call it returns, so the
+        run does not wait for it (gatekeeper/redis/run_start.py)."""
         member = f"{job_id}:{attempt}"
         args: list[str] = [member, str(now_ms), nonce, token or secrets.token_hex(8)]
         for name, value in own.items():
             args += [name, value]
-        keys = [
-            self.keys.run(job_id, attempt),
-            self.keys.started,
-            self.keys.free_waiting,
-            self.keys.stats,
-        ]
-        try:
-            try:
-                reply = self._call(self._start, keys, args)
-            except (redis.ConnectionError, redis.TimeoutError):
-                reply = self._call(self._start, keys, args)  # safe: the token
-        except redis.RedisError as exc:
-            raise LedgerUnavailable(f"cannot record the start of {member}: {exc}") from exc
-        if not int(reply[0]):
-            return Started(run=0, dead_run=0, dead=None, record=None, refused=text_of(reply[1]))
-        run, dead_run, dead_started = int(reply[1]), int(reply[2]), int(float(reply[3]))
-        flat = [part.decode() if isinstance(part, bytes) else str(part) for part in reply[4:]]
-        record = RunRecord.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
-        dead = replace(record, started_ms=dead_started) if dead_run else None
-        return Started(run=run, dead_run=dead_run, dead=dead, record=record)
+        keys = [self.keys.run(job_id, attempt), self.keys.started, self.keys.free_waiting,
+                self.keys.stats]  # fmt: skip
+        return StartCall.send(member, self._line, self.client, self._start, keys, args,
+                              self._call, _started_of)  # fmt: skip
 
     def _call(self, script: Script, keys: list[str], args: list[str]) -> Any:
         """A run's script through this thread's line (redis-py's way where there is none)."""
@@ -356,3 +327,14 @@ class RunLedger:
             job_id, _, attempt = text_of(member).rpartition(":")  # type: ignore[arg-type]
             found.append((job_id, int(attempt)))
         return found
+
+
+def _started_of(reply: Any) -> Started:
+    """``start.lua``'s reply as a :class:`Started`."""
+    if not int(reply[0]):
+        return Started(run=0, dead_run=0, dead=None, record=None, refused=text_of(reply[1]))
+    run, dead_run, dead_started = int(reply[1]), int(reply[2]), int(float(reply[3]))
+    flat = [part.decode() if isinstance(part, bytes) else str(part) for part in reply[4:]]
+    record = RunRecord.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
+    dead = replace(record, started_ms=dead_started) if dead_run else None
+    return Started(run=run, dead_run=dead_run, dead=dead, record=record)

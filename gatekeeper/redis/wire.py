@@ -15,7 +15,9 @@ order, so two calls in flight on one socket could swap answers.
 
 The worker's two scripts of a run (``start.lua``, ``finish.lua``) take the same way
 (:func:`call_script`), on a line of their own; where a line cannot be had (:func:`has_lines`:
-a cluster, a client of one connection) they go through redis-py.
+a cluster, a client of one connection) they go through redis-py. ``start.lua`` is sent as the
+run starts and its reply read as it ends (:func:`send_script`), so the task does not wait for
+it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ try:
 except ImportError:  # pragma: no cover - hiredis is optional
     hiredis = None
 
-__all__ = ["Line", "call_script", "has_lines"]
+__all__ = ["Line", "Sent", "call_script", "has_lines", "send_script"]
 
 RAW = hiredis is not None and hasattr(hiredis, "pack_command")
 """hiredis packs and parses; without it, redis-py's connection does both."""
@@ -55,6 +57,9 @@ class Line(threading.local):
     poller: Any = None
     pid: int = 0
     busy: bool = False
+    fresh: bool = False
+    """The last request was the first on a new connection (perhaps to another server: one
+    that has not loaded the scripts yet)."""
 
     def take(self, pool: redis.ConnectionPool) -> Line | None:
         """This line, marked busy; None when a call on it still awaits its reply."""
@@ -79,6 +84,7 @@ class Line(threading.local):
         try:
             if self._went_stale():
                 self.close()
+            self.fresh = getattr(self.conn, "_sock", None) is None
             if self.sock is None:
                 self.conn.connect()
                 self.sock = getattr(self.conn, "_sock", None) if RAW else None
@@ -141,30 +147,71 @@ def has_lines(client: redis.Redis) -> bool:
     return getattr(client, "connection_pool", None) is not None
 
 
+class Sent:
+    """A script call whose request is on its way and whose reply :meth:`reply` reads later:
+    until then the thread's line stays taken, so calls made meanwhile go through redis-py."""
+
+    def __init__(
+        self, line: Line, client: redis.Redis, script: Script, keys: Sequence[str],
+        args: Sequence[str],
+    ) -> None:  # fmt: skip
+        self._line: Line | None = line
+        self.fresh = line.fresh
+        """Sent on a new connection: the server may not have the script (NOSCRIPT, then
+        nothing was applied until :meth:`reply` loads it)."""
+        self._client, self._script = client, script
+        self._keys, self._args = list(keys), list(args)
+
+    def reply(self) -> Any:
+        """The script's table; a server without the script has it loaded first. Raises
+        redis-py's errors (the line is then closed: it may hold half a reply)."""
+        channel, self._line = self._line, None
+        if channel is None:
+            raise RuntimeError("this call's reply was read already")
+        try:
+            reply = channel.read()
+            if not isinstance(reply, list):  # not a script's table: out of step with its replies
+                raise redis.ResponseError(f"unexpected reply {reply!r}")
+            return reply
+        except NoScriptError:
+            pass  # a restarted or flushed Redis: loaded below, once the line is free again
+        except BaseException:
+            channel.close()
+            raise
+        finally:
+            channel.release()
+        self._client.script_load(self._script.script)
+        return evalsha(self._client, self._script, self._keys, self._args)
+
+
+def send_script(
+    line: Line, client: redis.Redis, script: Script, keys: Sequence[str], args: Sequence[str]
+) -> Sent | None:
+    """Send ``script``'s call on this thread's ``line`` without waiting for its reply; None
+    when the line awaits another reply (call through redis-py then). Raises redis-py's
+    errors (the line is closed and free again)."""
+    channel = line.take(client.connection_pool)
+    if channel is None:
+        return None
+    try:
+        channel.send(["EVALSHA", script.sha, str(len(keys)), *keys, *args])
+    except BaseException:
+        channel.close()
+        channel.release()
+        raise
+    return Sent(channel, client, script, keys, args)
+
+
 def call_script(
     line: Line, client: redis.Redis, script: Script, keys: Sequence[str], args: Sequence[str]
 ) -> Any:
     """``script``'s reply (a table) through this thread's ``line``, or through redis-py when
     the line awaits another reply; a server without the script has it loaded first. Raises
     redis-py's errors (the line is then closed: it may hold half a reply)."""
-    channel = line.take(client.connection_pool)
-    if channel is None:
+    sent = send_script(line, client, script, keys, args)
+    if sent is None:
         return evalsha(client, script, list(keys), args)
-    try:
-        channel.send(["EVALSHA", script.sha, str(len(keys)), *keys, *args])
-        reply = channel.read()
-        if not isinstance(reply, list):  # not a script's table: out of step with its replies
-            raise redis.ResponseError(f"unexpected reply {reply!r}")
-        return reply
-    except NoScriptError:
-        pass  # a restarted or flushed Redis: loaded below, once the line is free again
-    except BaseException:
-        channel.close()
-        raise
-    finally:
-        channel.release()
-    client.script_load(script.script)
-    return evalsha(client, script, list(keys), args)
+    return sent.reply()
 
 
 _RESP3_ONLY = frozenset(

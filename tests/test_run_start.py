@@ -1,0 +1,146 @@
+"""A run's start is sent before its body and read after it (gatekeeper/redis/run_start.py).
+
+What must hold although the worker does not wait: the start is applied while the run goes on
+(the sweep sees it), a lost reply is asked for again without counting a second run, a server
+without the script still gets the start before the body runs on a new connection, and replies
+on one thread's line never reach another's call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import redis
+
+from gatekeeper.core.ledger import window_id
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger
+
+KEYS = Keys()
+T0_MS = 1_800_000_000_000
+WINDOW = window_id(T0_MS / 1000, 900)
+
+
+def ledger(client: redis.Redis) -> RunLedger:
+    return RunLedger(client, KEYS, window_seconds=900, queue_wait_unit_per_second=200)
+
+
+def decided(client: redis.Redis, job: str, task: str = "t") -> None:
+    """The gate's record of ``job``'s attempt 1, nonce ``n-<job>``."""
+    client.hset(KEYS.run(job, 1), mapping={"nonce": f"n-{job}", "decision": "admit_free",
+                                           "window": WINDOW, "tokens_in": 1200,
+                                           "dwell_s": "28.0", "task": task})  # fmt: skip
+
+
+def applied(client: redis.Redis, job: str) -> bool:
+    return client.zscore(KEYS.started, f"{job}:1") is not None
+
+
+def wait_applied(client: redis.Redis, job: str) -> bool:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if applied(client, job):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def warm(runs: RunLedger, client: redis.Redis) -> None:
+    """One start read to its end, so the line's connection has answered a script call."""
+    decided(client, "warm")
+    runs.start("warm", 1, "n-warm", {}, T0_MS)
+
+
+def test_a_start_is_applied_before_its_reply_is_read(redis_client: redis.Redis) -> None:
+    runs = ledger(redis_client)
+    warm(runs, redis_client)
+    decided(redis_client, "job")
+    call = runs.send_start("job", 1, "n-job", {"worker": "w1"}, T0_MS + 100)
+    assert wait_applied(redis_client, "job")  # nobody has read the reply yet
+    assert redis_client.hget(KEYS.run("job", 1), "worker") == b"w1"
+    started = call.started()
+    assert (started.run, started.dead_run) == (1, 0)
+    assert started.record is not None and started.record.started_ms == T0_MS + 100
+
+
+def test_a_reply_lost_with_its_connection_is_asked_again_and_counts_one_run(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    warm(runs, redis_client)
+    decided(redis_client, "job")
+    call = runs.send_start("job", 1, "n-job", {}, T0_MS + 100)
+    assert wait_applied(redis_client, "job")
+    redis_client.client_kill_filter(_type="normal", skipme=True)  # the line's reply is lost
+    started = call.started()
+    assert (started.run, started.dead_run, started.dead) == (1, 0, None)
+    assert redis_client.hget(KEYS.run("job", 1), "runs") == b"1"
+
+
+def test_on_a_new_connection_a_server_without_the_script_gets_the_start_at_once(
+    redis_client: redis.Redis,
+) -> None:
+    redis_client.script_flush()  # as after a failover to a replica, or a restart
+    decided(redis_client, "job")
+    call = ledger(redis_client).send_start("job", 1, "n-job", {}, T0_MS + 100)
+    assert applied(redis_client, "job")  # read (and loaded) before the body would run
+    assert call.started().run == 1
+    assert redis_client.hget(KEYS.run("job", 1), "runs") == b"1"
+
+
+def test_a_script_flushed_under_a_connected_line_is_applied_when_the_run_ends(
+    redis_client: redis.Redis,
+) -> None:
+    """The documented exception: nothing applied until the reply is read, then once."""
+    runs = ledger(redis_client)
+    warm(runs, redis_client)
+    redis_client.script_flush()
+    decided(redis_client, "job")
+    call = runs.send_start("job", 1, "n-job", {}, T0_MS + 100)
+    time.sleep(0.1)
+    assert not applied(redis_client, "job")
+    assert call.started().run == 1
+    assert applied(redis_client, "job")
+    assert redis_client.hget(KEYS.run("job", 1), "runs") == b"1"
+
+
+def test_a_second_start_while_one_awaits_its_reply_goes_through_redis_py(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    warm(runs, redis_client)
+    decided(redis_client, "outer", task="outer")
+    decided(redis_client, "inner", task="inner")
+    outer = runs.send_start("outer", 1, "n-outer", {}, T0_MS)
+    inner = runs.send_start("inner", 1, "n-inner", {}, T0_MS)  # a task run inside a task
+    inner_started, outer_started = inner.started(), outer.started()
+    assert inner_started.record is not None and inner_started.record.task == "inner"
+    assert outer_started.record is not None and outer_started.record.task == "outer"
+
+
+def test_threads_with_starts_in_flight_each_read_their_own_reply(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    jobs = [f"job{i}" for i in range(8)]
+    for job in jobs:
+        decided(redis_client, job, task=job)
+    sent = threading.Barrier(len(jobs))
+    tasks: dict[str, str] = {}
+
+    def run(job: str) -> None:
+        warm_job = f"warm-{job}"
+        decided(redis_client, warm_job)
+        runs.start(warm_job, 1, f"n-{warm_job}", {}, T0_MS)  # this thread's line, connected
+        call = runs.send_start(job, 1, f"n-{job}", {}, T0_MS)
+        sent.wait()  # every thread's reply waits on its own line
+        record = call.started().record
+        tasks[job] = record.task if record is not None else ""
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert tasks == {job: job for job in jobs}
