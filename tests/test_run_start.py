@@ -16,6 +16,7 @@ import redis
 from gatekeeper.core.ledger import window_id
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.wire import call_script
 
 KEYS = Keys()
 T0_MS = 1_800_000_000_000
@@ -144,3 +145,47 @@ def test_threads_with_starts_in_flight_each_read_their_own_reply(
     for thread in threads:
         thread.join(10)
     assert tasks == {job: job for job in jobs}
+
+
+def test_a_client_of_one_connection_has_no_line_and_waits_for_the_start(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    single = redis.Redis.from_url(redis_url, single_connection_client=True)
+    try:
+        decided(redis_client, "job")
+        call = ledger(single).send_start("job", 1, "n-job", {}, T0_MS)
+        assert applied(redis_client, "job")  # before the body would run
+        assert call.started().run == 1
+    finally:
+        single.close()
+
+
+def test_a_start_inside_a_run_whose_start_awaits_its_reply_is_applied_at_once(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    warm(runs, redis_client)
+    decided(redis_client, "outer")
+    decided(redis_client, "inner")
+    outer = runs.send_start("outer", 1, "n-outer", {}, T0_MS)
+    runs.send_start("inner", 1, "n-inner", {}, T0_MS)  # the line is busy with outer's reply
+    assert applied(redis_client, "inner")
+    assert outer.started().run == 1
+
+
+def test_after_a_failover_whose_first_script_was_another_the_next_start_is_applied_at_once(
+    redis_client: redis.Redis,
+) -> None:
+    """A line knows which scripts its connection has had answered, not only that it has
+    answered one: after a reconnection the run's finish may load its own script alone."""
+    runs = ledger(redis_client)
+    warm(runs, redis_client)
+    redis_client.script_flush()  # a replica promoted, or a restart: no scripts, no clients
+    redis_client.client_kill_filter(_type="normal", skipme=True)
+    assert runs._line is not None
+    other = redis_client.register_script("return {1}")  # as finish.lua, first on the new one
+    assert call_script(runs._line, redis_client, other, [], []) == [1]
+    decided(redis_client, "job")
+    call = runs.send_start("job", 1, "n-job", {}, T0_MS)
+    assert applied(redis_client, "job")
+    assert call.started().run == 1

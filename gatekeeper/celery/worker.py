@@ -53,7 +53,7 @@ from gatekeeper.core.ledger import Outcome
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.run_start import StartCall, Started
+from gatekeeper.redis.run_start import StartCall
 from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
@@ -78,7 +78,7 @@ class _Running:
 class _Starting:
     """A run whose start was sent on this thread's line and whose reply is not read yet."""
 
-    call: StartCall[Started]
+    call: StartCall
     task: Any
     attempt: int
     headers: dict[str, Any]
@@ -197,7 +197,7 @@ class WorkerSide:
         if not claims(headers):
             return
         attempt = int(headers.get(H_ATTEMPT) or 1)
-        for earlier in list(self._starts.by_job):  # a run that ended without a signal here
+        for earlier in list(self._starts.by_job):  # a run inside a run, or one with no end signal
             self._read_start(earlier)
         delivery = getattr(sender.request, "delivery_info", None) or {}
 
@@ -206,7 +206,8 @@ class WorkerSide:
             call = self.runs.send_start(task_id, attempt, nonce_of(headers),
                                         own_fields(sender, headers), now)  # fmt: skip
             self._starts.by_job[task_id] = _Starting(call, sender, attempt, headers, now)
-            if delivery.get("redelivered"):  # its dead run's row now, not after this run
+            if delivery.get("redelivered") or headers.get("redelivered"):  # its dead run's row
+                # now, not after this run (kombu's Redis transport marks both)
                 self._read_start(task_id)
 
         self._guarded("start", task_id, start)

@@ -7,19 +7,29 @@ has still recorded the start (the request left before the body ran), so the swee
 run as before. The call is safe to send twice (its token), so a reply lost to a connection
 error is asked for once more, as when the start waited.
 
-Only a server that has the script applies an ``EVALSHA``: one that has not (a new server, a
-failover to a replica, a restart) replies ``NOSCRIPT`` and applies nothing. So a start sent on
-a new connection is read at once, and the script loaded then if need be; a connection that
-has answered a script call is to a server that has it. (A ``SCRIPT FLUSH`` on a connected
-server is the exception: that run's start is then applied when it ends, and a run killed
-before that has no start for the sweep to find.)
+It is waited for, as before, whenever it is not surely applied while the run goes on:
+- it could not go on the line (no line: a Redis Cluster, a client of one connection; the line
+  busy with another reply, as for a task run inside a task; a failed send);
+- the line's connection has not had ``start.lua`` answered yet. Only a server that has the
+  script applies an ``EVALSHA``; one that has not (a new server, a failover to a replica, a
+  restart) replies ``NOSCRIPT`` and applies nothing, so the first start on each connection
+  is read at once and the script loaded then if need be. (A ``SCRIPT FLUSH`` on a server
+  still connected is the exception: that run's start is applied when it ends, and if the
+  run is killed first the sweep does not see it.)
+- the message was redelivered (the worker's choice: the row of the run that died before it
+  is written before this run can die too). Both brokers the replayer reads, Redis and
+  RabbitMQ, mark a redelivered message in ``delivery_info``.
+
+Under gevent or eventlet each task runs in a greenlet of its own, whose line is new: every
+start there is waited for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.commands.core import Script
@@ -31,8 +41,6 @@ if TYPE_CHECKING:
     from gatekeeper.redis.runs import RunRecord
 
 __all__ = ["StartCall", "Started"]
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,53 +56,49 @@ class Started:
     """``unverified`` (no nonce: an old publisher, or decided without Redis) or ``forged``."""
 
 
-class StartCall(Generic[T]):
-    """One run's start: ``sent`` on the line (None: not sent yet, or its sending failed),
-    ``call`` sends it again and waits, ``parse`` reads the reply."""
+class StartCall:
+    """One run's start: on its way (``sent``) or already answered; :meth:`started` gives the
+    reply as a :class:`Started` (``parse``: the run ledger's reading of ``start.lua``'s)."""
 
     def __init__(
-        self, member: str, call: Callable[[], Any], sent: Sent | None, failed: bool,
-        parse: Callable[[Any], T],
+        self, member: str, call: Callable[[], Any], sent: Sent | None,
+        parse: Callable[[Any], Started],
     ) -> None:  # fmt: skip
         self.member = member
-        self._call, self._sent, self._failed, self._parse = call, sent, failed, parse
-        self._read: Any = None
+        self._call, self._sent, self._parse = call, sent, parse
+        self._reply: Any = None
 
     @classmethod
     def send(
         cls, member: str, line: Line | None, client: redis.Redis, script: Script,
         keys: Sequence[str], args: Sequence[str],
-        call: Callable[[Script, list[str], list[str]], Any], parse: Callable[[Any], T],
-    ) -> StartCall[T]:  # fmt: skip
-        """Send the start on ``line`` (``call`` sends it and waits where there is no line,
-        or when it is busy, when the reply is asked for)."""
-        sent, failed = None, False
+        call: Callable[[Script, list[str], list[str]], Any], parse: Callable[[Any], Started],
+    ) -> StartCall:  # fmt: skip
+        """Send the start on ``line``, and wait for it (through ``call``) unless it is on its
+        way to a server known to have the script."""
+        sent = None
         if line is not None:
-            try:
+            with suppress(redis.RedisError):  # not sent: sent again below, and waited for
                 sent = send_script(line, client, script, keys, args)
-            except redis.RedisError:
-                failed = True
-        started = cls(member, lambda: call(script, list(keys), list(args)), sent, failed, parse)
-        if sent is not None and sent.fresh:  # a new connection: the script may be missing
-            started.started()
-        return started
+        start = cls(member, lambda: call(script, list(keys), list(args)), sent, parse)
+        if sent is None or sent.unproven:
+            # Not on its way (no line: a cluster, a client of one connection; a line busy with
+            # another reply; a failed send), or perhaps unknown to the server: applied now.
+            start.started()
+        return start
 
-    def started(self) -> T:
+    def started(self) -> Started:
         """The start's reply; raises :class:`LedgerUnavailable` when Redis cannot give it."""
-        if self._read is None:
-            self._read = self._reply()
-        return self._parse(self._read)
+        if self._reply is None:
+            self._reply = self._read()
+        return self._parse(self._reply)
 
-    def _reply(self) -> Any:
+    def _read(self) -> Any:
         sent, self._sent = self._sent, None
         try:
-            if self._failed:  # its sending failed: one more try, as after a lost reply
-                reply = self._call()
-            else:
-                try:
-                    reply = sent.reply() if sent is not None else self._call()
-                except (redis.ConnectionError, redis.TimeoutError):
-                    reply = self._call()  # safe: the token
+            try:
+                return sent.reply() if sent is not None else self._call()
+            except (redis.ConnectionError, redis.TimeoutError):
+                return self._call()  # safe: the token
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot record the start of {self.member}: {exc}") from exc
-        return reply

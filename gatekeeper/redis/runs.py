@@ -150,11 +150,12 @@ class RunLedger:
 
         ``token`` (random unless given) makes ``start.lua`` safe to send twice: the same
         token again gets the same reply and counts no second run. So after a connection
-        error or a timeout it is sent once more here (the client itself does not retry)."""
+        error or a timeout it is sent once more (``StartCall``; the client itself does not
+        retry)."""
         return self.send_start(job_id, attempt, nonce, own, now_ms, token).started()
 
     def send_start(self, job_id: str, attempt: int, nonce: str, own: dict[str, str],
-                   now_ms: int, token: str | None = None) -> StartCall[Started]:  # fmt: skip
+                   now_ms: int, token: str | None = None) -> StartCall:  # fmt: skip
         """:meth:`start`, sent now and read by ``started()`` on the call it returns, so the
         run does not wait for it (gatekeeper/redis/run_start.py)."""
         member = f"{job_id}:{attempt}"

@@ -57,9 +57,9 @@ class Line(threading.local):
     poller: Any = None
     pid: int = 0
     busy: bool = False
-    fresh: bool = False
-    """The last request was the first on a new connection (perhaps to another server: one
-    that has not loaded the scripts yet)."""
+    known: set[str] | None = None
+    """The scripts (SHA1s) this connection has had answered: a new one (perhaps to another
+    server, after a restart or a failover) knows none, and its server may lack them."""
 
     def take(self, pool: redis.ConnectionPool) -> Line | None:
         """This line, marked busy; None when a call on it still awaits its reply."""
@@ -84,7 +84,8 @@ class Line(threading.local):
         try:
             if self._went_stale():
                 self.close()
-            self.fresh = getattr(self.conn, "_sock", None) is None
+            if self.known is None or getattr(self.conn, "_sock", None) is None:
+                self.known = set()  # a new connection: no script answered on it yet
             if self.sock is None:
                 self.conn.connect()
                 self.sock = getattr(self.conn, "_sock", None) if RAW else None
@@ -156,9 +157,9 @@ class Sent:
         args: Sequence[str],
     ) -> None:  # fmt: skip
         self._line: Line | None = line
-        self.fresh = line.fresh
-        """Sent on a new connection: the server may not have the script (NOSCRIPT, then
-        nothing was applied until :meth:`reply` loads it)."""
+        self.unproven = script.sha not in (line.known or ())
+        """Sent on a connection that has not had this script answered: its server may not
+        have it (``NOSCRIPT``: nothing applied until :meth:`reply` loads it)."""
         self._client, self._script = client, script
         self._keys, self._args = list(keys), list(args)
 
@@ -168,10 +169,16 @@ class Sent:
         channel, self._line = self._line, None
         if channel is None:
             raise RuntimeError("this call's reply was read already")
+        if channel.pid != os.getpid():  # forked since: the socket is the parent's to read
+            channel.release()
+            raise redis.ConnectionError("the process forked before the reply was read")
+        sha = self._script.sha
         try:
             reply = channel.read()
             if not isinstance(reply, list):  # not a script's table: out of step with its replies
                 raise redis.ResponseError(f"unexpected reply {reply!r}")
+            if channel.known is not None:
+                channel.known.add(sha)
             return reply
         except NoScriptError:
             pass  # a restarted or flushed Redis: loaded below, once the line is free again
@@ -181,7 +188,10 @@ class Sent:
         finally:
             channel.release()
         self._client.script_load(self._script.script)
-        return evalsha(self._client, self._script, self._keys, self._args)
+        reply = evalsha(self._client, self._script, self._keys, self._args)
+        if channel.known is not None:  # loaded on the line's server (the client's)
+            channel.known.add(sha)
+        return reply
 
 
 def send_script(
