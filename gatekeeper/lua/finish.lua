@@ -17,8 +17,15 @@
 -- one to that bucket in the same step, so a run is counted once, only with its row, and a
 -- worker's run costs no round trip of its own for it.
 --
+-- After the row of the attempt's latest run (every run it has had now has its row) the record
+-- is cut to what a later run of the attempt and the one-row-per-attempt rule read
+-- (gatekeeper/redis/kept.py): nonce, decision, reason, runs, rowed, free_admitted (when 1),
+-- the replayer's fields, and `kept` = '<published_ms>|<deadline_ms>|<tokens_in>|<window>'
+-- for the row of a redelivery; the reservation is closed (`kept` present: nothing more to
+-- charge). The fields a redelivered run's start writes again are dropped.
+--
 -- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row; reserved,
---                                  charged
+--                                  charged, kept
 -- KEYS[2] window:<row window>       hash: rows:<outcome> (a reserved row)
 -- KEYS[3] window:<row window>:rows  list: ledger rows (JSON): a reserved row's
 -- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>"
@@ -63,7 +70,8 @@ local window, rows, row = KEYS[2], KEYS[3], ARGV[3]
 if free then
   window, rows = KEYS[6], KEYS[7]
   local tax = tonumber(ARGV[6])
-  local held = redis.call('HMGET', KEYS[1], 'reserved', 'charged')
+  local held = redis.call('HMGET', KEYS[1], 'reserved', 'charged', 'kept')
+  if held[3] and not held[1] then held[1] = '0' end  -- cut after its row: closed
   if held[1] then  -- a record written before reservations has no cap to apply
     local left = math.max(0, tonumber(held[1]) - tonumber(held[2] or '0'))
     if tax > left then
@@ -131,6 +139,21 @@ if ARGV[12] ~= '' then
     redis.call('HINCRBY', KEYS[10], 'lower_bounds', 1)
   end
   redis.call('SADD', KEYS[11], ARGV[14])
+end
+local runs = redis.call('HGET', KEYS[1], 'runs')
+if runs and tonumber(runs) == run then  -- no run of the attempt is left without its row
+  local r = redis.call('HMGET', KEYS[1], 'published_ms', 'deadline_ms', 'tokens_in', 'window',
+    'kept', 'free_admitted', 'prev_nonce')
+  local gone = {'published_ms', 'deadline_ms', 'tokens_in', 'window', 'admitted_ms', 'dwell_s',
+    'label', 'reserved', 'charged', 'expired_ms', 'started_ms', 'start_token', 'start_dead',
+    'task', 'retries', 'max_retries', 'time_limit_s', 'tokens_out', 'worker'}
+  if r[6] ~= '1' then gone[#gone + 1] = 'free_admitted' end
+  if r[7] == '' then gone[#gone + 1] = 'prev_nonce' end
+  if r[1] or not r[5] then  -- (a publish of the attempt after a cut writes its fields anew)
+    redis.call('HSET', KEYS[1], 'kept', (r[1] or '') .. '|' .. (r[2] or '') .. '|'
+      .. (r[3] or '') .. '|' .. (r[4] or ''))
+  end
+  redis.call('HDEL', KEYS[1], unpack(gone))
 end
 local misses = tonumber(redis.call('HGET', KEYS[6], 'slack_misses') or '0')
 local admitted = tonumber(redis.call('HGET', KEYS[6], 'admitted_free') or '0')
