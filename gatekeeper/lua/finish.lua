@@ -60,18 +60,23 @@
 local function fmt17(x) return string.format('%.17g', x) end
 
 local run = tonumber(ARGV[2])
-local rowed = tonumber(redis.call('HGET', KEYS[1], 'rowed') or '0')
-if rowed >= run then
+-- The record read once: what this row needs, and what a cut keeps (below).
+local rec = redis.call('HMGET', KEYS[1], 'rowed', 'runs', 'reserved', 'charged', 'kept',
+  'published_ms', 'deadline_ms', 'tokens_in', 'window', 'free_admitted', 'prev_nonce')
+if tonumber(rec[1] or '0') >= run then
   return {0, 0, 0}
 end
 redis.call('HSET', KEYS[1], 'rowed', run)
+-- The attempt's last run: no run of it is left without its row, so the record is cut below
+-- (what `charged` and `reserved` would say after this row, `kept` says: closed).
+local cut = rec[2] ~= false and tonumber(rec[2]) == run
 local free = ARGV[5] == 'free'
 local window, rows, row = KEYS[2], KEYS[3], ARGV[3]
 if free then
   window, rows = KEYS[6], KEYS[7]
   local tax = tonumber(ARGV[6])
-  local held = redis.call('HMGET', KEYS[1], 'reserved', 'charged', 'kept')
-  if held[3] and not held[1] then held[1] = '0' end  -- cut after its row: closed
+  local held = {rec[3], rec[4]}
+  if rec[5] and not held[1] then held[1] = '0' end  -- cut after an earlier row: closed
   if held[1] then  -- a record written before reservations has no cap to apply
     local left = math.max(0, tonumber(held[1]) - tonumber(held[2] or '0'))
     if tax > left then
@@ -79,7 +84,8 @@ if free then
       row = ARGV[10] .. ', "retry_tax": ' .. fmt17(tax) .. '}'
     end
   end
-  local charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
+  local charged = '0'
+  if not cut then charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax) end
   redis.call('HINCRBYFLOAT', window, 'tax_units', tax)
   if ARGV[4] == 'killed' then
     redis.call('HINCRBY', window, 'killed_free', 1)
@@ -98,7 +104,7 @@ if free then
       end
       redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -math.min(tax, tonumber(amount)))
     end
-  elseif held[1] then
+  elseif held[1] and not cut then
     -- The attempt's latest run has its row: the reservation closes (what was not charged
     -- goes back below), so a later run of it (a redelivery) is charged nothing.
     redis.call('HSET', KEYS[1], 'reserved', charged)
@@ -140,18 +146,15 @@ if ARGV[12] ~= '' then
   end
   redis.call('SADD', KEYS[11], ARGV[14])
 end
-local runs = redis.call('HGET', KEYS[1], 'runs')
-if runs and tonumber(runs) == run then  -- no run of the attempt is left without its row
-  local r = redis.call('HMGET', KEYS[1], 'published_ms', 'deadline_ms', 'tokens_in', 'window',
-    'kept', 'free_admitted', 'prev_nonce')
+if cut then
   local gone = {'published_ms', 'deadline_ms', 'tokens_in', 'window', 'admitted_ms', 'dwell_s',
     'label', 'reserved', 'charged', 'expired_ms', 'started_ms', 'start_token', 'start_dead',
     'task', 'retries', 'max_retries', 'time_limit_s', 'tokens_out', 'worker'}
-  if r[6] ~= '1' then gone[#gone + 1] = 'free_admitted' end
-  if r[7] == '' then gone[#gone + 1] = 'prev_nonce' end
-  if r[1] or not r[5] then  -- (a publish of the attempt after a cut writes its fields anew)
-    redis.call('HSET', KEYS[1], 'kept', (r[1] or '') .. '|' .. (r[2] or '') .. '|'
-      .. (r[3] or '') .. '|' .. (r[4] or ''))
+  if rec[10] ~= '1' then gone[#gone + 1] = 'free_admitted' end
+  if rec[11] == '' then gone[#gone + 1] = 'prev_nonce' end
+  if rec[6] or not rec[5] then  -- (a publish of the attempt after a cut writes its fields anew)
+    redis.call('HSET', KEYS[1], 'kept', (rec[6] or '') .. '|' .. (rec[7] or '') .. '|'
+      .. (rec[8] or '') .. '|' .. (rec[9] or ''))
   end
   redis.call('HDEL', KEYS[1], unpack(gone))
 end
