@@ -15,8 +15,9 @@ keys, and the broker's. It prints bytes per finished job for each group, and las
 target.
 
 It checks what it measured before printing: every task was decided ``admit_free/fits``, ran
-once (its record says ``runs=1 rowed=1``) and has exactly one ``free``/``ok`` row; the free
-queue and its waiting set are empty; the decision records hold one record per decision.
+once (its record says ``runs=1 rowed=1``, and was cut after its row: it has ``kept``,
+gatekeeper/redis/kept.py) and has exactly one ``free``/``ok`` row; the free queue and its
+waiting set are empty; the decision records hold one record per decision.
 Otherwise ``bench: ...`` on stderr, no figure, exit 1.
 
 Each group's retention turns bytes per job into memory at a rate (printed for 10 and 100
@@ -105,10 +106,12 @@ def checks(client: redis.Redis, ids: list[str], window_ids: set[int]) -> list[st
         problems.append(f"{len(rows)} rows for {len(ids)} jobs ({len(wrong_rows)} not free/ok)")
     pipe = client.pipeline(transaction=False)
     for job_id in ids:
-        pipe.hmget(KEYS.run(job_id, 1), "decision", "reason", "runs", "rowed")
-    seen = Counter(tuple(text_of(v) if v is not None else "" for v in f) for f in pipe.execute())
-    if set(seen) != {("admit_free", "fits", "1", "1")}:
-        problems.append(f"run records not all admit_free/fits runs=1 rowed=1: {dict(seen)}")
+        pipe.hmget(KEYS.run(job_id, 1), "decision", "reason", "runs", "rowed", "kept")
+    seen = Counter((*(text_of(v) if v is not None else "" for v in f[:4]), f[4] is not None)
+                   for f in pipe.execute())  # fmt: skip
+    if set(seen) != {("admit_free", "fits", "1", "1", True)}:
+        problems.append("run records not all admit_free/fits runs=1 rowed=1, cut after the "
+                        f"row (kept): {dict(seen)}")  # fmt: skip
     if client.llen("free") or client.zcard(KEYS.free_waiting) or client.hlen(KEYS.inflight):
         problems.append("work left in free, its waiting set or inflight")
     records = read_records(client, KEYS, 0).records

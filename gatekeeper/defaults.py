@@ -77,7 +77,8 @@ WINDOW_RETENTION_S = 8 * 24 * 3600
 """Windows are kept eight days: a week of review (``gatekeeper report``) plus a day's margin."""
 RECORD_RETENTION_S = 2 * 24 * 3600
 """An attempt's record (the gate's, then its runs') outlives any sane visibility timeout,
-retry delay or deadline."""
+retry delay or deadline. About 620 bytes until the row of its last run, then cut to about 270
+(gatekeeper/redis/kept.py): at 10 finished jobs a second, 10 x 2 days x 270 B = 0.47 GB."""
 SERVICE_TIME_MIN_SAMPLES = 100
 """Runs a task needs before its observed p95 is used (``service_time=learned`` or ``max``) or
 said to drift: the p95 of 100 runs rests on its 5 slowest, so one slow run moves it by at
@@ -87,7 +88,7 @@ SERVICE_DRIFT_FACTOR = 1.5
 guess: SPEC section 6's default. Below it the bucket error (4.9 %) and an honest guess's
 spread are noise; at 1.5 a task's retry tax is also under-counted by a third or more."""
 DECISION_RECORD_CAP = 1_000_000
-"""Decisions kept for ``gatekeeper tune`` (a stream trimmed to about this many): about 215 MB
-at about 215 bytes a decision (measured: docs/decision-records.md). That is a week of a batch
+"""Decisions kept for ``gatekeeper tune`` (a stream trimmed to about this many): about 160 MB
+at about 160 bytes a decision (measured: docs/decision-records.md). That is a week of a batch
 that makes 1.6 decisions a second, 27.8 hours at 10 a second; a week at 10 a second needs
-6,048,000 (about 1.3 GB), at 100 a second 60,480,000 (about 13 GB). 0 keeps none."""
+6,048,000 (about 1 GB), at 100 a second 60,480,000 (about 10 GB). 0 keeps none."""

@@ -22,6 +22,7 @@ import redis
 
 from gatekeeper.core.ledger import window_id
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger
 from tests.conftest import REPO_ROOT, running_worker, wait_until
 
 pytestmark = pytest.mark.celery
@@ -102,13 +103,15 @@ def test_no_window_is_charged_more_than_its_budget(
     outcomes = {r["outcome"] for found in rows.values() for r in found if r["path"] == "free"}
     assert ("killed" if fail else "ok") in outcomes and "rejected" in outcomes
     assert "expired" in outcomes  # work queued behind two slots waited past its allowance
-    crossed = 0
-    for key in redis_client.scan_iter(match=KEYS.run("*", 1)):
-        record = {k.decode(): v.decode() for k, v in redis_client.hgetall(key).items()}
-        if record.get("window") and record.get("started_ms"):
-            finished_in = window_id(int(record["started_ms"]) / 1000, WINDOW_S)
-            crossed += finished_in > int(record["window"])
-    assert crossed, "no admitted attempt ran in a later window than its admission's"
+    runs = RunLedger(redis_client, KEYS, window_seconds=WINDOW_S, queue_wait_unit_per_second=1)
+    crossed = 0  # a free row is written when its run ends: at its deadline less its slack
+    for ident, found in rows.items():
+        for row in found:
+            if row["path"] == "free" and row["outcome"] in ("ok", "killed"):
+                record = runs.fields(str(row["job_id"]), 1)  # kept after its row
+                ended_ms = int(record["deadline_ms"]) - int(row["deadline_slack_ms"])  # type: ignore[call-overload]
+                crossed += window_id(ended_ms / 1000, WINDOW_S) > ident
+    assert crossed, "no admitted attempt finished in a later window than its admission's"
 
 
 def test_a_redelivered_attempt_keeps_its_reservation_until_its_last_run_ends(
@@ -119,7 +122,6 @@ def test_a_redelivered_attempt_keeps_its_reservation_until_its_last_run_ends(
     live copy may still be charged; its own row closes the reservation (found in review: a
     window reached 9,600 of a 7,600 budget)."""
     from gatekeeper.core.ledger import BudgetMode, Outcome
-    from gatekeeper.redis.runs import RunLedger
     from gatekeeper.redis.store import GateStore
     from tests.calls import gate_call
 

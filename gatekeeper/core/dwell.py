@@ -27,6 +27,7 @@ from enum import Enum
 from gatekeeper.defaults import MAX_QUEUE_AGE_S
 
 __all__ = [
+    "DECIDED_BY",
     "Decision",
     "GateInputs",
     "GateResult",
@@ -91,6 +92,17 @@ class Reason(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+DECIDED_BY = {r.value: d.value for d, reasons in (
+    (Decision.ADMIT_FREE, (Reason.FITS,)),
+    (Decision.DEFER, (Reason.NON_FINITE_INPUT, Reason.BAD_SERVICE_GUESS, Reason.DEADLINE_PASSED,
+                      Reason.NEGATIVE_INPUT, Reason.QUEUE_AGE_CAP)),
+    (Decision.RESERVED, (Reason.DWELL_OVER_SLACK, Reason.RETRY_TAX_BUDGET, Reason.STATE_MISSING,
+                         Reason.FREE_PATH_DISABLED, Reason.DUPLICATE_PUBLISH)),
+) for r in reasons}  # fmt: skip
+"""The one decision each reason ``gate.lua`` gives comes with (its decision records leave the
+decision empty: gatekeeper/core/whatif.py FIELDS)."""
 
 
 @dataclass(frozen=True)

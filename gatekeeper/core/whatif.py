@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gatekeeper.core.dwell import Decision, GateInputs, Reason, decide, retry_tax_s
+from gatekeeper.core.dwell import DECIDED_BY, Decision, GateInputs, Reason, decide, retry_tax_s
 from gatekeeper.core.ledger import BudgetMode, admit
 from gatekeeper.core.review import Review, review_marks
 from gatekeeper.core.service import ServiceTimeMode, choose_service
@@ -62,7 +62,10 @@ FIELDS = ("d", "r", "j", "k", "a", "s", "x", "l", "y", "n", "c", "b", "u", "m", 
 stores them once per node): decision, reason, ``<job_id>:<attempt>``, task label, queue age,
 service used, retry tax, slack, delay, tokens, cap, budget, wait weight, budget mode, the
 window's tax and exposure, and ``p`` = ``<declared>|<learned p95>|<samples>|<retries left>|
-<wait allowance s>`` (what the publisher knew). Empty: not read (a decision made in process)."""
+<wait allowance s>`` (what the publisher knew). Empty: not read (a decision made in process);
+but ``d`` empty is the one decision ``gate.lua`` gives its reason (``dwell.DECIDED_BY``) and
+``m`` empty is ``exposure`` (so that a record costs less); a whole number may be written as an
+integer (``600`` for ``600.0``). Records written before that spell them out, and read alike."""
 NOTHING_KNOWN = "||0|0|0"
 """``p`` for a decision whose inputs could not be read (a bad input)."""
 
@@ -102,14 +105,16 @@ class DecisionRecord:
         """Parse a stream entry; raises ValueError (or KeyError) for one that is not a record."""
         job_id, _, attempt = fields["j"].rpartition(":")
         declared, p95, samples, left, allowance = (fields["p"] or NOTHING_KNOWN).split("|")
+        reason = fields["r"]
         return cls(
-            job_id=job_id, attempt=int(attempt), task=fields["k"], decision=fields["d"],
-            reason=fields["r"], queue_age_s=_maybe(fields["a"]),
+            job_id=job_id, attempt=int(attempt), task=fields["k"],
+            decision=fields["d"] or DECIDED_BY[reason], reason=reason,
+            queue_age_s=_maybe(fields["a"]),
             expected_service_s=_number(fields["s"]), retry_tax_s=_number(fields["x"]),
             deadline_slack_s=_number(fields["l"]), delay_s=_number(fields["y"]),
             tokens_in=int(fields["n"] or 0), max_queue_age_s=_number(fields["c"]),
             budget_units=_number(fields["b"]), queue_wait_unit_per_second=_number(fields["u"]),
-            budget_mode=fields["m"], tax_units=_maybe(fields["tu"]),
+            budget_mode=fields["m"] or BudgetMode.EXPOSURE.value, tax_units=_maybe(fields["tu"]),
             exposure=_maybe(fields["e"]), service_declared_s=_number(declared),
             service_learned_p95_s=_maybe(p95), service_samples=int(samples or 0),
             retries_left=int(left or 0), wait_allowance_s=_number(allowance), at_ms=at_ms,

@@ -17,8 +17,15 @@
 -- one to that bucket in the same step, so a run is counted once, only with its row, and a
 -- worker's run costs no round trip of its own for it.
 --
+-- After the row of the attempt's latest run (every run it has had now has its row) the record
+-- is cut to what a later run of the attempt and the one-row-per-attempt rule read
+-- (gatekeeper/redis/kept.py): nonce, decision, reason, runs, rowed, free_admitted (when 1),
+-- the replayer's fields, and `kept` = '<published_ms>|<deadline_ms>|<tokens_in>|<window>'
+-- for the row of a redelivery; the reservation is closed (`kept` present: nothing more to
+-- charge). The fields a redelivered run's start writes again are dropped.
+--
 -- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row; reserved,
---                                  charged
+--                                  charged, kept
 -- KEYS[2] window:<row window>       hash: rows:<outcome> (a reserved row)
 -- KEYS[3] window:<row window>:rows  list: ledger rows (JSON): a reserved row's
 -- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>"
@@ -53,17 +60,23 @@
 local function fmt17(x) return string.format('%.17g', x) end
 
 local run = tonumber(ARGV[2])
-local rowed = tonumber(redis.call('HGET', KEYS[1], 'rowed') or '0')
-if rowed >= run then
+-- The record read once: what this row needs, and what a cut keeps (below).
+local rec = redis.call('HMGET', KEYS[1], 'rowed', 'runs', 'reserved', 'charged', 'kept',
+  'published_ms', 'deadline_ms', 'tokens_in', 'window', 'free_admitted', 'prev_nonce')
+if tonumber(rec[1] or '0') >= run then
   return {0, 0, 0}
 end
 redis.call('HSET', KEYS[1], 'rowed', run)
+-- The attempt's last run: no run of it is left without its row, so the record is cut below
+-- (what `charged` and `reserved` would say after this row, `kept` says: closed).
+local cut = rec[2] ~= false and tonumber(rec[2]) == run
 local free = ARGV[5] == 'free'
 local window, rows, row = KEYS[2], KEYS[3], ARGV[3]
 if free then
   window, rows = KEYS[6], KEYS[7]
   local tax = tonumber(ARGV[6])
-  local held = redis.call('HMGET', KEYS[1], 'reserved', 'charged')
+  local held = {rec[3], rec[4]}
+  if rec[5] and not held[1] then held[1] = '0' end  -- cut after an earlier row: closed
   if held[1] then  -- a record written before reservations has no cap to apply
     local left = math.max(0, tonumber(held[1]) - tonumber(held[2] or '0'))
     if tax > left then
@@ -71,7 +84,8 @@ if free then
       row = ARGV[10] .. ', "retry_tax": ' .. fmt17(tax) .. '}'
     end
   end
-  local charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
+  local charged = '0'
+  if not cut then charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax) end
   redis.call('HINCRBYFLOAT', window, 'tax_units', tax)
   if ARGV[4] == 'killed' then
     redis.call('HINCRBY', window, 'killed_free', 1)
@@ -90,7 +104,7 @@ if free then
       end
       redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -math.min(tax, tonumber(amount)))
     end
-  elseif held[1] then
+  elseif held[1] and not cut then
     -- The attempt's latest run has its row: the reservation closes (what was not charged
     -- goes back below), so a later run of it (a redelivery) is charged nothing.
     redis.call('HSET', KEYS[1], 'reserved', charged)
@@ -131,6 +145,18 @@ if ARGV[12] ~= '' then
     redis.call('HINCRBY', KEYS[10], 'lower_bounds', 1)
   end
   redis.call('SADD', KEYS[11], ARGV[14])
+end
+if cut then
+  local gone = {'published_ms', 'deadline_ms', 'tokens_in', 'window', 'admitted_ms', 'dwell_s',
+    'label', 'reserved', 'charged', 'expired_ms', 'started_ms', 'start_token', 'start_dead',
+    'task', 'retries', 'max_retries', 'time_limit_s', 'tokens_out', 'worker'}
+  if rec[10] ~= '1' then gone[#gone + 1] = 'free_admitted' end
+  if rec[11] == '' then gone[#gone + 1] = 'prev_nonce' end
+  if rec[6] or not rec[5] then  -- (a publish of the attempt after a cut writes its fields anew)
+    redis.call('HSET', KEYS[1], 'kept', (rec[6] or '') .. '|' .. (rec[7] or '') .. '|'
+      .. (rec[8] or '') .. '|' .. (rec[9] or ''))
+  end
+  redis.call('HDEL', KEYS[1], unpack(gone))
 end
 local misses = tonumber(redis.call('HGET', KEYS[6], 'slack_misses') or '0')
 local admitted = tonumber(redis.call('HGET', KEYS[6], 'admitted_free') or '0')

@@ -109,7 +109,7 @@ local service = tonumber(ARGV[3])
 local tax = tonumber(ARGV[4])
 local slack = tonumber(ARGV[5])
 local cap = tonumber(ARGV[6])
-local delay = ARGV[16] == '0.0' and 0 or tonumber(ARGV[16])  -- most tasks are not delayed
+local delay = ARGV[16] == '0' and 0 or tonumber(ARGV[16])  -- most tasks are not delayed
 local fast = #ARGV >= 33
 local seen  -- the window's tax_units, exposure and free_age_max_ms, once read
 local held = redis.call('HMGET', KEYS[6], 'nonce', 'decision', 'reason', 'free_admitted',
@@ -239,15 +239,17 @@ local function decided(decision, reason, dwell, projected)
     end
   end
   -- The decision record (gatekeeper tune): its inputs as this script saw them. The age in
-  -- 17 digits, so that it reads back as the same double. Best effort: a refused XADD (an ACL
-  -- from before records, the key of another type) must not fail a decision whose writes
-  -- are made (a script is not rolled back); it is counted in totals' records_refused.
+  -- 17 digits, so that it reads back as the same double; the decision left empty (its reason
+  -- says it: whatif.py DECIDED_BY), the default budget mode too. Best effort: a refused XADD
+  -- (an ACL from before records, the key of another type) must not fail a decision whose
+  -- writes are made (a script is not rolled back); it is counted in totals' records_refused.
   if ARGV[29] ~= '0' then
-    local kept = redis.pcall('XADD', KEYS[10], 'MAXLEN', '~', ARGV[29], '*', 'd', decision,
+    local kept = redis.pcall('XADD', KEYS[10], 'MAXLEN', '~', ARGV[29], '*', 'd', '',
       'r', reason, 'j', ARGV[2], 'k', ARGV[26],
       'a', age == 0 and '0' or string.format('%.17g', age), 's', ARGV[3],
       'x', ARGV[4], 'l', ARGV[5], 'y', ARGV[16], 'n', ARGV[7], 'c', ARGV[6], 'b', ARGV[8],
-      'u', ARGV[9], 'm', ARGV[10], 'tu', seen[1] or '0', 'e', seen[2] or '0', 'p', ARGV[28])
+      'u', ARGV[9], 'm', ARGV[10] == 'exposure' and '' or ARGV[10], 'tu', seen[1] or '0',
+      'e', seen[2] or '0', 'p', ARGV[28])
     if type(kept) == 'table' and kept.err then
       redis.call('HINCRBY', KEYS[8], 'records_refused', '1')
     end

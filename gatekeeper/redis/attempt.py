@@ -33,6 +33,7 @@ from gatekeeper.core.spec import DeclaredInputs, GatedSpec, header_number, resol
 from gatekeeper.core.whatif import NOTHING_KNOWN
 from gatekeeper.errors import BadDeclaredInput
 from gatekeeper.redis.keys import OTHER_TASK
+from gatekeeper.redis.numbers import exact
 
 __all__ = [
     "Attempt",
@@ -160,11 +161,11 @@ def resolve(
     tax_s = retry_tax_s(left, service_s)
     slack = inputs.deadline_at - now
     p95 = chosen.get("service_learned_p95_s")  # exact in the decision record, 6 places in the line
-    learned = "" if p95 is None else repr(float(p95))
+    learned = "" if p95 is None else exact(p95)
     if p95 is not None:  # the chooser's own dict, made for this publish
         chosen["service_learned_p95_s"] = round(p95, 6)
     samples = chosen.get("service_samples", 0)
-    publisher = f"{declared!r}|{learned}|{samples}|{max(left, 0)}|{wait_allowance_s!r}"
+    publisher = f"{exact(declared)}|{learned}|{samples}|{max(left, 0)}|{exact(wait_allowance_s)}"
     fields = identity(publish)
     if delay:
         fields["delay_s"] = delay

@@ -21,6 +21,7 @@ from gatekeeper.core.whatif import DecisionRecord
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.attempt import Attempt
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.numbers import exact
 from gatekeeper.redis.scripts import text_of
 from gatekeeper.settings import GatekeeperSettings
 
@@ -34,12 +35,11 @@ def in_process_inputs(attempt: Attempt, settings: GatekeeperSettings) -> dict[st
     """The record of a decision made before the gate script: the queue's age, the window's
     tax and exposure were not read (empty)."""
     return {
-        "s": repr(float(attempt.service_s)), "x": repr(float(attempt.tax_s)),
-        "l": repr(float(attempt.slack_s)), "y": repr(float(attempt.delay_s)),
-        "n": str(attempt.inputs.tokens_in), "c": repr(float(settings.max_queue_age_s)),
-        "b": repr(float(settings.budget_units)),
-        "u": repr(float(settings.queue_wait_unit_per_second)),
-        "m": settings.budget_mode.value, "p": attempt.publisher,
+        "s": exact(attempt.service_s), "x": exact(attempt.tax_s), "l": exact(attempt.slack_s),
+        "y": exact(attempt.delay_s), "n": str(attempt.inputs.tokens_in),
+        "c": exact(settings.max_queue_age_s), "b": exact(settings.budget_units),
+        "u": exact(settings.queue_wait_unit_per_second), "m": settings.budget_mode.value,
+        "p": attempt.publisher,
     }  # fmt: skip
 
 

@@ -46,6 +46,11 @@ namespace's slot):
     redelivery), ``rowed`` (the last run that has its row), ``started_ms`` and what the worker
     knows itself (``task``, ``retries``, ``max_retries``, ``time_limit_s``, ``tokens_out``,
     ``worker``: the hostname of the worker it started on).
+    Once every run it has had has its row, ``finish.lua`` cuts it to ``nonce``, ``decision``,
+    ``reason``, ``runs``, ``rowed``, ``free_admitted`` (when ``1``), the replayer's fields
+    and ``kept`` = ``<published_ms>|<deadline_ms>|<tokens_in>|<window>`` (what a redelivery's
+    row needs; its presence closes the reservation), about 270 bytes instead of about 620,
+    for the rest of its TTL (gatekeeper/redis/kept.py).
     A decision made without Redis, or a bad input, writes none: its row is unverified.
 ``gatekeeper:{default}:window:<id>`` - hash, TTL = window retention
     One ledger window (``id`` = epoch seconds // ``window_seconds``): ``tax_units``

@@ -22,6 +22,7 @@ from gatekeeper.core.service import bucket_of
 from gatekeeper.defaults import DECISION_RECORD_CAP, FREE_WAIT_ALLOWANCE_S, WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.cluster import home
+from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
@@ -72,6 +73,7 @@ class RunRecord:
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> RunRecord:
         """Read a record as stored (missing fields take their defaults)."""
+        fields = unpack(fields)  # a record cut after its row (gatekeeper/redis/kept.py)
         decision = fields.get("decision", "")
         path = Path.FREE if decision == "admit_free" else Path.RESERVED
         return cls(
@@ -179,7 +181,7 @@ class RunLedger:
             raw = self.client.hgetall(self.keys.run(job_id, attempt))
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read run {job_id}:{attempt}: {exc}") from exc
-        return {text_of(k): text_of(v) for k, v in raw.items()}
+        return unpack({text_of(k): text_of(v) for k, v in raw.items()})
 
     def record(self, job_id: str, attempt: int) -> tuple[int, RunRecord] | None:
         """The attempt's latest run number and record, or None when it never started."""

@@ -30,6 +30,7 @@ from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.call import DECISIONS, REASONS, GateCall, ScoredAttempt
 from gatekeeper.redis.cluster import is_cluster
 from gatekeeper.redis.keys import DEFERRED_CAP, OTHER_TASK, Keys
+from gatekeeper.redis.numbers import exact
 from gatekeeper.redis.push import Push
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
 from gatekeeper.redis.wire import Line
@@ -94,9 +95,9 @@ class GateStore:
         args = [
             repr(call.now_s * 1000),
             f"{call.job_id}:{call.attempt}",
-            repr(float(call.expected_service_s)),
-            repr(float(call.retry_tax_s)),
-            repr(float(call.deadline_slack_s)),
+            exact(call.expected_service_s),
+            exact(call.retry_tax_s),
+            exact(call.deadline_slack_s),
             cap,
             str(call.tokens_in),
             budget,
@@ -107,7 +108,7 @@ class GateStore:
             call.job_id,
             str(call.attempt),
             str(_ms(call.deadline_slack_s)),
-            repr(float(call.delay_s)),
+            exact(call.delay_s),
             str(call.window_id),
             call.nonce,
             str(_ms(call.published_s)),
@@ -133,8 +134,8 @@ class GateStore:
                call.budget_mode, call.wait_allowance_s)  # fmt: skip
         if self._fixed_args is None or self._fixed_args[0] != key:
             self._fixed_args = (key, (
-                repr(float(call.max_queue_age_s)), repr(float(call.budget_units)),
-                repr(float(call.queue_wait_unit_per_second)), call.budget_mode.value,
+                exact(call.max_queue_age_s), exact(call.budget_units),
+                exact(call.queue_wait_unit_per_second), call.budget_mode.value,
                 repr(self.horizon_s * 1000), str(self.retention_s), str(self.record_ttl_s),
                 repr(float(call.wait_allowance_s * call.queue_wait_unit_per_second)),
                 str(DEFERRED_CAP),

@@ -1,0 +1,178 @@
+"""A run record cut after its row (gatekeeper/redis/kept.py): a finished attempt keeps only
+what later reads need, and what comes after its row (a redelivery, a signal fired twice, a
+forged copy) is recorded as it was before the cut. Real Redis, real scripts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import redis
+
+from gatekeeper.core.ledger import BudgetMode, LedgerRow, Outcome
+from gatekeeper.defaults import RECORD_RETENTION_S
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger, RunRecord
+from gatekeeper.redis.scripts import read_rows
+from gatekeeper.redis.store import GateStore
+from tests.calls import gate_call
+
+KEYS = Keys()
+NOW = 1_800_000_000.0
+WINDOW = 7
+OWN = {"task": "t", "retries": "0", "max_retries": "3", "time_limit_s": "0.0",
+       "tokens_out": "50", "worker": "w1"}  # fmt: skip
+CUT = {"nonce", "decision", "reason", "free_admitted", "runs", "rowed", "kept"}
+
+
+def ms(seconds: float) -> int:
+    return round(seconds * 1000)
+
+
+def ledger(client: redis.Redis) -> RunLedger:
+    return RunLedger(client, KEYS, window_seconds=900, queue_wait_unit_per_second=200,
+                     wait_allowance_s=10)  # fmt: skip
+
+
+def admitted(client: redis.Redis, job: str, at: float = NOW) -> str:
+    """gate.lua admits ``job`` to free at ``at`` (its record, exposure and TTL); its nonce."""
+    call = gate_call(at, window_id=WINDOW, job_id=job, tokens_in=1200, budget_units=1e9,
+                     queue_wait_unit_per_second=200, wait_allowance_s=10, deadline_slack_s=90,
+                     budget_mode=BudgetMode.EXPOSURE)  # fmt: skip
+    assert GateStore(client, KEYS).score(call).decision.value == "admit_free"
+    return call.nonce
+
+
+def run_once(runs: RunLedger, job: str, nonce: str, at: float, outcome: Outcome) -> RunRecord:
+    """Start and end one run of ``job`` (attempt 1) as a worker does; its record at start."""
+    started = runs.start(job, 1, nonce, OWN, ms(at))
+    assert started.record is not None and started.dead is None
+    row = runs.row_for(job, 1, started.record, outcome, ms(at + 1))
+    assert runs.finish(row, started.run, started.record, ms(at + 1)).written
+    return started.record
+
+
+def stored(client: redis.Redis, job: str) -> dict[str, str]:
+    raw = client.hgetall(KEYS.run(job, 1))
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def rows_of(client: redis.Redis, job: str) -> list[dict[str, object]]:
+    return [r for r in read_rows(client, KEYS, WINDOW) if r["job_id"] == job]
+
+
+def test_the_record_of_a_finished_attempt_keeps_only_what_later_reads_need(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    whole = len(redis_client.hkeys(KEYS.run("A", 1)))
+    run_once(runs, "A", nonce, NOW + 2, Outcome.OK)
+    record = stored(redis_client, "A")
+    assert set(record) == CUT, whole
+    assert (record["nonce"], record["runs"], record["rowed"]) == (nonce, "1", "1")
+    assert record["kept"] == f"{ms(NOW)}|{ms(NOW + 90)}|1200|{WINDOW}"
+
+
+def test_the_cut_record_keeps_the_ttl_the_gate_gave_the_record(redis_client: redis.Redis) -> None:
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    run_once(runs, "A", nonce, NOW + 2, Outcome.OK)
+    assert RECORD_RETENTION_S - 5 < redis_client.ttl(KEYS.run("A", 1)) <= RECORD_RETENTION_S
+
+
+def test_a_record_with_a_run_still_going_is_not_cut(redis_client: redis.Redis) -> None:
+    """A dead run's row, written when the redelivered copy starts: the live run still needs
+    the whole record (the sweep reads its worker, start time and time limit)."""
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    runs.start("A", 1, nonce, OWN, ms(NOW + 2))  # its worker dies
+    again = runs.start("A", 1, nonce, OWN, ms(NOW + 5))
+    assert again.dead is not None
+    row = runs.row_for("A", 1, again.dead, Outcome.KILLED, ms(NOW + 5))
+    assert runs.finish(row, again.dead_run, again.dead, ms(NOW + 5), current=False).written
+    record = stored(redis_client, "A")
+    assert "kept" not in record and record["worker"] == "w1" and record["started_ms"]
+
+
+def test_a_redelivery_after_the_cut_gets_the_row_the_whole_record_would_give(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    first = run_once(runs, "A", nonce, NOW + 2, Outcome.OK)
+    tax = float(redis_client.hget(KEYS.window(WINDOW), "tax_units") or 0)
+    again = runs.start("A", 1, nonce, OWN, ms(NOW + 30))  # the ack was lost: delivered again
+    assert again.record is not None and (again.run, again.dead) == (2, None)
+    row = runs.row_for("A", 1, again.record, Outcome.OK, ms(NOW + 31))
+    assert runs.finish(row, again.run, again.record, ms(NOW + 31)).written
+    expected = runs.row_for("A", 1, replace(first, started_ms=ms(NOW + 30)), Outcome.OK,
+                            ms(NOW + 31))  # fmt: skip
+    second = rows_of(redis_client, "A")[1]
+    assert {**second, "retry_tax": None} == {**expected.to_json(), "retry_tax": None}
+    assert second["queue_wait_ms"] == 30_000 and second["deadline_slack_ms"] == 59_000
+    assert second["retry_tax"] == 0  # the reservation closed with the first row
+    assert float(redis_client.hget(KEYS.window(WINDOW), "tax_units") or 0) == tax
+    assert set(stored(redis_client, "A")) == CUT and stored(redis_client, "A")["rowed"] == "2"
+
+
+def test_a_redelivery_that_dies_after_the_cut_gets_its_killed_row_before_the_next_runs(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    run_once(runs, "A", nonce, NOW + 2, Outcome.OK)
+    runs.start("A", 1, nonce, OWN, ms(NOW + 30))  # delivered again; that worker dies too
+    third = runs.start("A", 1, nonce, OWN, ms(NOW + 40))
+    assert third.record is not None and third.dead is not None and third.dead_run == 2
+    assert third.dead.started_ms == ms(NOW + 30)
+    dead = runs.row_for("A", 1, third.dead, Outcome.KILLED, ms(NOW + 40))
+    assert runs.finish(dead, 2, third.dead, ms(NOW + 40), current=False).written
+    row = runs.row_for("A", 1, third.record, Outcome.OK, ms(NOW + 41))
+    assert runs.finish(row, third.run, third.record, ms(NOW + 41)).written
+    found = rows_of(redis_client, "A")
+    assert [(r["outcome"], r["queue_wait_ms"], r["tokens_in"]) for r in found] == [
+        ("ok", 2000, 1200), ("killed", 30_000, 1200), ("ok", 40_000, 1200)
+    ]  # fmt: skip
+    assert [r["retry_tax"] for r in found[1:]] == [0, 0]
+
+
+def test_a_failure_signalled_twice_after_the_cut_writes_one_row(redis_client: redis.Redis) -> None:
+    """Celery 5.7's hard time limit fires task_failure twice; the second is ended from the
+    main process, from the record as stored (gatekeeper/celery/worker.py _finish_elsewhere)."""
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    run_once(runs, "A", nonce, NOW + 2, Outcome.KILLED)
+    tax = float(redis_client.hget(KEYS.window(WINDOW), "tax_units") or 0)
+    found = runs.record("A", 1)
+    assert found is not None and found[1].nonce == nonce
+    run, record = found
+    row: LedgerRow = runs.row_for("A", 1, record, Outcome.KILLED, ms(NOW + 4))
+    assert not runs.finish(row, run, record, ms(NOW + 4)).written
+    assert len(rows_of(redis_client, "A")) == 1
+    assert float(redis_client.hget(KEYS.window(WINDOW), "tax_units") or 0) == tax
+
+
+def test_a_copy_with_another_nonce_after_the_cut_is_still_refused(
+    redis_client: redis.Redis,
+) -> None:
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    run_once(runs, "A", nonce, NOW + 2, Outcome.OK)
+    forged = runs.start("A", 1, "not-" + nonce, OWN, ms(NOW + 30))
+    assert forged.record is None and forged.refused == "forged"
+    assert stored(redis_client, "A")["runs"] == "1"
+
+
+def test_a_publish_of_the_same_attempt_after_the_cut_is_decided_anew(
+    redis_client: redis.Redis,
+) -> None:
+    """Not taken for a duplicate of a live publish: every run of the cut record has its row."""
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    run_once(runs, "A", nonce, NOW + 2, Outcome.OK)
+    again = admitted(redis_client, "A", NOW + 100)
+    assert again != nonce and stored(redis_client, "A")["nonce"] == again
+    run_once(runs, "A", again, NOW + 103, Outcome.OK)
+    found = rows_of(redis_client, "A")
+    assert [(r["outcome"], r["queue_wait_ms"]) for r in found] == [("ok", 2000), ("ok", 3000)]
+    assert stored(redis_client, "A")["kept"] == f"{ms(NOW + 100)}|{ms(NOW + 190)}|1200|{WINDOW}"
