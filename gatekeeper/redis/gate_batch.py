@@ -5,18 +5,17 @@ The replayer scores a batch of deferred messages at once. Each publish takes
 the decisions made in process; ``gate_call``: the script's request; ``scored`` or
 ``unscored``: its routing and its one log line), so a batch decides exactly what as many
 :meth:`~gatekeeper.redis.gate.Pipeline.route` calls would; only the scripts of those that
-reach step 4 go together (:meth:`~gatekeeper.redis.store.GateStore.score_all`), each sent
-as soon as it is made, the replies read after the last. Redis runs them one after the
-other, in the batch's order, each atomic as on its own.
+reach step 4 go together, in one round trip
+(:meth:`~gatekeeper.redis.store.GateStore.score_all`). Redis runs them one after the other,
+in the batch's order, each atomic as on its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.attempt import Attempt, Publish
-from gatekeeper.redis.call import GateCall
 from gatekeeper.redis.gate import Pipeline, Routing
 
 __all__ = ["route_all"]
@@ -24,23 +23,15 @@ __all__ = ["route_all"]
 
 def route_all(pipeline: Pipeline, publishes: Sequence[Publish]) -> list[Routing | Exception]:
     """The routing of each publish, in order, or the exception its decision raised (one bad
-    publish does not stop the others). Each script is sent as soon as its publish has taken
-    steps 1 to 3, so Redis runs it while the next one takes them."""
-    routed: list[Routing | Exception | Attempt] = []
-
-    def calls() -> Iterator[GateCall]:
-        for publish in publishes:
-            step: Routing | Attempt | Exception
-            try:
-                step = pipeline.unscripted(publish)
-                call = pipeline.gate_call(step) if isinstance(step, Attempt) else None
-            except Exception as exc:
-                step, call = exc, None
-            routed.append(step)
-            if call is not None:
-                yield call
-
-    answers = iter(pipeline.store.score_all(calls()))
+    publish does not stop the others)."""
+    routed: list[Routing | Attempt | Exception] = []
+    for publish in publishes:
+        try:
+            routed.append(pipeline.unscripted(publish))
+        except Exception as exc:
+            routed.append(exc)
+    attempts = [step for step in routed if isinstance(step, Attempt)]
+    answers = iter(pipeline.store.score_all([pipeline.gate_call(a) for a in attempts]))
     routings: list[Routing | Exception] = []
     for step in routed:
         if not isinstance(step, Attempt):

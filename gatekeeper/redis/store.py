@@ -10,7 +10,7 @@ path's calls then fail at once, without a socket, until its probe finds Redis ba
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -32,7 +32,7 @@ from gatekeeper.redis.cluster import is_cluster
 from gatekeeper.redis.keys import DEFERRED_CAP, OTHER_TASK, Keys
 from gatekeeper.redis.push import Push
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
-from gatekeeper.redis.wire import Line, call_all
+from gatekeeper.redis.wire import Line
 
 __all__ = ["GateCall", "GateStore", "ScoredAttempt"]
 
@@ -175,37 +175,27 @@ class GateStore:
             channel.release()
         return self._gate_reply(reply)
 
-    def score_all(self, calls: Iterable[GateCall]) -> list[ScoredAttempt | LedgerUnavailable]:
-        """:meth:`score` for each call, in order: what it decided, or why it failed. Each
-        script is sent as soon as ``calls`` makes its call, so Redis runs it while the caller
-        makes the next; the replies are read after the last (:func:`call_all`). Each is marked
-        as a request that may have run (a pipeline's client may send it again)."""
-        requests: list[tuple[list[str], list[str]]] = []
-
-        def commands() -> Iterator[list[str]]:
-            for call in calls:
-                keys, args = self.gate_call(call)
-                args[RERUN] = "1"
-                requests.append((keys, args))
-                yield ["EVALSHA", self._gate.sha, str(len(keys)), *keys, *args]
-
-        sent = commands()
+    def score_all(self, calls: Sequence[GateCall]) -> list[ScoredAttempt | LedgerUnavailable]:
+        """:meth:`score` for each call, in order: what it decided, or why it failed. The
+        scripts go in one round trip (a redis-py pipeline, whose client may send it again:
+        each is marked as a request that may have run)."""
+        requests = [self.gate_call(call) for call in calls]
         try:
             if self.breaker is not None:
                 self.breaker.check("gate script")
-            replies = call_all(self.client, sent)
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args in requests:
+                args[RERUN] = "1"
+                pipe.evalsha(self._gate.sha, len(keys), *keys, *args)
+            replies = pipe.execute(raise_on_error=False)
         except LedgerUnavailable as exc:  # the breaker is open
-            failure = exc
+            return [exc] * len(requests)
         except redis.RedisError as exc:  # no answer to trust: one failure for all
-            failure = LedgerUnavailable(f"gate script failed: {exc}")
             if self.breaker is not None:
                 self.breaker.failed(exc)
-        else:
-            return [self._answer(keys, args, reply) for (keys, args), reply in
-                    zip(requests, replies, strict=True)]  # fmt: skip
-        for _ in sent:  # the calls not made yet fail too
-            pass
-        return [failure] * len(requests)
+            return [LedgerUnavailable(f"gate script failed: {exc}")] * len(requests)
+        return [self._answer(keys, args, reply) for (keys, args), reply in
+                zip(requests, replies, strict=True)]  # fmt: skip
 
     def _answer(self, keys: list[str], args: list[str], reply: Any) -> Any:
         if isinstance(reply, NoScriptError):  # a restarted or flushed Redis

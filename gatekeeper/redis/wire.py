@@ -24,7 +24,7 @@ import inspect
 import os
 import select
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -40,7 +40,7 @@ try:
 except ImportError:  # pragma: no cover - hiredis is optional
     hiredis = None
 
-__all__ = ["Line", "call_all", "call_script", "has_lines"]
+__all__ = ["Line", "call_script", "has_lines"]
 
 RAW = hiredis is not None and hasattr(hiredis, "pack_command")
 """hiredis packs and parses; without it, redis-py's connection does both."""
@@ -165,40 +165,6 @@ def call_script(
         channel.release()
     client.script_load(script.script)
     return evalsha(client, script, list(keys), args)
-
-
-def call_all(client: redis.Redis, commands: Iterable[Sequence[str]]) -> list[Any]:
-    """Each command's reply, or its :class:`redis.ResponseError`, in order. Each command is
-    sent on one of ``client``'s pooled connections as soon as ``commands`` makes it, and the
-    replies are read after the last: the server works through them while the caller makes
-    the next. Raises redis-py's other errors, and what ``commands`` raises (the connection
-    is then dropped: replies may be on their way). Without a pool (:func:`has_lines`), one
-    redis-py pipeline, sent once the commands are all made."""
-    if not has_lines(client):
-        pipe = client.pipeline(transaction=False)
-        for parts in commands:
-            pipe.execute_command(*parts)  # type: ignore[no-untyped-call]
-        return list(pipe.execute(raise_on_error=False))
-    pool = client.connection_pool
-    conn = _get_connection(pool)
-    sent = 0
-    try:
-        for parts in commands:
-            packed = [hiredis.pack_command(tuple(parts))] if RAW else conn.pack_command(*parts)
-            conn.send_packed_command(packed, check_health=False)
-            sent += 1
-        replies: list[Any] = []
-        for _ in range(sent):
-            try:
-                replies.append(conn.read_response())
-            except redis.ResponseError as exc:  # this command's own error: the rest stand
-                replies.append(exc)
-        return replies
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
 
 
 _RESP3_ONLY = frozenset(
