@@ -72,9 +72,9 @@ def round_trips_of_a_pass(redis_url: str, n: int, batch_size: int) -> int:
 def test_a_batch_costs_six_round_trips_not_six_per_message(redis_url: str, batch_size: int) -> None:
     # Six per batch: the claim, the records, the decisions, the handoffs, the move, the
     # deadlines; and the pass's own few (the lock's recovery, one length per priority list,
-    # the pass's record: a dozen).
+    # the pass's record: a dozen; a renewal of the lock or a read of the flags, if due).
     batches = -(-60 // batch_size)
-    assert round_trips_of_a_pass(redis_url, 60, batch_size) <= 6 * batches + 12
+    assert round_trips_of_a_pass(redis_url, 60, batch_size) <= 6 * batches + 20
 
 
 def test_a_batch_is_not_moved_once_its_tenure_is_over(
