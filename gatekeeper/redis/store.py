@@ -178,7 +178,12 @@ class GateStore:
     def score_all(self, calls: Sequence[GateCall]) -> list[ScoredAttempt | LedgerUnavailable]:
         """:meth:`score` for each call, in order: what it decided, or why it failed. The
         scripts go in one round trip (a redis-py pipeline, whose client may send it again:
-        each is marked as a request that may have run)."""
+        each is marked as a request that may have run); one call goes as :meth:`score`'s."""
+        if len(calls) == 1:
+            try:
+                return [self.score(calls[0])]
+            except LedgerUnavailable as exc:
+                return [exc]
         requests = [self.gate_call(call) for call in calls]
         try:
             if self.breaker is not None:
