@@ -2,9 +2,10 @@
 
 Run on demand (this is not a test)::
 
-    python bench/replay.py [-n N] [--rounds R] [--rabbitmq] [--profile]
+    python bench/replay.py [-n N] [--rounds R] [--rabbitmq] [--profile] [--batch-size B]
 
-What it measures. One embedded ``redis-server`` is broker and gate. Each round publishes
+What it measures. One embedded ``redis-server`` is broker and gate; the replayer works in
+batches of ``--batch-size`` (``replay_batch_size``, default 100) on it. Each round publishes
 ``N`` gated tasks while the gate defers them (a member of the free queue's waiting set, 200 s
 old, makes the queue older than ``max_queue_age_s``, 120 s here: ``defer/queue_age_cap``, as
 in tests/test_replay.py), then removes that member, so the same tasks fit again, and times
@@ -24,9 +25,14 @@ How to read the output:
     ``moved_per_s`` over all rounds (tasks moved over the time of the timed passes), each
     round's figure, and the pass's counts (``to_free=N`` is the only passing value).
 ``redis per moved task``
-    ``INFO stats`` ``total_reads_processed`` (round trips) and ``total_commands_processed``
-    per moved task over the timed passes, on the one server (Redis broker), corrected for the
-    readings themselves.
+    ``round_trips``: how many times the bench process waited for Redis during the timed
+    passes, each wait for a reply that follows a request (a command, a pipeline, a
+    transaction, or a batch's scripts sent one after the other and then read), counted on
+    redis-py's connections and the gate script's own line (:mod:`gatekeeper.redis.wire`);
+    ``reads``: ``INFO stats`` ``total_reads_processed``, the server's socket reads (a large
+    request, a batch's pipeline, takes several); ``commands``: ``total_commands_processed``
+    (a script's own commands included). Per moved task, on the one server (Redis broker), the
+    server's figures corrected for the readings themselves.
 ``moved_per_s=``
     The Redis broker's figure, last (the issue's target: at least 3000/s).
 
@@ -66,13 +72,16 @@ import celery
 import redis
 from celery import Celery
 from options import positive  # bench/options.py (this folder is on sys.path)
+from redis.connection import AbstractConnection
 
 import gatekeeper
 from gatekeeper.celery.broker import broker_for
 from gatekeeper.celery.replay import Replayer
+from gatekeeper.defaults import REPLAY_BATCH_SIZE
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.wire import Line
 from gatekeeper.settings import GatekeeperSettings
 
 TASK = "bench.deferred_noop"
@@ -84,7 +93,7 @@ COUNTERS = ("total_reads_processed", "total_commands_processed")
 REPO = Path(gatekeeper.__file__).resolve().parents[1]
 
 
-def bench_settings(gate_url: str, broker_url: str) -> GatekeeperSettings:
+def bench_settings(gate_url: str, broker_url: str, batch_size: int) -> GatekeeperSettings:
     """The gate on for every job, the age cap at 120 s (the stale member is 200 s old, inside
     the 300 s horizon; the tasks the pass moves to free age while it runs), and a budget no
     round can exhaust, so that every replayed task fits."""
@@ -96,7 +105,60 @@ def bench_settings(gate_url: str, broker_url: str) -> GatekeeperSettings:
         max_queue_age_s=120.0,
         budget_units=1e12,
         free_wait_allowance_s=600,
+        replay_batch_size=batch_size,
     )
+
+
+class RoundTrips:
+    """Counts this process's round trips to Redis while ``counting``: each wait for a reply
+    that follows a request on a connection (a command, a pipeline or a transaction, or
+    commands sent one after the other and then read), on redis-py's
+    connections and on the gate script's own line."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+        self._sent: set[int] = set()
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        send, read = AbstractConnection.send_packed_command, AbstractConnection.read_response
+        line_send, line_read = Line.send, Line.read
+
+        def sent(conn: Any) -> None:
+            self._sent.add(id(conn))
+
+        def waited(conn: Any) -> None:
+            if id(conn) in self._sent:
+                self._sent.discard(id(conn))
+                self.waits += 1
+
+        def counted_send(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            sent(conn)
+            return send(conn, *args, **kwargs)
+
+        def counted_read(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            waited(conn)
+            return read(conn, *args, **kwargs)
+
+        def counted_line_send(line: Line, parts: Any) -> None:
+            sent(line)
+            line_send(line, parts)
+
+        def counted_line_read(line: Line) -> Any:
+            waited(line)
+            return line_read(line)
+
+        patches = [(AbstractConnection, "send_packed_command", counted_send, send),
+                   (AbstractConnection, "read_response", counted_read, read),
+                   (Line, "send", counted_line_send, line_send),
+                   (Line, "read", counted_line_read, line_read)]  # fmt: skip
+        for owner, name, patched, _ in patches:
+            setattr(owner, name, patched)
+        try:
+            yield
+        finally:
+            for owner, name, _, original in patches:
+                setattr(owner, name, original)
 
 
 def create_app(settings: GatekeeperSettings) -> Celery:
@@ -118,6 +180,7 @@ class Pass:
     seconds: float = 0.0
     counts: Counter[str] = field(default_factory=Counter)
     server: dict[str, int] = field(default_factory=dict)
+    round_trips: int = 0
     problems: list[str] = field(default_factory=list)
 
 
@@ -194,10 +257,10 @@ class Rabbit(Kind):
 
 
 class Bench:
-    def __init__(self, kind: Kind, gate_url: str) -> None:
+    def __init__(self, kind: Kind, gate_url: str, batch_size: int) -> None:
         self.kind = kind
         self.gate = kind.gate
-        self.settings = bench_settings(gate_url, kind.broker_url)
+        self.settings = bench_settings(gate_url, kind.broker_url, batch_size)
         FlagStore(self.gate, self.settings).initialise(
             "bench/replay.py: a new namespace", "bench", time.time(), open_path=True
         )
@@ -238,14 +301,17 @@ class Bench:
         result.problems.extend(self.deferred_as_published(result.ids))
         self.gate.zrem(KEYS.free_waiting, STALE)
         before = self.counters()
+        trips = RoundTrips()
         if profile is not None:
             profile.enable()
-        start = time.perf_counter()
-        self.replayer.run(stop, once=True)
-        result.seconds = time.perf_counter() - start
+        with trips.counting():
+            start = time.perf_counter()
+            self.replayer.run(stop, once=True)
+            result.seconds = time.perf_counter() - start
         if profile is not None:
             profile.disable()
         after = self.counters()
+        result.round_trips = trips.waits
         result.counts = Counter(self.replayer.counts)
         result.server = {c: after[c] - before[c] - self.overhead[c] for c in COUNTERS}
         result.problems.extend(self.none_lost(result))
@@ -323,9 +389,11 @@ class Failed(Exception):
         self.problems = problems
 
 
-def run_broker(kind: Kind, gate_url: str, n: int, rounds: int, profile: bool) -> list[str]:
+def run_broker(
+    kind: Kind, gate_url: str, n: int, rounds: int, profile: bool, batch_size: int
+) -> list[str]:
     """The rounds on one broker: the lines to print, or raises Failed with the reasons."""
-    bench = Bench(kind, gate_url)
+    bench = Bench(kind, gate_url, batch_size)
     try:
         passes = [bench.round(n) for _ in range(rounds)]
         profiled = None
@@ -346,9 +414,11 @@ def run_broker(kind: Kind, gate_url: str, n: int, rounds: int, profile: bool) ->
         f"each pass {counts})"
     ]
     if kind.name == "redis":
-        trips = sum(p.server["total_reads_processed"] for p in passes) / (n * rounds)
+        trips = sum(p.round_trips for p in passes) / (n * rounds)
+        reads = sum(p.server["total_reads_processed"] for p in passes) / (n * rounds)
         cmds = sum(p.server["total_commands_processed"] for p in passes) / (n * rounds)
-        lines.append(f"redis per moved task: round_trips={trips:.2f} commands={cmds:.2f}")
+        lines.append(f"redis per moved task: round_trips={trips:.2f} reads={reads:.2f} "
+                     f"commands={cmds:.2f}")  # fmt: skip
     if profiled is not None:
         result, profiler = profiled
         out = io.StringIO()
@@ -393,10 +463,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="then cProfile one extra pass (Redis broker)"
     )
+    parser.add_argument("--batch-size", type=positive, default=REPLAY_BATCH_SIZE,
+                        help=f"replay_batch_size (default {REPLAY_BATCH_SIZE})")  # fmt: skip
     args = parser.parse_args(argv)
     print(
         f"bench/replay.py {datetime.datetime.now().isoformat(timespec='seconds')} "
-        f"N={args.n} rounds={args.rounds} python={platform.python_version()} "
+        f"N={args.n} rounds={args.rounds} batch={args.batch_size} "
+        f"python={platform.python_version()} "
         f"celery={celery.__version__} gatekeeper={gatekeeper.__version__} cpus={os.cpu_count()}"
     )
     started = time.perf_counter()
@@ -408,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"redis=embedded :{server.port} (broker and gate) redis_version={version}")
         try:
             redis_lines = run_broker(Kind(server.url, client), server.url, args.n,
-                                     args.rounds, args.profile)  # fmt: skip
+                                     args.rounds, args.profile, args.batch_size)  # fmt: skip
         except Failed as failed:
             problems.extend(failed.problems)
             redis_lines = []
@@ -418,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                 if url is not None:
                     try:
                         lines.extend(run_broker(Rabbit(url, client), server.url, args.n,
-                                                args.rounds, profile=False))  # fmt: skip
+                                                args.rounds, False, args.batch_size))  # fmt: skip
                     except Failed as failed:
                         problems.extend(failed.problems)
         client.close()

@@ -20,6 +20,7 @@ __all__ = [
     "QUEUE_WAIT_UNIT_PER_SECOND",
     "RECORD_RETENTION_S",
     "REDIS_TIMEOUT_S",
+    "REPLAY_BATCH_SIZE",
     "SERVICE_DRIFT_FACTOR",
     "SERVICE_TIME_MIN_SAMPLES",
     "STALE_ATTEMPT_S",
@@ -68,6 +69,11 @@ WORKER_HEARTBEAT_S = 10.0
 three intervals after a worker died before it records its runs as killed."""
 REDIS_TIMEOUT_S = 0.5
 """Connect and read timeout of the gate's Redis: past it a publish fails closed."""
+REPLAY_BATCH_SIZE = 100
+"""Deferred messages the replayer claims, scores and moves together on a Redis broker, in one
+round trip per step (claim, records, decisions, handoffs, move, deadlines): past about a
+hundred the round trips are a small share of a message's cost, and a batch still takes a few
+tens of milliseconds, far inside the lock's TTL (a batch is decided under one check)."""
 BREAKER_OPEN_S = 1.0
 """After the gate's Redis did not answer, how long until the first probe (a ``PING`` from a
 thread of its own), and between probes: decisions are made without Redis meanwhile. A second

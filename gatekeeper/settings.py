@@ -153,6 +153,8 @@ class GatekeeperSettings(BaseSettings):
     """A dead replayer's lock expires after this; the next one then recovers its claims."""
     replay_poll_s: float = Field(0.5, gt=0, allow_inf_nan=False)
     """How long the replayer sleeps when nothing in ``defer`` is due."""
+    replay_batch_size: int = Field(defaults.REPLAY_BATCH_SIZE, ge=1, le=10_000)
+    """Messages a replayer hands on together on a Redis broker (RabbitMQ: one at a time)."""
 
     fast_publish: Literal["auto", "on", "off"] = "auto"
     """When the broker is the gate's Redis (same server and database), ``gate.lua`` decides

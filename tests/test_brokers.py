@@ -108,11 +108,13 @@ def test_the_scenario_on_either_broker(
                         GATEKEEPER_BROKER_URL=broker_url):  # fmt: skip
         assert wait_until(lambda: {r["id"] for r in _runs(redis_client)} >= {first.id, tight.id})
         time.sleep(1.6)  # the lost one's deadline passes; the others' do not (60 s)
-        # The replayer is SIGKILLed on its 2nd handoff (the 1st went through).
+        # The replayer is SIGKILLed on its 2nd handoff (the 1st went through): one message
+        # at a time on either broker (on Redis, batches of one; tests/test_replay_batch.py
+        # kills a Redis replayer before a whole batch's move).
         killed = subprocess.run(
             [sys.executable, "-m", "tests.apps.killed_replayer"], capture_output=True,
-            env=_env(redis_url, broker_url, GATEKEEPER_TEST_KILL_AT="2"), cwd=REPO_ROOT,
-            timeout=60,
+            env=_env(redis_url, broker_url, GATEKEEPER_TEST_KILL_AT="2",
+                     GATEKEEPER_REPLAY_BATCH_SIZE="1"), cwd=REPO_ROOT, timeout=60,
         )  # fmt: skip
         assert killed.returncode == -9, killed.stderr.decode()
         time.sleep(1.2)  # its lock (and, on Redis, its tenure's heartbeat) expires

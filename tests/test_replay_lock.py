@@ -1,5 +1,6 @@
-"""One replayer at a time, really: the lock is checked before every decision, a replayer that
-lost it decides and moves nothing more, and only dead replayers' claims are taken back."""
+"""One replayer at a time, really: the lock is checked before every batch's decisions and
+again before its moves, a replayer that lost it decides and moves nothing more, and only dead
+replayers' claims are taken back."""
 
 from __future__ import annotations
 
@@ -47,8 +48,11 @@ print("totals " + " ".join(f"{k}={v}" for k, v in sorted(totals.items())), flush
 """
 """``gatekeeper replay``'s loop with one change: the monotonic clock its lock is checked with
 SIGSTOPs the process at its ``argv[1]``-th reading. The first is the take of the lock, the
-second the check at the start of the pass, then one check per message after its claim: so
-the process stops with message ``argv[1] - 2`` claimed and not decided."""
+second the check at the start of the pass, then two checks per batch: once it is claimed
+(before its decisions) and once it is decided (before its moves). With batches of
+``BATCH``, the 5th reading stops the process with the second batch claimed and undecided,
+the 6th with it decided and not moved."""
+BATCH = 50
 
 
 def decisions(log: Path) -> int:
@@ -65,27 +69,32 @@ def placed(client: redis.Redis) -> list[str]:
     return ids_in(client, "free") + ids_in(client, "reserved")
 
 
-def test_a_replayer_stopped_past_its_lock_ttl_decides_and_moves_nothing_once_resumed(
-    redis_url: str, redis_client: redis.Redis, tmp_path: Path
-) -> None:
+def stalled(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, stop_at: int
+) -> tuple[str, dict[str, str], int, list[bytes]]:
+    """200 deferred tasks, a replayer that stops itself at its ``stop_at``-th lock reading
+    and stays stopped past its lock's TTL while a successor replays everything, then resumes:
+    the log of the successor, the stopped one's totals, its decisions and what it left
+    claimed when it stopped. Checks that each task was handed on once, none lost or doubled,
+    and that the resumed replayer found its lock lost and decided nothing more."""
     jobs = defer_tasks(redis_url, redis_client, 200)
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
-    first = start_replayer(redis_url, first_log, "-c", STALLING_REPLAYER, "62")
+    batches = {"GATEKEEPER_REPLAY_BATCH_SIZE": str(BATCH)}
+    first = start_replayer(redis_url, first_log, "-c", STALLING_REPLAYER, str(stop_at), **batches)
     second = None
     try:
         assert wait_until(lambda: has_stopped(first), timeout_s=30), first_log.read_text()
         before = decisions(first_log)
         (tenure,) = redis_client.smembers(REGISTRY)
         left_claimed = redis_client.lrange(b"defer:replaying:" + tenure, 0, -1)
-        assert (before, len(left_claimed)) == (59, 1)  # mid-pass: the 60th claimed, undecided
-        assert redis_client.llen("defer") == 200 - 60
+        assert redis_client.llen("defer") == 200 - 2 * BATCH  # two batches claimed
         # Stopped past the TTL (1 s): its lock and its heartbeat expire; a successor takes
-        # over, takes back the claim and replays everything.
+        # over, takes back the claims and replays everything.
         assert wait_until(
             lambda: not redis_client.exists(KEYS.replayer_lock, b"defer:replayer:" + tenure),
             timeout_s=10,
         )
-        second = start_replayer(redis_url, second_log)
+        second = start_replayer(redis_url, second_log, **batches)
         assert wait_until(lambda: len(placed(redis_client)) == 200, timeout_s=30), (
             second_log.read_text()
         )
@@ -108,8 +117,34 @@ def test_a_replayer_stopped_past_its_lock_ttl_decides_and_moves_nothing_once_res
                 process.wait(timeout=10)
     (totals,) = re.findall(r"^totals (.*)$", first_log.read_text(), re.MULTILINE)
     counts = dict(pair.split("=") for pair in totals.split())
-    moved = sum(int(n) for name, n in counts.items() if name.startswith("to_"))
-    assert (moved, counts.get("lock_lost")) == (before, "1")  # and no move after it resumed
+    return second_log.read_text(), counts, before, left_claimed
+
+
+def moved(counts: dict[str, str]) -> int:
+    return sum(int(n) for name, n in counts.items() if name.startswith("to_"))
+
+
+def test_a_replayer_stopped_past_its_lock_ttl_decides_and_moves_nothing_once_resumed(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    successor, counts, before, left_claimed = stalled(redis_url, redis_client, tmp_path, 5)
+    assert (before, len(left_claimed)) == (BATCH, BATCH)  # the 2nd batch claimed, undecided
+    assert (moved(counts), counts.get("lock_lost")) == (before, "1")  # no move after it resumed
+    assert "event=replay_handed_on_again" not in successor  # nothing of it was decided
+    assert successor.count("event=gate_decision") == 200 - BATCH
+
+
+def test_a_replayer_that_loses_its_lock_mid_batch_moves_none_of_it(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    successor, counts, before, left_claimed = stalled(redis_url, redis_client, tmp_path, 6)
+    # Stopped between the 2nd batch's decisions and its moves: decided, handoffs kept, and
+    # none of it moved once resumed (the lock is checked again before the moves).
+    assert (before, len(left_claimed)) == (2 * BATCH, BATCH)
+    assert (moved(counts), counts.get("lock_lost")) == (BATCH, "1")
+    # The successor hands each one on as it was decided, not scoring it a second time.
+    assert successor.count("event=replay_handed_on_again") == BATCH
+    assert successor.count("event=gate_decision") == 200 - 2 * BATCH
 
 
 def test_a_stall_longer_than_the_ttl_loses_the_lock_though_redis_still_has_it(
@@ -135,7 +170,10 @@ def test_the_lock_is_renewed_during_a_pass_longer_than_its_ttl(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     defer_tasks(redis_url, redis_client, 30)
-    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3, budget_units=1e9)
+    # Batches of 3 (the lock is checked before each and before its moves): each takes a
+    # fraction of the TTL, the pass several TTLs.
+    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3, budget_units=1e9,
+                             replay_batch_size=3)  # fmt: skip
 
     def slow_clock() -> float:  # each message takes a while: the pass lasts about 1 s
         time.sleep(0.01)

@@ -83,12 +83,13 @@ def test_an_abandoned_row_sent_twice_is_written_once(redis_client: redis.Redis) 
 
 def test_a_move_sent_twice_pushes_once(redis_client: redis.Redis) -> None:
     move = redis_client.register_script(load_lua("move.lua"))
-    redis_client.lpush("defer:replaying", "claimed")
-    keys, args = ["defer:replaying", "free"], ["claimed", "rewritten"]
-    assert evalsha(redis_client, move, keys, args) == 1
-    assert evalsha(redis_client, move, keys, args) == 0
+    redis_client.lpush("defer:replaying:t", "claimed")
+    redis_client.set("defer:replayer:t", "1")  # the tenure's heartbeat: alive
+    keys, args = ["defer:replaying:t", "defer:replayer:t", "free"], ["claimed", "rewritten"]
+    assert evalsha(redis_client, move, keys, args) == [1]
+    assert evalsha(redis_client, move, keys, args) == [0]
     assert redis_client.lrange("free", 0, -1) == [b"rewritten"]
-    assert redis_client.llen("defer:replaying") == 0
+    assert redis_client.llen("defer:replaying:t") == 0
 
 
 def test_record_sent_twice_counts_once_and_keeps_the_nonce(redis_client: redis.Redis) -> None:

@@ -234,6 +234,14 @@ class AmqpBroker:
                 break
             yield Taken(queue, message.body, _document(message), handle=message)
 
+    def take_batches(self, queue: str, size: int) -> Iterator[list[Taken]]:
+        """One message at a time: each is acked once its copy is confirmed, as it is sent."""
+        for taken in self.take(queue):
+            yield [taken]
+
+    def hand_on(self, batch: list[Taken]) -> None:
+        """Nothing: each send and hold was made (published, confirmed, acked) when asked."""
+
     def send(self, taken: Taken, queue: str, message: dict[str, Any] | None) -> bool:
         self._declare(queue)
         self._publish(queue, message or _as_is(taken.handle))

@@ -4,9 +4,10 @@ Celery's own monitors do not see ``defer``, so gatekeeper reads the broker itsel
 two ways chosen by the broker's URL (:func:`broker_for`):
 
 - Redis (``redis://``, ``rediss://``, ``unix://``, ``sentinel://``): kombu's lists, read
-  and moved atomically (:class:`RedisBroker`). A message is claimed into the lock tenure's
-  processing list (:class:`gatekeeper.redis.lock.Claims`) and leaves it only by
-  ``move.lua``, which removes the claimed copy and pushes the rewritten one in one step.
+  and moved atomically (:class:`RedisBroker`). Messages are claimed, a batch at a time, into
+  the lock tenure's processing list (:class:`gatekeeper.redis.lock.Claims`) and leave it only
+  by ``move.lua``, which removes each claimed copy and pushes the rewritten one in one step
+  (a batch's moves in one call), and moves nothing once the tenure's heartbeat is gone.
 - RabbitMQ (``amqp://``, ``amqps://``, ``pyamqp://``): through kombu, with explicit acks
   and publisher confirms (:class:`gatekeeper.celery.amqp.AmqpBroker`).
 
@@ -129,12 +130,25 @@ class RedisBroker:
                     data = raw if isinstance(raw, bytes) else raw.encode()
                     yield Taken(source, data, _document(data), at=source)
                 continue
-            for _ in range(self.client.llen(source)):
-                assert self.claims is not None, "begin() a tenure before claiming"
-                claimed = self.claims.claim(source)
-                if claimed is None:
-                    break
-                yield Taken(source, claimed, _document(claimed), at=self.claims.current)
+            for batch in self._claimed(source, 1, batched=False):  # moved when sent or held
+                yield from batch
+
+    def take_batches(self, queue: str, size: int) -> Iterator[list[Taken]]:
+        for source in (queue_list(queue, step) for step in PRIORITY_STEPS):
+            yield from self._claimed(source, size)
+
+    def _claimed(self, source: str, size: int, batched: bool = True) -> Iterator[list[Taken]]:
+        """What ``source`` held when asked, claimed ``size`` at a time (the ones pushed back
+        meanwhile are not looked at again)."""
+        left = int(self.client.llen(source))
+        while left > 0:
+            assert self.claims is not None, "begin() a tenure before claiming"
+            claimed = self.claims.claim_many(source, min(size, left))
+            if not claimed:
+                return
+            left -= len(claimed)
+            at = self.claims.current
+            yield [Taken(source, raw, _document(raw), at=at, batched=batched) for raw in claimed]
 
     def send(self, taken: Taken, queue: str, message: dict[str, Any] | None) -> bool:
         target = queue_list(queue, 0)
@@ -150,8 +164,34 @@ class RedisBroker:
 
     def _moved(self, taken: Taken, target: str, message: dict[str, Any] | None) -> bool:
         new = taken.raw if message is None else json.dumps(message).encode()
-        moved = bool(evalsha(self.client, self._move, [taken.at, target], [taken.raw, new]))
         taken.done = True  # moved, or its copy was gone (taken back): either way not ours
+        if taken.batched:
+            taken.move = (target, new)  # made with the batch's others (hand_on)
+            return True
+        return self._move_all([(taken, target, new)]) == 1
+
+    def hand_on(self, batch: list[Taken]) -> None:
+        moves = [(taken, *taken.move) for taken in batch if taken.move is not None]
+        for taken in batch:
+            taken.move = None
+        self._move_all(moves)
+
+    def _move_all(self, moves: list[tuple[Taken, str, bytes]]) -> int:
+        """Move each copy to its target list, one ``move.lua`` call per list they are in (one
+        in a pass); returns how many moved. A claimed copy moves only while its tenure is the
+        current one and alive (its heartbeat); one of a tenure that ended never does."""
+        moved = 0
+        for at in dict.fromkeys(taken.at for taken, _, _ in moves):
+            mine = [move for move in moves if move[0].at == at]
+            if self.claims is not None and at == self.claims.current:
+                heartbeat = self.claims.heartbeat_of(self.claims.tenure)
+            elif all(taken.at == taken.source for taken, _, _ in mine):
+                heartbeat = at  # read in place (the dead-letter commands): no tenure
+            else:
+                continue  # claimed in a tenure that ended: the lock's holder takes it back
+            keys = [at, heartbeat, *(target for _, target, _ in mine)]
+            args = [part for taken, _, new in mine for part in (taken.raw, new)]
+            moved += sum(int(n) for n in evalsha(self.client, self._move, keys, args))
         return moved
 
     def holds(self, taken: Taken) -> bool:

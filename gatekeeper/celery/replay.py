@@ -11,11 +11,17 @@ through kombu with acks and confirms) and, for each message that is due:
   message: an ETA past the visibility timeout would run twice; on RabbitMQ it waits in a
   delay queue). While the free path is off, the pipeline never answers ``free``.
 
+On Redis it works in batches (``replay_batch_size``, :mod:`gatekeeper.celery.batch`): a
+batch is claimed, its records read, its decisions made, its handoffs kept and its messages
+moved in one round trip each; on RabbitMQ one message at a time.
+
 Nothing is lost when the replayer is killed at any moment. On Redis a message is claimed
 into its lock tenure's processing list (RPOPLPUSH) and leaves it only by ``move.lua`` (one
-atomic step); on RabbitMQ it is acked only once its rewritten copy is confirmed. The lock is
-checked before every decision (:mod:`gatekeeper.redis.lock`): a replayer that lost it decides,
-moves and writes nothing more, and only dead tenures' claims are taken back. A message that
+atomic step per message, a batch's in one call, none once the tenure's heartbeat is gone);
+on RabbitMQ it is acked only once its rewritten copy is confirmed. The lock is checked before
+every batch's decisions and again before its moves (:mod:`gatekeeper.redis.lock`): a
+replayer that lost it decides, moves and writes nothing more, and only dead tenures' claims
+are taken back. A message that
 comes back after it was scored is handed on again as it was the first time (the record keeps
 the handoff: :mod:`gatekeeper.redis.handoff`), and a worker runs one copy of the two
 (:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
@@ -31,12 +37,12 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from contextlib import suppress
 from typing import Any
 
 import redis
 from redis.exceptions import LockError
 
+from gatekeeper.celery.batch import Decide, KeepHandoff, ReadRecord, Step, run_batch
 from gatekeeper.celery.broker import Broker, RedisBroker, Taken
 from gatekeeper.celery.deadletter import abandon
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
@@ -51,8 +57,8 @@ from gatekeeper.core.headers import (
 )
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.attempt import carried_publish
-from gatekeeper.redis.gate import Pipeline
-from gatekeeper.redis.handoff import Handoff, as_scored, recalled, remember
+from gatekeeper.redis.gate import Pipeline, Routing
+from gatekeeper.redis.handoff import Handoff, as_scored, recalled
 from gatekeeper.redis.lock import OneHolder
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.snapshot import forget_deferred, pass_completed
@@ -162,27 +168,50 @@ class Replayer:
             self.log.warning("free_admissions_forgotten", queue=self.settings.free_queue)
 
     def _replay_all(self, counts: Counter[str]) -> None:
-        for taken in self.broker.take(self.defer):
+        for batch in self.broker.take_batches(self.defer, self.settings.replay_batch_size):
             try:
-                if not self._holder.check():
-                    # No decision, no move, no row. The message is left where it is: without
-                    # the lock we write nothing to the queues; the holder takes it back
-                    # (Redis: our tenure has ended; RabbitMQ: it is given back to defer).
-                    self.broker.leave(taken)
-                    return
-                try:
-                    label = self._handle(taken)
-                except Exception as exc:  # one bad message must not stop the others
-                    label = self._set_aside(taken, exc)
-                counts[label] += 1
-            except BaseException:  # nothing could move it (the broker, the gate's Redis)
-                if not taken.done:
-                    self.broker.leave(taken)  # given back now, not held unacked for ever
+                labels = self._replay_batch(batch)
+            except BaseException:  # nothing could move them (the broker, the gate's Redis)
+                self._leave(batch)  # given back now, not held unacked for ever
                 raise
-            if label.startswith(("to_", "dead_lettered", "handed_on")) and taken.message:
-                with suppress(redis.RedisError):  # trimmed after it passes, if not now
-                    forget_deferred(self.gate_client, self.pipeline.store.keys,
-                                    taken.message["headers"])  # fmt: skip
+            if labels is None:
+                return
+            counts.update(labels)
+            gone = [taken.message["headers"] for taken, label in zip(batch, labels, strict=True)
+                    if label.startswith(("to_", "dead_lettered", "handed_on"))
+                    and taken.message]  # fmt: skip
+            forget_deferred(self.gate_client, self.pipeline.store.keys, *gone)
+
+    def _replay_batch(self, batch: list[Taken]) -> list[str] | None:
+        """Decide and hand on one batch (:mod:`gatekeeper.celery.batch`); None, with nothing
+        moved, when the lock is found lost before its decisions or before its moves."""
+        if not self._holder.check():
+            # No decision, no move, no row. The messages are left where they are: without
+            # the lock we write nothing to the queues; the holder takes them back (Redis:
+            # our tenure has ended; RabbitMQ: they are given back to defer).
+            self._leave(batch)
+            return None
+        steps = [(self._job_of(taken), self._handle(taken)) for taken in batch]
+        labels = run_batch(steps, self.runs, self.pipeline,
+                           lambda i, exc: self._set_aside(batch[i], exc))  # fmt: skip
+        if any(taken.move is not None for taken in batch) and not self._holder.check():
+            # Lost while deciding: nothing of the batch moves (and move.lua refuses once our
+            # tenure's heartbeat is gone). Its holder takes the claims back, and each comes
+            # back handed on as decided (its kept handoff) or, with none kept, scored again.
+            self._leave(batch)
+            return None
+        self.broker.hand_on(batch)
+        return labels
+
+    def _leave(self, batch: list[Taken]) -> None:
+        for taken in batch:
+            if not taken.done:
+                self.broker.leave(taken)
+
+    @staticmethod
+    def _job_of(taken: Taken) -> object:
+        """What two messages of one job share (they are not handled side by side)."""
+        return str(taken.message["headers"].get("id")) if taken.message else object()
 
     def _set_aside(self, taken: Taken, exc: Exception) -> str:
         """A message that failed to replay: back to defer with a backoff, or, after
@@ -212,7 +241,9 @@ class Replayer:
         self.broker.hold(taken, message, wait)
         return "replay_error"
 
-    def _handle(self, taken: Taken) -> str:
+    def _handle(self, taken: Taken) -> Step:
+        """One message's replay, top to bottom; what it needs of the gate's Redis is yielded,
+        to be asked with the batch's others (:func:`gatekeeper.celery.batch.run_batch`)."""
         now = self.clock()
         message = taken.message
         if message is None:
@@ -230,7 +261,7 @@ class Replayer:
             return self._send(taken, message, self.settings.reserved_queue, "not_gated")
         attempt = headers.get(H_ATTEMPT)
         gated = type(attempt) is int
-        record = self.runs.fields(job_id, attempt) if gated else {}  # type: ignore[arg-type]
+        record: dict[str, str] = (yield ReadRecord(job_id, attempt)) if gated else {}  # type: ignore[arg-type]
         again = recalled(record, nonce_of(headers))
         if again is not None:  # handed on before, and the original came back: the same again
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
@@ -251,7 +282,7 @@ class Replayer:
             return self._send(taken, message, self.settings.reserved_queue, "unverified")
         publish = carried_publish(headers, "replay", record.get("label", ""))
         try:
-            routing = self.pipeline.route(publish)
+            routing: Routing = yield Decide(publish)
         except Exception as exc:  # never lose the message: park it where it can run
             self.log.warning("replay_route_failed", job_id=job_id, error=repr(exc))
             return self._send(taken, message, self.settings.reserved_queue, "gate_error")
@@ -268,7 +299,7 @@ class Replayer:
         handoff = Handoff(queue, changes, drop, wait)
         if H_NONCE in routing.headers:  # the gate recorded this decision: keep its handoff
             try:
-                remember(self.runs, job_id, publish.attempt, nonce_of(headers), handoff)
+                yield KeepHandoff((job_id, publish.attempt, nonce_of(headers), handoff))
             except redis.RedisError as exc:  # handed on all the same (a crash now re-scores)
                 self.log.warning("replay_handoff_unrecorded", job_id=job_id, error=repr(exc))
         return self._hand_on(taken, message, handoff, routing.reason)

@@ -31,6 +31,11 @@ class Taken:
     """RabbitMQ: the kombu message to ack once the rewritten copy is confirmed."""
     done: bool = False
     """Handed on (sent or held): nothing more may be moved for it."""
+    batched: bool = False
+    """Redis: claimed in a batch (``take_batches``): a send or hold is kept in ``move`` and
+    made with the batch's others, in one step (``hand_on``)."""
+    move: tuple[str, bytes] | None = None
+    """Redis, batched: the list it goes to and the message pushed there, until ``hand_on``."""
 
 
 class Broker(Protocol):
@@ -54,6 +59,14 @@ class Broker(Protocol):
     def take(self, queue: str, claim: bool = True) -> Iterator[Taken]:
         """Each message in ``queue`` once, oldest first, taken until handed on (``claim``
         False on Redis: read in place, as the dead-letter commands do)."""
+
+    def take_batches(self, queue: str, size: int) -> Iterator[list[Taken]]:
+        """``take``'s messages, up to ``size`` at a time (Redis: claimed in one round trip;
+        RabbitMQ: one at a time), each batch handed on by ``hand_on``."""
+
+    def hand_on(self, batch: list[Taken]) -> None:
+        """Make the sends and holds of ``batch`` (Redis: in one step, none once the tenure is
+        over; RabbitMQ: nothing, each was made when asked)."""
 
     def send(self, taken: Taken, queue: str, message: dict[str, Any] | None) -> bool:
         """Hand ``taken`` on to ``queue``, rewritten as ``message`` (None: as it is). False

@@ -14,8 +14,9 @@
 3. :meth:`~Pipeline._in_process`: the settings turn the gate on but the flags are unread ->
    reserved (``gate_unavailable``); ``free_path_enabled`` off -> reserved; the dwell gate's
    guards (:func:`gatekeeper.core.dwell.decide`, no round trip) -> defer;
-4. :meth:`~Pipeline._scored`: in one Redis script (``gate.lua``), the age cap, dwell against
-   slack and the budget, with the attempt's exposure reserved atomically.
+4. :meth:`~Pipeline.gate_call`: in one Redis script (``gate.lua``), the age cap, dwell against
+   slack and the budget, with the attempt's exposure reserved atomically (a batch's scripts
+   in one round trip: :mod:`gatekeeper.redis.gate_batch`).
 
 Every decision made with Redis writes the gate's record of the attempt (keyed by job id and
 attempt, with a random nonce that the message carries); every routed decision writes exactly
@@ -61,7 +62,7 @@ from gatekeeper.redis.flags import Flags, FlagStore, in_canary
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.push import Push, new_nonce, values_for
 from gatekeeper.redis.service_times import LearnedService, ServiceTimes
-from gatekeeper.redis.store import GateCall, GateStore
+from gatekeeper.redis.store import GateCall, GateStore, ScoredAttempt
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["Pipeline", "Publish", "Render", "Routing"]
@@ -143,6 +144,18 @@ class Pipeline:
         task's own route is the free queue and the free path is closed (or the flags are
         unread), so it is decided as if the gate were on (reserved, its headers stamped).
         """
+        attempt = self.unscripted(publish, off_free)
+        if isinstance(attempt, Routing):
+            return attempt
+        push = render(attempt.headers, attempt.nonce) if render is not None else None
+        try:
+            scored = self.store.score(self.gate_call(attempt, push))
+        except LedgerUnavailable as exc:
+            return self.unscored(attempt, exc, push)
+        return self.scored(attempt, scored, published=push is not None)
+
+    def unscripted(self, publish: Publish, off_free: bool = False) -> Routing | Attempt:
+        """Steps 1 to 3: the routing when one of them decides, else the attempt to score."""
         flags = self.flags.current()
         skipped = self._skipped(publish, flags, off_free)
         if skipped is not None:
@@ -150,10 +163,7 @@ class Pipeline:
         attempt = self._resolved(publish)
         if isinstance(attempt, Routing):
             return attempt
-        decided = self._in_process(attempt, flags)
-        if decided is not None:
-            return decided
-        return self._scored(attempt, render)
+        return self._in_process(attempt, flags) or attempt
 
     # -- the steps -----------------------------------------------------------------------
 
@@ -232,11 +242,11 @@ class Pipeline:
         headers = attempt.headers if free is not None else unrecorded(attempt.headers)
         return self._finish(decision, reason, headers, fields, free=bool(free))
 
-    def _scored(self, attempt: Attempt, render: Render | None) -> Routing:
-        """Step 4: the gate script decides the rest atomically (and pushes, fast publish)."""
-        push = render(attempt.headers, attempt.nonce) if render is not None else None
-        publish, inputs, fields = attempt.publish, attempt.inputs, attempt.fields
-        call = GateCall(
+    def gate_call(self, attempt: Attempt, push: Push | None = None) -> GateCall:
+        """Step 4, in one Redis script: the request that decides the rest atomically (and
+        pushes ``push``, fast publish's message)."""
+        publish, inputs = attempt.publish, attempt.inputs
+        return GateCall(
             now_s=attempt.now, window_id=attempt.window, job_id=publish.job_id,
             attempt=publish.attempt, expected_service_s=attempt.service_s,
             retry_tax_s=attempt.tax_s, deadline_slack_s=attempt.slack_s,
@@ -249,16 +259,20 @@ class Pipeline:
             wait_allowance_s=self.settings.free_wait_allowance_s, task=label_of(publish),
             publisher=attempt.publisher,
         )  # fmt: skip
-        try:
-            scored = self.store.score(call)
-        except LedgerUnavailable as exc:
-            headers = unrecorded(attempt.headers)
-            if push is not None:  # fast publish: push the built message here instead
-                return self._push_instead(push, publish, Reason.GATE_UNAVAILABLE, headers,
-                                          fields, str(exc), attempt.record(math.nan),
-                                          attempt.prev_nonce)  # fmt: skip
-            return self._finish(Decision.RESERVED, Reason.GATE_UNAVAILABLE, headers, fields,
-                                error=str(exc))  # fmt: skip
+
+    def unscored(self, attempt: Attempt, exc: LedgerUnavailable, push: Push | None) -> Routing:
+        """Step 4 when the gate script failed: reserved, unrecorded (fast publish: pushed)."""
+        headers = unrecorded(attempt.headers)
+        if push is not None:  # fast publish: push the built message here instead
+            return self._push_instead(push, attempt.publish, Reason.GATE_UNAVAILABLE, headers,
+                                      attempt.fields, str(exc), attempt.record(math.nan),
+                                      attempt.prev_nonce)  # fmt: skip
+        return self._finish(Decision.RESERVED, Reason.GATE_UNAVAILABLE, headers, attempt.fields,
+                            error=str(exc))  # fmt: skip
+
+    def scored(self, attempt: Attempt, scored: ScoredAttempt, published: bool = False) -> Routing:
+        """Step 4's routing: what the gate script decided."""
+        fields = attempt.fields
         fields.update(queue_age_s=scored.queue_age_s, dwell_s=scored.dwell_s)
         if scored.reason is Reason.RETRY_TAX_BUDGET:
             fields.update(projected_tax=scored.projected_tax,
@@ -266,7 +280,7 @@ class Pipeline:
         window = attempt.window if scored.decision is Decision.ADMIT_FREE else None
         return self._finish(scored.decision, scored.reason, attempt.headers, fields,
                             free=scored.free_admitted, window=window,
-                            published=push is not None)  # fmt: skip
+                            published=published)  # fmt: skip
 
     # -- faults and the one line per decision ----------------------------------------------
 
@@ -288,16 +302,9 @@ class Pipeline:
         return self._finish(Decision.RESERVED, reason, {}, fields, error=error)
 
     def _push_instead(
-        self,
-        push: Push,
-        publish: Publish,
-        reason: Reason,
-        headers: dict[str, Any],
-        fields: dict[str, Any],
-        error: str,
-        record: dict[str, str],
-        prev_nonce: str = "",
-    ) -> Routing:
+        self, push: Push, publish: Publish, reason: Reason, headers: dict[str, Any],
+        fields: dict[str, Any], error: str, record: dict[str, str], prev_nonce: str = "",
+    ) -> Routing:  # fmt: skip
         """A fast publish whose script did not push (it failed, or its reply was lost or
         late): ``fallback.lua`` pushes the message Celery already built to reserved, unless
         the script pushed it for this request after all, whose decision is then the one
@@ -318,17 +325,10 @@ class Pipeline:
         return self._finish(*earlier, headers, fields, published=True, recovered=True)
 
     def _finish(
-        self,
-        decision: Decision,
-        reason: Reason,
-        headers: Mapping[str, Any],
-        fields: dict[str, Any],
-        *,
-        free: bool = False,
-        window: int | None = None,
-        published: bool = False,
-        **extra: Any,
-    ) -> Routing:
+        self, decision: Decision, reason: Reason, headers: Mapping[str, Any],
+        fields: dict[str, Any], *, free: bool = False, window: int | None = None,
+        published: bool = False, **extra: Any,
+    ) -> Routing:  # fmt: skip
         """Stamp the decided headers (the same values fast publish's script writes) and write
         the decision's one log line."""
         queue = self._queues[decision]

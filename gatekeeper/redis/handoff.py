@@ -15,7 +15,7 @@ runs one of the copies (:mod:`gatekeeper.celery.duplicates`). On Redis the hando
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,8 @@ from gatekeeper.core.headers import H_NONCE
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.store import GateStore
 
-__all__ = ["HANDOFF", "HANDOFF_FROM", "Handoff", "as_scored", "recalled", "remember"]
+__all__ = ["HANDOFF", "HANDOFF_FROM", "Handoff", "Kept", "as_scored", "recalled", "remember",
+           "remember_all"]  # fmt: skip
 
 HANDOFF_FROM = "handoff_from"
 HANDOFF = "handoff"
@@ -46,13 +47,27 @@ class Handoff:
             headers.pop(name, None)
 
 
+Kept = tuple[str, int, str, Handoff]
+"""A handoff to keep: the job id, the attempt, the nonce of the message handed on, the handoff."""
+
+
 def remember(runs: RunLedger, job_id: str, attempt: int, nonce: str, handoff: Handoff) -> None:
-    """Keep ``handoff`` in the record, as the handing on of the message carrying ``nonce``
-    (the record exists: the gate wrote it when it scored the message)."""
-    document = {"queue": handoff.queue, "set": handoff.set, "drop": list(handoff.drop),
-                "wait_s": handoff.wait_s}  # fmt: skip
-    runs.client.hset(runs.keys.run(job_id, attempt),
-                     mapping={HANDOFF_FROM: nonce, HANDOFF: json.dumps(document)})  # fmt: skip
+    """Keep one handoff (:func:`remember_all`)."""
+    remember_all(runs, [(job_id, attempt, nonce, handoff)])
+
+
+def remember_all(runs: RunLedger, kept: Sequence[Kept]) -> None:
+    """Keep each handoff in its record, as the handing on of the message carrying its nonce
+    (the record exists: the gate wrote it when it scored the message), in one round trip.
+    Raises redis-py's errors: then none may be kept, and a message that comes back with no
+    handoff kept is scored again (:func:`as_scored`)."""
+    pipe = runs.client.pipeline(transaction=False)
+    for job_id, attempt, nonce, handoff in kept:
+        document = {"queue": handoff.queue, "set": handoff.set, "drop": list(handoff.drop),
+                    "wait_s": handoff.wait_s}  # fmt: skip
+        pipe.hset(runs.keys.run(job_id, attempt),
+                  mapping={HANDOFF_FROM: nonce, HANDOFF: json.dumps(document)})  # fmt: skip
+    pipe.execute()
 
 
 def recalled(record: Mapping[str, str], nonce: str) -> Handoff | None:

@@ -118,8 +118,8 @@ namespace's slot):
     for a stale run only once the heartbeat of the worker it started on is gone.
 ``gatekeeper:{default}:replayer:lock`` - string, TTL ``replay_lock_ttl_s`` (30 s)
     Only one replayer works a namespace at a time: redis-py's ``Lock`` (value: the holder's
-    random token). The holder checks it before every decision and renews it once a third of
-    the TTL has passed; a dead one's lock simply expires.
+    random token). The holder checks it before every batch's decisions and again before its
+    moves, and renews it once a third of the TTL has passed; a dead one's lock simply expires.
 
 On the broker's Redis (kombu's names, not prefixed): the queue lists ``free``, ``defer``,
 ``reserved``, ``dead_letter`` (and their priority sub-lists ``<queue>\x06\x16<n>``), and the
@@ -127,14 +127,15 @@ replayer's, named after the defer queue (``<tenure>`` is ``<host>:<pid>:<random>
 n-th take of the lock by one replayer process):
 
 ``defer:replaying:<tenure>`` - list, no TTL (gone once empty)
-    One lock tenure's processing list: a message claimed from ``defer`` (RPOPLPUSH) sits
-    there until it is moved on atomically (``move.lua``). What it leaves is put back in
+    One lock tenure's processing list: a message claimed from ``defer`` (RPOPLPUSH, a batch
+    in one transaction) sits there until it is moved on atomically (``move.lua``, a batch in
+    one call, and only while the tenure's heartbeat lives). What it leaves is put back in
     ``defer`` by the lock's holder once the tenure's heartbeat has expired (and by the tenure
     itself at the start of each pass, when nothing of its own is in flight).
 ``defer:replayer:<tenure>`` - string ``1``, TTL ``replay_lock_ttl_s``
     The tenure's heartbeat: set with every claim and after every renewal of the lock, so it
     outlives the lock; deleted when the tenure ends (lock lost or given back). While it lives
-    nobody takes the tenure's claims back.
+    nobody takes the tenure's claims back; once it is gone ``move.lua`` moves none of them.
 ``defer:replayers`` - set, no TTL (members removed when taken back)
     The tenures whose processing lists may hold claims (added with each claim, in the same
     transaction; removed by the holder that took back an expired tenure's list, while empty).

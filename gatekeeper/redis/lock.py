@@ -146,7 +146,13 @@ class Claims:
         self.broker.set(self.heartbeat_of(self.tenure), b"1", px=self.ttl_ms)
 
     def claim(self, source: str) -> bytes | None:
-        """Move the oldest message of ``source`` into this tenure's list; ``None`` if empty.
+        """Move the oldest message of ``source`` into this tenure's list; ``None`` if empty."""
+        claimed = self.claim_many(source, 1)
+        return claimed[0] if claimed else None
+
+    def claim_many(self, source: str, n: int) -> list[bytes]:
+        """Move the ``n`` oldest messages of ``source`` (fewer when it holds fewer) into this
+        tenure's list, in one transaction; returns them, oldest first.
 
         Registering the tenure and refreshing its heartbeat in the same transaction means a
         claim can never land in a list the registry forgot (a stalled holder that claims once
@@ -154,9 +160,10 @@ class Claims:
         with self.broker.pipeline(transaction=True) as pipe:
             pipe.sadd(self.registry, self.tenure)
             pipe.set(self.heartbeat_of(self.tenure), b"1", px=self.ttl_ms)
-            pipe.rpoplpush(source, self.current)
-            raw = pipe.execute()[-1]
-        return raw if isinstance(raw, bytes) else None
+            for _ in range(n):
+                pipe.rpoplpush(source, self.current)
+            replies = pipe.execute()[2:]
+        return [raw for raw in replies if isinstance(raw, bytes)]
 
     def take_back(self) -> int:
         """Put back in the queue what dead tenures left claimed: the legacy list, this

@@ -96,14 +96,15 @@ def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
     )
 
 
-def forget_deferred(client: redis.Redis, keys: Keys, headers: Mapping[str, Any]) -> None:
-    """A deferred message left defer for good (handed on, dead-lettered): its deadline no
-    longer counts. Best effort: a member left behind is trimmed after its deadline."""
-    job_id, attempt = headers.get("id"), headers.get(H_ATTEMPT)
-    if job_id is None or type(attempt) is not int:
-        return
-    with contextlib.suppress(redis.RedisError):
-        client.zrem(keys.deferred, f"{job_id}:{attempt}")
+def forget_deferred(client: redis.Redis, keys: Keys, *headers: Mapping[str, Any]) -> None:
+    """Deferred messages (their headers) left defer for good (handed on, dead-lettered):
+    their deadlines no longer count, all forgotten in one ``ZREM``. Best effort: a member
+    left behind is trimmed after its deadline."""
+    members = [f"{h.get('id')}:{h.get(H_ATTEMPT)}" for h in headers
+               if h.get("id") is not None and type(h.get(H_ATTEMPT)) is int]  # fmt: skip
+    if members:
+        with contextlib.suppress(redis.RedisError):
+            client.zrem(keys.deferred, *members)
 
 
 def pass_completed(

@@ -10,7 +10,7 @@ path's calls then fail at once, without a socket, until its probe finds Redis ba
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -175,6 +175,41 @@ class GateStore:
         finally:
             channel.release()
         return self._gate_reply(reply)
+
+    def score_all(self, calls: Sequence[GateCall]) -> list[ScoredAttempt | LedgerUnavailable]:
+        """:meth:`score` for each call, in order: what it decided, or why it failed. The
+        scripts go in one round trip (a redis-py pipeline, whose client may send it again:
+        each is marked as a request that may have run); one call goes as :meth:`score`'s."""
+        if len(calls) == 1:
+            try:
+                return [self.score(calls[0])]
+            except LedgerUnavailable as exc:
+                return [exc]
+        requests = [self.gate_call(call) for call in calls]
+        try:
+            if self.breaker is not None:
+                self.breaker.check("gate script")
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args in requests:
+                args[RERUN] = "1"
+                pipe.evalsha(self._gate.sha, len(keys), *keys, *args)
+            replies = pipe.execute(raise_on_error=False)
+        except LedgerUnavailable as exc:  # the breaker is open
+            return [exc] * len(requests)
+        except redis.RedisError as exc:  # no answer to trust: one failure for all
+            if self.breaker is not None:
+                self.breaker.failed(exc)
+            return [LedgerUnavailable(f"gate script failed: {exc}")] * len(requests)
+        return [self._answer(keys, args, reply) for (keys, args), reply in
+                zip(requests, replies, strict=True)]  # fmt: skip
+
+    def _answer(self, keys: list[str], args: list[str], reply: Any) -> Any:
+        if isinstance(reply, NoScriptError):  # a restarted or flushed Redis
+            reply = self._reply_now(keys, args, load=True)
+        try:
+            return self._gate_reply(reply)
+        except LedgerUnavailable as exc:
+            return exc
 
     def _reply_now(self, keys: list[str], args: list[str], load: bool = False) -> Any:
         """The gate script's reply through redis-py, or the Redis error instead of raising it.

@@ -1,8 +1,10 @@
-"""A replayer that SIGKILLs itself in the middle of its batch, at the worst moment: on its
+"""A replayer that SIGKILLs itself in the middle of its work, at the worst moment: on its
 ``GATEKEEPER_TEST_KILL_AT``-th handoff, after the rewritten copy is published (RabbitMQ:
-confirmed, before the original is acked) or before the move (Redis: after the gate scored
-the message); with ``GATEKEEPER_TEST_KILL_IN=remember``, after the gate scored it and before
-its handoff is kept. Settings from the environment, as ``gatekeeper replay`` reads them."""
+confirmed, before the original is acked) or before the move (Redis: before the move of the
+batch that holds it, every message of that batch scored, its handoff kept); with
+``GATEKEEPER_TEST_KILL_IN=remember``, after the gate scored it and before its handoff (its
+batch's handoffs) is kept. Settings from the environment, as ``gatekeeper replay`` reads
+them (``GATEKEEPER_REPLAY_BATCH_SIZE`` too)."""
 
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ KILL_AT = int(os.environ["GATEKEEPER_TEST_KILL_AT"])
 handoffs = 0
 
 
-def _die_on_the_nth() -> None:
+def _die_on_the_nth(n: int = 1) -> None:
+    """Count ``n`` handoffs; die when the ``KILL_AT``-th is among them."""
     global handoffs
-    handoffs += 1
-    if handoffs == KILL_AT:
+    handoffs += n
+    if handoffs >= KILL_AT:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -39,20 +42,20 @@ class KilledAmqp(AmqpBroker):
 
 
 class KilledRedis(RedisBroker):
-    def _moved(self, taken: Taken, target: str, message: dict[str, Any] | None) -> bool:
-        if KILL_IN == "handoff":
-            _die_on_the_nth()  # the gate scored it; the claimed copy is not moved
-        return super()._moved(taken, target, message)
+    def hand_on(self, batch: list[Taken]) -> None:
+        if KILL_IN == "handoff":  # the gate scored them; no claimed copy is moved
+            _die_on_the_nth(sum(taken.move is not None for taken in batch))
+        super().hand_on(batch)
 
 
 if os.environ.get("GATEKEEPER_TEST_KILL_IN") == "remember":
-    # Killed after the gate scored the message, before its handoff is kept in the record.
-    import gatekeeper.celery.replay as replay_module
+    # Killed after the gate scored the messages, before their handoffs are kept in the record.
+    import gatekeeper.celery.batch as batch_module
 
-    def _killed_remember(*_: Any) -> None:
-        _die_on_the_nth()
+    def _killed_remember(_: Any, kept: list[Any]) -> None:
+        _die_on_the_nth(len(kept))
 
-    replay_module.remember = _killed_remember  # type: ignore[assignment]
+    batch_module.remember_all = _killed_remember
 
 settings = load_settings()
 broker = broker_for(settings)

@@ -1,0 +1,146 @@
+"""One batch of the replayer's work: each message's steps, their round trips made together.
+
+The replayer hands deferred messages on a batch at a time (``replay_batch_size`` on a Redis
+broker; one at a time on RabbitMQ). What one message goes through is written once, top to
+bottom, as a generator (:meth:`gatekeeper.celery.replay.Replayer._handle`): where it needs the
+gate's Redis it yields a request (:class:`ReadRecord`, :class:`Decide`, :class:`KeepHandoff`)
+and is sent the answer, or has the error thrown in at that point, as the call would have
+raised it there. :func:`run_batch` advances a batch's messages together, each round making
+the requests of one kind, all of them in one round trip, in the order a message makes them
+(records, decisions, handoffs). So a batch costs three round trips on the gate's Redis where
+each message cost three, and every rule a message follows is the code it followed alone.
+
+Two messages of one job in a batch (a copy that came back beside its twin) are not handled
+side by side: the second starts once the first is done, and reads the record the first left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.redis.attempt import Publish
+from gatekeeper.redis.gate import Pipeline
+from gatekeeper.redis.gate_batch import route_all
+from gatekeeper.redis.handoff import Kept, remember_all
+from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.scripts import text_of
+
+__all__ = ["Decide", "KeepHandoff", "ReadRecord", "Step", "run_batch"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRecord:
+    """Answered with the gate's record of the attempt, as text (empty: none);
+    :class:`LedgerUnavailable` is thrown when it cannot be read (``RunLedger.fields``'s)."""
+
+    job_id: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decide:
+    """Answered with the publish's routing (``Pipeline.route``'s); what its decision raised is
+    thrown."""
+
+    publish: Publish
+
+
+@dataclass(frozen=True, slots=True)
+class KeepHandoff:
+    """Answered with None once the handoff is kept (``handoff.remember_all``'s); the Redis error
+    is thrown when it was not."""
+
+    kept: Kept
+
+
+Request = ReadRecord | Decide | KeepHandoff
+Step = Generator[Request, Any, str]
+"""One message's replay: yields what it needs of the gate's Redis, returns its label."""
+ORDER: tuple[type[Request], ...] = (ReadRecord, Decide, KeepHandoff)
+
+
+def run_batch(
+    steps: Sequence[tuple[Hashable, Step]],
+    runs: RunLedger,
+    pipeline: Pipeline,
+    failed: Callable[[int, Exception], str],
+) -> list[str]:
+    """Run each ``(job, step)`` to its label, in order; a step that raises gets
+    ``failed(its index, the error)`` as its label (one bad message does not stop the others)."""
+    labels = [""] * len(steps)
+    todo = list(range(len(steps)))
+    while todo:  # a wave: the first message of each job still to do
+        wave: list[int] = []
+        later: list[int] = []
+        jobs: set[Hashable] = set()
+        for i in todo:
+            (later if steps[i][0] in jobs else wave).append(i)
+            jobs.add(steps[i][0])
+        _run_wave(wave, steps, labels, failed, runs, pipeline)
+        todo = later
+    return labels
+
+
+def _run_wave(
+    wave: list[int],
+    steps: Sequence[tuple[Hashable, Step]],
+    labels: list[str],
+    failed: Callable[[int, Exception], str],
+    runs: RunLedger,
+    pipeline: Pipeline,
+) -> None:
+    waiting: dict[int, Request] = {}
+
+    def advance(i: int, answer: Any) -> None:
+        step = steps[i][1]
+        try:
+            request = step.throw(answer) if isinstance(answer, Exception) else step.send(answer)
+        except StopIteration as done:
+            labels[i] = done.value
+        except Exception as exc:
+            labels[i] = failed(i, exc)
+        else:
+            waiting[i] = request
+
+    for i in wave:
+        advance(i, None)
+    while waiting:
+        kind = min((type(request) for request in waiting.values()), key=ORDER.index)
+        mine = [i for i, request in waiting.items() if type(request) is kind]
+        requests = [waiting.pop(i) for i in mine]
+        try:
+            answers = _answers(requests, runs, pipeline)
+        except Exception as exc:  # the round trip itself failed: each request gets why
+            answers = [exc] * len(requests)
+        for i, answer in zip(mine, answers, strict=True):
+            advance(i, answer)
+
+
+def _answers(requests: list[Request], runs: RunLedger, pipeline: Pipeline) -> list[Any]:
+    """The answers to requests of one kind, in one round trip."""
+    if isinstance(requests[0], ReadRecord):
+        return _records([r for r in requests if isinstance(r, ReadRecord)], runs)
+    if isinstance(requests[0], Decide):
+        return route_all(pipeline, [r.publish for r in requests if isinstance(r, Decide)])
+    try:
+        remember_all(runs, [r.kept for r in requests if isinstance(r, KeepHandoff)])
+    except redis.RedisError as exc:
+        return [exc] * len(requests)
+    return [None] * len(requests)
+
+
+def _records(requests: list[ReadRecord], runs: RunLedger) -> list[Any]:
+    pipe = runs.client.pipeline(transaction=False)
+    for request in requests:
+        pipe.hgetall(runs.keys.run(request.job_id, request.attempt))
+    try:
+        raw = pipe.execute()
+    except redis.RedisError as exc:
+        return [LedgerUnavailable(f"cannot read run {r.job_id}:{r.attempt}: {exc}")
+                for r in requests]  # fmt: skip
+    return [{text_of(k): text_of(v) for k, v in fields.items()} for fields in raw]

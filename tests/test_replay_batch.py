@@ -1,0 +1,187 @@
+"""The replayer's batches on a Redis broker, and what tries to break them: a batch costs a few
+round trips, not a few per message; a batch decided for longer than the lock's TTL, or whose
+tenure ended before its move, moves nothing; a replayer killed or failing between a batch's
+decisions and its move leaves every message claimed, to be handed on once, as decided."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import redis
+
+from gatekeeper.celery.broker import RedisBroker, Taken
+from gatekeeper.celery.replay import Replayer
+from gatekeeper.redis.keys import Keys
+from tests.conftest import REPO_ROOT, gate_settings, initialised, wait_until
+from tests.test_replay import claimed, defer_tasks, ids_in
+
+KEYS = Keys()
+
+
+def placed(client: redis.Redis) -> Counter[str]:
+    """How many times each task id is in free or reserved."""
+    return Counter(ids_in(client, "free") + ids_in(client, "reserved"))
+
+
+class Counted(redis.Connection):
+    """A real connection that counts its round trips: each wait for a reply that follows a
+    request (a command, a pipeline, or commands sent one after the other, then read)."""
+
+    round_trips = 0
+    _sent = False
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        self._sent = True
+        super().send_packed_command(command, check_health)
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sent:
+            Counted.round_trips += 1
+            self._sent = False
+        return super().read_response(*args, **kwargs)
+
+
+def round_trips_of_a_pass(redis_url: str, n: int, batch_size: int) -> int:
+    """The round trips of a pass that hands ``n`` deferred tasks on to free."""
+    client = redis.Redis.from_url(redis_url, connection_class=Counted)
+    client.flushdb()
+    initialised(client)
+    jobs = defer_tasks(redis_url, client, n)
+    settings = gate_settings(redis_url, budget_units=1e9, replay_batch_size=batch_size)
+    replayer = Replayer(settings, broker=client, gate=client)
+    assert replayer.acquire()
+    replayer.pass_once()  # the first pass's once-a-minute sweep is made here
+    jobs += defer_tasks(redis_url, client, n)
+    Counted.round_trips = 0
+    assert replayer.pass_once() == {"to_free": n}
+    round_trips = Counted.round_trips
+    assert placed(client) == Counter(jobs)  # every one handed on once
+    assert client.zcard(KEYS.deferred) == 0  # and its deadline forgotten
+    client.close()
+    return round_trips
+
+
+@pytest.mark.parametrize("batch_size", [1, 10, 100])
+def test_a_batch_costs_six_round_trips_not_six_per_message(redis_url: str, batch_size: int) -> None:
+    # Six per batch: the claim, the records, the decisions, the handoffs, the move, the
+    # deadlines; and the pass's own few (the lock's recovery, one length per priority list,
+    # the pass's record: a dozen; a renewal of the lock or a read of the flags, if due).
+    batches = -(-60 // batch_size)
+    assert round_trips_of_a_pass(redis_url, 60, batch_size) <= 6 * batches + 20
+
+
+def test_a_batch_is_not_moved_once_its_tenure_is_over(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 5)
+    broker = RedisBroker(redis_client, gate_settings(redis_url))
+    broker.begin("replayer-a")
+    (batch,) = broker.take_batches("defer", 10)
+    assert len(batch) == 5
+    for taken in batch:
+        assert taken.message is not None
+        broker.send(taken, "free", taken.message)
+    assert redis_client.llen("free") == 0  # nothing moves before the batch's one step
+    # Its tenure ends (a replayer that found its lock lost; or, stalled, its heartbeat
+    # expired) before the move: move.lua itself refuses, whatever was decided.
+    broker.end()
+    broker.hand_on(batch)
+    assert redis_client.llen("free") == 0 and claimed(redis_client) == 5
+    # The next tenure takes them back, and moves what it claims.
+    broker.begin("replayer-b")
+    assert broker.recover() == 5
+    (batch,) = broker.take_batches("defer", 10)
+    for taken in batch:
+        broker.send(taken, "free", taken.message)
+    broker.hand_on(batch)
+    assert sorted(ids_in(redis_client, "free")) == sorted(jobs) and claimed(redis_client) == 0
+
+
+def test_a_batch_decided_for_longer_than_the_lock_ttl_is_not_moved(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 10)
+    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3, budget_units=1e9,
+                             replay_batch_size=10)  # fmt: skip
+    slow = [True]
+
+    def clock() -> float:  # each decision takes a while: the batch lasts longer than the TTL
+        if slow[0]:
+            time.sleep(0.05)
+        return time.time()
+
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client, clock=clock)
+    assert replayer.acquire()
+    assert replayer.pass_once() == {"lock_lost": 1}  # found lost before the batch's move
+    assert claimed(redis_client) == 10 and redis_client.llen("free") == 0
+    slow[0] = False
+    assert replayer.acquire()  # a new tenure: takes the claims back, each as decided
+    assert replayer.pass_once() == {"handed_on_again": 10}
+    assert placed(redis_client) == Counter(jobs)
+
+
+class FailingMove(RedisBroker):
+    """A broker whose first batch move fails, after every decision of the batch was made."""
+
+    failures = 1
+
+    def hand_on(self, batch: list[Taken]) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise redis.ConnectionError("the broker went away before the move")
+        super().hand_on(batch)
+
+
+def test_an_error_between_a_batchs_decisions_and_its_move_loses_and_doubles_nothing(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 30)
+    settings = gate_settings(redis_url, budget_units=1e9, replay_batch_size=10)
+    broker = FailingMove(redis_client, settings)
+    replayer = Replayer(settings, broker=broker, gate=redis_client)
+    first = replayer.run(threading.Event(), once=True)
+    assert first == {"pass_failed": 1}
+    assert claimed(redis_client) == 10 and redis_client.llen("defer") == 20
+    assert not placed(redis_client)
+    second = Replayer(settings, broker=broker, gate=redis_client).run(threading.Event(), True)
+    # The failed batch's messages were decided and their handoffs kept: handed on as decided.
+    assert second == {"handed_on_again": 10, "to_free": 20}
+    assert placed(redis_client) == Counter(jobs) and claimed(redis_client) == 0
+
+
+def test_a_replayer_killed_before_a_batchs_move_leaves_it_to_be_handed_on_once(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 30)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
+    env.update(GATEKEEPER_REDIS_URL=redis_url, GATEKEEPER_DWELL_GATE_ENABLED="true",
+               GATEKEEPER_CANARY_PERCENT="100", GATEKEEPER_BUDGET_UNITS="1e9",
+               GATEKEEPER_REPLAY_LOCK_TTL_S="1", GATEKEEPER_REPLAY_BATCH_SIZE="10",
+               GATEKEEPER_TEST_KILL_AT="15", PYTHONPATH=str(REPO_ROOT))  # fmt: skip
+    killed = subprocess.run([sys.executable, "-m", "tests.apps.killed_replayer"], env=env,
+                            capture_output=True, cwd=REPO_ROOT, timeout=60)  # fmt: skip
+    assert killed.returncode == -9, killed.stderr.decode()
+    # SIGKILLed before the move of its 2nd batch: the 1st moved, the 2nd decided and
+    # claimed, the 3rd still in defer.
+    assert sum(placed(redis_client).values()) == 10
+    assert claimed(redis_client) == 10 and redis_client.llen("defer") == 10
+
+    # Its lock and its tenure's heartbeat expire (1 s); a successor takes back its claims.
+    def gone() -> bool:
+        heartbeats = list(redis_client.scan_iter(match="defer:replayer:*"))
+        return not (redis_client.exists(KEYS.replayer_lock) or heartbeats)
+
+    assert wait_until(gone, timeout_s=5)
+    settings = gate_settings(redis_url, budget_units=1e9, replay_lock_ttl_s=1)
+    counts = Replayer(settings, broker=redis_client, gate=redis_client).run(
+        threading.Event(), once=True
+    )
+    assert counts == {"handed_on_again": 10, "to_free": 10}
+    assert placed(redis_client) == Counter(jobs)  # each once: none lost, none doubled
