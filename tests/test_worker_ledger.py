@@ -139,7 +139,7 @@ def test_a_redelivered_run_that_dies_too_leaves_both_dead_runs_their_rows(
     the run that died before it is written before its own body runs, so a second death loses
     no row (the next start reveals only the run just before it)."""
     with running_worker(redis_url, tmp_path / "w.log"):
-        job = app_for(redis_url).tasks["tests.lost_twice"].delay().id
+        job = app_for(redis_url).tasks["tests.lost_late"].delay(deaths=2).id
         assert wait_until(lambda: len(runs(redis_client)) == 1)
         os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
         assert wait_until(lambda: len(runs(redis_client)) == 2, 30)

@@ -117,21 +117,11 @@ def create_app(
         bind=True, name="tests.lost_late", max_retries=0, acks_late=True,
         reject_on_worker_lost=True, shared=False, gatekeeper=kill_spec,
     )  # fmt: skip
-    def lost_late(self: Any) -> str:
+    def lost_late(self: Any, deaths: int = 1) -> str:
         record(self)
-        if runs_of(self.request.id) == 1:
-            time.sleep(30)  # the test kills this run's process
-        return "second run"
-
-    @app.task(
-        bind=True, name="tests.lost_twice", max_retries=0, acks_late=True,
-        reject_on_worker_lost=True, shared=False, gatekeeper=kill_spec,
-    )  # fmt: skip
-    def lost_twice(self: Any) -> str:
-        record(self)
-        if runs_of(self.request.id) <= 2:
-            time.sleep(30)  # the test kills this run's process, twice
-        return "third run"
+        if runs_of(self.request.id) <= deaths:
+            time.sleep(30)  # the test kills this run's process (``deaths`` runs in turn)
+        return "last run"
 
     @app.task(bind=True, name="tests.metered", max_retries=0, shared=False, gatekeeper=kill_spec)
     def metered(self: Any, fail: bool = False) -> None:
