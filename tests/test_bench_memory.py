@@ -29,3 +29,10 @@ def test_the_bench_prints_bytes_per_finished_job_last(tmp_path: Path) -> None:
 def test_jobs_that_did_not_run_on_free_fail_the_bench(tmp_path: Path) -> None:
     result = run_bench(tmp_path, GATEKEEPER_FREE_PATH_ENABLED="false")
     assert result.returncode != 0 and "bytes_per_job" not in result.stdout
+
+
+def test_with_records_off_the_bench_expects_none_and_counts_none(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, GATEKEEPER_DECISION_RECORD_CAP="0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "decision_record_cap=0" in result.stdout.splitlines()[0]
+    assert "decision_records: bytes_per_job=0.0 keys=0" in result.stdout.splitlines()
