@@ -104,7 +104,9 @@ def test_a_redelivery_after_the_cut_gets_the_row_the_whole_record_would_give(
     again = runs.start("A", 1, nonce, OWN, ms(NOW + 30))  # the ack was lost: delivered again
     assert again.record is not None and (again.run, again.dead) == (2, None)
     row = runs.row_for("A", 1, again.record, Outcome.OK, ms(NOW + 31))
-    assert runs.finish(row, again.run, again.record, ms(NOW + 31)).written
+    done = runs.finish(row, again.run, again.record, ms(NOW + 31))
+    assert done.written and row.retry_tax > 0  # priced in Python before the cap
+    assert done.retry_tax == 0  # what the worker's ledger_row line shows: the row's
     expected = runs.row_for("A", 1, replace(first, started_ms=ms(NOW + 30)), Outcome.OK,
                             ms(NOW + 31))  # fmt: skip
     second = rows_of(redis_client, "A")[1]

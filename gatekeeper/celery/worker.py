@@ -342,7 +342,7 @@ class WorkerSide:
         self.log.info(
             "ledger_row", task=record.task, job_id=job_id, attempt=attempt, run=run,
             path=row.path.value, outcome=row.outcome.value, reason=reason,
-            queue_wait_ms=row.queue_wait_ms, tokens_in=row.tokens_in, retry_tax=row.retry_tax,
+            queue_wait_ms=row.queue_wait_ms, tokens_in=row.tokens_in, retry_tax=done.retry_tax,
             deadline_slack_ms=row.deadline_slack_ms,
         )  # fmt: skip
         if miss:

@@ -55,7 +55,8 @@
 -- ARGV[13] lower_bound   1 when the run was killed by its time limit (it ran at least that)
 -- ARGV[14] task          the task's name, for service:names
 --
--- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free}.
+-- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free,
+-- the row's retry_tax as written (a free row's capped by its reservation)}.
 
 local function fmt17(x) return string.format('%.17g', x) end
 
@@ -64,7 +65,7 @@ local run = tonumber(ARGV[2])
 local rec = redis.call('HMGET', KEYS[1], 'rowed', 'runs', 'reserved', 'charged', 'kept',
   'published_ms', 'deadline_ms', 'tokens_in', 'window', 'free_admitted', 'prev_nonce')
 if tonumber(rec[1] or '0') >= run then
-  return {0, 0, 0}
+  return {0, 0, 0, '0'}
 end
 redis.call('HSET', KEYS[1], 'rowed', run)
 -- The attempt's last run: no run of it is left without its row, so the record is cut below
@@ -72,6 +73,7 @@ redis.call('HSET', KEYS[1], 'rowed', run)
 local cut = rec[2] ~= false and tonumber(rec[2]) == run
 local free = ARGV[5] == 'free'
 local window, rows, row = KEYS[2], KEYS[3], ARGV[3]
+local written_tax = ARGV[6]
 if free then
   window, rows = KEYS[6], KEYS[7]
   local tax = tonumber(ARGV[6])
@@ -81,7 +83,8 @@ if free then
     local left = math.max(0, tonumber(held[1]) - tonumber(held[2] or '0'))
     if tax > left then
       tax = left
-      row = ARGV[10] .. ', "retry_tax": ' .. fmt17(tax) .. '}'
+      written_tax = fmt17(tax)
+      row = ARGV[10] .. ', "retry_tax": ' .. written_tax .. '}'
     end
   end
   local charged = '0'
@@ -160,4 +163,4 @@ if cut then
 end
 local misses = tonumber(redis.call('HGET', KEYS[6], 'slack_misses') or '0')
 local admitted = tonumber(redis.call('HGET', KEYS[6], 'admitted_free') or '0')
-return {1, misses, admitted}
+return {1, misses, admitted, written_tax}

@@ -105,6 +105,8 @@ class Finished:
     written: bool
     slack_misses: int
     admitted_free: int
+    retry_tax: float = 0.0
+    """The row's tax as written (``finish.lua`` caps a free row's by its reservation)."""
 
 
 class RunLedger:
@@ -294,10 +296,10 @@ class RunLedger:
             record.task,
         ]
         try:
-            written, misses, admitted = self._call(self._finish, keys, args)
+            written, misses, admitted, tax = self._call(self._finish, keys, args)
+            return Finished(bool(written), int(misses), int(admitted), float(text_of(tax)))
         except (redis.RedisError, ValueError) as exc:  # ValueError: not finish.lua's reply
             raise LedgerUnavailable(f"cannot write the row of {member}: {exc}") from exc
-        return Finished(bool(written), int(misses), int(admitted))
 
     def abandon(self, row: LedgerRow, now_ms: int, slack_miss: bool) -> Finished:
         """Write an attempt's ``abandoned`` row once (a replayer crash cannot write two)."""
