@@ -58,7 +58,7 @@ class Decide:
 @dataclass(frozen=True, slots=True)
 class KeepHandoff:
     """Answered with None once the handoff is kept (``handoff.remember_all``'s); the Redis error
-    is thrown when it was not."""
+    is thrown when it was not (that handoff's own, or the round trip's)."""
 
     kept: Kept
 
@@ -141,19 +141,22 @@ def _answers(
         decided = [r.publish for r in requests if isinstance(r, Decide)]
         return route_all(pipeline, decided, alive)
     try:
-        remember_all(runs, [r.kept for r in requests if isinstance(r, KeepHandoff)])
-    except redis.RedisError as exc:
+        return list(remember_all(runs, [r.kept for r in requests if isinstance(r, KeepHandoff)]))
+    except redis.RedisError as exc:  # the round trip itself: none may be kept
         return [exc] * len(requests)
-    return [None] * len(requests)
 
 
 def _records(requests: list[ReadRecord], runs: RunLedger) -> list[Any]:
+    """Each record as ``RunLedger.fields`` reads it, or why it could not be read: one bad
+    record (a key of another type) fails its own message only."""
     pipe = runs.client.pipeline(transaction=False)
     for request in requests:
         pipe.hgetall(runs.keys.run(request.job_id, request.attempt))
     try:
-        raw = pipe.execute()
+        raw: list[Any] = pipe.execute(raise_on_error=False)
     except redis.RedisError as exc:
-        return [LedgerUnavailable(f"cannot read run {r.job_id}:{r.attempt}: {exc}")
-                for r in requests]  # fmt: skip
-    return [{text_of(k): text_of(v) for k, v in fields.items()} for fields in raw]
+        raw = [exc] * len(requests)
+    return [LedgerUnavailable(f"cannot read run {r.job_id}:{r.attempt}: {fields}")
+            if isinstance(fields, Exception)
+            else {text_of(k): text_of(v) for k, v in fields.items()}
+            for r, fields in zip(requests, raw, strict=True)]  # fmt: skip

@@ -70,7 +70,8 @@ __all__ = ["PRIORITY_SEP", "PRIORITY_STEPS", "Replayer", "queue_list"]
 
 SWEEP_EVERY_S = 60.0
 MAX_REPLAY_ERRORS = 5
-"""A message that fails this many replays in a row goes to the dead letters, with an alert."""
+"""A message that fails this many replays in a row goes to the dead letters, with an alert
+(its count, in ``H_REPLAY_ERRORS``, is dropped once a replay scores it and hands it on)."""
 H_REPLAY_ERRORS = "gatekeeper_replay_errors"
 
 
@@ -294,7 +295,7 @@ class Replayer:
             return self._send(taken, message, self.settings.reserved_queue, "gate_error")
         replays = int(headers.get(H_REPLAYS) or 0) + 1
         changes = {**routing.headers, H_REPLAYS: replays}
-        drop, wait = routing.drop, 0.0
+        drop, wait = (*routing.drop, H_REPLAY_ERRORS), 0.0  # replayed: its errors start again
         queue = routing.queue or self.settings.reserved_queue
         if queue == self.defer:
             wait = min(self.settings.replay_backoff_s * 2 ** (replays - 1),

@@ -1,0 +1,58 @@
+"""A fault strikes the message it belongs to, not its batch: one record that cannot be read,
+or one handoff that cannot be kept, fails its own message only; and a message's count of
+failed replays starts again once a replay hands it on."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+
+from gatekeeper.celery.replay import H_REPLAY_ERRORS
+from gatekeeper.redis.handoff import HANDOFF_FROM, Handoff, remember_all
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger
+from tests.conftest import gate_settings
+from tests.test_replay import defer_tasks, ids_in, replay_once
+
+KEYS = Keys()
+
+
+def test_one_unreadable_record_fails_its_own_message_not_its_batch(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 20)
+    redis_client.delete(KEYS.run(jobs[7], 1))
+    redis_client.set(KEYS.run(jobs[7], 1), "not a hash")  # HGETALL: WRONGTYPE
+    counts = replay_once(redis_url, redis_client, budget_units=1e9)
+    assert counts == {"to_free": 19, "replay_error": 1}
+    assert sorted(ids_in(redis_client, "free")) == sorted(jobs[:7] + jobs[8:])
+    assert ids_in(redis_client, "defer") == [jobs[7]]
+
+
+def test_one_handoff_that_cannot_be_kept_fails_its_own_only(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+    redis_client.set(KEYS.run("bad", 1), "not a hash")  # HSET: WRONGTYPE
+    handoff = Handoff("free", {"a": 1}, ())
+    kept = [(job, 1, f"nonce-{job}", handoff) for job in ("one", "bad", "two")]
+    first, bad, second = remember_all(runs, kept)
+    assert first is None and second is None
+    assert isinstance(bad, redis.ResponseError) and "WRONGTYPE" in str(bad)
+    assert redis_client.hget(KEYS.run("one", 1), HANDOFF_FROM) == b"nonce-one"
+    assert redis_client.hget(KEYS.run("two", 1), HANDOFF_FROM) == b"nonce-two"
+
+
+def test_a_replay_that_hands_a_message_on_drops_its_count_of_failed_replays(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    defer_tasks(redis_url, redis_client, 1)
+    message = json.loads(redis_client.rpop("defer"))
+    message["headers"][H_REPLAY_ERRORS] = 4  # failed four replays before this one
+    redis_client.lpush("defer", json.dumps(message))
+    redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # still old
+    assert replay_once(redis_url, redis_client, max_queue_age_s=1.0) == {"deferred_again": 1}
+    (parked,) = [json.loads(raw) for raw in redis_client.lrange("defer", 0, -1)]
+    assert H_REPLAY_ERRORS not in parked["headers"]  # the next failure is the first in a row
