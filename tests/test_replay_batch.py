@@ -19,6 +19,7 @@ import redis
 from gatekeeper.celery.broker import RedisBroker, Taken
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.scripts import load_lua
 from tests.conftest import REPO_ROOT, gate_settings, initialised, wait_until
 from tests.test_replay import claimed, defer_tasks, ids_in
 
@@ -214,3 +215,17 @@ def test_a_replayer_killed_before_a_batchs_move_leaves_it_to_be_handed_on_once(
     )
     assert counts == {"handed_on_again": 10, "to_free": 10}
     assert placed(redis_client) == Counter(jobs)  # each once: none lost, none doubled
+
+
+def test_a_move_to_a_target_that_is_not_a_list_moves_nothing_and_loses_nothing(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    redis_client.rpush("proc", b"m1", b"m2", b"m3")
+    redis_client.set("heartbeat", 1)
+    redis_client.set("bad", "not a list")
+    move = redis_client.register_script(load_lua("move.lua"))
+    with pytest.raises(redis.ResponseError, match="target bad holds a string"):
+        move(keys=["proc", "heartbeat", "free", "bad", "free"],
+             args=[b"m1", b"n1", b"m2", b"n2", b"m3", b"n3"])  # fmt: skip
+    assert redis_client.lrange("proc", 0, -1) == [b"m1", b"m2", b"m3"]  # all still claimed
+    assert redis_client.llen("free") == 0
