@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from gatekeeper.celery.replay import Replayer
@@ -150,7 +151,7 @@ def test_a_replayer_that_loses_its_lock_mid_batch_moves_none_of_it(
 
 
 def test_a_stall_longer_than_the_ttl_loses_the_lock_though_redis_still_has_it(
-    redis_url: str, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
     jobs = defer_tasks(redis_url, redis_client, 2)
     settings = gate_settings(redis_url)  # a 30 s lock
@@ -161,6 +162,8 @@ def test_a_stall_longer_than_the_ttl_loses_the_lock_though_redis_still_has_it(
     now[0] += settings.replay_lock_ttl_s + 1  # stopped for longer than the TTL
     assert redis_client.exists(KEYS.replayer_lock)  # Redis's clock did not see the stall
     assert replayer.pass_once() == {"lock_lost": 1}
+    lost = [line for line in capsys.readouterr().err.splitlines() if "replay_lock_lost" in line]
+    assert len(lost) == 1 and "this holder stalled" in lost[0]  # not "another replayer"
     assert redis_client.llen("defer") == 2 and claimed(redis_client) == 0
     assert not redis_client.exists(KEYS.replayer_lock)  # ours still: given back
     assert replayer.acquire()  # a new tenure

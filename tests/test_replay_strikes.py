@@ -1,7 +1,7 @@
 """A fault strikes the message it belongs to, not its batch: one record that cannot be read,
 or one handoff that cannot be kept, fails its own message only; a batch's decisions that
-got no answer are asked again; and a message's count of failed replays starts again once a
-replay hands it on."""
+got no answer are asked again; a message's count of failed replays starts again once a
+replay hands it on; and a batch reads a record as the ledger reads it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import redis
 
+from gatekeeper.celery.batch import ReadRecord, _records
 from gatekeeper.celery.replay import H_REPLAY_ERRORS, Replayer
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.handoff import HANDOFF_FROM, Handoff, remember_all
@@ -103,3 +104,14 @@ def test_a_batch_whose_decisions_time_out_is_answered_with_the_decisions_made(
                for m in queue_messages(redis_client, "free")}  # fmt: skip
     assert carried == {job: redis_client.hget(KEYS.run(job, 1), "nonce").decode() for job in jobs}
     replayer.release()
+
+
+def test_a_batch_reads_a_cut_record_as_the_ledger_does(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+    redis_client.hset(KEYS.run("cut", 1), mapping={"nonce": "n", "decision": "admit_free",
+                                                   "kept": "1000|2000|3|42"})  # fmt: skip
+    (record,) = _records([ReadRecord("cut", 1)], runs)
+    assert record == runs.fields("cut", 1)
+    assert record["window"] == "42"  # what as_scored releases an admission from

@@ -32,6 +32,7 @@ from gatekeeper.redis.attempt import Publish
 from gatekeeper.redis.gate import Pipeline
 from gatekeeper.redis.gate_batch import route_all
 from gatekeeper.redis.handoff import Kept, remember_all
+from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import text_of
 
@@ -158,5 +159,5 @@ def _records(requests: list[ReadRecord], runs: RunLedger) -> list[Any]:
         raw = [exc] * len(requests)
     return [LedgerUnavailable(f"cannot read run {r.job_id}:{r.attempt}: {fields}")
             if isinstance(fields, Exception)
-            else {text_of(k): text_of(v) for k, v in fields.items()}
+            else unpack({text_of(k): text_of(v) for k, v in fields.items()})
             for r, fields in zip(requests, raw, strict=True)]  # fmt: skip

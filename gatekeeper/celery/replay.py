@@ -119,7 +119,7 @@ class Replayer:
         return state in ("taken", "kept")
 
     def _lost(self) -> None:
-        self.log.warning("replay_lock_lost", holder="another replayer", replayer=self.ident)
+        self.log.warning("replay_lock_lost", why=self._holder.lost_why, replayer=self.ident)
         self.broker.end()
 
     def release(self) -> None:
