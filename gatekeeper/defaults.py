@@ -72,8 +72,10 @@ REDIS_TIMEOUT_S = 0.5
 REPLAY_BATCH_SIZE = 100
 """Deferred messages the replayer claims, scores and moves together on a Redis broker, in one
 round trip per step (claim, records, decisions, handoffs, move, deadlines): past about a
-hundred the round trips are a small share of a message's cost, and a batch still takes a few
-tens of milliseconds, far inside the lock's TTL (a batch is decided under one check)."""
+hundred the round trips are a small share of a message's cost. A batch may take longer than
+the lock's TTL (slow steps in process, a slow backend): the lock is checked, and renewed once
+a third of its TTL has passed, before each claim, before each step of each message and before
+the moves, so only a replayer stalled for a whole TTL loses it."""
 BREAKER_OPEN_S = 1.0
 """After the gate's Redis did not answer, how long until the first probe (a ``PING`` from a
 thread of its own), and between probes: decisions are made without Redis meanwhile. A second

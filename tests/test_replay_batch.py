@@ -19,6 +19,7 @@ import redis
 from gatekeeper.celery.broker import RedisBroker, Taken
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.scripts import load_lua
 from tests.conftest import REPO_ROOT, gate_settings, initialised, wait_until
 from tests.test_replay import claimed, defer_tasks, ids_in
 
@@ -104,27 +105,56 @@ def test_a_batch_is_not_moved_once_its_tenure_is_over(
     assert sorted(ids_in(redis_client, "free")) == sorted(jobs) and claimed(redis_client) == 0
 
 
-def test_a_batch_decided_for_longer_than_the_lock_ttl_is_not_moved(
+def test_a_batch_stalled_longer_than_the_lock_ttl_stops_and_is_not_moved(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     jobs = defer_tasks(redis_url, redis_client, 10)
     settings = gate_settings(redis_url, replay_lock_ttl_s=0.3, budget_units=1e9,
                              replay_batch_size=10)  # fmt: skip
-    slow = [True]
+    reads = [0]
 
-    def clock() -> float:  # each decision takes a while: the batch lasts longer than the TTL
-        if slow[0]:
-            time.sleep(0.05)
+    def clock() -> float:  # the 3rd message's first step stalls for longer than the TTL
+        reads[0] += 1
+        if reads[0] == 4:  # the 1st reading is the pass's own
+            time.sleep(0.4)
         return time.time()
 
     replayer = Replayer(settings, broker=redis_client, gate=redis_client, clock=clock)
     assert replayer.acquire()
-    assert replayer.pass_once() == {"lock_lost": 1}  # found lost before the batch's move
+    assert replayer.pass_once() == {"lock_lost": 1}  # found lost at its next step
     assert claimed(redis_client) == 10 and redis_client.llen("free") == 0
-    slow[0] = False
-    assert replayer.acquire()  # a new tenure: takes the claims back, each as decided
-    assert replayer.pass_once() == {"handed_on_again": 10}
+    # Stalled before the batch's decisions: none was made, no handoff kept.
+    assert not any(redis_client.hget(KEYS.run(job, 1), "handoff") for job in jobs)
+    assert replayer.acquire()  # a new tenure: takes the claims back and decides them
+    assert replayer.pass_once() == {"to_free": 10}
     assert placed(redis_client) == Counter(jobs)
+
+
+class StallAfterMove(RedisBroker):
+    """A broker whose batch moves are followed by a stall of the replayer longer than its TTL."""
+
+    def __init__(self, client: redis.Redis, settings: Any, now: list[float]) -> None:
+        super().__init__(client, settings)
+        self.now = now
+
+    def hand_on(self, batch: list[Taken]) -> None:
+        super().hand_on(batch)
+        self.now[0] += self.settings.replay_lock_ttl_s + 1
+
+
+def test_a_replayer_that_lost_its_lock_claims_no_further_batch(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    defer_tasks(redis_url, redis_client, 10)
+    settings = gate_settings(redis_url, budget_units=1e9, replay_batch_size=5)
+    now = [0.0]
+    broker = StallAfterMove(redis_client, settings, now)
+    replayer = Replayer(settings, broker=broker, gate=redis_client, monotonic=lambda: now[0])
+    assert replayer.acquire()
+    assert replayer.pass_once() == {"to_free": 5, "lock_lost": 1}
+    # Found lost before the second claim: nothing claimed into (nor re-registered for) the
+    # tenure that ended.
+    assert claimed(redis_client) == 0 and redis_client.llen("defer") == 5
 
 
 class FailingMove(RedisBroker):
@@ -185,3 +215,17 @@ def test_a_replayer_killed_before_a_batchs_move_leaves_it_to_be_handed_on_once(
     )
     assert counts == {"handed_on_again": 10, "to_free": 10}
     assert placed(redis_client) == Counter(jobs)  # each once: none lost, none doubled
+
+
+def test_a_move_to_a_target_that_is_not_a_list_moves_nothing_and_loses_nothing(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    redis_client.rpush("proc", b"m1", b"m2", b"m3")
+    redis_client.set("heartbeat", 1)
+    redis_client.set("bad", "not a list")
+    move = redis_client.register_script(load_lua("move.lua"))
+    with pytest.raises(redis.ResponseError, match="target bad holds a string"):
+        move(keys=["proc", "heartbeat", "free", "bad", "free"],
+             args=[b"m1", b"n1", b"m2", b"n2", b"m3", b"n3"])  # fmt: skip
+    assert redis_client.lrange("proc", 0, -1) == [b"m1", b"m2", b"m3"]  # all still claimed
+    assert redis_client.llen("free") == 0

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from gatekeeper.celery.replay import Replayer
@@ -33,6 +34,8 @@ reads, stop_at = 0, int(sys.argv[1])
 
 def monotonic():  # the clock the lock is checked with: this process stops at one reading
     global reads
+    if sys._getframe(2).f_code.co_name != "_replay_batch":  # not one of a batch's two checks
+        return time.monotonic()
     reads += 1
     if reads == stop_at:
         print("event=stopping_itself", flush=True)
@@ -47,11 +50,11 @@ totals = replayer.run(stop)
 print("totals " + " ".join(f"{k}={v}" for k, v in sorted(totals.items())), flush=True)
 """
 """``gatekeeper replay``'s loop with one change: the monotonic clock its lock is checked with
-SIGSTOPs the process at its ``argv[1]``-th reading. The first is the take of the lock, the
-second the check at the start of the pass, then two checks per batch: once it is claimed
-(before its decisions) and once it is decided (before its moves). With batches of
-``BATCH``, the 5th reading stops the process with the second batch claimed and undecided,
-the 6th with it decided and not moved."""
+SIGSTOPs the process at the ``argv[1]``-th of the readings made by a batch's own two checks:
+once it is claimed (before its decisions) and once it is decided (before its moves); the
+others (the take, before each claim, between a batch's steps) are not counted. With batches
+of ``BATCH``, the 3rd stops the process with the second batch claimed and undecided, the 4th
+with it decided and not moved."""
 BATCH = 50
 
 
@@ -127,7 +130,7 @@ def moved(counts: dict[str, str]) -> int:
 def test_a_replayer_stopped_past_its_lock_ttl_decides_and_moves_nothing_once_resumed(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    successor, counts, before, left_claimed = stalled(redis_url, redis_client, tmp_path, 5)
+    successor, counts, before, left_claimed = stalled(redis_url, redis_client, tmp_path, 3)
     assert (before, len(left_claimed)) == (BATCH, BATCH)  # the 2nd batch claimed, undecided
     assert (moved(counts), counts.get("lock_lost")) == (before, "1")  # no move after it resumed
     assert "event=replay_handed_on_again" not in successor  # nothing of it was decided
@@ -137,7 +140,7 @@ def test_a_replayer_stopped_past_its_lock_ttl_decides_and_moves_nothing_once_res
 def test_a_replayer_that_loses_its_lock_mid_batch_moves_none_of_it(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    successor, counts, before, left_claimed = stalled(redis_url, redis_client, tmp_path, 6)
+    successor, counts, before, left_claimed = stalled(redis_url, redis_client, tmp_path, 4)
     # Stopped between the 2nd batch's decisions and its moves: decided, handoffs kept, and
     # none of it moved once resumed (the lock is checked again before the moves).
     assert (before, len(left_claimed)) == (2 * BATCH, BATCH)
@@ -148,7 +151,7 @@ def test_a_replayer_that_loses_its_lock_mid_batch_moves_none_of_it(
 
 
 def test_a_stall_longer_than_the_ttl_loses_the_lock_though_redis_still_has_it(
-    redis_url: str, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
     jobs = defer_tasks(redis_url, redis_client, 2)
     settings = gate_settings(redis_url)  # a 30 s lock
@@ -159,6 +162,8 @@ def test_a_stall_longer_than_the_ttl_loses_the_lock_though_redis_still_has_it(
     now[0] += settings.replay_lock_ttl_s + 1  # stopped for longer than the TTL
     assert redis_client.exists(KEYS.replayer_lock)  # Redis's clock did not see the stall
     assert replayer.pass_once() == {"lock_lost": 1}
+    lost = [line for line in capsys.readouterr().err.splitlines() if "replay_lock_lost" in line]
+    assert len(lost) == 1 and "this holder stalled" in lost[0]  # not "another replayer"
     assert redis_client.llen("defer") == 2 and claimed(redis_client) == 0
     assert not redis_client.exists(KEYS.replayer_lock)  # ours still: given back
     assert replayer.acquire()  # a new tenure
@@ -170,10 +175,10 @@ def test_the_lock_is_renewed_during_a_pass_longer_than_its_ttl(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     defer_tasks(redis_url, redis_client, 30)
-    # Batches of 3 (the lock is checked before each and before its moves): each takes a
-    # fraction of the TTL, the pass several TTLs.
-    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3, budget_units=1e9,
-                             replay_batch_size=3)  # fmt: skip
+    # One batch of the default size: it takes several TTLs, and is renewed as it goes (its
+    # lock is checked between its steps, with no round trip while fresh).
+    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3, budget_units=1e9)
+    assert settings.replay_batch_size >= 30
 
     def slow_clock() -> float:  # each message takes a while: the pass lasts about 1 s
         time.sleep(0.01)

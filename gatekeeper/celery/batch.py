@@ -12,6 +12,11 @@ each message cost three, and every rule a message follows is the code it followe
 
 Two messages of one job in a batch (a copy that came back beside its twin) are not handled
 side by side: the second starts once the first is done, and reads the record the first left.
+
+The replayer's lock is checked (``alive``: renewed once a third of its TTL has passed, with no
+round trip while fresh) before each round trip and before each step of each message, so a
+batch that takes longer than the TTL keeps its lock, and one found lost stops there: what is
+still to do is not advanced (no decision, no row, no write), and nothing of the batch moves.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from gatekeeper.redis.attempt import Publish
 from gatekeeper.redis.gate import Pipeline
 from gatekeeper.redis.gate_batch import route_all
 from gatekeeper.redis.handoff import Kept, remember_all
+from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import text_of
 
@@ -53,7 +59,7 @@ class Decide:
 @dataclass(frozen=True, slots=True)
 class KeepHandoff:
     """Answered with None once the handoff is kept (``handoff.remember_all``'s); the Redis error
-    is thrown when it was not."""
+    is thrown when it was not (that handoff's own, or the round trip's)."""
 
     kept: Kept
 
@@ -69,19 +75,21 @@ def run_batch(
     runs: RunLedger,
     pipeline: Pipeline,
     failed: Callable[[int, Exception], str],
+    alive: Callable[[], bool] = lambda: True,
 ) -> list[str]:
     """Run each ``(job, step)`` to its label, in order; a step that raises gets
-    ``failed(its index, the error)`` as its label (one bad message does not stop the others)."""
+    ``failed(its index, the error)`` as its label (one bad message does not stop the others).
+    Once ``alive()`` is false nothing more is advanced, and the unfinished labels stay ``""``."""
     labels = [""] * len(steps)
     todo = list(range(len(steps)))
-    while todo:  # a wave: the first message of each job still to do
+    while todo and alive():  # a wave: the first message of each job still to do
         wave: list[int] = []
         later: list[int] = []
         jobs: set[Hashable] = set()
         for i in todo:
             (later if steps[i][0] in jobs else wave).append(i)
             jobs.add(steps[i][0])
-        _run_wave(wave, steps, labels, failed, runs, pipeline)
+        _run_wave(wave, steps, labels, failed, runs, pipeline, alive)
         todo = later
     return labels
 
@@ -93,10 +101,13 @@ def _run_wave(
     failed: Callable[[int, Exception], str],
     runs: RunLedger,
     pipeline: Pipeline,
+    alive: Callable[[], bool],
 ) -> None:
     waiting: dict[int, Request] = {}
 
     def advance(i: int, answer: Any) -> None:
+        if not alive():  # lost: this message is left as claimed, its step not run
+            return
         step = steps[i][1]
         try:
             request = step.throw(answer) if isinstance(answer, Exception) else step.send(answer)
@@ -109,38 +120,44 @@ def _run_wave(
 
     for i in wave:
         advance(i, None)
-    while waiting:
+    while waiting and alive():
         kind = min((type(request) for request in waiting.values()), key=ORDER.index)
         mine = [i for i, request in waiting.items() if type(request) is kind]
         requests = [waiting.pop(i) for i in mine]
         try:
-            answers = _answers(requests, runs, pipeline)
+            answers = _answers(requests, runs, pipeline, alive)
         except Exception as exc:  # the round trip itself failed: each request gets why
             answers = [exc] * len(requests)
         for i, answer in zip(mine, answers, strict=True):
             advance(i, answer)
 
 
-def _answers(requests: list[Request], runs: RunLedger, pipeline: Pipeline) -> list[Any]:
+def _answers(
+    requests: list[Request], runs: RunLedger, pipeline: Pipeline, alive: Callable[[], bool]
+) -> list[Any]:
     """The answers to requests of one kind, in one round trip."""
     if isinstance(requests[0], ReadRecord):
         return _records([r for r in requests if isinstance(r, ReadRecord)], runs)
     if isinstance(requests[0], Decide):
-        return route_all(pipeline, [r.publish for r in requests if isinstance(r, Decide)])
+        decided = [r.publish for r in requests if isinstance(r, Decide)]
+        return route_all(pipeline, decided, alive)
     try:
-        remember_all(runs, [r.kept for r in requests if isinstance(r, KeepHandoff)])
-    except redis.RedisError as exc:
+        return list(remember_all(runs, [r.kept for r in requests if isinstance(r, KeepHandoff)]))
+    except redis.RedisError as exc:  # the round trip itself: none may be kept
         return [exc] * len(requests)
-    return [None] * len(requests)
 
 
 def _records(requests: list[ReadRecord], runs: RunLedger) -> list[Any]:
+    """Each record as ``RunLedger.fields`` reads it, or why it could not be read: one bad
+    record (a key of another type) fails its own message only."""
     pipe = runs.client.pipeline(transaction=False)
     for request in requests:
         pipe.hgetall(runs.keys.run(request.job_id, request.attempt))
     try:
-        raw = pipe.execute()
+        raw: list[Any] = pipe.execute(raise_on_error=False)
     except redis.RedisError as exc:
-        return [LedgerUnavailable(f"cannot read run {r.job_id}:{r.attempt}: {exc}")
-                for r in requests]  # fmt: skip
-    return [{text_of(k): text_of(v) for k, v in fields.items()} for fields in raw]
+        raw = [exc] * len(requests)
+    return [LedgerUnavailable(f"cannot read run {r.job_id}:{r.attempt}: {fields}")
+            if isinstance(fields, Exception)
+            else unpack({text_of(k): text_of(v) for k, v in fields.items()})
+            for r, fields in zip(requests, raw, strict=True)]  # fmt: skip

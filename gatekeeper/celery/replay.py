@@ -19,11 +19,12 @@ Nothing is lost when the replayer is killed at any moment. On Redis a message is
 into its lock tenure's processing list (RPOPLPUSH) and leaves it only by ``move.lua`` (one
 atomic step per message, a batch's in one call, none once the tenure's heartbeat is gone);
 on RabbitMQ it is acked only once its rewritten copy is confirmed. The lock is checked before
-every batch's decisions and again before its moves (:mod:`gatekeeper.redis.lock`): a
-replayer that lost it decides, moves and writes nothing more, and only dead tenures' claims
-are taken back. A message that
-comes back after it was scored is handed on again as it was the first time (the record keeps
-the handoff: :mod:`gatekeeper.redis.handoff`), and a worker runs one copy of the two
+every claim, before each step of each message and round trip of a batch, and before its
+moves (:mod:`gatekeeper.redis.lock`; renewed once a third of its TTL has passed, so a slow
+batch keeps it): a replayer that lost it decides, moves and writes nothing more, and only
+dead tenures' claims are taken back. A message that comes back after it was scored is
+handed on again as it was the first time (the record keeps the handoff:
+:mod:`gatekeeper.redis.handoff`), and a worker runs one copy of the two
 (:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
 """
 
@@ -69,7 +70,8 @@ __all__ = ["PRIORITY_SEP", "PRIORITY_STEPS", "Replayer", "queue_list"]
 
 SWEEP_EVERY_S = 60.0
 MAX_REPLAY_ERRORS = 5
-"""A message that fails this many replays in a row goes to the dead letters, with an alert."""
+"""A message that fails this many replays in a row goes to the dead letters, with an alert
+(its count, in ``H_REPLAY_ERRORS``, is dropped once a replay scores it and hands it on)."""
 H_REPLAY_ERRORS = "gatekeeper_replay_errors"
 
 
@@ -117,7 +119,7 @@ class Replayer:
         return state in ("taken", "kept")
 
     def _lost(self) -> None:
-        self.log.warning("replay_lock_lost", holder="another replayer", replayer=self.ident)
+        self.log.warning("replay_lock_lost", why=self._holder.lost_why, replayer=self.ident)
         self.broker.end()
 
     def release(self) -> None:
@@ -168,7 +170,10 @@ class Replayer:
             self.log.warning("free_admissions_forgotten", queue=self.settings.free_queue)
 
     def _replay_all(self, counts: Counter[str]) -> None:
-        for batch in self.broker.take_batches(self.defer, self.settings.replay_batch_size):
+        batches = self.broker.take_batches(self.defer, self.settings.replay_batch_size)
+        # Checked before each claim: a claim re-sets the tenure's heartbeat, which a replayer
+        # that lost its lock must not do.
+        while self._holder.check() and (batch := next(batches, None)) is not None:
             try:
                 labels = self._replay_batch(batch)
             except BaseException:  # nothing could move them (the broker, the gate's Redis)
@@ -184,7 +189,7 @@ class Replayer:
 
     def _replay_batch(self, batch: list[Taken]) -> list[str] | None:
         """Decide and hand on one batch (:mod:`gatekeeper.celery.batch`); None, with nothing
-        moved, when the lock is found lost before its decisions or before its moves."""
+        moved, when the lock is found lost before its decisions, among them or before moving."""
         if not self._holder.check():
             # No decision, no move, no row. The messages are left where they are: without
             # the lock we write nothing to the queues; the holder takes them back (Redis:
@@ -193,8 +198,10 @@ class Replayer:
             return None
         steps = [(self._job_of(taken), self._handle(taken)) for taken in batch]
         labels = run_batch(steps, self.runs, self.pipeline,
-                           lambda i, exc: self._set_aside(batch[i], exc))  # fmt: skip
-        if any(taken.move is not None for taken in batch) and not self._holder.check():
+                           lambda i, exc: self._set_aside(batch[i], exc),
+                           self._holder.check)  # fmt: skip
+        if not self._holder.held or (any(taken.move is not None for taken in batch)
+                                     and not self._holder.check()):  # fmt: skip
             # Lost while deciding: nothing of the batch moves (and move.lua refuses once our
             # tenure's heartbeat is gone). Its holder takes the claims back, and each comes
             # back handed on as decided (its kept handoff) or, with none kept, scored again.
@@ -269,7 +276,7 @@ class Replayer:
             return self._hand_on(taken, message, again, "handed_on_again")
         deadline = headers.get(H_DEADLINE_AT)
         if isinstance(deadline, (int, float)) and deadline <= now:
-            return self._abandon(taken, message, now, record)
+            return abandon(self, taken, message, now, record)
         if gated and nonce_of(headers) and record.get("prev_nonce") == nonce_of(headers):
             self.log.warning("replay_scored_not_handed_on", job_id=job_id, attempt=attempt,
                              decision=record.get("decision"))  # fmt: skip
@@ -288,7 +295,7 @@ class Replayer:
             return self._send(taken, message, self.settings.reserved_queue, "gate_error")
         replays = int(headers.get(H_REPLAYS) or 0) + 1
         changes = {**routing.headers, H_REPLAYS: replays}
-        drop, wait = routing.drop, 0.0
+        drop, wait = (*routing.drop, H_REPLAY_ERRORS), 0.0  # replayed: its errors start again
         queue = routing.queue or self.settings.reserved_queue
         if queue == self.defer:
             wait = min(self.settings.replay_backoff_s * 2 ** (replays - 1),
@@ -322,11 +329,6 @@ class Replayer:
         message["headers"][H_COPY] = uuid.uuid4().hex  # this copy's own: a worker runs one
         self.broker.send(taken, queue, message)
         return f"to_{queue}" if why not in ("not_gated", "unverified") else why
-
-    def _abandon(
-        self, taken: Taken, message: dict[str, Any], now: float, record: dict[str, str]
-    ) -> str:
-        return abandon(self, taken, message, now, record)
 
     # -- the loop -----------------------------------------------------------------------
 

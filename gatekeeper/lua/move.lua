@@ -19,8 +19,17 @@
 -- ARGV[2i]   message i to push (rewritten headers and delivery_info)
 --
 -- Returns one number per message: 1 when moved, 0 when its claimed copy was no longer there
--- or the tenure is over (nothing pushed for it).
+-- or the tenure is over (nothing pushed for it). Refuses the whole call, moving nothing, when
+-- a target key holds something other than a list: Redis does not undo a script's writes, so a
+-- push that failed after its LREM would lose the message.
 
+for i = 3, #KEYS do
+  local kind = redis.call('TYPE', KEYS[i])['ok']
+  if kind ~= 'list' and kind ~= 'none' then
+    return redis.error_reply('WRONGTYPE move.lua: target ' .. KEYS[i] .. ' holds a ' .. kind ..
+      ', not a list: nothing moved')
+  end
+end
 local moved = {}
 local live = redis.call('EXISTS', KEYS[2]) == 1
 for i = 1, #KEYS - 2 do

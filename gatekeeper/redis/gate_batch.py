@@ -12,25 +12,33 @@ in the batch's order, each atomic as on its own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.errors import GatekeeperError, LedgerUnavailable
 from gatekeeper.redis.attempt import Attempt, Publish
 from gatekeeper.redis.gate import Pipeline, Routing
 
 __all__ = ["route_all"]
 
 
-def route_all(pipeline: Pipeline, publishes: Sequence[Publish]) -> list[Routing | Exception]:
+def route_all(
+    pipeline: Pipeline, publishes: Sequence[Publish], alive: Callable[[], bool] = lambda: True
+) -> list[Routing | Exception]:
     """The routing of each publish, in order, or the exception its decision raised (one bad
-    publish does not stop the others)."""
+    publish does not stop the others). ``alive`` (the replayer's lock) is asked before each
+    publish's steps in process and before the scripts are sent: once it is false nothing more
+    is decided or written, and each publish's answer is that error."""
     routed: list[Routing | Attempt | Exception] = []
     for publish in publishes:
+        if not alive():
+            return [GatekeeperError("the replayer's lock was lost")] * len(publishes)
         try:
             routed.append(pipeline.unscripted(publish))
         except Exception as exc:
             routed.append(exc)
     attempts = [step for step in routed if isinstance(step, Attempt)]
+    if not alive():
+        return [GatekeeperError("the replayer's lock was lost")] * len(publishes)
     answers = iter(pipeline.store.score_all([pipeline.gate_call(a) for a in attempts]))
     routings: list[Routing | Exception] = []
     for step in routed:

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from gatekeeper.core.headers import H_NONCE
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.store import GateStore
@@ -52,22 +54,26 @@ Kept = tuple[str, int, str, Handoff]
 
 
 def remember(runs: RunLedger, job_id: str, attempt: int, nonce: str, handoff: Handoff) -> None:
-    """Keep one handoff (:func:`remember_all`)."""
-    remember_all(runs, [(job_id, attempt, nonce, handoff)])
+    """Keep one handoff (:func:`remember_all`); raises redis-py's error when it was not."""
+    (error,) = remember_all(runs, [(job_id, attempt, nonce, handoff)])
+    if error is not None:
+        raise error
 
 
-def remember_all(runs: RunLedger, kept: Sequence[Kept]) -> None:
+def remember_all(runs: RunLedger, kept: Sequence[Kept]) -> list[redis.RedisError | None]:
     """Keep each handoff in its record, as the handing on of the message carrying its nonce
     (the record exists: the gate wrote it when it scored the message), in one round trip.
-    Raises redis-py's errors: then none may be kept, and a message that comes back with no
-    handoff kept is scored again (:func:`as_scored`)."""
+    Returns, for each, None once kept or the error that kept it from being (one bad record
+    fails its own only); raises redis-py's errors when the round trip failed: then none may be
+    kept. A message that comes back with no handoff kept is scored again (:func:`as_scored`)."""
     pipe = runs.client.pipeline(transaction=False)
     for job_id, attempt, nonce, handoff in kept:
         document = {"queue": handoff.queue, "set": handoff.set, "drop": list(handoff.drop),
                     "wait_s": handoff.wait_s}  # fmt: skip
         pipe.hset(runs.keys.run(job_id, attempt),
                   mapping={HANDOFF_FROM: nonce, HANDOFF: json.dumps(document)})  # fmt: skip
-    pipe.execute()
+    replies = pipe.execute(raise_on_error=False)
+    return [reply if isinstance(reply, redis.RedisError) else None for reply in replies]
 
 
 def recalled(record: Mapping[str, str], nonce: str) -> Handoff | None:

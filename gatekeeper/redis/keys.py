@@ -118,8 +118,9 @@ namespace's slot):
     for a stale run only once the heartbeat of the worker it started on is gone.
 ``gatekeeper:{default}:replayer:lock`` - string, TTL ``replay_lock_ttl_s`` (30 s)
     Only one replayer works a namespace at a time: redis-py's ``Lock`` (value: the holder's
-    random token). The holder checks it before every batch's decisions and again before its
-    moves, and renews it once a third of the TTL has passed; a dead one's lock simply expires.
+    random token). The holder checks it before every claim, between a batch's steps and before
+    its moves, and renews it once a third of the TTL has passed; a dead one's lock simply
+    expires.
 
 On the broker's Redis (kombu's names, not prefixed): the queue lists ``free``, ``defer``,
 ``reserved``, ``dead_letter`` (and their priority sub-lists ``<queue>\x06\x16<n>``), and the

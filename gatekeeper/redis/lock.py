@@ -50,6 +50,8 @@ class OneHolder:
         self._monotonic = monotonic
         self._on_renew = on_renew
         self._renewed = -math.inf
+        self.lost_why = ""
+        """What is known of why the lock was last found lost."""
 
     def take(self) -> Literal["taken", "kept", "lost", "held_elsewhere"]:
         """``taken`` (newly: a new tenure), ``kept`` (held and renewed), ``lost`` (it had
@@ -57,7 +59,10 @@ class OneHolder:
         if self.held:
             if self.check(renew_after=0):
                 return "kept"
-            return "taken" if self._acquire() else "lost"
+            if self._acquire():
+                return "taken"
+            self.lost_why = "another replayer holds it"
+            return "lost"
         return "taken" if self._acquire() else "held_elsewhere"
 
     def check(self, renew_after: float = RENEW_AFTER) -> bool:
@@ -74,6 +79,7 @@ class OneHolder:
             # Given back if it is ours (the release fails when another holds it), so that
             # the next take starts a new tenure instead of waiting out our own lock.
             self.held = False
+            self.lost_why = f"not renewed for {since:.3g} s, past its TTL (this holder stalled)"
             with suppress(LockError, redis.RedisError):
                 self._lock.release()
             return False
@@ -81,6 +87,7 @@ class OneHolder:
             self._lock.reacquire()
         except LockError:  # taken by another, or the key is gone (failover, a person)
             self.held = False
+            self.lost_why = "not ours in Redis any more (taken by another, or the key is gone)"
             return False
         self._renewed = started
         self._on_renew()

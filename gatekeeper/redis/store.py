@@ -39,6 +39,8 @@ __all__ = ["GateCall", "GateStore", "ScoredAttempt"]
 
 RERUN = 22
 """Index of gate.lua's ARGV[23], the request-may-have-run flag, in the argument list."""
+NO_ANSWER = (redis.ConnectionError, redis.TimeoutError)
+"""What a request that may have run raises (sent, and its reply never read)."""
 
 
 class GateStore:
@@ -80,17 +82,10 @@ class GateStore:
 
     def gate_call(self, call: GateCall) -> tuple[list[str], list[str]]:
         """The gate script's keys and arguments (documented at the top of gate.lua)."""
-        keys = [
-            self.keys.free_waiting,
-            self.keys.window(call.window_id),
-            self.keys.window_rows(call.window_id),
-            self.keys.inflight,
-            self.keys.flags,
-            *self._records(call.job_id, call.attempt),
-            self.keys.totals,
-            self.keys.deferred,
-            self.keys.decisions,
-        ]
+        keys = [self.keys.free_waiting, self.keys.window(call.window_id),
+                self.keys.window_rows(call.window_id), self.keys.inflight, self.keys.flags,
+                *self._records(call.job_id, call.attempt), self.keys.totals,
+                self.keys.deferred, self.keys.decisions]  # fmt: skip
         cap, budget, unit, mode, horizon, retention, ttl, allowance, most = self._fixed(call)
         args = [
             repr(call.now_s * 1000),
@@ -115,7 +110,7 @@ class GateStore:
             ttl,
             str(_ms(call.deadline_s)),
             str(_ms(call.now_s + call.delay_s)),
-            "0",  # rerun: set by _reply_now, whose client may send the request again
+            "0",  # rerun: set where the request may have run already (_reply_now, score_all)
             call.prev_nonce,
             allowance,
             call.task,
@@ -178,8 +173,11 @@ class GateStore:
 
     def score_all(self, calls: Sequence[GateCall]) -> list[ScoredAttempt | LedgerUnavailable]:
         """:meth:`score` for each call, in order: what it decided, or why it failed. The
-        scripts go in one round trip (a redis-py pipeline, whose client may send it again:
-        each is marked as a request that may have run); one call goes as :meth:`score`'s."""
+        scripts go in one round trip (one call goes as :meth:`score`'s). The gate's client
+        never sends it again (:func:`~gatekeeper.redis.breaker.no_retry`): when it gets no
+        answer (a timeout, a dropped connection), some scripts may have run, so each call is
+        sent once more as a rerun (:meth:`_reply_now`: gate.lua answers a request it decided
+        with that decision), until one of those gets no answer either."""
         if len(calls) == 1:
             try:
                 return [self.score(calls[0])]
@@ -193,9 +191,14 @@ class GateStore:
             for keys, args in requests:
                 args[RERUN] = "1"
                 pipe.evalsha(self._gate.sha, len(keys), *keys, *args)
-            replies = pipe.execute(raise_on_error=False)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
         except LedgerUnavailable as exc:  # the breaker is open
             return [exc] * len(requests)
+        except NO_ANSWER:  # some may have run: each is asked again, as a rerun
+            replies = []
+            for keys, args in requests:
+                lost = replies and isinstance(replies[-1], NO_ANSWER)
+                replies.append(replies[-1] if lost else self._reply_now(keys, args))
         except redis.RedisError as exc:  # no answer to trust: one failure for all
             if self.breaker is not None:
                 self.breaker.failed(exc)

@@ -1,0 +1,117 @@
+"""A fault strikes the message it belongs to, not its batch: one record that cannot be read,
+or one handoff that cannot be kept, fails its own message only; a batch's decisions that
+got no answer are asked again; a message's count of failed replays starts again once a
+replay hands it on; and a batch reads a record as the ledger reads it."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from gatekeeper.celery.batch import ReadRecord, _records
+from gatekeeper.celery.replay import H_REPLAY_ERRORS, Replayer
+from gatekeeper.redis.breaker import no_retry
+from gatekeeper.redis.handoff import HANDOFF_FROM, Handoff, remember_all
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger
+from tests.conftest import gate_settings, queue_messages
+from tests.test_replay import defer_tasks, ids_in, replay_once
+
+KEYS = Keys()
+
+
+def test_one_unreadable_record_fails_its_own_message_not_its_batch(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 20)
+    redis_client.delete(KEYS.run(jobs[7], 1))
+    redis_client.set(KEYS.run(jobs[7], 1), "not a hash")  # HGETALL: WRONGTYPE
+    counts = replay_once(redis_url, redis_client, budget_units=1e9)
+    assert counts == {"to_free": 19, "replay_error": 1}
+    assert sorted(ids_in(redis_client, "free")) == sorted(jobs[:7] + jobs[8:])
+    assert ids_in(redis_client, "defer") == [jobs[7]]
+
+
+def test_one_handoff_that_cannot_be_kept_fails_its_own_only(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+    redis_client.set(KEYS.run("bad", 1), "not a hash")  # HSET: WRONGTYPE
+    handoff = Handoff("free", {"a": 1}, ())
+    kept = [(job, 1, f"nonce-{job}", handoff) for job in ("one", "bad", "two")]
+    first, bad, second = remember_all(runs, kept)
+    assert first is None and second is None
+    assert isinstance(bad, redis.ResponseError) and "WRONGTYPE" in str(bad)
+    assert redis_client.hget(KEYS.run("one", 1), HANDOFF_FROM) == b"nonce-one"
+    assert redis_client.hget(KEYS.run("two", 1), HANDOFF_FROM) == b"nonce-two"
+
+
+def test_a_replay_that_hands_a_message_on_drops_its_count_of_failed_replays(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    defer_tasks(redis_url, redis_client, 1)
+    message = json.loads(redis_client.rpop("defer"))
+    message["headers"][H_REPLAY_ERRORS] = 4  # failed four replays before this one
+    redis_client.lpush("defer", json.dumps(message))
+    redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # still old
+    assert replay_once(redis_url, redis_client, max_queue_age_s=1.0) == {"deferred_again": 1}
+    (parked,) = [json.loads(raw) for raw in redis_client.lrange("defer", 0, -1)]
+    assert H_REPLAY_ERRORS not in parked["headers"]  # the next failure is the first in a row
+
+
+class StallsTheFirstBatch(redis.Connection):
+    """A real connection; the first pipeline of gate scripts it sends finds the server asleep
+    (``DEBUG SLEEP``, sent just before from ``side``) for longer than the read timeout: the
+    scripts run once the server wakes, and their replies are never read."""
+
+    side: redis.Connection | None = None
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        side = StallsTheFirstBatch.side
+        if (
+            side is not None
+            and isinstance(command, list)
+            and b"".join(command).count(b"EVALSHA") > 1
+        ):
+            StallsTheFirstBatch.side = None
+            side.send_command("DEBUG", "SLEEP", "0.3")
+            time.sleep(0.02)  # asleep before the pipeline arrives
+        super().send_packed_command(command, check_health)
+
+
+def test_a_batch_whose_decisions_time_out_is_answered_with_the_decisions_made(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    jobs = defer_tasks(redis_url, redis_client, 10)
+    settings = gate_settings(redis_url, budget_units=1e9)
+    gate = redis.Redis.from_url(redis_url, socket_timeout=0.2, connection_class=StallsTheFirstBatch,
+                                **no_retry())  # fmt: skip
+    replayer = Replayer(settings, broker=redis_client, gate=gate)
+    assert replayer.acquire()
+    side = redis.Redis.from_url(redis_url).connection_pool.get_connection()
+    StallsTheFirstBatch.side = side
+    try:
+        assert replayer.pass_once() == {"to_free": 10}
+        assert StallsTheFirstBatch.side is None  # it did stall
+    finally:
+        StallsTheFirstBatch.side = None
+        side.disconnect()
+    # Each message carries the decision the gate recorded for it (none orphaned, none twice).
+    carried = {m["headers"]["id"]: m["headers"]["gatekeeper_nonce"]
+               for m in queue_messages(redis_client, "free")}  # fmt: skip
+    assert carried == {job: redis_client.hget(KEYS.run(job, 1), "nonce").decode() for job in jobs}
+    replayer.release()
+
+
+def test_a_batch_reads_a_cut_record_as_the_ledger_does(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+    redis_client.hset(KEYS.run("cut", 1), mapping={"nonce": "n", "decision": "admit_free",
+                                                   "kept": "1000|2000|3|42"})  # fmt: skip
+    (record,) = _records([ReadRecord("cut", 1)], runs)
+    assert record == runs.fields("cut", 1)
+    assert record["window"] == "42"  # what as_scored releases an admission from
