@@ -339,7 +339,7 @@ def _started_of(reply: Any) -> Started:
     if not int(reply[0]):
         return Started(run=0, dead_run=0, dead=None, record=None, refused=text_of(reply[1]))
     run, dead_run, dead_started = int(reply[1]), int(reply[2]), int(float(reply[3]))
-    flat = [part.decode() if isinstance(part, bytes) else str(part) for part in reply[4:]]
+    flat = [text_of(part) for part in reply[4:]]
     record = RunRecord.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
     dead = replace(record, started_ms=dead_started) if dead_run else None
     return Started(run=run, dead_run=dead_run, dead=dead, record=record)
