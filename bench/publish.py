@@ -70,9 +70,14 @@ Otherwise it prints the ``decisions:`` and ``fast_publish=`` lines, one ``bench:
 failed check to stderr, and exits with status 1 without printing ``ratio=``: a gate that
 failed closed, or a path not taken, must not pass for a measurement of the admit path.
 
-The gate writes one log line per decision to stderr; the bench points that stream at
-``os.devnull`` while installing the gate (the logger keeps the file it was built with), so the
-line is still rendered and written on every decision, only not to the terminal.
+The gate writes one log line per decision to stderr, rendered and written by a thread within
+``log_buffer_s`` (:mod:`gatekeeper.lines`). The bench points that stream at a sink that counts
+the decision lines and drops them, while installing the gate (the logger keeps the file it
+was built with), and checks at the end that every gated publish it made wrote its line. No
+rendering escapes the timing: each gated round ends with ``gatekeeper.lines.flush()``, timed
+as part of the gated phase (with ``--interleave call``, the thread may also render a line
+while a plain or ping call is timed: ``--interleave round`` keeps each kind's work in its own
+block). ``GATEKEEPER_LOG_BUFFER_S=0`` measures the lines written in the publish, as before.
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ from options import positive  # bench/options.py (this folder is on sys.path)
 
 import gatekeeper
 from gatekeeper.core.dwell import Decision, Reason
+from gatekeeper.lines import flush as flush_lines
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis import wire
 from gatekeeper.redis.gate import Routing
@@ -111,6 +117,21 @@ COUNTERS = ("total_reads_processed", "total_commands_processed")
 """Server counters read before and after each phase: round trips, then commands."""
 WARMUP = 200
 BROKER_QUEUES = ("celery", "free")
+
+
+class LineSink(io.TextIOBase):
+    """The decision logger's stream: counts the ``event=gate_decision`` lines, keeps none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decisions = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.decisions += text.count(" event=gate_decision ")
+        return len(text)
 
 
 class ServerCounters:
@@ -260,6 +281,12 @@ def check(bench: Bench, phases: dict[str, Phase]) -> list[str]:
     """Why the timed phases do not measure what the run claims; empty when they do."""
     gated = phases["gated"]
     problems = []
+    flush_lines()
+    if bench.sink.decisions != bench.gated_published:
+        problems.append(
+            f"{bench.sink.decisions} gate_decision log lines written for "
+            f"{bench.gated_published} gated publishes (expected one each)"
+        )
     if len(gated.routings) != gated.count:
         problems.append(
             f"recorded {len(gated.routings)} gate decisions for {gated.count} timed gated "
@@ -364,9 +391,9 @@ class Bench:
             log_format="kv",
             fast_publish=fast,
         )
-        # The decision logger binds sys.stderr when it is built: build it on /dev/null.
-        self.devnull = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
-        saved, sys.stderr = sys.stderr, self.devnull
+        # The decision logger binds sys.stderr when it is built: build it on the sink.
+        self.sink = LineSink()
+        saved, sys.stderr = sys.stderr, self.sink
         try:
             self.installed = gatekeeper.install(self.app, settings)
             # A scratch namespace, like a new deployment: initialised, so the gate may admit.
@@ -389,20 +416,22 @@ class Bench:
         self.gate = redis.Redis.from_url(gate_url)
         self.waiting_key = self.installed.keys.free_waiting
         self.ping_line = wire.Line()
+        self.gated_published = 0
+        """Gated publishes made (warm-up, counting and timed alike): one decision line each."""
 
     def close(self) -> None:
         self.trim()
         self.broker.close()
         self.gate.close()
         self.app.close()
-        self.devnull.close()
 
     def trim(self) -> None:
         self.broker.delete(*BROKER_QUEUES)
         self.gate.delete(self.waiting_key)
 
     def publish(self, kind: str, count: int, call_ns: list[int] | None = None) -> float:
-        """Publish ``count`` tasks of one kind; returns the elapsed seconds."""
+        """Publish ``count`` tasks of one kind; returns the elapsed seconds (for gated ones,
+        with the flush of their log lines)."""
         delay = self.tasks[kind].delay
         clock = time.perf_counter_ns
         start = time.perf_counter()
@@ -415,6 +444,9 @@ class Bench:
                 t0 = clock()
                 delay(i)
                 append(clock() - t0)
+        if kind == "gated":
+            flush_lines()
+            self.gated_published += count
         return time.perf_counter() - start
 
     def run(self, n: int, rounds: int, interleave: str = "call") -> dict[str, Phase]:
@@ -503,6 +535,10 @@ class Bench:
                 phase.call_ns.append(took)
                 spent[phase.name] += took
                 self.take_probes(phase)
+        t0 = clock()
+        flush_lines()  # the round's lines not yet written, charged to the gated phase
+        spent["gated"] += clock() - t0
+        self.gated_published += size
         for phase in (plain, gated, ping):
             phase.seconds += spent[phase.name] / 1e9
             phase.count += size
@@ -515,6 +551,7 @@ class Bench:
         profiler.enable()
         self.publish("gated", count)
         profiler.disable()
+        self.gated_published -= count  # not part of what check() looked at
         self.trim()
         out = io.StringIO()
         stats = pstats.Stats(profiler, stream=out).sort_stats("cumulative")

@@ -8,6 +8,9 @@ Each logger is built with :func:`structlog.wrap_logger` and a processor chain of
 ``log_format = "json"`` writes one JSON object per line instead; ``"stdlib"`` renders the same
 key=value text and hands it to the stdlib logger ``gatekeeper.<name>`` for apps that route logs
 centrally. :func:`configure_logging` is for the CLI and ``workers/`` only.
+
+``kv`` and ``json`` lines are rendered and written by a thread of their own at most
+``log_buffer_s`` after they are logged, and at the end of every task (:mod:`gatekeeper.lines`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, TextIO
 import structlog
 from structlog.typing import Processor
 
+from gatekeeper.lines import DeferredLogger
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["DECISION_FIELDS", "KeyValueRenderer", "configure_logging", "make_logger"]
@@ -129,13 +133,17 @@ def make_logger(
     ]
     if fmt == "json":
         processors.append(_round_floats)
-    processors.append(_renderer(fmt))
     level = _LEVELS[settings.log_level]
     target: Any
     if settings.log_format == "stdlib":
         target = logging.getLogger(f"gatekeeper.{name}")
+        processors.append(_renderer(fmt))
+    elif settings.log_buffer_s > 0:  # rendered and written by gatekeeper/lines.py's thread
+        target = DeferredLogger(stream or sys.stderr, _renderer(fmt), settings.log_buffer_s)
+        processors.append(target.defer)
     else:
         target = structlog.PrintLogger(file=stream or sys.stderr)
+        processors.append(_renderer(fmt))
     return structlog.wrap_logger(
         target,
         processors=processors,

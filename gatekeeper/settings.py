@@ -183,6 +183,10 @@ class GatekeeperSettings(BaseSettings):
     """``kv``: one key=value line per event on stderr; ``json``: one JSON object per line;
     ``stdlib``: hand the event dict to the ``gatekeeper`` stdlib logger."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_buffer_s: float = Field(0.1, ge=0, le=5, allow_inf_nan=False)
+    """``kv`` and ``json`` lines are rendered and written by a thread at most this long after
+    they are logged, and at the end of each task (:mod:`gatekeeper.lines`); 0: each line is
+    written in the call that logs it."""
 
     drill: DrillSettings = DrillSettings()
     simulate: NightSettings = NightSettings()

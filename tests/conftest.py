@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import redis
 
+from gatekeeper.lines import flush as flush_lines
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.keys import Keys
 from gatekeeper.settings import GatekeeperSettings
@@ -126,6 +127,21 @@ def _isolated_settings_env(
         if name.startswith("GATEKEEPER_") and name != TEST_REDIS_URL_ENV:
             monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture()
+def capsys(capsys: pytest.CaptureFixture[str]) -> pytest.CaptureFixture[str]:
+    """pytest's ``capsys``, whose ``readouterr()`` first writes the lines gatekeeper's loggers
+    have queued (gatekeeper/lines.py writes them within ``log_buffer_s`` otherwise): a test
+    reads a decision's line as a process's log holds it once the task is done."""
+    read = capsys.readouterr
+
+    def readouterr() -> Any:
+        flush_lines()
+        return read()
+
+    capsys.readouterr = readouterr  # type: ignore[method-assign]
+    return capsys
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -27,6 +27,7 @@ STALLING_REPLAYER = """
 import os, signal, sys, threading, time
 import redis
 from gatekeeper.celery.replay import Replayer
+from gatekeeper.lines import flush
 from gatekeeper.settings import load_settings
 
 settings = load_settings()
@@ -38,6 +39,7 @@ def monotonic():  # the clock the lock is checked with: this process stops at on
         return time.monotonic()
     reads += 1
     if reads == stop_at:
+        flush()  # the lines of what it decided before it stops, as a page would read them
         print("event=stopping_itself", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
     return time.monotonic()

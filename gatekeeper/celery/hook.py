@@ -31,6 +31,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.signals import task_postrun
 from kombu.exceptions import OperationalError
 
 from gatekeeper.celery.bootstep import add_to_worker
@@ -45,6 +46,7 @@ from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.headers import H_WINDOW
 from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput, GatekeeperError, PublishFailed
+from gatekeeper.lines import flush_after_task
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.gate import Pipeline, Publish, Routing
 from gatekeeper.redis.keys import Keys
@@ -101,6 +103,7 @@ class Installed:
         """Listen to the worker signals; each reaches its part when it fires."""
         for signal, part, method in SIGNALS:
             signal.connect(self._forward(part, method), weak=False)
+        task_postrun.connect(flush_after_task, weak=False)  # a task's lines written as it ends
 
     def _forward(self, part: str, method: str) -> Callable[..., Any]:
         def forward(sender: Any = None, **kwargs: Any) -> Any:

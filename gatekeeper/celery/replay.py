@@ -56,6 +56,7 @@ from gatekeeper.core.headers import (
     H_REPLAY_AFTER,
     H_REPLAYS,
 )
+from gatekeeper.lines import flush as flush_lines
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline, Routing
@@ -207,6 +208,7 @@ class Replayer:
             # back handed on as decided (its kept handoff) or, with none kept, scored again.
             self._leave(batch)
             return None
+        flush_lines()  # the batch's lines are in the log before its messages move
         self.broker.hand_on(batch)
         return labels
 

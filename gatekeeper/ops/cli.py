@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from gatekeeper.core.dwell import GateInputs, decide
+from gatekeeper.lines import flush as flush_lines
 from gatekeeper.ops.context import format_number, settings_of
 from gatekeeper.ops.dead_letter import dead_letter
 from gatekeeper.ops.demo import demo
@@ -47,6 +48,7 @@ CONFIG_OPTION = click.option(
 @click.pass_context
 def main(ctx: click.Context, config: Path | None, app: str | None) -> None:
     """Deadline-aware admission control for Celery."""
+    ctx.call_on_close(flush_lines)  # a command's log lines before it returns, not at exit
     obj = ctx.ensure_object(dict)
     obj["config"] = config
     obj.setdefault("app", app)

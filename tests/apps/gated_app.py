@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -166,6 +167,11 @@ def create_app(
         record(self)
         time.sleep(sleep_s)
         return "ok"
+
+    @app.task(bind=True, name="tests.die", shared=False)
+    def die(self: Any) -> None:
+        """Kills its own process at once, gated or not (tests/test_lines.py)."""
+        os.kill(os.getpid(), signal.SIGKILL)
 
     @app.task(bind=True, name="tests.plain", shared=False)
     def plain(self: Any) -> str:

@@ -1,0 +1,169 @@
+"""Log lines rendered and written off the caller's path, at most ``log_buffer_s`` later.
+
+A decision's line used to be rendered and written (one ``write`` and one ``flush``) inside the
+publish it reports, about 60 us of a gated publish. Here the caller only stamps the event (its
+time and level, as before) and queues it; a daemon thread renders what is queued and writes
+it, one write and one flush per file and pass, every ``log_buffer_s`` (0.1 s by default). The
+thread mostly runs while the publisher waits on Redis (a socket wait releases the GIL), so the
+line no longer adds to the publish's time on a loaded loop.
+
+:func:`flush` renders and writes what is queued at once. It runs at the end of every task in
+the process that ran it (``task_postrun``: a prefork child SIGKILLed after its task has
+written its lines), before a fork (a child neither repeats its parent's lines nor loses
+them), and at exit. A process killed between two passes loses at most ``log_buffer_s`` of
+lines; ``log_buffer_s = 0`` writes each line in the call, as structlog's ``PrintLogger``.
+
+Lines keep the order they were logged in, across loggers and threads. A value is rendered
+when the line is written: a mutable value changed in between (gatekeeper logs none) shows
+its later state. A line that cannot be rendered is written as ``event=log_render_failed``; a
+file that cannot be written to (closed, a broken pipe) loses that pass's lines, never fails
+the caller.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, MutableMapping
+from typing import Any, TextIO
+
+from structlog.typing import Processor
+
+__all__ = ["LINES", "MOST_QUEUED", "DeferredLogger", "Lines", "flush", "flush_after_task"]
+
+MOST_QUEUED = 10_000
+"""Past this many queued lines (a stderr nobody reads, a stalled disk) the caller writes them
+itself, as it did before lines were queued: back-pressure, not memory that grows unbounded."""
+
+CHUNK = 256
+"""Lines joined into one write at most."""
+
+Render = Processor
+"""The logger's renderer (the processor that writes the event as a line's text)."""
+
+
+class Lines:
+    """The queue of one process's pending lines, and the thread that writes them."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[TextIO, Render, MutableMapping[str, Any]]] = deque()
+        self._lock = threading.RLock()  # a value rendered may log, and flush, in turn
+        self._starting = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.interval = 0.1
+
+    def want(self, interval: float) -> None:
+        """A logger needs its lines written within ``interval`` seconds (the smallest wins)."""
+        self.interval = min(self.interval, interval)
+
+    def put(self, file: TextIO, render: Render, event: MutableMapping[str, Any]) -> None:
+        self._queue.append((file, render, event))
+        if self._thread is None:
+            self._start()
+        elif len(self._queue) > MOST_QUEUED:  # the writes are not keeping up: wait for them
+            self.flush()
+
+    def _start(self) -> None:
+        with self._starting:
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name="gatekeeper-lines", daemon=True)
+                thread.start()
+                self._thread = thread
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            if self._queue:
+                self._drain(pause=time.sleep)
+
+    def flush(self) -> None:
+        """Render and write every line queued so far, in order; never raises. Waits for the
+        thread's pass under way, which may hold lines already taken from the queue."""
+        self._drain()
+
+    def _drain(self, pause: Callable[[float], None] | None = None) -> None:
+        """Render and write what is queued now (lines logged meanwhile wait for the next
+        pass), :data:`CHUNK` lines per write at most. The thread's pass pauses after each line
+        (``sleep(0)`` lets a thread waiting for the GIL take it: a publisher whose reply came
+        in waits for one line, not for CPython's 5 ms switch interval)."""
+        with self._lock:
+            chunk: list[str] = []
+            current: TextIO | None = None
+            for _ in range(len(self._queue)):
+                file, render, event = self._queue.popleft()
+                if chunk and (file is not current or len(chunk) >= CHUNK):
+                    _write(current, chunk)
+                    chunk = []
+                current = file
+                chunk.append(_rendered(render, event))
+                if pause is not None:
+                    pause(0)
+            if chunk:
+                _write(current, chunk)
+
+    def _forked(self) -> None:
+        """In a new child: the parent keeps (and writes) what it had queued; no thread yet."""
+        self._queue.clear()
+        self._lock = threading.RLock()
+        self._starting = threading.Lock()
+        self._thread = None
+
+
+def _rendered(render: Render, event: MutableMapping[str, Any]) -> str:
+    ts, logger, name = event.get("ts", ""), event.get("logger", ""), event.get("event", "")
+    try:
+        text = render(None, "", event)
+        return (text if isinstance(text, str) else str(text)) + "\n"
+    except Exception as error:  # a value whose str() raises must not lose the other lines
+        lost = "".join(c if c.isalnum() or c in "_.-" else "_" for c in str(name)[:64])
+        return (f"ts={ts} level=error logger={logger} event=log_render_failed lost_event={lost}"
+                f" error={type(error).__name__}\n")  # fmt: skip
+
+
+def _write(file: TextIO | None, chunk: list[str]) -> None:
+    if file is None:
+        return
+    try:
+        file.write("".join(chunk))
+        file.flush()
+    except (OSError, ValueError):  # closed, or a reader gone: those lines are lost
+        pass
+
+
+LINES = Lines()
+"""This process's queue (one per process: a fork starts the child's own)."""
+
+flush = LINES.flush
+
+
+def flush_after_task(sender: Any = None, **_: Any) -> None:
+    """``task_postrun``'s receiver: a task's lines are written before its process can die."""
+    LINES.flush()
+
+
+atexit.register(LINES.flush)
+os.register_at_fork(before=LINES.flush, after_in_child=LINES._forked)
+
+
+class DeferredLogger:
+    """A structlog logger whose lines :data:`LINES` renders and writes: the processor chain
+    ends in :meth:`defer`, which hands the stamped event on instead of a rendered string."""
+
+    def __init__(self, file: TextIO, render: Render, interval: float) -> None:
+        self._file = file
+        self._render = render
+        LINES.want(interval)
+
+    def defer(
+        self, _: Any, __: str, event: MutableMapping[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The last processor: the event itself is the logger method's one argument."""
+        return (event,), {}
+
+    def msg(self, event: MutableMapping[str, Any]) -> None:
+        LINES.put(self._file, self._render, event)
+
+    debug = info = warning = warn = error = err = critical = fatal = exception = log = msg
