@@ -1,11 +1,12 @@
 """Log lines rendered and written off the caller's path, at most ``log_buffer_s`` later.
 
 A decision's line used to be rendered and written (one ``write`` and one ``flush``) inside the
-publish it reports, about 60 us of a gated publish. Here the caller only stamps the event (its
-time and level, as before) and queues it; a daemon thread renders what is queued and writes
-it, one write and one flush per file and pass, every ``log_buffer_s`` (0.1 s by default). The
-thread mostly runs while the publisher waits on Redis (a socket wait releases the GIL), so the
-line no longer adds to the publish's time on a loaded loop.
+publish it reports, about 45 us of a gated publish. Here the caller only stamps the event (its
+time and level, as before) and queues it, about 12 us; a daemon thread renders what is queued
+and writes it, one write and one flush per file and pass, every ``log_buffer_s`` (0.1 s by
+default). The rendering still takes the GIL: what the publisher gains is the write per line
+and the part of the rendering that falls in its waits on Redis (on the publish bench, 0.01 to
+0.035 of the gated/plain ratio; bench/README.md).
 
 :func:`flush` renders and writes what is queued at once. It runs at the end of every task in
 the process that ran it (``task_postrun``: a prefork child SIGKILLed after its task has
@@ -27,7 +28,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 from structlog.typing import Processor
@@ -77,18 +78,18 @@ class Lines:
         while True:
             time.sleep(self.interval)
             if self._queue:
-                self._drain(pause=time.sleep)
+                self._drain()
 
     def flush(self) -> None:
         """Render and write every line queued so far, in order; never raises. Waits for the
         thread's pass under way, which may hold lines already taken from the queue."""
         self._drain()
 
-    def _drain(self, pause: Callable[[float], None] | None = None) -> None:
+    def _drain(self) -> None:
         """Render and write what is queued now (lines logged meanwhile wait for the next
-        pass), :data:`CHUNK` lines per write at most. The thread's pass pauses after each line
-        (``sleep(0)`` lets a thread waiting for the GIL take it: a publisher whose reply came
-        in waits for one line, not for CPython's 5 ms switch interval)."""
+        pass), :data:`CHUNK` lines per write at most. No pause between lines: a ``sleep(0)``
+        after each (to hand the GIL back to a publisher sooner) made the publish bench slower
+        (bench/README.md)."""
         with self._lock:
             chunk: list[str] = []
             current: TextIO | None = None
@@ -99,8 +100,6 @@ class Lines:
                     chunk = []
                 current = file
                 chunk.append(_rendered(render, event))
-                if pause is not None:
-                    pause(0)
             if chunk:
                 _write(current, chunk)
 
