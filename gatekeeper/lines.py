@@ -24,6 +24,7 @@ the caller.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import threading
 import time
@@ -33,7 +34,15 @@ from typing import Any, TextIO
 
 from structlog.typing import Processor
 
-__all__ = ["LINES", "MOST_QUEUED", "DeferredLogger", "Lines", "flush", "flush_after_task"]
+__all__ = [
+    "LINES",
+    "MIN_INTERVAL_S",
+    "MOST_QUEUED",
+    "DeferredLogger",
+    "Lines",
+    "flush",
+    "flush_after_task",
+]
 
 MOST_QUEUED = 10_000
 """Past this many queued lines (a stderr nobody reads, a stalled disk) the caller writes them
@@ -41,6 +50,10 @@ itself, as it did before lines were queued: back-pressure, not memory that grows
 
 CHUNK = 256
 """Lines joined into one write at most."""
+DEFAULT_INTERVAL_S = 0.1
+"""The thread's pass interval before any logger asked for one."""
+MIN_INTERVAL_S = 0.001
+"""No logger makes the thread pass more often than this (it would spin)."""
 
 Render = Processor
 """The logger's renderer (the processor that writes the event as a line's text)."""
@@ -51,63 +64,93 @@ class Lines:
 
     def __init__(self) -> None:
         self._queue: deque[tuple[TextIO, Render, MutableMapping[str, Any]]] = deque()
-        self._lock = threading.RLock()  # a value rendered may log, and flush, in turn
+        self._lock = threading.RLock()  # held by a fork too: no child inherits a half write
         self._starting = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.interval = 0.1
+        self._draining = threading.local()
+        self.interval = math.inf
 
     def want(self, interval: float) -> None:
-        """A logger needs its lines written within ``interval`` seconds (the smallest wins)."""
-        self.interval = min(self.interval, interval)
+        """A logger needs its lines written within ``interval`` seconds: the smallest any
+        logger of the process asked for wins (1 ms at least)."""
+        self.interval = min(self.interval, max(interval, MIN_INTERVAL_S))
 
     def put(self, file: TextIO, render: Render, event: MutableMapping[str, Any]) -> None:
         self._queue.append((file, render, event))
-        if self._thread is None:
+        thread = self._thread
+        if thread is None or not thread.is_alive():
             self._start()
         elif len(self._queue) > MOST_QUEUED:  # the writes are not keeping up: wait for them
             self.flush()
 
     def _start(self) -> None:
         with self._starting:
-            if self._thread is None:
+            thread = self._thread
+            if thread is None or not thread.is_alive():
                 thread = threading.Thread(target=self._run, name="gatekeeper-lines", daemon=True)
                 thread.start()
                 self._thread = thread
 
     def _run(self) -> None:
         while True:
-            time.sleep(self.interval)
+            time.sleep(self.interval if self.interval < math.inf else DEFAULT_INTERVAL_S)
             if self._queue:
-                self._drain()
+                self.flush()
 
     def flush(self) -> None:
         """Render and write every line queued so far, in order; never raises. Waits for the
-        thread's pass under way, which may hold lines already taken from the queue."""
-        self._drain()
+        thread's pass under way. A flush from inside a pass of the same thread (a value whose
+        ``str()`` logs, a signal handler) returns at once: its lines follow in the next."""
+        if getattr(self._draining, "on", False):
+            return
+        try:
+            with self._lock:
+                self._draining.on = True
+                try:
+                    self._drain()
+                finally:
+                    self._draining.on = False
+        except Exception:  # a log line must never fail its caller
+            pass
 
     def _drain(self) -> None:
         """Render and write what is queued now (lines logged meanwhile wait for the next
         pass), :data:`CHUNK` lines per write at most. No pause between lines: a ``sleep(0)``
         after each (to hand the GIL back to a publisher sooner) made the publish bench slower
-        (bench/README.md)."""
-        with self._lock:
-            chunk: list[str] = []
-            current: TextIO | None = None
-            for _ in range(len(self._queue)):
-                file, render, event = self._queue.popleft()
+        (bench/README.md). Interrupted (Ctrl-C), it writes what it rendered and puts back what
+        it had not."""
+        batch = [self._queue.popleft() for _ in range(len(self._queue))]
+        chunk: list[str] = []
+        current: TextIO | None = None
+        done = 0
+        try:
+            for file, render, event in batch:
                 if chunk and (file is not current or len(chunk) >= CHUNK):
                     _write(current, chunk)
                     chunk = []
                 current = file
                 chunk.append(_rendered(render, event))
+                done += 1
+        finally:
             if chunk:
                 _write(current, chunk)
+            self._queue.extendleft(reversed(batch[done:]))
+
+    def _before_fork(self) -> None:
+        """Held across the fork, so that the thread is not inside a write the child would
+        inherit half done (a stream's own lock held, its buffer half flushed)."""
+        self._lock.acquire()
+        self.flush()
+
+    def _after_fork_in_parent(self) -> None:
+        self._lock.release()
 
     def _forked(self) -> None:
         """In a new child: the parent keeps (and writes) what it had queued; no thread yet."""
         self._queue.clear()
         self._lock = threading.RLock()
         self._starting = threading.Lock()
+        self._draining = threading.local()
         self._thread = None
 
 
@@ -128,7 +171,7 @@ def _write(file: TextIO | None, chunk: list[str]) -> None:
     try:
         file.write("".join(chunk))
         file.flush()
-    except (OSError, ValueError):  # closed, or a reader gone: those lines are lost
+    except Exception:  # closed, a reader gone, a stream not text: lines lost
         pass
 
 
@@ -144,7 +187,11 @@ def flush_after_task(sender: Any = None, **_: Any) -> None:
 
 
 atexit.register(LINES.flush)
-os.register_at_fork(before=LINES.flush, after_in_child=LINES._forked)
+os.register_at_fork(
+    before=LINES._before_fork,
+    after_in_parent=LINES._after_fork_in_parent,
+    after_in_child=LINES._forked,
+)
 
 
 class DeferredLogger:

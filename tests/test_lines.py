@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from gatekeeper.lines import LINES, MOST_QUEUED, flush
+from gatekeeper.lines import LINES, MIN_INTERVAL_S, MOST_QUEUED, Lines, flush
 from gatekeeper.logs import make_logger
 from gatekeeper.settings import GatekeeperSettings
 from tests.apps.gated_app import create_app
@@ -168,18 +168,59 @@ class Chatty:
 
     def __str__(self) -> str:
         self.log.info("from_str")
-        flush()  # re-entered from inside a flush: must not wait for itself
+        flush()  # re-entered from inside a flush: returns, its line follows in the next pass
         return "chatty"
 
 
-def test_a_value_that_logs_while_rendered_does_not_hang_the_flush() -> None:
+def test_a_value_that_logs_while_rendered_neither_hangs_nor_reorders_the_flush() -> None:
     stream = io.StringIO()
-    logger(stream).info("outer", value=Chatty(stream))
+    log = logger(stream)
+    log.info("first")
+    log.info("outer", value=Chatty(stream))
+    log.info("last")
     done = threading.Thread(target=flush, daemon=True)
     done.start()
     done.join(timeout=10)
     assert not done.is_alive()
-    assert sorted(re.findall(r"event=(\w+)", stream.getvalue())) == ["from_str", "outer"]
+    flush()
+    assert re.findall(r"event=(\w+)", stream.getvalue()) == ["first", "outer", "last", "from_str"]
+
+
+class Refusing(io.StringIO):
+    def write(self, text: str) -> int:
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter>")
+
+
+def test_a_stream_that_raises_neither_fails_the_caller_nor_stops_the_thread() -> None:
+    broken, good = Refusing(), io.StringIO()
+    logger(broken, buffer_s=0.05).info("lost")
+    flush()  # raises nothing
+    assert LINES._thread is not None and LINES._thread.is_alive()
+    logger(good, buffer_s=0.05).info("kept")
+    assert wait_until(lambda: "event=kept" in good.getvalue(), timeout_s=5)
+
+
+def test_a_dead_thread_is_started_again_by_the_next_line() -> None:
+    stream = io.StringIO()
+    logger(stream, buffer_s=0.05).info("before")
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    LINES._thread = dead  # as if the thread had died
+    logger(stream, buffer_s=0.05).info("after")
+    assert LINES._thread is not dead and LINES._thread.is_alive()
+    assert wait_until(lambda: "event=after" in stream.getvalue(), timeout_s=5)
+
+
+def test_the_smallest_interval_asked_wins_and_none_spins() -> None:
+    lines = Lines()
+    lines.want(2.0)
+    assert lines.interval == 2.0
+    lines.want(0.5)
+    lines.want(3.0)
+    assert lines.interval == 0.5
+    lines.want(1e-9)
+    assert lines.interval == MIN_INTERVAL_S
 
 
 def test_lines_are_written_while_a_producer_never_pauses() -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_postrun
+from celery.signals import task_postrun, worker_process_shutdown
 from kombu.exceptions import OperationalError
 
 from gatekeeper.celery.bootstep import add_to_worker
@@ -104,6 +104,7 @@ class Installed:
         for signal, part, method in SIGNALS:
             signal.connect(self._forward(part, method), weak=False)
         task_postrun.connect(flush_after_task, weak=False)  # a task's lines written as it ends
+        worker_process_shutdown.connect(flush_after_task, weak=False)  # a child's os._exit
 
     def _forward(self, part: str, method: str) -> Callable[..., Any]:
         def forward(sender: Any = None, **kwargs: Any) -> Any:
