@@ -3,22 +3,24 @@
 A decision's line used to be rendered and written (one ``write`` and one ``flush``) inside the
 publish it reports, about 45 us of a gated publish. Here the caller only stamps the event (its
 time and level, as before) and queues it, about 12 us; a daemon thread renders what is queued
-and writes it, one write and one flush per file and pass, every ``log_buffer_s`` (0.1 s by
-default). The rendering still takes the GIL: what the publisher gains is the write per line
-and the part of the rendering that falls in its waits on Redis (on the publish bench, 0.01 to
-0.035 of the gated/plain ratio; bench/README.md).
+and writes it, one write and one flush per file and up to 256 lines, every ``log_buffer_s``
+(0.1 s by default). The rendering still takes the GIL: what the publisher gains is the write
+per line and the part of the rendering that falls in its waits on Redis (on the publish
+bench, 0.01 to 0.035 of the gated/plain ratio; bench/README.md).
 
 :func:`flush` renders and writes what is queued at once. It runs at the end of every task in
 the process that ran it (``task_postrun``: a prefork child SIGKILLed after its task has
-written its lines), before a fork (a child neither repeats its parent's lines nor loses
-them), and at exit. A process killed between two passes loses at most ``log_buffer_s`` of
-lines; ``log_buffer_s = 0`` writes each line in the call, as structlog's ``PrintLogger``.
+written its lines), when a prefork child shuts down (``worker_process_shutdown``: it leaves
+by ``os._exit``, without atexit), across a fork (a child neither repeats its parent's lines
+nor inherits a write half done), and at exit. A process killed between two passes loses at
+most ``log_buffer_s`` of lines; ``log_buffer_s = 0`` writes each line in the call, as
+structlog's ``PrintLogger``.
 
 Lines keep the order they were logged in, across loggers and threads. A value is rendered
 when the line is written: a mutable value changed in between (gatekeeper logs none) shows
 its later state. A line that cannot be rendered is written as ``event=log_render_failed``; a
-file that cannot be written to (closed, a broken pipe) loses that pass's lines, never fails
-the caller.
+file that cannot be written to (closed, a broken pipe) loses that write's lines, and no
+flush ever raises into its caller.
 """
 
 from __future__ import annotations
