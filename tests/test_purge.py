@@ -72,11 +72,14 @@ def test_a_prefetched_message_is_not_forgotten(
 ) -> None:
     app = create_app(gate_settings(redis_url), redis_url)
     with running_worker(redis_url, tmp_path / "w.log"):  # one slot, prefetch multiplier 1
-        app.tasks["tests.embed"].delay("busy", sleep_s=7)
+        app.tasks["tests.embed"].delay("busy", sleep_s=9)
+        published = time.monotonic()
         waiting = app.tasks["tests.embed"].delay("prefetched").id
         assert wait_until(lambda: redis_client.llen("free") == 0)  # both left the list
         assert redis_client.hlen("unacked") >= 1
-        time.sleep(5.5)  # past the sweep's grace, the second still waits behind the first
+        # Past the sweep's grace (5 s from the admission, not from the fetch), the second still
+        # waits behind the first: about 3.5 s to spare on a loaded machine.
+        time.sleep(max(0.0, published + 5.5 - time.monotonic()))
         assert "forgotten=0" in sweep(redis_url, monkeypatch)
         assert redis_client.zscore(KEYS.free_waiting, f"{waiting}:1") is not None
         assert wait_until(lambda: redis_client.zcard(KEYS.free_waiting) == 0, timeout_s=20)
