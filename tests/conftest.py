@@ -102,13 +102,18 @@ def broker_url(request: pytest.FixtureRequest, redis_url: str) -> str:
     return str(request.getfixturevalue("rabbitmq_url"))
 
 
-def clear_of_a_window_edge(window_seconds: int, margin_s: float) -> None:
-    """Wait, when a window boundary is less than ``margin_s`` away, until it has passed: a test
-    whose figures must sit in the windows it wrote them to (a report, a scrape compared with
-    the ledger's counts) must not straddle one."""
-    left = window_seconds - time.time() % window_seconds
-    if left < margin_s:
-        time.sleep(left + 0.05)
+def clear_of_a_window_edge(window_seconds: int, margin_s: float, since_start_s: float = 0) -> None:
+    """Wait, when a window boundary is less than ``margin_s`` away, until it has passed, and
+    then until the window is ``since_start_s`` old: a test whose figures must sit in the windows
+    it wrote them to (a report, a scrape compared with the ledger's counts) must not straddle
+    one, and one that writes the current window's events into its past (``now - 30``) needs
+    that much of it behind it."""
+    into = time.time() % window_seconds
+    if window_seconds - into < margin_s:
+        time.sleep(window_seconds - into + 0.05)
+        into = 0.05
+    if into < since_start_s:
+        time.sleep(since_start_s - into + 0.05)
 
 
 def initialised(client: redis.Redis, keys: Keys | None = None) -> None:

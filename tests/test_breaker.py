@@ -133,20 +133,20 @@ def test_while_the_breaker_is_open_no_command_reaches_the_gate_redis(
 def test_after_the_server_goes_on_the_probe_closes_the_breaker_and_the_script_decides(
     redis_url: str, redis_client: redis.Redis, gate_server: EmbeddedRedis
 ) -> None:
-    app = create_app(gate_settings(gate_server.url), redis_url)
+    app = create_app(gate_settings(gate_server.url, breaker_open_s=3), redis_url)
     embed = app.tasks["tests.embed"]
     breaker = breaker_of(app)
     embed.delay(0)
     with stopped(gate_server.process):
         embed.delay(1)
-    embed.delay(2)  # within breaker_open_s (1 s) of the timeout: not asked, reserved
+    embed.delay(2)  # within breaker_open_s (3 s) of the timeout: not asked, reserved
     assert reasons(redis_client, "reserved") == ["gate_unavailable", "gate_unavailable"]
 
     def admitted_again() -> bool:
         embed.delay(3)
         return len(reasons(redis_client, "free")) == 2
 
-    assert wait_until(admitted_again, timeout_s=5, every_s=0.05)
+    assert wait_until(admitted_again, timeout_s=10, every_s=0.05)
     assert not breaker.is_open and not breaker.probing
     assert reasons(redis_client, "free") == ["fits", "fits"]
     assert set(reasons(redis_client, "reserved")) == {"gate_unavailable"}

@@ -103,7 +103,8 @@ def test_age_cap_defers_when_the_free_queue_backs_up(
 ) -> None:
     app = create_app(gate_settings(redis_url, max_queue_age_s=0.3), redis_url)
     embed = app.tasks["tests.embed"]
-    busy = embed.apply_async(("busy",), kwargs={"sleep_s": 2.0}).id  # occupies the worker
+    # Occupies the worker while the rest is published and decided (5 s: room on a loaded VM).
+    busy = embed.apply_async(("busy",), kwargs={"sleep_s": 5.0}).id
     assert wait_until(lambda: busy in ran_ids(redis_client))
     waiting = [embed.delay(n).id for n in range(2)]  # admitted, not started yet
     time.sleep(0.5)

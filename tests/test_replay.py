@@ -82,10 +82,12 @@ def test_a_task_deferred_again_waits_out_its_backoff(
 ) -> None:
     defer_tasks(redis_url, redis_client, 1)
     redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # still old
-    assert replay_once(redis_url, redis_client, max_queue_age_s=1.0) == {"deferred_again": 1}
+    # A backoff of 30 s: the second pass is within it however slow the machine.
+    slow = {"max_queue_age_s": 1.0, "replay_backoff_s": 30.0}
+    assert replay_once(redis_url, redis_client, **slow) == {"deferred_again": 1}
     (parked,) = queue_messages(redis_client, "defer")
-    assert parked["headers"]["gatekeeper_replay_after"] > time.time()
-    assert replay_once(redis_url, redis_client, max_queue_age_s=1.0) == {"not_due": 1}
+    assert parked["headers"]["gatekeeper_replay_after"] > time.time() + 20
+    assert replay_once(redis_url, redis_client, **slow) == {"not_due": 1}
 
 
 def test_a_passed_deadline_goes_to_dead_letter_with_an_abandoned_row_and_an_alert(
@@ -182,9 +184,11 @@ def test_a_replayer_killed_mid_batch_loses_nothing_and_runs_nothing_twice(
 ) -> None:
     jobs = defer_tasks(redis_url, redis_client, 300)
     log = tmp_path / "replay.log"
-    first = start_replayer(redis_url, log)
+    # Batches of 10: the pass takes 30 of them, so a kill after the first claim still lands
+    # with most of the work ahead on a loaded machine (batches of 100 drain 300 in ~0.15 s).
+    first = start_replayer(redis_url, log, GATEKEEPER_REPLAY_BATCH_SIZE="10")
     try:
-        assert wait_until(lambda: redis_client.llen("defer") < 250, timeout_s=30, every_s=0.005)
+        assert wait_until(lambda: redis_client.llen("defer") < 295, timeout_s=30, every_s=0.005)
         first.send_signal(signal.SIGKILL)
         first.wait()
     finally:
@@ -249,11 +253,11 @@ def test_replay_once_while_another_replayer_holds_the_lock_says_so(
 def test_a_replayer_whose_lock_expired_never_drops_or_extends_its_successors(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
-    settings = gate_settings(redis_url, replay_lock_ttl_s=0.2)
+    settings = gate_settings(redis_url, replay_lock_ttl_s=1.0)  # 1 s: room for what follows
     first = Replayer(settings, broker=redis_client, gate=redis_client)
     second = Replayer(settings, broker=redis_client, gate=redis_client)
     assert first.acquire()
-    time.sleep(0.3)  # first stalled past its lock's TTL
+    time.sleep(1.2)  # first stalled past its lock's TTL
     assert second.acquire()
     successor = redis_client.get(Keys().replayer_lock)
     first.release()  # too late: the lock is the successor's now

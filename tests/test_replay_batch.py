@@ -109,14 +109,14 @@ def test_a_batch_stalled_longer_than_the_lock_ttl_stops_and_is_not_moved(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     jobs = defer_tasks(redis_url, redis_client, 10)
-    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3, budget_units=1e9,
+    settings = gate_settings(redis_url, replay_lock_ttl_s=1.0, budget_units=1e9,
                              replay_batch_size=10)  # fmt: skip
     reads = [0]
 
     def clock() -> float:  # the 3rd message's first step stalls for longer than the TTL
         reads[0] += 1
         if reads[0] == 4:  # the 1st reading is the pass's own
-            time.sleep(0.4)
+            time.sleep(1.2)
         return time.time()
 
     replayer = Replayer(settings, broker=redis_client, gate=redis_client, clock=clock)

@@ -179,11 +179,12 @@ def test_the_lock_is_renewed_during_a_pass_longer_than_its_ttl(
     defer_tasks(redis_url, redis_client, 30)
     # One batch of the default size: it takes several TTLs, and is renewed as it goes (its
     # lock is checked between its steps, with no round trip while fresh).
-    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3, budget_units=1e9)
+    # A TTL of 1 s: a loaded machine's pause of a few tenths between checks still renews it.
+    settings = gate_settings(redis_url, replay_lock_ttl_s=1.0, budget_units=1e9)
     assert settings.replay_batch_size >= 30
 
-    def slow_clock() -> float:  # each message takes a while: the pass lasts about 1 s
-        time.sleep(0.01)
+    def slow_clock() -> float:  # each message takes a while: the pass lasts about 3 s
+        time.sleep(0.05)
         return time.time()
 
     replayer = Replayer(settings, broker=redis_client, gate=redis_client, clock=slow_clock)
@@ -224,14 +225,14 @@ def test_a_dead_replayers_claims_are_taken_back_once_its_heartbeat_expires(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     jobs = defer_tasks(redis_url, redis_client, 5)
-    settings = gate_settings(redis_url, replay_lock_ttl_s=0.3)
+    settings = gate_settings(redis_url, replay_lock_ttl_s=1.0)
     dead = Replayer(settings, broker=redis_client, gate=redis_client)
     assert dead.acquire()
     for _ in range(3):
         assert dead.broker.claims.claim("defer") is not None
     heartbeat = dead.broker.claims.heartbeat_of(dead.broker.claims.tenure)  # then it died
     assert redis_client.exists(heartbeat)
-    assert wait_until(lambda: not redis_client.exists(KEYS.replayer_lock, heartbeat), 5)
+    assert wait_until(lambda: not redis_client.exists(KEYS.replayer_lock, heartbeat), 10)
     successor = Replayer(settings, broker=redis_client, gate=redis_client)
     assert successor.run(threading.Event(), once=True) == {"to_free": 5}
     assert sorted(ids_in(redis_client, "free")) == sorted(jobs)  # none lost, none doubled

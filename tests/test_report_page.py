@@ -102,7 +102,9 @@ def chromium() -> str:
 @pytest.fixture()
 def page(redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
          tmp_path: Path) -> Path:  # fmt: skip
-    clear_of_a_window_edge(SIZE, 30)  # the report must see the windows the history wrote
+    # The report must see the windows the history wrote: the current one's events, 23 to 30 s
+    # before now, must not fall in the one before it.
+    clear_of_a_window_edge(SIZE, 30, since_start_s=35)
     now = time.time()
     history(redis_client, now)
     monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
