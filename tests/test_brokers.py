@@ -170,7 +170,9 @@ def test_not_due_work_waits_off_the_head_of_defer_and_a_dead_letter_is_requeued(
     embed.delay(0)
     time.sleep(0.3)  # free is older than the cap, and nothing consumes it
     waiting = embed.delay(1)
-    lost = embed.apply_async((2,), headers=SOON)
+    # Due in 3 s: the first pass (a RabbitMQ connection included) must come before it.
+    sent = time.time()
+    lost = embed.apply_async((2,), headers={**SOON, "gatekeeper_deadline_s": 3.0})
     broker = broker_for(settings, app)
     assert wait_until(lambda: broker.length("defer") == 2, timeout_s=5)  # published (async)
     replayer = Replayer(settings, broker_for(settings, app), redis_client, app=app)
@@ -182,7 +184,8 @@ def test_not_due_work_waits_off_the_head_of_defer_and_a_dead_letter_is_requeued(
         assert broker.length("defer") == 0 and broker.length("defer.delay.1000") == 2
         assert wait_until(lambda: broker.length("defer") == 2, timeout_s=5)
         assert broker.length("defer.delay.1000") == 0
-    time.sleep(1.6)  # the lost one's deadline has passed, the other's backoff too
+    # The lost one's deadline has passed, the other's backoff too.
+    time.sleep(max(1.6, sent + 3.3 - time.time()))
     second = Replayer(settings, broker_for(settings, app), redis_client, app=app).run(
         threading.Event(), once=True
     )

@@ -102,7 +102,12 @@ def test_a_failover_while_publishing_sends_nothing_undecided_to_free(
             timeout_s=30)  # fmt: skip
         assert moved, "the Sentinel did not fail over"
         failed_over = time.time()
-        time.sleep(3.0)
+
+        def decided_again() -> bool:  # an admission published a second after the failover
+            return any(m["headers"]["gatekeeper_published_at"] > failed_over + 1
+                       for m in queue_messages(redis_client, "free"))  # fmt: skip
+
+        wait_until(decided_again, timeout_s=20, every_s=0.2)  # asserted below, once stopped
     finally:
         stop.set()
         thread.join()
