@@ -12,12 +12,13 @@ from gatekeeper.core.ledger import window_id
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.lock import Claims
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings
+from tests.conftest import clear_of_a_window_edge, gate_settings
 
 
 def test_status_shows_flags_with_who_when_why_queues_age_and_budget(
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    clear_of_a_window_edge(900, 10)  # the budget line is the current window's
     app = create_app(gate_settings(redis_url, budget_units=3000), redis_url)
     app.tasks["tests.embed"].delay(1)  # admitted: 100 tokens and 2,000 of wait reserved
     app.tasks["tests.embed"].apply_async((2,), headers={"gatekeeper_expected_service_s": 0})
