@@ -52,11 +52,13 @@ How to read the output:
     over an untimed pass of up to 500 of each (the timed phases with ``--interleave round``).
     ``redis_commands_per_decision`` uses ``total_commands_processed`` the same way; it also
     counts the commands ``gate.lua`` runs inside its one ``EVALSHA``. Both are corrected for
-    the ``INFO`` calls that take the readings (measured by two back-to-back readings). A pass
-    during which any connection to the server opened or closed is measured again (up to
-    ``COUNT_TRIES`` times; the line says how many were): the server counts a closing
-    connection's end of file as a read, and another process's client (a test suite's
-    leftovers, collected while the bench runs) is not the gate's round trip.
+    the ``INFO`` calls that take the readings (measured by two back-to-back readings). In call
+    mode (the default), an untimed pass during which any connection to the server opened or
+    closed is measured again, ``COUNT_TRIES`` passes at most (the line says how many were
+    measured again, and when none was clean): the server counts a closing connection's end of
+    file as a read, and another process's client (a test suite's leftovers, collected while
+    the bench runs) is not the gate's round trip. The timed phases of ``--interleave round``
+    cannot be measured again and are counted as they were.
 ``broker per publish``
     The same counters on the broker (two-server mode only): what one ``delay()`` costs Celery.
 ``decisions``
@@ -178,6 +180,8 @@ class Phase:
     """Publishes the server counters cover (``count`` if 0: the timed phases themselves)."""
     recounted: int = 0
     """Untimed passes measured again because a connection opened or closed during them."""
+    unsteady: bool = False
+    """No untimed pass of ``COUNT_TRIES`` was free of a connection opening or closing."""
 
     @property
     def rate(self) -> float:
@@ -497,7 +501,7 @@ class Bench:
         gate_counters = ServerCounters(self.gate)
         broker_counters = ServerCounters(self.broker) if self.separate else None
         for kind, phase in phases.items():
-            for _ in range(COUNT_TRIES):
+            for again in range(COUNT_TRIES):
                 self.trim()
                 connections = self.connections()
                 gate_before = gate_counters.read()
@@ -507,21 +511,29 @@ class Bench:
                 broker_delta = None
                 if broker_counters is not None and broker_before is not None:
                     broker_delta = broker_counters.delta(broker_before, broker_counters.read())
+                phase.recounted += 1 if again else 0  # a pass measured again
                 if self.connections() == connections:
                     break
                 # A connection opened or closed meanwhile (another process's, or a pool's):
                 # a close is a read without a command, and it is not this publish's. Again.
-                phase.recounted += 1
+            else:
+                phase.unsteady = True  # no pass was clean: the last one is counted as it was
             phase.gate_server.update(gate_delta)
             if broker_delta is not None:
                 phase.broker_server.update(broker_delta)
             phase.counted = count
         self.probes.clear()
 
-    def connections(self) -> tuple[frozenset[str], ...]:
-        """The ids of every connection open to the gate's Redis and the broker (anyone's)."""
+    def connections(self) -> tuple[tuple[frozenset[str], int], ...]:
+        """The ids of every connection open to the gate's Redis and the broker (anyone's), and
+        how many each server has accepted (a connection opened and closed between two
+        readings leaves the ids as they were, not that count)."""
         servers = (self.gate, self.broker) if self.separate else (self.gate,)
-        return tuple(frozenset(c["id"] for c in server.client_list()) for server in servers)
+        return tuple(
+            (frozenset(c["id"] for c in server.client_list()),
+             int(server.info("stats")["total_connections_received"]))
+            for server in servers
+        )  # fmt: skip
 
     def ping_then_plain(self, i: int) -> Any:
         """The yardstick: a plain publish after one PING to the gate's Redis, sent the way the
@@ -628,7 +640,12 @@ def report(bench: Bench, phases: dict[str, Phase]) -> list[str]:
     trips = per["gated"]["total_reads_processed"] - per["plain"]["total_reads_processed"]
     commands = per["gated"]["total_commands_processed"] - per["plain"]["total_commands_processed"]
     recounted = plain.recounted + gated.recounted
-    again = f"; {recounted} passes measured again (a connection opened or closed)" * bool(recounted)
+    again = ""
+    if recounted:
+        passes = "pass" if recounted == 1 else "passes"
+        again = f"; {recounted} {passes} measured again (a connection opened or closed)"
+    if plain.unsteady or gated.unsteady:
+        again += f"; no pass of {COUNT_TRIES} was clean, the last is counted"
     lines.append(
         f"redis_round_trips_per_decision={trips:.3f} (redis_commands_per_decision="
         f"{commands:.3f}, counting those inside gate.lua{again})"

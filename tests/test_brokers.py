@@ -171,8 +171,8 @@ def test_not_due_work_waits_off_the_head_of_defer_and_a_dead_letter_is_requeued(
     time.sleep(0.3)  # free is older than the cap, and nothing consumes it
     waiting = embed.delay(1)
     # Due in 3 s: the first pass (a RabbitMQ connection included) must come before it.
-    sent = time.time()
     lost = embed.apply_async((2,), headers={**SOON, "gatekeeper_deadline_s": 3.0})
+    sent = time.time()  # after the publish that started the deadline's clock
     broker = broker_for(settings, app)
     assert wait_until(lambda: broker.length("defer") == 2, timeout_s=5)  # published (async)
     replayer = Replayer(settings, broker_for(settings, app), redis_client, app=app)
