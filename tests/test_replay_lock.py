@@ -104,7 +104,9 @@ def stalled(
             second_log.read_text()
         )
         assert "event=replay_recovered" in second_log.read_text()
-        assert redis_client.exists(KEYS.replayer_lock)  # held by the successor
+        # Held by the successor (a 1 s lock it renews: a pause of it under load may let it
+        # lapse for a moment before it takes it again).
+        assert wait_until(lambda: bool(redis_client.exists(KEYS.replayer_lock)), timeout_s=5)
         first.send_signal(signal.SIGCONT)
         resumed = lambda: first_log.read_text().split("event=stopping_itself", 1)[1]  # noqa: E731
         assert wait_until(lambda: "event=replay_waiting_for_lock" in resumed(), timeout_s=10)
