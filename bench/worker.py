@@ -42,8 +42,12 @@ How to read the output:
     task, gated and plain, and their difference: the gate's share of what a task costs Redis;
     the yardstick's for comparison.
 ``commandstats per gated attempt``
-    ``INFO commandstats`` calls per gated task minus per plain task, by command, and the
-    server's own time per task (``usec``) for both kinds.
+    ``INFO commandstats`` calls per gated task minus per plain task, by command.
+``server cpu_us per task``
+    The server's CPU time per task of each kind over its blocks (``INFO cpu``), then
+    ``commandstats`` ``usec`` per task by command (wall time inside each command; a script's
+    own commands are in its ``evalsha`` figure and again under their names, so they are
+    never summed).
 ``checks:``
     What the bench verified before printing any figure (below).
 ``ratio=``
@@ -108,6 +112,8 @@ ORDERS = list(itertools.permutations(KINDS))
 """The kinds' orders within a block, cycled, so that each kind follows each other alike."""
 POOLS = {"solo": ("solo", 1), "prefork": ("prefork", 2)}
 COUNTERS = ("total_reads_processed", "total_commands_processed")
+CPU_US = "server_cpu_us"
+"""The server's own CPU time (``INFO cpu``: ``used_cpu_user`` + ``used_cpu_sys``), in us."""
 KEYS = Keys()
 REPO = Path(gatekeeper.__file__).resolve().parents[1]
 """The checkout whose gatekeeper this process imported: the worker imports the same one."""
@@ -258,7 +264,7 @@ class Server:
         self.client = client
         first = self.read()
         second = self.read()
-        self.overhead = {name: second[0][name] - first[0][name] for name in COUNTERS}
+        self.overhead = {name: second[0][name] - first[0][name] for name in (*COUNTERS, CPU_US)}
         self.overhead_commands = second[1] - first[1]
 
     def read(self) -> tuple[dict[str, int], Counter[str], Counter[str]]:
@@ -269,18 +275,22 @@ class Server:
             command = name.removeprefix("cmdstat_")
             calls[command] = int(value["calls"])
             usec[command] = int(value["usec"])
-        return {name: int(stats[name]) for name in COUNTERS}, calls, usec
+        counters = {name: int(stats[name]) for name in COUNTERS}
+        cpu = self.client.info("cpu")
+        counters[CPU_US] = round((float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])) * 1e6)
+        return counters, calls, usec
 
     def since(
         self, before: tuple[dict[str, int], Counter[str], Counter[str]]
     ) -> tuple[dict[str, int], Counter[str], Counter[str]]:
         after = self.read()
-        counters = {n: after[0][n] - before[0][n] - self.overhead[n] for n in COUNTERS}
+        counters = {n: after[0][n] - before[0][n] - self.overhead[n] for n in (*COUNTERS, CPU_US)}
         calls = after[1].copy()
         calls.subtract(before[1])
         calls.subtract(self.overhead_commands)
         usec = after[2].copy()
         usec.subtract(before[2])
+        del usec["info"]  # the readings' own
         return counters, +calls, +usec
 
 
@@ -527,13 +537,15 @@ def report(pool: str, rounds: list[Round], n: int) -> tuple[list[str], float]:
     )
     per_task: dict[str, dict[str, float]] = {}
     calls: dict[str, Counter[str]] = {}
-    usec: dict[str, float] = {}
+    usec: dict[str, Counter[str]] = {}
     for kind in KINDS:
         sections = [r.sections[kind] for r in rounds]
         count = n * len(sections)
-        per_task[kind] = {c: sum(s.counters[c] for s in sections) / count for c in COUNTERS}
+        per_task[kind] = {
+            c: sum(s.counters[c] for s in sections) / count for c in (*COUNTERS, CPU_US)
+        }
         calls[kind] = sum((s.commands for s in sections), Counter())
-        usec[kind] = sum(sum(s.usec.values()) for s in sections) / count
+        usec[kind] = sum((s.usec for s in sections), Counter())
     trips = {k: v["total_reads_processed"] for k, v in per_task.items()}
     cmds = {k: v["total_commands_processed"] for k, v in per_task.items()}
     lines.append(
@@ -549,9 +561,19 @@ def report(pool: str, rounds: list[Round], n: int) -> tuple[list[str], float]:
     shown = " ".join(
         f"{c}={v / count:+.2f}" for c, v in extra.most_common() if abs(v) >= count / 20
     )
+    lines.append(f"{pool} commandstats per gated attempt, minus plain: {shown}")
+    cpu = {kind: per_task[kind][CPU_US] for kind in KINDS}
+    # A script's own commands are counted in its EVALSHA's usec and again under their names:
+    # the usec are shown by command, never summed; the server's CPU time is the total.
+    by_command = "; ".join(
+        kind + " " + " ".join(f"{c}={v / count:.1f}" for c, v in usec[kind].most_common(9))
+        for kind in (GATED, PLAIN)
+    )
     lines.append(
-        f"{pool} commandstats per gated attempt, minus plain: {shown}; server usec per task "
-        f"gated={usec[GATED]:.0f} plain={usec[PLAIN]:.0f}"
+        f"{pool} server cpu_us per task gated={cpu[GATED]:.0f} plain={cpu[PLAIN]:.0f} "
+        f"pings={cpu[YARDSTICK]:.0f} (INFO cpu); commandstats usec per task, by command "
+        f"(evalsha's includes the commands its script ran, also shown under their names): "
+        f"{by_command}"
     )
     return lines, ratio
 

@@ -7,6 +7,7 @@ Each test runs the real bench, tiny, as a subprocess (its own embedded Redis and
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -31,6 +32,12 @@ def test_a_solo_worker_runs_every_task_and_the_ratio_comes_last(tmp_path: Path) 
     assert lines[-2].startswith("ratio="), result.stdout
     assert any(text.startswith("solo gated: ") for text in lines), result.stdout
     assert any("the gate's: round_trips=" in text for text in lines), result.stdout
+    # The server's CPU per task is read off INFO cpu (a gated run costs Redis more than a
+    # plain one: two scripts), and the usec are shown by command, never summed.
+    cpu = re.search(r"solo server cpu_us per task gated=(\d+) plain=(\d+)", result.stdout)
+    assert cpu is not None, result.stdout
+    assert int(cpu[1]) > int(cpu[2]) > 0, result.stdout
+    assert "server usec per task gated=" not in result.stdout
     assert "bench:" not in result.stderr
 
 
