@@ -10,9 +10,11 @@ One embedded ``redis-server`` is broker and gate. The bench publishes ``N`` task
 real worker of that bench's app, stops it, and then reads every key (``SCAN``, ``MEMORY USAGE
 <key> SAMPLES 0``), grouped by what it is (``gatekeeper/redis/keys.py``): the gate's run
 records, the ledger rows, the decision records, the window hashes, the rest of gatekeeper's
-keys, and the broker's. It prints bytes per finished job for each group, and last
-``beyond_row_bytes_per_job=`` (everything gatekeeper keeps but the rows, per job) with the
-target.
+keys, and the broker's. It prints bytes per finished job for each group, the server's
+``used_memory`` growth per job over the whole run beside the groups' sum (``MEMORY USAGE``
+leaves out a key's entry in the expiry table, hash-table buckets and allocator rounding), and
+last ``beyond_row_bytes_per_job=`` (everything gatekeeper keeps but the rows, per job, by
+``MEMORY USAGE``) with the target.
 
 It checks what it measured before printing: every task was decided ``admit_free/fits``, ran
 once (its record says ``runs=1 rowed=1``, and was cut after its row: it has ``kept``,
@@ -135,6 +137,7 @@ def main() -> int:
         FlagStore(client, wb.bench_settings(server.url)).initialise(
             "bench/memory.py", "bench", time.time(), open_path=True
         )
+        before = int(client.info("memory")["used_memory"])
         devnull = open(os.devnull, "w")  # noqa: SIM115 - closed below
         saved, sys.stderr = sys.stderr, devnull
         try:
@@ -161,6 +164,7 @@ def main() -> int:
                 print(f"bench: {problem}", file=sys.stderr)
             return 1
         total, count = sizes(client)
+        grown = int(client.info("memory")["used_memory"]) - before
         version = client.info("server")["redis_version"]
         app.close()
         devnull.close()
@@ -182,6 +186,10 @@ def main() -> int:
         records = min(cap, rate * WINDOW_RETENTION_S)
         parts.append(f"decision_records={total['decision records'] / jobs * records / 1e9:.2f}GB")
         print(f"rate={rate}/s " + " ".join(parts))
+    print(f"used_memory_growth_per_job={grown / jobs:.1f} (the server's used_memory after the "
+          f"run minus before the publishes; MEMORY USAGE of every group: "
+          f"{sum(total.values()) / jobs:.1f}: the expiry table, hash buckets and allocator "
+          "rounding are the difference)")  # fmt: skip
     print(f"beyond_row_bytes_per_job={beyond:.1f} (all but the ledger rows and the broker's "
           "keys, per finished job; target <= 300)")  # fmt: skip
     return 0
