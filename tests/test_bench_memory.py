@@ -24,6 +24,7 @@ def test_the_bench_prints_bytes_per_finished_job_last(tmp_path: Path) -> None:
     lines = result.stdout.splitlines()
     assert lines[-1].startswith("beyond_row_bytes_per_job=")
     assert any(line.startswith("run_records: bytes_per_job=") for line in lines)
+    assert lines[-2].startswith("used_memory_growth_per_job="), result.stdout
 
 
 def test_jobs_that_did_not_run_on_free_fail_the_bench(tmp_path: Path) -> None:
