@@ -229,3 +229,40 @@ def test_a_move_to_a_target_that_is_not_a_list_moves_nothing_and_loses_nothing(
              args=[b"m1", b"n1", b"m2", b"n2", b"m3", b"n3"])  # fmt: skip
     assert redis_client.lrange("proc", 0, -1) == [b"m1", b"m2", b"m3"]  # all still claimed
     assert redis_client.llen("free") == 0
+
+
+@pytest.mark.parametrize("batch_size", [1, 10])
+def test_messages_whose_move_is_refused_are_counted_given_back_and_handed_on_later(
+    redis_url: str, redis_client: redis.Redis, batch_size: int
+) -> None:
+    # The tenure's heartbeat lapses after the lock's last check and before the move (a
+    # replayer paused there): move.lua refuses, and the pass must not count the messages as
+    # handed on, nor forget their deadlines, since they wait claimed for the lock's holder.
+    jobs = defer_tasks(redis_url, redis_client, 5)
+    settings = gate_settings(redis_url, budget_units=1e9, replay_batch_size=batch_size)
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client)
+    assert replayer.acquire()
+    broker = replayer.broker
+    assert isinstance(broker, RedisBroker) and broker.claims is not None
+    claims, hand_on, send = broker.claims, broker.hand_on, broker.send
+
+    def heartbeat_lapsed(*args: Any) -> Any:
+        redis_client.delete(claims.heartbeat_of(claims.tenure))
+        return (hand_on if len(args) == 1 else send)(*args)
+
+    if batch_size == 1:
+        broker.send = heartbeat_lapsed  # type: ignore[method-assign]
+    else:
+        broker.hand_on = heartbeat_lapsed  # type: ignore[method-assign]
+    assert replayer.pass_once() == {"given_back": 5}
+    assert redis_client.llen("free") == 0 and claimed(redis_client) == 5
+    assert redis_client.zcard(KEYS.deferred) == 5  # their deadlines kept
+    replayer.release()
+    # The lock's next holder takes them back and hands each on once, as decided the first
+    # time (its kept handoff).
+    counts = Replayer(settings, broker=redis_client, gate=redis_client).run(
+        threading.Event(), once=True
+    )
+    assert sum(counts.values()) == 5 and set(counts) <= {"to_free", "handed_on_again"}, counts
+    assert placed(redis_client) == Counter(jobs) and claimed(redis_client) == 0
+    assert redis_client.zcard(KEYS.deferred) == 0

@@ -187,11 +187,16 @@ class RedisBroker:
                 heartbeat = self.claims.heartbeat_of(self.claims.tenure)
             elif all(taken.at == taken.source for taken, _, _ in mine):
                 heartbeat = at  # read in place (the dead-letter commands): no tenure
-            else:
-                continue  # claimed in a tenure that ended: the lock's holder takes it back
+            else:  # claimed in a tenure that ended: the lock's holder takes it back
+                for taken, _, _ in mine:
+                    taken.refused = True
+                continue
             keys = [at, heartbeat, *(target for _, target, _ in mine)]
             args = [part for taken, _, new in mine for part in (taken.raw, new)]
-            moved += sum(int(n) for n in evalsha(self.client, self._move, keys, args))
+            answers = evalsha(self.client, self._move, keys, args)
+            for (taken, _, _), answer in zip(mine, answers, strict=True):
+                taken.refused = not int(answer)
+                moved += int(answer)
         return moved
 
     def holds(self, taken: Taken) -> bool:

@@ -210,7 +210,10 @@ class Replayer:
             return None
         flush_lines()  # the batch's lines are in the log before its messages move
         self.broker.hand_on(batch)
-        return labels
+        # A move refused (the tenure over, the copy gone) handed nothing on: given back.
+        return [
+            "given_back" if t.refused else label for t, label in zip(batch, labels, strict=True)
+        ]
 
     def _leave(self, batch: list[Taken]) -> None:
         for taken in batch:

@@ -36,6 +36,9 @@ class Taken:
     made with the batch's others, in one step (``hand_on``)."""
     move: tuple[str, bytes] | None = None
     """Redis, batched: the list it goes to and the message pushed there, until ``hand_on``."""
+    refused: bool = False
+    """Redis: its send or hold was not made (``move.lua`` found its tenure over, or its claimed
+    copy gone): it was not handed on, and the lock's holder takes it back."""
 
 
 class Broker(Protocol):
