@@ -205,9 +205,10 @@ def wait_until(check: Callable[[], bool], timeout_s: float = 20.0, every_s: floa
 @contextmanager
 def running_worker(
     redis_url: str, log_path: Path, queues: str = "free", concurrency: int = 1,
-    **env_overrides: str,
+    pool: str = "prefork", **env_overrides: str,
 ) -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
-    """A real prefork Celery worker (tests.apps.gated_app) consuming ``queues``."""
+    """A real Celery worker (tests.apps.gated_app; prefork unless ``pool`` says otherwise)
+    consuming ``queues``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
     env.update(
         GATEKEEPER_TEST_WORKER="1",
@@ -221,7 +222,7 @@ def running_worker(
     env.update(env_overrides)
     command = [
         sys.executable, "-m", "celery", "-A", "tests.apps.gated_app", "worker",
-        "-Q", queues, "-P", "prefork", "-c", str(concurrency), "-l", "INFO",
+        "-Q", queues, "-P", pool, "-c", str(concurrency), "-l", "INFO",
         "--without-heartbeat", "--without-gossip", "--without-mingle",
         "-n", f"test-{os.getpid()}-{time.monotonic_ns()}@%h",
     ]  # fmt: skip

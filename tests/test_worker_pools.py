@@ -1,0 +1,50 @@
+"""The worker side on Celery's other pools: threads, and gevent (each task a greenlet).
+
+Tasks of one worker run side by side there in one process, each on a line of its own to
+the run ledger (a thread's, a greenlet's: gatekeeper/redis/run_start.py waits for every start
+made on a new line). Whatever the pool, each attempt gets exactly one row, killed runs are
+priced, and nothing stays reserved or marked started.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.conftest import running_worker
+from tests.test_worker_ledger import KEYS, app_for, wait_rows, window_totals
+
+pytestmark = pytest.mark.celery
+
+
+@pytest.mark.parametrize("pool", ["threads", "gevent"])
+def test_tasks_side_by_side_in_one_process_have_one_row_per_attempt(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, pool: str
+) -> None:
+    if pool == "gevent" and importlib.util.find_spec("gevent") is None:
+        pytest.fail("gevent is not installed (it is in the test extra: pip install -e '.[test]')")
+    app = app_for(redis_url, budget_units=1e9)  # the worker publishes the retries
+    log = tmp_path / "w.log"
+    with running_worker(redis_url, log, concurrency=4, pool=pool, GATEKEEPER_BUDGET_UNITS="1e9"):
+        for chunk in range(12):
+            app.tasks["tests.coinflip"].delay(chunk)
+        for n in range(8):  # overlapping runs: four at a time for 0.3 s each
+            app.tasks["tests.embed"].delay(n, sleep_s=0.3)
+        found = wait_rows(redis_client, 24, timeout_s=60)  # 12 + 4 retried + 8
+    text = log.read_text(errors="replace")
+    assert f"concurrency: 4 ({pool.removesuffix('s')})" in text and "Traceback" not in text
+    attempts = Counter((r["job_id"], r["attempt"]) for r in found)
+    assert len(found) == 24 and set(attempts.values()) == {1}, found
+    assert Counter(r["outcome"] for r in found) == {"ok": 20, "killed": 4}
+    assert {r["path"] for r in found} == {"free"}
+    free_tax = sum(r["retry_tax"] for r in found)
+    assert window_totals(redis_client, "tax_units") == pytest.approx(free_tax)
+    assert window_totals(redis_client, "exposure") == 0
+    assert redis_client.hlen(KEYS.inflight) == 0 and redis_client.zcard(KEYS.started) == 0
+    for job_id, attempt in attempts:  # each record cut after its one run's row
+        record = redis_client.hgetall(KEYS.run(job_id, attempt))
+        assert (record[b"runs"], record[b"rowed"]) == (b"1", b"1") and b"kept" in record
