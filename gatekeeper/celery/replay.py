@@ -93,8 +93,7 @@ class Replayer:
         if isinstance(broker, redis.Redis):
             broker = RedisBroker(broker, settings)
         self.broker: Broker = broker
-        self.gate_client = gate
-        self.clock = clock
+        self.gate_client, self.clock = gate, clock
         self.pipeline = Pipeline.create(settings, gate, clock)
         self.runs = RunLedger.from_settings(gate, settings)
         self.log = make_logger(settings, "replay")
@@ -209,11 +208,9 @@ class Replayer:
             self._leave(batch)
             return None
         flush_lines()  # the batch's lines are in the log before its messages move
-        self.broker.hand_on(batch)
-        # A move refused (the tenure over, the copy gone) handed nothing on: given back.
-        return [
-            "given_back" if t.refused else label for t, label in zip(batch, labels, strict=True)
-        ]
+        self.broker.hand_on(batch)  # a move refused (the tenure over, the copy gone): given back
+        pairs = zip(batch, labels, strict=True)
+        return ["given_back" if taken.refused else label for taken, label in pairs]
 
     def _leave(self, batch: list[Taken]) -> None:
         for taken in batch:
