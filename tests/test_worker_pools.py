@@ -27,9 +27,13 @@ def test_tasks_side_by_side_in_one_process_have_one_row_per_attempt(
 ) -> None:
     if pool == "gevent" and importlib.util.find_spec("gevent") is None:
         pytest.fail("gevent is not installed (it is in the test extra: pip install -e '.[test]')")
-    app = app_for(redis_url, budget_units=1e9)  # the worker publishes the retries
+    # A long wait allowance: Celery 5.5.0's threads pool with a prefetch of one a thread (the
+    # test app's) stops fetching until kombu's 10 s timer wakes its loop, gatekeeper or not
+    # (measured with a plain Celery app), and waits that long must not expire the attempts.
+    app = app_for(redis_url, budget_units=1e9, free_wait_allowance_s=120)  # it retries too
     log = tmp_path / "w.log"
-    with running_worker(redis_url, log, concurrency=4, pool=pool, GATEKEEPER_BUDGET_UNITS="1e9"):
+    with running_worker(redis_url, log, concurrency=4, pool=pool, GATEKEEPER_BUDGET_UNITS="1e9",
+                        GATEKEEPER_FREE_WAIT_ALLOWANCE_S="120"):  # fmt: skip
         for chunk in range(12):
             app.tasks["tests.coinflip"].delay(chunk)
         for n in range(8):  # overlapping runs: four at a time for 0.3 s each
