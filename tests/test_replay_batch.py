@@ -231,38 +231,43 @@ def test_a_move_to_a_target_that_is_not_a_list_moves_nothing_and_loses_nothing(
     assert redis_client.llen("free") == 0
 
 
-@pytest.mark.parametrize("batch_size", [1, 10])
+@pytest.mark.parametrize("refusal", ["heartbeat_lapsed", "one_copy_taken_back"])
 def test_messages_whose_move_is_refused_are_counted_given_back_and_handed_on_later(
-    redis_url: str, redis_client: redis.Redis, batch_size: int
+    redis_url: str, redis_client: redis.Redis, refusal: str
 ) -> None:
-    # The tenure's heartbeat lapses after the lock's last check and before the move (a
-    # replayer paused there): move.lua refuses, and the pass must not count the messages as
-    # handed on, nor forget their deadlines, since they wait claimed for the lock's holder.
+    # Between the lock's last check and the batch's move (a replayer paused there) either the
+    # tenure's heartbeat lapses (move.lua refuses the whole batch) or a successor takes one
+    # claimed copy back to defer (move.lua refuses that one). The pass must not count what
+    # did not move as handed on, nor forget its deadline: it waits for the lock's holder.
     jobs = defer_tasks(redis_url, redis_client, 5)
-    settings = gate_settings(redis_url, budget_units=1e9, replay_batch_size=batch_size)
+    settings = gate_settings(redis_url, budget_units=1e9, replay_batch_size=10)
     replayer = Replayer(settings, broker=redis_client, gate=redis_client)
     assert replayer.acquire()
     broker = replayer.broker
     assert isinstance(broker, RedisBroker) and broker.claims is not None
-    claims, hand_on, send = broker.claims, broker.hand_on, broker.send
+    claims, hand_on = broker.claims, broker.hand_on
 
-    def heartbeat_lapsed(*args: Any) -> Any:
-        redis_client.delete(claims.heartbeat_of(claims.tenure))
-        return (hand_on if len(args) == 1 else send)(*args)
+    def paused_before_the_move(batch: list[Taken]) -> None:
+        if refusal == "heartbeat_lapsed":
+            redis_client.delete(claims.heartbeat_of(claims.tenure))
+        else:
+            assert redis_client.lrem(batch[2].at, 1, batch[2].raw) == 1
+            redis_client.lpush("defer", batch[2].raw)
+        hand_on(batch)
 
-    if batch_size == 1:
-        broker.send = heartbeat_lapsed  # type: ignore[method-assign]
-    else:
-        broker.hand_on = heartbeat_lapsed  # type: ignore[method-assign]
-    assert replayer.pass_once() == {"given_back": 5}
-    assert redis_client.llen("free") == 0 and claimed(redis_client) == 5
-    assert redis_client.zcard(KEYS.deferred) == 5  # their deadlines kept
+    broker.hand_on = paused_before_the_move  # type: ignore[method-assign]
+    counts = replayer.pass_once()
+    left = 5 if refusal == "heartbeat_lapsed" else 1
+    assert counts == +Counter({"given_back": left, "to_free": 5 - left}), counts
+    assert redis_client.llen("free") == 5 - left
+    assert claimed(redis_client) + redis_client.llen("defer") == left
+    assert redis_client.zcard(KEYS.deferred) == left  # their deadlines kept
     replayer.release()
-    # The lock's next holder takes them back and hands each on once, as decided the first
-    # time (its kept handoff).
+    # The lock's next holder takes back what is claimed and hands each on once: as decided
+    # the first time (its kept handoff), or scored again.
     counts = Replayer(settings, broker=redis_client, gate=redis_client).run(
         threading.Event(), once=True
     )
-    assert sum(counts.values()) == 5 and set(counts) <= {"to_free", "handed_on_again"}, counts
+    assert sum(counts.values()) == left and set(counts) <= {"to_free", "handed_on_again"}, counts
     assert placed(redis_client) == Counter(jobs) and claimed(redis_client) == 0
     assert redis_client.zcard(KEYS.deferred) == 0

@@ -8,7 +8,9 @@ priced, and nothing stays reserved or marked started.
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +21,23 @@ from tests.conftest import running_worker
 from tests.test_worker_ledger import KEYS, app_for, wait_rows, window_totals
 
 pytestmark = pytest.mark.celery
+
+
+SUCCEEDED = re.compile(
+    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): INFO/[^\]]*\] "
+    r"Task tests\.embed\[[^\]]+\] succeeded in ([0-9.e-]+)s",
+    re.MULTILINE,
+)
+
+
+def overlapping(log: str) -> int:
+    """The most ``tests.embed`` runs under way at one moment, from the worker's own lines
+    (each run's end and how long it took)."""
+    spans = []
+    for stamp, took in SUCCEEDED.findall(log):
+        end = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        spans.append((end - float(took), end))
+    return max((sum(s <= at < e for s, e in spans) for at, _ in spans), default=0)
 
 
 @pytest.mark.parametrize("pool", ["threads", "gevent"])
@@ -38,9 +57,10 @@ def test_tasks_side_by_side_in_one_process_have_one_row_per_attempt(
             app.tasks["tests.coinflip"].delay(chunk)
         for n in range(8):  # overlapping runs: four at a time for 0.3 s each
             app.tasks["tests.embed"].delay(n, sleep_s=0.3)
-        found = wait_rows(redis_client, 24, timeout_s=60)  # 12 + 4 retried + 8
+        found = wait_rows(redis_client, 24, timeout_s=120)  # 12 + 4 retried + 8
     text = log.read_text(errors="replace")
     assert f"concurrency: 4 ({pool.removesuffix('s')})" in text and "Traceback" not in text
+    assert overlapping(text) >= 2, text  # the embed runs really ran side by side
     attempts = Counter((r["job_id"], r["attempt"]) for r in found)
     assert len(found) == 24 and set(attempts.values()) == {1}, found
     assert Counter(r["outcome"] for r in found) == {"ok": 20, "killed": 4}
