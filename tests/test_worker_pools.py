@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.conftest import running_worker
+from tests.conftest import missing_server, running_worker
 from tests.test_worker_ledger import KEYS, app_for, wait_rows, window_totals
 
 pytestmark = pytest.mark.celery
@@ -45,7 +45,9 @@ def test_tasks_side_by_side_in_one_process_have_one_row_per_attempt(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, pool: str
 ) -> None:
     if pool == "gevent" and importlib.util.find_spec("gevent") is None:
-        pytest.fail("gevent is not installed (it is in the test extra: pip install -e '.[test]')")
+        missing_server(
+            "gevent is not installed (it is in the test extra: pip install -e '.[test]')"
+        )
     # A long wait allowance: Celery 5.5.0's threads pool with a prefetch of one a thread (the
     # test app's) stops fetching until kombu's 10 s timer wakes its loop, gatekeeper or not
     # (measured with a plain Celery app), and waits that long must not expire the attempts.

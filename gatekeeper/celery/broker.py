@@ -168,7 +168,8 @@ class RedisBroker:
         if taken.batched:
             taken.move = (target, new)  # made with the batch's others (hand_on)
             return True
-        return self._move_all([(taken, target, new)]) == 1
+        self._move_all([(taken, target, new)])
+        return not taken.refused
 
     def hand_on(self, batch: list[Taken]) -> None:
         moves = [(taken, *taken.move) for taken in batch if taken.move is not None]
@@ -176,11 +177,11 @@ class RedisBroker:
             taken.move = None
         self._move_all(moves)
 
-    def _move_all(self, moves: list[tuple[Taken, str, bytes]]) -> int:
+    def _move_all(self, moves: list[tuple[Taken, str, bytes]]) -> None:
         """Move each copy to its target list, one ``move.lua`` call per list they are in (one
-        in a pass); returns how many moved. A claimed copy moves only while its tenure is the
-        current one and alive (its heartbeat); one of a tenure that ended never does."""
-        moved = 0
+        in a pass); a copy not moved is marked ``refused``. A claimed copy moves only while its
+        tenure is the current one and alive (its heartbeat); one of a tenure that ended never
+        does."""
         for at in dict.fromkeys(taken.at for taken, _, _ in moves):
             mine = [move for move in moves if move[0].at == at]
             if self.claims is not None and at == self.claims.current:
@@ -196,8 +197,6 @@ class RedisBroker:
             answers = evalsha(self.client, self._move, keys, args)
             for (taken, _, _), answer in zip(mine, answers, strict=True):
                 taken.refused = not int(answer)
-                moved += int(answer)
-        return moved
 
     def holds(self, taken: Taken) -> bool:
         return True  # a claimed copy waits in the tenure's list until moved or taken back
