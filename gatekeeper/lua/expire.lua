@@ -11,7 +11,7 @@
 --
 -- KEYS[1] run:<job_id>:<attempt>    hash: the gate's record (nonce, decision, admitted_ms,
 --                                   window, reserved, charged, runs)
--- KEYS[2] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>"
+-- KEYS[2] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>|..."
 -- KEYS[3] free:waiting              sorted set: admitted free attempts not yet started
 -- KEYS[4] window:<admission window> hash: exposure, tax_units, rows:expired
 -- KEYS[5] window:<admission window>:rows  list: ledger rows

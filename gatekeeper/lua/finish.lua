@@ -28,7 +28,7 @@
 --                                  charged, kept
 -- KEYS[2] window:<row window>       hash: rows:<outcome> (a reserved row)
 -- KEYS[3] window:<row window>:rows  list: ledger rows (JSON): a reserved row's
--- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>"
+-- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>|..."
 -- KEYS[5] started                   sorted set: runs started without a row
 -- KEYS[6] window:<admission window> hash: exposure, admitted_free, slack_misses; and a free
 --                                   row's tax_units, rows:<outcome>, killed_free

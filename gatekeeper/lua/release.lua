@@ -4,7 +4,7 @@
 -- before it started, or one the sweep finds admitted long ago and never started. No row:
 -- the attempt did not run. Idempotent: the second call finds nothing to release.
 --
--- KEYS[1] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>"
+-- KEYS[1] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>|..."
 -- KEYS[2] free:waiting              sorted set: admitted free attempts not yet started
 -- KEYS[3] window:<admission window> hash: exposure, admitted_free
 -- KEYS[4] run:<job_id>:<attempt>    the gate's record: its `reserved` closes (= `charged`): a
