@@ -122,8 +122,12 @@ def inclusive(out: Path) -> list[tuple[str, int]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--calls", type=positive, default=1000, help="counted calls per path")
-    parser.add_argument("--warmup", type=int, default=2500,
-                        help="uncounted calls first (on the admit paths: jobs in flight)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2500,
+        help="uncounted calls first (on the admit paths: jobs in flight)",
+    )
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated")
     parser.add_argument("--record-cap", type=int, default=DECISION_RECORD_CAP)
     parser.add_argument("--budget-units", type=float, default=1e12)
