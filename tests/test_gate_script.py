@@ -315,16 +315,19 @@ def test_an_admission_is_counted_once_and_the_window_gets_its_ttl(
     assert 0 < redis_client.ttl(KEYS.window(WINDOW)) <= 1000
 
 
-def test_the_in_flight_hash_is_a_hash_table_from_its_first_admission(
+def test_the_in_flight_hash_and_the_totals_are_hash_tables_from_the_first_admission(
     redis_client: redis.Redis,
 ) -> None:
     # A compact (ziplist, listpack) hash is searched field by field: with 300-500 jobs in
     # flight HSETNX took a third of an admission (bench/gate_ir.py). Each value's tail takes
     # the hash past Redis's 64-byte value limit at once; readers take the first fields.
-    redis_client.delete(KEYS.inflight, KEYS.window(WINDOW), KEYS.free_waiting)
+    redis_client.delete(KEYS.inflight, KEYS.totals, KEYS.window(WINDOW), KEYS.free_waiting)
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
     assert store.score(gate_call(**_inputs("first"))).decision is Decision.ADMIT_FREE
     assert redis_client.object("encoding", KEYS.inflight) == b"hashtable"
+    # The lifetime totals too (one counter per task, decision and reason: hundreds in an app
+    # of many tasks); their reader takes the decided:* fields only.
+    assert redis_client.object("encoding", KEYS.totals) == b"hashtable"
     reserved, window, admitted_ms = redis_client.hget(KEYS.inflight, "first:1").split(b"|")[:3]
     assert (float(reserved), int(window), float(admitted_ms)) == (5.0, WINDOW, NOW_S * 1000)
     assert float(redis_client.hget(KEYS.window(WINDOW), "exposure")) == 5.0

@@ -173,7 +173,8 @@ if due then
 end
 
 local reserved = '0'  -- what an admission holds in exposure, as text (set before admitting)
--- The end of every in-flight value: it takes the value past Redis's hash-max-ziplist-value
+-- The end of every in-flight value (and the totals' `hash_table`, below): it takes the
+-- value past Redis's hash-max-ziplist-value
 -- (hash-max-listpack-value on Redis 7; 64 bytes by default), so that `inflight` is a hash
 -- table from its first field on. Below 512 fields a compact hash is searched field by field:
 -- with 300-500 jobs in flight, HSETNX alone took a third of an admission's instructions
@@ -224,8 +225,13 @@ local function decided(decision, reason, dwell, projected)
   if redis.call('HINCRBY', KEYS[2], counter, '1') == 1 then
     redis.call('EXPIRE', KEYS[2], ARGV[12])
   end
-  -- The lifetime total of the same decision, which never expires (Prometheus' counter).
-  redis.call('HINCRBY', KEYS[8], 'decided:' .. decision .. ':' .. reason .. ':' .. ARGV[26], '1')
+  -- The lifetime total of the same decision, which never expires (Prometheus' counter). A
+  -- new counter also writes `hash_table` (WIDE): the totals stay a hash table too (compact,
+  -- at 300 counters they cost a decision 36% more instructions).
+  if redis.call('HINCRBY', KEYS[8], 'decided:' .. decision .. ':' .. reason .. ':' .. ARGV[26],
+      '1') == 1 then
+    redis.call('HSET', KEYS[8], 'hash_table', WIDE)
+  end
   if decision == 'defer' then  -- the nearest deadlines among deferred attempts
     redis.call('ZADD', KEYS[9], ARGV[21], ARGV[2])
     redis.call('ZREMRANGEBYRANK', KEYS[9], ARGV[27], '-1')
