@@ -24,7 +24,7 @@ namespace's slot):
     the broker (``celery purge -Q free``), keeping those a worker holds (kombu's ``unacked``).
 ``gatekeeper:{default}:inflight`` - hash, no TTL (fields removed when the attempt ends)
     Free attempts admitted and not yet finished: field ``<job_id>:<attempt>``, value
-    ``<reserved>|<window id>|<admitted ms>|<64 dots>``: the exposure it holds (its tokens and
+    ``<reserved>|<window id>|<admitted ms>|<65 zeros>``: the exposure it holds (its tokens and
     its wait allowance), and where and since when. The dots (``gate.lua``'s ``WIDE``) keep the
     hash a hash table: past 64 bytes a value leaves Redis's compact encoding, which is
     searched field by field (readers take the first three fields).
@@ -64,7 +64,8 @@ namespace's slot):
     (admissions are counted in ``admitted_free`` only) and ``free_age_max_ms``, the oldest
     free-queue age a decision of ``gate.lua`` saw in the window (for ``report --html``). The
     TTL is set by the write that creates a counter, so a window lives about its retention from
-    its first decisions.
+    its first decisions. ``gate.lua`` writes ``hash_table`` (65 zeros, not a counter) with it,
+    as in ``totals`` below: ``read_windows`` leaves it out.
 ``gatekeeper:{default}:window:<id>:rows`` - list, TTL = window retention
     The window's ledger rows, one JSON object each, oldest first.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
@@ -86,7 +87,7 @@ namespace's slot):
     ``killed_rows`` (``finish.lua``, for the worker and the sweep; unverified rows too),
     ``abandoned`` (``abandon.lua``; unverified rows too) and ``freezes`` (the auto-freeze's
     flag write). Windows expire and their sums would look like resets; these do not. And
-    ``hash_table``, not a counter: 64 dots, written with each new ``decided:`` field by
+    ``hash_table``, not a counter: 65 zeros, written with each new ``decided:`` field by
     ``gate.lua``, past Redis's 64-byte compact-hash limit, so the hash stays a hash table (a
     compact one is searched field by field: 36% more instructions a decision at 300 fields).
 ``gatekeeper:{default}:deferred`` - sorted set, no TTL, at most ``DEFERRED_CAP`` members

@@ -40,8 +40,12 @@ def evalsha(
         return client.evalsha(script.sha, len(keys), *keys, *args)
 
 
+_NOT_COUNTERS = (b"hash_table", "hash_table")
+
+
 def read_windows(client: redis.Redis, keys: Keys, ids: Iterable[int]) -> list[dict[str, str]]:
-    """Window hashes as text, in the order of ``ids``, in one pipelined round trip."""
+    """Window hashes as text, in the order of ``ids``, in one pipelined round trip (without
+    ``hash_table``, which only keeps the hash a hash table: keys.py)."""
     try:
         pipe = client.pipeline(transaction=False)
         for ident in ids:
@@ -49,7 +53,8 @@ def read_windows(client: redis.Redis, keys: Keys, ids: Iterable[int]) -> list[di
         raw = pipe.execute()
     except (redis.RedisError, RedisClusterException) as exc:  # a cluster's own, too
         raise LedgerUnavailable(f"cannot read the ledger windows: {exc}") from exc
-    return [{text_of(k): text_of(v) for k, v in fields.items()} for fields in raw]
+    return [{text_of(k): text_of(v) for k, v in fields.items() if k not in _NOT_COUNTERS}
+            for fields in raw]  # fmt: skip
 
 
 def read_rows(client: redis.Redis, keys: Keys, window_id: int) -> list[dict[str, Any]]:
