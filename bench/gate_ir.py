@@ -50,6 +50,7 @@ from pathlib import Path
 
 import redis
 from gate_script import PATHS, Phase, check, phases_for, run_block  # bench/gate_script.py
+from inflight import fill  # bench/inflight.py
 from options import positive  # bench/options.py
 
 import gatekeeper
@@ -63,10 +64,11 @@ FUNCTIONS = ("call'2", "luaRedisGenericCommand", "luaSetGlobalArray", "luaB_tonu
 INCLUSIVE = re.compile(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+(?:\S*:)?([^\s:]+) ")
 
 
-def counted(binary: str, script: str, path: str, args: argparse.Namespace, out: Path
-            ) -> tuple[Phase, int, str]:  # fmt: skip
-    """One path of one script on a server of its own under callgrind: the phase (its checks),
-    the instructions counted over ``args.calls`` calls, and the server's version."""
+def counted(binary: str, script: str, path: str, args: argparse.Namespace, out: Path,
+            in_flight: int = 0) -> tuple[Phase, int, str]:  # fmt: skip
+    """One path of one script on a server of its own under callgrind, after ``in_flight``
+    admitted attempts are put in flight: the phase (its checks), the instructions counted over
+    ``args.calls`` calls, and the server's version."""
     port = _free_port()
     server = subprocess.Popen(
         ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
@@ -87,12 +89,21 @@ def counted(binary: str, script: str, path: str, args: argparse.Namespace, out: 
         version = str(client.info("server")["redis_version"])
         (phase,) = (p for p in phases_for(client, {"gate.lua": script}, args.record_cap,
                                            args.budget_units) if p.path == path)  # fmt: skip
+        if in_flight:
+            fill(client, phase.keys, in_flight)  # as bench/inflight.py fills it
         if args.warmup:
             run_block(client, phase, args.warmup, timed=False)
         subprocess.run(["callgrind_control", "--zero", str(server.pid)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         client.ping()  # the zero is taken while the server runs, before the counted calls
         run_block(client, phase, args.calls, timed=True)
+        if in_flight:  # every admission still in flight, none lost, none from elsewhere
+            held = (int(client.zcard(phase.keys.free_waiting)),
+                    int(client.hlen(phase.keys.inflight)))  # fmt: skip
+            expected = in_flight + args.warmup + args.calls
+            if held != (expected, expected):
+                phase.problems.append(f"{phase.name}: waiting, inflight = {held}, "
+                                      f"expected {expected} each")  # fmt: skip
         with contextlib.suppress(redis.ConnectionError):  # SHUTDOWN closes the connection
             client.shutdown(nosave=True)  # callgrind writes its counts as the server exits
     finally:
@@ -121,13 +132,12 @@ def inclusive(out: Path) -> list[tuple[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--calls", type=positive, default=1000, help="counted calls per path")
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=2500,
-        help="uncounted calls first (on the admit paths: jobs in flight)",
-    )
+    parser.add_argument("--calls", type=positive,
+                        help="counted calls per path (1000; 100 with --in-flight)")  # fmt: skip
+    parser.add_argument("--warmup", type=int, help="uncounted calls first (2500; 20 with "
+                        "--in-flight); on the admit paths, jobs in flight")  # fmt: skip
+    parser.add_argument("--in-flight", help="comma-separated sizes: the admit path at each, "
+                        "filled as bench/inflight.py fills it")  # fmt: skip
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated")
     parser.add_argument("--record-cap", type=int, default=DECISION_RECORD_CAP)
     parser.add_argument("--budget-units", type=float, default=1e12)
@@ -139,6 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         help="then the N server functions with most instructions, per path",
     )
     args = parser.parse_args(argv)
+    sizes = [0]
+    if args.in_flight:
+        try:
+            sizes = [int(text) for text in args.in_flight.split(",")]
+        except ValueError:
+            parser.error(f"--in-flight: expected sizes like 10,1000,100000, not {args.in_flight}")
+        if args.paths not in (",".join(PATHS), "admit"):
+            parser.error("--in-flight counts the admit path only")
+        args.paths = "admit"
+    args.calls = args.calls or (100 if args.in_flight else 1000)
+    args.warmup = args.warmup if args.warmup is not None else (20 if args.in_flight else 2500)
     paths = args.paths.split(",")
     if unknown := [path for path in paths if path not in PATHS]:
         parser.error(f"--paths: unknown {unknown}; expected some of {', '.join(PATHS)}")
@@ -154,10 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     results, problems, version = [], [], ""
     with tempfile.TemporaryDirectory(prefix="gatekeeper-bench-ir-") as scratch:
         for label, script in scripts.items():
-            for path in paths:
-                out = Path(scratch) / f"callgrind.{label}.{path}"
-                phase, total, version = counted(binary, script, path, args, out)
+            for path, size in ((path, size) for path in paths for size in sizes):
+                out = Path(scratch) / f"callgrind.{label}.{path}.{size}"
+                phase, total, version = counted(binary, script, path, args, out, size)
                 name = path if label == "gate.lua" else f"{path}[{label}]"
+                if args.in_flight:
+                    name = f"{name}@{size}"
                 problems += [p.replace(f"{phase.name}:", f"{name}:", 1) for p in
                              check([phase], args.calls)]  # fmt: skip
                 if total <= 0:
@@ -181,11 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"redis={binary} redis_version={version}")
     for name, per_call, found, top in results:
         split = " ".join(f"{function}={share:.1%}" for function, share in found.items())
-        print(f"path={name} decided {PATHS[name.split('[')[0]]} x{args.calls} "
+        kind = re.split(r"[\[@]", name)[0]
+        print(f"path={name} decided {PATHS[kind]} x{args.calls} "
               f"Ir_per_decision={per_call:.0f} ({split or 'no function named'})")  # fmt: skip
         for function, share in top:
             print(f"  {function} {share:.1%} ({share * per_call:.0f} Ir a decision, inclusive)")
     print("gate_lua_ir " + " ".join(f"{name}={per_call:.0f}" for name, per_call, _, _ in results))
+    if args.in_flight and len(sizes) > 1:
+        first, last = results[0][1], results[len(sizes) - 1][1]
+        print(f"flatness_ir={last / first:.3f} (Ir_per_decision at in_flight={sizes[-1]} / at "
+              f"in_flight={sizes[0]}; 1.000 = flat)")  # fmt: skip
     return 0
 
 

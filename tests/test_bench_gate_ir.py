@@ -58,6 +58,18 @@ def test_calls_not_decided_as_claimed_fail_the_bench_without_a_figure(tmp_path: 
     ) in result.stderr.splitlines(), result.stderr
 
 
+def test_the_admit_path_is_counted_at_each_size_in_flight(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--in-flight", "10,600")
+    assert result.returncode == 0, result.stdout + result.stderr
+    paths = [line for line in result.stdout.splitlines() if line.startswith("path=")]
+    assert [line.split(" Ir_per_decision=")[0] for line in paths] == [
+        f"path=admit@10 decided admit_free/fits x{CALLS}",
+        f"path=admit@600 decided admit_free/fits x{CALLS}",
+    ]
+    (flatness,) = [line for line in result.stdout.splitlines() if line.startswith("flatness_ir=")]
+    assert 0.5 < float(flatness.split()[0].split("=")[1]) < 1.5
+
+
 def test_an_unknown_path_is_named(tmp_path: Path) -> None:
     result = run_bench(tmp_path, "--paths", "admit,sideways")
     assert result.returncode == 2
