@@ -56,6 +56,7 @@ from options import positive  # bench/options.py
 import gatekeeper
 from gatekeeper.defaults import DECISION_RECORD_CAP
 from gatekeeper.ops.embedded import _free_port, find_redis_server
+from gatekeeper.redis.keys import ATTEMPTS
 from gatekeeper.redis.scripts import load_lua
 
 FUNCTIONS = ("call'2", "luaRedisGenericCommand", "luaSetGlobalArray", "luaB_tonumber",
@@ -98,7 +99,7 @@ def counted(binary: str, script: str, path: str, args: argparse.Namespace, out: 
         client.ping()  # the zero is taken while the server runs, before the counted calls
         run_block(client, phase, args.calls, timed=True)
         if in_flight:  # every admission still in flight, none lost, none from elsewhere
-            held = (int(client.zcard(phase.keys.free_waiting)),
+            held = (int(client.zcount(phase.keys.free_waiting, "-inf", ATTEMPTS)),
                     int(client.hlen(phase.keys.inflight)))  # fmt: skip
             expected = in_flight + args.warmup + args.calls
             if held != (expected, expected):

@@ -24,6 +24,7 @@ rounds) and last ``flatness=<largest size's gate_lua_us / smallest's>``.
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import sys
@@ -34,7 +35,7 @@ import redis
 from gatekeeper.core.ledger import BudgetMode
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.call import GateCall
-from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.keys import ATTEMPTS, WAITING_PAD, Keys
 from gatekeeper.redis.store import GateStore
 
 T0 = 1_800_000_000.0
@@ -43,9 +44,11 @@ TOKENS = 1000
 
 
 def fill(client: redis.Redis, keys: Keys, size: int) -> None:
-    """``size`` admitted attempts not yet started, admitted in the last minute."""
+    """``size`` admitted attempts not yet started, admitted in the last minute (and the
+    waiting set's pad, which the first admission into an empty set adds: keys.py)."""
     client.delete(keys.free_waiting, keys.inflight, keys.window(WINDOW), keys.decisions)
     pipe = client.pipeline(transaction=False)
+    pipe.zadd(keys.free_waiting, {WAITING_PAD: math.inf})  # as gate.lua's first admission
     for start in range(0, size, 10_000):
         chunk = range(start, min(size, start + 10_000))
         pipe.zadd(keys.free_waiting, {f"held{i}:1": (T0 - 60 + i * 1e-6) * 1000 for i in chunk})
@@ -82,7 +85,10 @@ def one(client: redis.Redis, store: GateStore, keys: Keys, size: int, count: int
     wrong = [a for a in answers if (a.decision.value, a.reason.value) != ("admit_free", "fits")]
     if wrong:
         problems.append(f"in_flight={size}: {len(wrong)} calls not admit_free/fits: {wrong[0]}")
-    held = (int(client.zcard(keys.free_waiting)), int(client.hlen(keys.inflight)))
+    held = (
+        int(client.zcount(keys.free_waiting, "-inf", ATTEMPTS)),
+        int(client.hlen(keys.inflight)),
+    )
     if held != (size + count, size + count):
         problems.append(f"in_flight={size}: waiting, inflight = {held}, "
                         f"expected {size + count} each")  # fmt: skip

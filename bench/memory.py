@@ -49,7 +49,7 @@ from gatekeeper.defaults import RECORD_RETENTION_S, WINDOW_RETENTION_S
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.decisions import read_records
 from gatekeeper.redis.flags import FlagStore
-from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.keys import ATTEMPTS, Keys
 from gatekeeper.redis.scripts import read_rows, text_of
 
 KEYS = Keys()
@@ -117,7 +117,11 @@ def checks(client: redis.Redis, ids: list[str], window_ids: set[int], cap: int) 
     if set(seen) != {("admit_free", "fits", "1", "1", True)}:
         problems.append("run records not all admit_free/fits runs=1 rowed=1, cut after the "
                         f"row (kept): {dict(seen)}")  # fmt: skip
-    if client.llen("free") or client.zcard(KEYS.free_waiting) or client.hlen(KEYS.inflight):
+    if (
+        client.llen("free")
+        or client.zcount(KEYS.free_waiting, "-inf", ATTEMPTS)
+        or client.hlen(KEYS.inflight)
+    ):
         problems.append("work left in free, its waiting set or inflight")
     records = read_records(client, KEYS, 0).records
     if len(records) != (len(ids) if cap else 0):  # decision_record_cap = 0: records off

@@ -15,6 +15,7 @@ import redis
 
 from gatekeeper.celery.hook import install
 from gatekeeper.core.ledger import Outcome
+from gatekeeper.redis.keys import ATTEMPTS
 from gatekeeper.redis.runs import RunLedger
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, running_worker
@@ -55,7 +56,10 @@ def test_a_free_message_past_its_allowance_runs_on_reserved_with_an_expired_row(
     assert [(r["id"], r["queue"]) for r in runs(redis_client)] == [(job, "reserved")]  # once
     assert window_totals(redis_client, "tax_units") == pytest.approx(200.0)
     assert window_totals(redis_client, "exposure") == 0
-    assert redis_client.hlen(KEYS.inflight) == 0 and redis_client.zcard(KEYS.free_waiting) == 0
+    assert (
+        redis_client.hlen(KEYS.inflight) == 0
+        and redis_client.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 0
+    )
     assert b"event=free_wait_expired" in (tmp_path / "w.log").read_bytes()
 
 

@@ -14,7 +14,7 @@ from gatekeeper.core.dwell import Decision, GateInputs, decide
 from gatekeeper.core.ledger import BudgetMode, Outcome, Path, admit, make_row
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis import wire
-from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.keys import ATTEMPTS, WAITING_PAD, Keys
 from gatekeeper.redis.scripts import read_rows
 from gatekeeper.redis.store import GateStore
 from tests.calls import gate_call
@@ -315,7 +315,7 @@ def test_an_admission_is_counted_once_and_the_window_gets_its_ttl(
     assert 0 < redis_client.ttl(KEYS.window(WINDOW)) <= 1000
 
 
-def test_the_in_flight_hash_and_the_totals_are_hash_tables_from_the_first_admission(
+def test_the_in_flight_hash_the_totals_and_the_waiting_set_are_tables_from_the_first_admission(
     redis_client: redis.Redis,
 ) -> None:
     # A compact (ziplist, listpack) hash is searched field by field: with 300-500 jobs in
@@ -331,9 +331,17 @@ def test_the_in_flight_hash_and_the_totals_are_hash_tables_from_the_first_admiss
     reserved, window, admitted_ms = redis_client.hget(KEYS.inflight, "first:1").split(b"|")[:3]
     assert (float(reserved), int(window), float(admitted_ms)) == (5.0, WINDOW, NOW_S * 1000)
     assert float(redis_client.hget(KEYS.window(WINDOW), "exposure")) == 5.0
+    # The waiting set a skip list from its first member, by its pad (no attempt, at +inf).
+    assert redis_client.object("encoding", KEYS.free_waiting) == b"skiplist"
+    assert redis_client.zscore(KEYS.free_waiting, WAITING_PAD) == math.inf
+    assert redis_client.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 1
     assert store.release("first", 1, WINDOW) == 5  # the whole reservation back, read as before
     assert float(redis_client.hget(KEYS.window(WINDOW), "exposure")) == 0.0
     assert not redis_client.hexists(KEYS.inflight, "first:1")
+    # The pad alone is an empty free queue: an age of 0, and the pad is not added twice.
+    later = store.score(gate_call(**{**_inputs("later"), "now_s": NOW_S + 50}))
+    assert (later.decision, later.queue_age_s) == (Decision.ADMIT_FREE, 0.0)
+    assert redis_client.zrange(KEYS.free_waiting, 0, -1) == [b"later:1", WAITING_PAD.encode()]
 
 
 def test_the_window_keeps_the_oldest_free_queue_age_its_decisions_saw(

@@ -15,7 +15,7 @@ import redis
 from click.testing import CliRunner
 
 from gatekeeper.ops.cli import main
-from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.keys import ATTEMPTS, Keys
 from gatekeeper.redis.store import GateStore
 from tests.apps.gated_app import create_app
 from tests.calls import gate_call
@@ -60,7 +60,10 @@ def test_after_a_purge_and_a_sweep_the_next_publish_is_admitted(
     assert deferred["headers"]["gatekeeper_reason"] == "queue_age_cap"
     time.sleep(4)  # past the sweep's grace for messages still on their way to the broker
     assert "forgotten=3" in sweep(redis_url, monkeypatch)
-    assert redis_client.zcard(KEYS.free_waiting) == 0 and redis_client.hlen(KEYS.inflight) == 0
+    assert (
+        redis_client.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 0
+        and redis_client.hlen(KEYS.inflight) == 0
+    )
     with running_worker(redis_url, tmp_path / "w.log"):  # an idle free worker
         job = embed.delay("after the sweep").id
         assert redis_client.hget(KEYS.run(job, 1), "decision") == b"admit_free"
@@ -82,7 +85,9 @@ def test_a_prefetched_message_is_not_forgotten(
         time.sleep(max(0.0, published + 5.5 - time.monotonic()))
         assert "forgotten=0" in sweep(redis_url, monkeypatch)
         assert redis_client.zscore(KEYS.free_waiting, f"{waiting}:1") is not None
-        assert wait_until(lambda: redis_client.zcard(KEYS.free_waiting) == 0, timeout_s=20)
+        assert wait_until(
+            lambda: redis_client.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 0, timeout_s=20
+        )
     assert redis_client.hlen(KEYS.inflight) == 0
 
 

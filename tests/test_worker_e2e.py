@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.keys import ATTEMPTS, Keys
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
 
@@ -47,7 +47,7 @@ def test_a_started_task_leaves_the_free_queues_waiting_set(
     assert redis_client.zscore(waiting, f"{job}:1") is not None  # no worker yet: it waits
     with running_worker(redis_url, tmp_path / "worker.log"):
         assert wait_until(lambda: len(runs(redis_client)) == 1)
-        assert wait_until(lambda: redis_client.zcard(waiting) == 0)
+        assert wait_until(lambda: redis_client.zcount(waiting, "-inf", ATTEMPTS) == 0)
 
 
 def test_a_retry_is_scored_again_as_attempt_two_with_the_same_deadline(

@@ -34,7 +34,7 @@ from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.decisions import stream_state
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
-from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.keys import ATTEMPTS, Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import read_rows, read_windows, text_of
 from gatekeeper.redis.service_times import ServiceTimes
@@ -195,8 +195,12 @@ def status(ctx: click.Context) -> None:
         stored = store.stored()
         policy = store.eviction_policy()
         history = store.history(limit=50)
-        oldest = gate.zrange(keys.free_waiting, 0, 0, withscores=True)
-        waiting = gate.zcard(keys.free_waiting)
+        oldest = gate.zrangebyscore(keys.free_waiting, "-inf", ATTEMPTS, start=0, num=1,
+                                    withscores=True)  # fmt: skip
+        # ZCARD less the pad (scored +inf, keys.py): the README's ACL has no ZCOUNT
+        waiting = gate.zcard(keys.free_waiting) - len(
+            gate.zrangebyscore(keys.free_waiting, "+inf", "+inf")
+        )
         current = window_id(now, settings.window_seconds)
         (window,) = read_windows(gate, keys, range(current, current + 1))
     except (redis.RedisError, LedgerUnavailable) as exc:

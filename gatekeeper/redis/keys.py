@@ -22,6 +22,10 @@ namespace's slot):
     reserved (so without any sweep it and ``inflight`` stay bounded); ``gatekeeper sweep``
     (and the replayer, every minute) drops at once the members whose message is no longer in
     the broker (``celery purge -Q free``), keeping those a worker holds (kombu's ``unacked``).
+    And one member that is no attempt, :data:`WAITING_PAD` at score ``+inf``, which
+    ``gate.lua`` adds to a set with no member: past 64 bytes it makes the set a skip list
+    (a compact one is searched member by member). Read the attempts as the scores below
+    ``+inf`` (:data:`ATTEMPTS`).
 ``gatekeeper:{default}:inflight`` - hash, no TTL (fields removed when the attempt ends)
     Free attempts admitted and not yet finished: field ``<job_id>:<attempt>``, value
     ``<reserved>|<window id>|<admitted ms>|<65 zeros>``: the exposure it holds (its tokens and
@@ -155,8 +159,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFERRED_CAP", "OTHER_TASK", "Keys"]
+__all__ = ["ATTEMPTS", "DEFERRED_CAP", "OTHER_TASK", "WAITING_PAD", "Keys"]
 
+ATTEMPTS = "(+inf"
+"""The top of ``free:waiting``'s attempts as a score range's end: every score below ``+inf``,
+so without :data:`WAITING_PAD` (``ZRANGEBYSCORE key -inf (+inf LIMIT 0 1``; the README's ACL
+has no ``ZCOUNT``: the count is ``ZCARD`` less the members at ``+inf``)."""
+WAITING_PAD = "pad" + "0" * 65
+"""``free:waiting``'s member that is no attempt (``gate.lua``: ``'pad' .. WIDE``)."""
 DEFERRED_CAP = 10_000
 """The most members ``deferred`` keeps (the nearest deadlines): bounded without a replayer."""
 OTHER_TASK = "other"

@@ -19,7 +19,7 @@ import redis
 
 from gatekeeper.core.headers import H_ATTEMPT
 from gatekeeper.errors import LedgerUnavailable
-from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.keys import ATTEMPTS, Keys
 from gatekeeper.redis.scripts import text_of
 
 __all__ = ["WINDOW_FIELDS", "Snapshot", "forget_deferred", "pass_completed", "read_snapshot"]
@@ -64,13 +64,14 @@ def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
         pipe = client.pipeline(transaction=True)
         pipe.hgetall(keys.totals)
         pipe.hmget(keys.window(window_id), list(WINDOW_FIELDS))
-        pipe.zrange(keys.free_waiting, 0, 0, withscores=True)
+        pipe.zrangebyscore(keys.free_waiting, "-inf", ATTEMPTS, start=0, num=1, withscores=True)
         pipe.zcard(keys.free_waiting)
+        pipe.zrangebyscore(keys.free_waiting, "+inf", "+inf")  # the pad, if there (keys.py)
         pipe.zrange(keys.deferred, 0, 0, withscores=True)
         pipe.hgetall(keys.flags)
         pipe.hgetall(keys.stats)
         pipe.get(keys.replayer_last_pass)
-        totals, window, oldest, waiting, nearest, flags, stats, last = pipe.execute()
+        totals, window, oldest, members, pads, nearest, flags, stats, last = pipe.execute()
         policy = client.info("memory").get("maxmemory_policy")
     except redis.RedisError as exc:
         raise LedgerUnavailable(f"cannot read the gate's Redis: {exc}") from exc
@@ -86,7 +87,7 @@ def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
         totals=counted,
         window={n: text_of(v) for n, v in zip(WINDOW_FIELDS, window, strict=True) if v},
         oldest_waiting_ms=_head(oldest),
-        waiting=int(waiting),
+        waiting=int(members) - len(pads),
         next_deadline_ms=_head(nearest),
         flags=_text(flags),
         stats=_text(stats),
