@@ -195,12 +195,14 @@ def status(ctx: click.Context) -> None:
         stored = store.stored()
         policy = store.eviction_policy()
         history = store.history(limit=50)
-        oldest = gate.zrangebyscore(keys.free_waiting, "-inf", ATTEMPTS, start=0, num=1,
-                                    withscores=True)  # fmt: skip
-        # ZCARD less the pad (scored +inf, keys.py): the README's ACL has no ZCOUNT
-        waiting = gate.zcard(keys.free_waiting) - len(
-            gate.zrangebyscore(keys.free_waiting, "+inf", "+inf")
-        )
+        # ZCARD less the pad (scored +inf, keys.py), in one transaction so that a first
+        # admission between them cannot make it -1; the README's ACL has no ZCOUNT
+        pipe = gate.pipeline(transaction=True)
+        pipe.zrangebyscore(keys.free_waiting, "-inf", ATTEMPTS, start=0, num=1, withscores=True)
+        pipe.zcard(keys.free_waiting)
+        pipe.zrangebyscore(keys.free_waiting, "+inf", "+inf")
+        oldest, members, pads = pipe.execute()
+        waiting = int(members) - len(pads)
         current = window_id(now, settings.window_seconds)
         (window,) = read_windows(gate, keys, range(current, current + 1))
     except (redis.RedisError, LedgerUnavailable) as exc:

@@ -14,7 +14,8 @@ namespace's slot):
     free. In the same key as the flags, so whatever loses one loses both.
 ``gatekeeper:{default}:flags:log`` - list, no TTL, newest first, capped at 1000 entries
     One JSON object per flag change: ``name``, ``value``, ``reason``, ``actor``, ``at``.
-``gatekeeper:{default}:free:waiting`` - sorted set, no TTL (members expire by score)
+``gatekeeper:{default}:free:waiting`` - sorted set, no TTL (members expire by score; the pad
+    below stays)
     Gated attempts published to the free queue and not yet started: member
     ``<job_id>:<attempt>``, score = when it is due in ms (its publish, or its ETA). The
     oldest score gives the free queue's age. Members older than ``queue_age_horizon_s`` stop
@@ -29,7 +30,7 @@ namespace's slot):
 ``gatekeeper:{default}:inflight`` - hash, no TTL (fields removed when the attempt ends)
     Free attempts admitted and not yet finished: field ``<job_id>:<attempt>``, value
     ``<reserved>|<window id>|<admitted ms>|<65 zeros>``: the exposure it holds (its tokens and
-    its wait allowance), and where and since when. The dots (``gate.lua``'s ``WIDE``) keep the
+    its wait allowance), and where and since when. The zeros (``gate.lua``'s ``WIDE``) keep the
     hash a hash table: past 64 bytes a value leaves Redis's compact encoding, which is
     searched field by field (readers take the first three fields).
 ``gatekeeper:{default}:started`` - sorted set, no TTL (members removed when the run ends)
