@@ -328,6 +328,7 @@ def test_the_in_flight_hash_the_totals_and_the_waiting_set_are_tables_from_the_f
     # The lifetime totals too (one counter per task, decision and reason: hundreds in an app
     # of many tasks); their reader takes the decided:* fields only.
     assert redis_client.object("encoding", KEYS.totals) == b"hashtable"
+    assert redis_client.object("encoding", KEYS.window(WINDOW)) == b"hashtable"  # and windows
     reserved, window, admitted_ms = redis_client.hget(KEYS.inflight, "first:1").split(b"|")[:3]
     assert (float(reserved), int(window), float(admitted_ms)) == (5.0, WINDOW, NOW_S * 1000)
     assert float(redis_client.hget(KEYS.window(WINDOW), "exposure")) == 5.0

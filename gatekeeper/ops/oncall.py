@@ -34,10 +34,11 @@ from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.decisions import stream_state
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
-from gatekeeper.redis.keys import ATTEMPTS, Keys
+from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import read_rows, read_windows, text_of
 from gatekeeper.redis.service_times import ServiceTimes
+from gatekeeper.redis.snapshot import read_waiting, waiting_of
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import forget_purged
 from gatekeeper.redis.sweep import sweep as sweep_runs
@@ -195,14 +196,9 @@ def status(ctx: click.Context) -> None:
         stored = store.stored()
         policy = store.eviction_policy()
         history = store.history(limit=50)
-        # ZCARD less the pad (scored +inf, keys.py), in one transaction so that a first
-        # admission between them cannot make it -1; the README's ACL has no ZCOUNT
-        pipe = gate.pipeline(transaction=True)
-        pipe.zrangebyscore(keys.free_waiting, "-inf", ATTEMPTS, start=0, num=1, withscores=True)
-        pipe.zcard(keys.free_waiting)
-        pipe.zrangebyscore(keys.free_waiting, "+inf", "+inf")
-        oldest, members, pads = pipe.execute()
-        waiting = int(members) - len(pads)
+        pipe = gate.pipeline(transaction=True)  # one transaction: a size less its pad
+        read_waiting(pipe, keys)
+        oldest_ms, waiting = waiting_of(*pipe.execute())
         current = window_id(now, settings.window_seconds)
         (window,) = read_windows(gate, keys, range(current, current + 1))
     except (redis.RedisError, LedgerUnavailable) as exc:
@@ -225,7 +221,7 @@ def status(ctx: click.Context) -> None:
             when = datetime.fromtimestamp(last.at, tz=timezone.utc).isoformat(timespec="seconds")
             line += f" changed {when} by {last.actor}: {last.reason}"
         click.echo(line)
-    age = max(0.0, now - float(oldest[0][1]) / 1000) if oldest else 0.0
+    age = max(0.0, now - oldest_ms / 1000) if oldest_ms is not None else 0.0
     click.echo(f"free_queue_age_s={age:.3f} waiting_free={waiting}")
     lengths = []
     for queue in (settings.free_queue, settings.defer_queue, settings.reserved_queue,

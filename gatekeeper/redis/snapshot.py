@@ -22,7 +22,15 @@ from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.keys import ATTEMPTS, Keys
 from gatekeeper.redis.scripts import text_of
 
-__all__ = ["WINDOW_FIELDS", "Snapshot", "forget_deferred", "pass_completed", "read_snapshot"]
+__all__ = [
+    "WINDOW_FIELDS",
+    "Snapshot",
+    "forget_deferred",
+    "pass_completed",
+    "read_snapshot",
+    "read_waiting",
+    "waiting_of",
+]
 
 WINDOW_FIELDS = ("tax_units", "exposure", "admitted_free", "slack_misses")
 """The current window's fields a scrape reads (``gatekeeper status`` prints them)."""
@@ -57,6 +65,21 @@ def _head(pair: list[tuple[Any, float]]) -> float | None:
     return float(pair[0][1]) if pair else None
 
 
+def read_waiting(pipe: Any, keys: Keys) -> None:
+    """Queue on ``pipe`` (a transaction) the reads :func:`waiting_of` takes, three replies:
+    the oldest attempt waiting, the set's size and its pad (scored ``+inf``, keys.py; the
+    README's ACL has no ``ZCOUNT``)."""
+    pipe.zrangebyscore(keys.free_waiting, "-inf", ATTEMPTS, start=0, num=1, withscores=True)
+    pipe.zcard(keys.free_waiting)
+    pipe.zrangebyscore(keys.free_waiting, "+inf", "+inf")
+
+
+def waiting_of(oldest: Any, members: Any, pads: Any) -> tuple[float | None, int]:
+    """The oldest waiting attempt's due time (ms; None: none waits) and how many wait, from
+    :func:`read_waiting`'s replies."""
+    return _head(oldest), int(members) - len(pads)
+
+
 def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
     """The namespace's state for a scrape; :class:`LedgerUnavailable` when Redis cannot be
     read (a timeout on a hung server included: the caller's client sets how long)."""
@@ -64,14 +87,12 @@ def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
         pipe = client.pipeline(transaction=True)
         pipe.hgetall(keys.totals)
         pipe.hmget(keys.window(window_id), list(WINDOW_FIELDS))
-        pipe.zrangebyscore(keys.free_waiting, "-inf", ATTEMPTS, start=0, num=1, withscores=True)
-        pipe.zcard(keys.free_waiting)
-        pipe.zrangebyscore(keys.free_waiting, "+inf", "+inf")  # the pad, if there (keys.py)
+        read_waiting(pipe, keys)
         pipe.zrange(keys.deferred, 0, 0, withscores=True)
         pipe.hgetall(keys.flags)
         pipe.hgetall(keys.stats)
         pipe.get(keys.replayer_last_pass)
-        totals, window, oldest, members, pads, nearest, flags, stats, last = pipe.execute()
+        totals, window, *waiting, nearest, flags, stats, last = pipe.execute()
         policy = client.info("memory").get("maxmemory_policy")
     except redis.RedisError as exc:
         raise LedgerUnavailable(f"cannot read the gate's Redis: {exc}") from exc
@@ -83,11 +104,12 @@ def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
         reason, _, task = rest.partition(":")
         if kind == "decided" and task:
             decisions[(task, decision, reason)] = int(value)
+    oldest_ms, count = waiting_of(*waiting)
     return Snapshot(
         totals=counted,
         window={n: text_of(v) for n, v in zip(WINDOW_FIELDS, window, strict=True) if v},
-        oldest_waiting_ms=_head(oldest),
-        waiting=int(members) - len(pads),
+        oldest_waiting_ms=oldest_ms,
+        waiting=count,
         next_deadline_ms=_head(nearest),
         flags=_text(flags),
         stats=_text(stats),
