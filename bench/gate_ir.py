@@ -37,32 +37,23 @@ claims, ran ``evalsha`` once, left its decision record and (``admit_fast``) its 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import platform
 import re
-import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import redis
+import callgrind  # bench/callgrind.py
 from gate_script import PATHS, Phase, check, phases_for, run_block  # bench/gate_script.py
 from inflight import fill  # bench/inflight.py
 from options import positive  # bench/options.py
 
 import gatekeeper
 from gatekeeper.defaults import DECISION_RECORD_CAP
-from gatekeeper.ops.embedded import _free_port, find_redis_server
+from gatekeeper.ops.embedded import find_redis_server
 from gatekeeper.redis.keys import ATTEMPTS
 from gatekeeper.redis.scripts import load_lua
-
-FUNCTIONS = ("call'2", "luaRedisGenericCommand", "luaSetGlobalArray", "luaB_tonumber",
-             "luaB_tostring", "str_format", "luaC_step")  # fmt: skip
-"""The server functions named under each path, in this order (those the binary has)."""
-INCLUSIVE = re.compile(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+(?:\S*:)?([^\s:]+) ")
 
 
 def counted(binary: str, script: str, path: str, args: argparse.Namespace, out: Path,
@@ -70,23 +61,8 @@ def counted(binary: str, script: str, path: str, args: argparse.Namespace, out: 
     """One path of one script on a server of its own under callgrind, after ``in_flight``
     admitted attempts are put in flight: the phase (its checks), the instructions counted over
     ``args.calls`` calls, and the server's version."""
-    port = _free_port()
-    server = subprocess.Popen(
-        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-         "--toggle-collect=evalGenericCommand", binary, "--port", str(port),
-         "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        client = redis.Redis(port=port, socket_timeout=120)
-        for _ in range(300):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.1)
-        else:
-            raise SystemExit(f"bench: {binary} under valgrind did not answer on :{port}")
+    with callgrind.server(binary, out) as counting:
+        client = counting.client
         version = str(client.info("server")["redis_version"])
         (phase,) = (p for p in phases_for(client, {"gate.lua": script}, args.record_cap,
                                            args.budget_units) if p.path == path)  # fmt: skip
@@ -94,9 +70,7 @@ def counted(binary: str, script: str, path: str, args: argparse.Namespace, out: 
             fill(client, phase.keys, in_flight)  # as bench/inflight.py fills it
         if args.warmup:
             run_block(client, phase, args.warmup, timed=False)
-        subprocess.run(["callgrind_control", "--zero", str(server.pid)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        client.ping()  # the zero is taken while the server runs, before the counted calls
+        counting.control("--zero")
         run_block(client, phase, args.calls, timed=True)
         if in_flight:  # every admission still in flight, none lost, none from elsewhere
             held = (int(client.zcount(phase.keys.free_waiting, "-inf", ATTEMPTS)),
@@ -105,30 +79,7 @@ def counted(binary: str, script: str, path: str, args: argparse.Namespace, out: 
             if held != (expected, expected):
                 phase.problems.append(f"{phase.name}: waiting, inflight = {held}, "
                                       f"expected {expected} each")  # fmt: skip
-        with contextlib.suppress(redis.ConnectionError):  # SHUTDOWN closes the connection
-            client.shutdown(nosave=True)  # callgrind writes its counts as the server exits
-    finally:
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    totals = [line for line in out.read_text().splitlines()
-              if line.startswith(("totals:", "summary:"))]  # fmt: skip
-    return phase, int(totals[0].split()[1]) if totals else 0, version
-
-
-def inclusive(out: Path) -> list[tuple[str, int]]:
-    """Each function callgrind names in ``out`` and its inclusive instructions, most first
-    (unnamed addresses left out)."""
-    text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out)],
-                          capture_output=True, text=True, check=True).stdout  # fmt: skip
-    found: dict[str, int] = {}
-    for line in text.splitlines():
-        match = INCLUSIVE.match(line)
-        if match and not match.group(2).startswith("0x"):
-            found.setdefault(match.group(2), int(match.group(1).replace(",", "")))
-    return sorted(found.items(), key=lambda item: -item[1])
+    return phase, callgrind.total(out), version
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = args.paths.split(",")
     if unknown := [path for path in paths if path not in PATHS]:
         parser.error(f"--paths: unknown {unknown}; expected some of {', '.join(PATHS)}")
-    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+    if not callgrind.have_valgrind():
         print("bench: valgrind is not installed (Debian: apt-get install valgrind)",
               file=sys.stderr)  # fmt: skip
         return 2
@@ -188,13 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                     problems.append(f"{name}: callgrind counted no instruction (is "
                                     f"evalGenericCommand a symbol of {binary}?)")  # fmt: skip
                     continue
-                every = inclusive(out)
-                found = {function: count / total for function, count in every if function in
-                         FUNCTIONS}  # fmt: skip
-                # The heaviest below the event loop's frames (which hold the whole count).
-                top = [(f, c / total) for f, c in every if c < 0.99 * total][: args.functions]
-                shares = {function: found[function] for function in FUNCTIONS if function in found}
-                results.append((name, total / args.calls, shares, top))
+                found, top = callgrind.shares(out, total, args.functions)
+                results.append((name, total / args.calls, found, top))
     if problems:
         for problem in problems:
             print(f"bench: {problem}", file=sys.stderr)
