@@ -59,6 +59,9 @@
 -- the row's retry_tax as written (a free row's capped by its reservation)}.
 
 local function fmt17(x) return string.format('%.17g', x) end
+-- Whole numbers go to redis.call as the text they came in ('1', ARGV[8]): the server formats
+-- a Lua number with snprintf on every call (bench/worker_ir.py counted it). HINCRBYFLOAT
+-- keeps its numbers: it reads text as a long double, and fmt17's text of a sum would differ.
 
 local run = tonumber(ARGV[2])
 -- The record read once: what this row needs, and what a cut keeps (below).
@@ -67,7 +70,7 @@ local rec = redis.call('HMGET', KEYS[1], 'rowed', 'runs', 'reserved', 'charged',
 if tonumber(rec[1] or '0') >= run then
   return {0, 0, 0, '0'}
 end
-redis.call('HSET', KEYS[1], 'rowed', run)
+redis.call('HSET', KEYS[1], 'rowed', ARGV[2])
 -- The attempt's last run: no run of it is left without its row, so the record is cut below
 -- (what `charged` and `reserved` would say after this row, `kept` says: closed).
 local cut = rec[2] ~= false and tonumber(rec[2]) == run
@@ -91,7 +94,7 @@ if free then
   if not cut then charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax) end
   redis.call('HINCRBYFLOAT', window, 'tax_units', tax)
   if ARGV[4] == 'killed' then
-    redis.call('HINCRBY', window, 'killed_free', 1)
+    redis.call('HINCRBY', window, 'killed_free', '1')
   end
   if ARGV[9] ~= '1' and held[1] then
     -- A dead run's row, written when the redelivered copy starts: only its tax leaves the
@@ -114,14 +117,14 @@ if free then
   end
 end
 redis.call('RPUSH', rows, row)
-redis.call('EXPIRE', rows, tonumber(ARGV[8]))
-redis.call('HINCRBY', window, 'rows:' .. ARGV[4], 1)
-redis.call('EXPIRE', window, tonumber(ARGV[8]))
+redis.call('EXPIRE', rows, ARGV[8])
+redis.call('HINCRBY', window, 'rows:' .. ARGV[4], '1')
+redis.call('EXPIRE', window, ARGV[8])
 if ARGV[4] == 'killed' then
-  redis.call('HINCRBY', KEYS[8], 'killed_rows', 1)
+  redis.call('HINCRBY', KEYS[8], 'killed_rows', '1')
 end
 if redis.call('TTL', KEYS[1]) == -1 then  -- a record that expired mid-run, written anew
-  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
+  redis.call('EXPIRE', KEYS[1], ARGV[8])
 end
 local held = redis.call('HGET', KEYS[4], ARGV[1])
 if held and (ARGV[9] == '1' or ARGV[5] ~= 'free') then
@@ -129,13 +132,13 @@ if held and (ARGV[9] == '1' or ARGV[5] ~= 'free') then
   redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -tonumber(string.match(held, '^[^|]+')))
 end
 if ARGV[7] == '1' then
-  redis.call('HINCRBY', KEYS[6], 'slack_misses', 1)
-  redis.call('EXPIRE', KEYS[6], tonumber(ARGV[8]))
-  redis.call('HINCRBY', KEYS[8], 'slack_misses', 1)
+  redis.call('HINCRBY', KEYS[6], 'slack_misses', '1')
+  redis.call('EXPIRE', KEYS[6], ARGV[8])
+  redis.call('HINCRBY', KEYS[8], 'slack_misses', '1')
   if tonumber(ARGV[11]) > 0 then  -- best effort, as in gate.lua
     local kept = redis.pcall('XADD', KEYS[9], 'MAXLEN', '~', ARGV[11], '*', 'miss', ARGV[1])
     if type(kept) == 'table' and kept.err then
-      redis.call('HINCRBY', KEYS[8], 'records_refused', 1)
+      redis.call('HINCRBY', KEYS[8], 'records_refused', '1')
     end
   end
 end
@@ -143,9 +146,9 @@ if ARGV[9] == '1' then
   redis.call('ZREM', KEYS[5], ARGV[1])
 end
 if ARGV[12] ~= '' then
-  redis.call('HINCRBY', KEYS[10], ARGV[12], 1)
+  redis.call('HINCRBY', KEYS[10], ARGV[12], '1')
   if ARGV[13] == '1' then
-    redis.call('HINCRBY', KEYS[10], 'lower_bounds', 1)
+    redis.call('HINCRBY', KEYS[10], 'lower_bounds', '1')
   end
   redis.call('SADD', KEYS[11], ARGV[14])
 end
@@ -161,6 +164,5 @@ if cut then
   end
   redis.call('HDEL', KEYS[1], unpack(gone))
 end
-local misses = tonumber(redis.call('HGET', KEYS[6], 'slack_misses') or '0')
-local admitted = tonumber(redis.call('HGET', KEYS[6], 'admitted_free') or '0')
-return {1, misses, admitted, written_tax}
+local counts = redis.call('HMGET', KEYS[6], 'slack_misses', 'admitted_free')
+return {1, tonumber(counts[1] or '0'), tonumber(counts[2] or '0'), written_tax}
