@@ -28,11 +28,12 @@ def ledger(client: redis.Redis) -> RunLedger:
     return RunLedger(client, KEYS, window_seconds=900, queue_wait_unit_per_second=200)
 
 
-def decided(client: redis.Redis, job: str, task: str = "t") -> None:
-    """The gate's record of ``job``'s attempt 1, nonce ``n-<job>``."""
+def decided(client: redis.Redis, job: str, tokens_in: int = 1200) -> None:
+    """The gate's record of ``job``'s attempt 1, nonce ``n-<job>`` (``tokens_in``: a field of
+    the gate's alone, not of the start's, tells one job's reply from another's)."""
     client.hset(KEYS.run(job, 1), mapping={"nonce": f"n-{job}", "decision": "admit_free",
-                                           "window": WINDOW, "tokens_in": 1200,
-                                           "dwell_s": "28.0", "task": task})  # fmt: skip
+                                           "window": WINDOW, "tokens_in": tokens_in,
+                                           "dwell_s": "28.0"})  # fmt: skip
 
 
 def applied(client: redis.Redis, job: str) -> bool:
@@ -116,13 +117,13 @@ def test_a_second_start_while_one_awaits_its_reply_goes_through_redis_py(
 ) -> None:
     runs = ledger(redis_client)
     warm(runs, redis_client)
-    decided(redis_client, "outer", task="outer")
-    decided(redis_client, "inner", task="inner")
+    decided(redis_client, "outer", tokens_in=1)
+    decided(redis_client, "inner", tokens_in=2)
     outer = runs.send_start("outer", 1, "n-outer", {}, T0_MS)
     inner = runs.send_start("inner", 1, "n-inner", {}, T0_MS)  # a task run inside a task
     inner_started, outer_started = inner.started(), outer.started()
-    assert inner_started.record is not None and inner_started.record.task == "inner"
-    assert outer_started.record is not None and outer_started.record.task == "outer"
+    assert inner_started.record is not None and inner_started.record.tokens_in == 2
+    assert outer_started.record is not None and outer_started.record.tokens_in == 1
 
 
 def test_threads_with_starts_in_flight_each_read_their_own_reply(
@@ -130,10 +131,10 @@ def test_threads_with_starts_in_flight_each_read_their_own_reply(
 ) -> None:
     runs = ledger(redis_client)
     jobs = [f"job{i}" for i in range(8)]
-    for job in jobs:
-        decided(redis_client, job, task=job)
+    for number, job in enumerate(jobs):
+        decided(redis_client, job, tokens_in=number)
     sent = threading.Barrier(len(jobs))
-    tasks: dict[str, str] = {}
+    tokens: dict[str, int] = {}
 
     def run(job: str) -> None:
         warm_job = f"warm-{job}"
@@ -142,14 +143,14 @@ def test_threads_with_starts_in_flight_each_read_their_own_reply(
         call = runs.send_start(job, 1, f"n-{job}", {}, T0_MS)
         sent.wait()  # every thread's reply waits on its own line
         record = call.started().record
-        tasks[job] = record.task if record is not None else ""
+        tokens[job] = record.tokens_in if record is not None else -1
 
     threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(10)
-    assert tasks == {job: job for job in jobs}
+    assert tokens == {job: number for number, job in enumerate(jobs)}
 
 
 def test_a_client_of_one_connection_has_no_line_and_waits_for_the_start(

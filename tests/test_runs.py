@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -233,3 +235,33 @@ def test_a_client_of_one_connection_starts_and_finishes_runs_through_redis_py(
     row = runs.row_for("job", 1, started.record, Outcome.OK, T0_MS + 200)
     assert runs.finish(row, started.run, started.record, T0_MS + 200).written
     client.close()
+
+
+def test_a_start_reads_back_the_record_as_stored_before_and_after_its_row(
+    redis_client: redis.Redis,
+) -> None:
+    """start.lua sends back only the gate's fields of the record, the start adds its own: the
+    record a run gets must still be the one stored, every field (GATE in start.lua misses
+    none), for a live record and for one cut after its row (gatekeeper/redis/kept.py)."""
+    runs = ledger(redis_client)
+    window = window_id(T0_MS / 1000, 900)
+    redis_client.hset(KEYS.run("job", 1), mapping={  # every field gate.lua writes, none default
+        "nonce": "n1", "decision": "admit_free", "reason": "fits", "window": window,
+        "tokens_in": 1200, "admitted_ms": T0_MS + 7, "published_ms": T0_MS + 3,
+        "deadline_ms": T0_MS + 90_000, "dwell_s": "28.5", "free_admitted": "1",
+        "reserved": "1234.5", "prev_nonce": "n0", "label": "nightly",
+    })  # fmt: skip
+    own = {"task": "t", "retries": "2", "max_retries": "5", "time_limit_s": "30.0",
+           "tokens_out": "77", "worker": "w@host"}  # fmt: skip
+    first = runs.start("job", 1, "n1", own, T0_MS + 100)
+    stored = runs.record("job", 1)
+    assert stored is not None and first.record == stored[1]
+    assert first.record.reserved == 1234.5 and first.record.worker == "w@host"
+    row = runs.row_for("job", 1, first.record, Outcome.OK, T0_MS + 200)
+    assert runs.finish(row, 1, first.record, T0_MS + 200).written
+    again = runs.start("job", 1, "n1", {**own, "worker": "v@host"}, T0_MS + 300)
+    stored = runs.record("job", 1)  # dwell_s is dropped from a cut record: nan, not equal
+    assert stored is not None and again.record is not None
+    assert math.isnan(again.record.dwell_s) and math.isnan(stored[1].dwell_s)
+    assert replace(again.record, dwell_s=0) == replace(stored[1], dwell_s=0)
+    assert again.record.published_ms == T0_MS + 3 and again.record.worker == "v@host"

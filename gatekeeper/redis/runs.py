@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import redis
@@ -168,8 +169,10 @@ class RunLedger:
             args += [name, value]
         keys = [self.keys.run(job_id, attempt), self.keys.started, self.keys.free_waiting,
                 self.keys.stats]  # fmt: skip
+        # start.lua sends back the gate's fields of the record alone: these are the caller's
+        mine = {**own, "started_ms": str(now_ms), "nonce": nonce}
         return StartCall.send(member, self._line, self.client, self._start, keys, args,
-                              self._call, _started_of)  # fmt: skip
+                              self._call, partial(_started_of, mine=mine))  # fmt: skip
 
     def _call(self, script: Script, keys: list[str], args: list[str]) -> Any:
         """A run's script through this thread's line (redis-py's way where there is none)."""
@@ -334,12 +337,13 @@ class RunLedger:
         return found
 
 
-def _started_of(reply: Any) -> Started:
-    """``start.lua``'s reply as a :class:`Started`."""
+def _started_of(reply: Any, mine: dict[str, str]) -> Started:
+    """``start.lua``'s reply as a :class:`Started`, the gate's fields of the record in it
+    completed by ``mine``, those the start sent (the worker's own, its time and nonce)."""
     if not int(reply[0]):
         return Started(run=0, dead_run=0, dead=None, record=None, refused=text_of(reply[1]))
     run, dead_run, dead_started = int(reply[1]), int(reply[2]), int(float(reply[3]))
     flat = [text_of(part) for part in reply[4:]]
-    record = RunRecord.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
+    record = RunRecord.from_fields({**dict(zip(flat[::2], flat[1::2], strict=True)), **mine})
     dead = replace(record, started_ms=dead_started) if dead_run else None
     return Started(run=run, dead_run=dead_run, dead=dead, record=record)
