@@ -91,7 +91,7 @@ def test_a_record_with_a_run_still_going_is_not_cut(redis_client: redis.Redis) -
     row = runs.row_for("A", 1, again.dead, Outcome.KILLED, ms(NOW + 5))
     assert runs.finish(row, again.dead_run, again.dead, ms(NOW + 5), current=False).written
     record = stored(redis_client, "A")
-    assert "kept" not in record and record["worker"] == "w1" and record["started_ms"]
+    assert "kept" not in record and runs.fields("A", 1)["worker"] == "w1" and record["started_ms"]
 
 
 def test_a_redelivery_after_the_cut_gets_the_row_the_whole_record_would_give(
@@ -178,3 +178,51 @@ def test_a_publish_of_the_same_attempt_after_the_cut_is_decided_anew(
     found = rows_of(redis_client, "A")
     assert [(r["outcome"], r["queue_wait_ms"]) for r in found] == [("ok", 2000), ("ok", 3000)]
     assert stored(redis_client, "A")["kept"] == f"{ms(NOW + 100)}|{ms(NOW + 190)}|1200|{WINDOW}"
+
+
+def test_a_started_record_holds_the_workers_own_fields_as_one_and_reads_them_back(
+    redis_client: redis.Redis,
+) -> None:
+    """What the worker knows of a run is one field while it goes on (``own``: six fields less
+    for start.lua and finish.lua to walk), read back as the six, and dropped by the cut."""
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    before = set(stored(redis_client, "A"))
+    started = runs.start("A", 1, nonce, OWN, ms(NOW + 2))
+    added = set(stored(redis_client, "A")) - before
+    assert added == {"own", "runs", "started_ms", "start_token", "start_dead"}
+    assert {name: runs.fields("A", 1)[name] for name in OWN} == OWN
+    assert started.record is not None and started.record.worker == "w1"
+    assert started.record.max_retries == 3 and started.record.tokens_out == 50
+    live = runs.record("A", 1)
+    assert live is not None and live[1] == started.record  # read back as the start saw it
+    row = runs.row_for("A", 1, started.record, Outcome.OK, ms(NOW + 3))
+    assert runs.finish(row, started.run, started.record, ms(NOW + 3)).written
+    assert set(stored(redis_client, "A")) == CUT
+
+
+def test_a_record_an_older_worker_started_reads_back_and_is_finished_as_before(
+    redis_client: redis.Redis,
+) -> None:
+    """An older worker wrote its own fields laid out (a rolling upgrade): they read back the
+    same, a field stored on its own wins over ``own``, and the row is written once."""
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    token = "t" * 16
+    older = [KEYS.run("A", 1), KEYS.started, KEYS.free_waiting, KEYS.stats]
+    args = ["A:1", str(ms(NOW + 2)), nonce, token, *(x for kv in OWN.items() for x in kv)]
+    assert runs._start(keys=older, args=args)[0] == 1  # start.lua as an older worker called it
+    stored_then = runs.record("A", 1)
+    assert stored_then is not None
+    run, record = stored_then
+    assert (run, record.worker, record.task, record.max_retries) == (1, "w1", "t", 3)
+    redis_client.hset(KEYS.run("A", 1), "own", '{"worker":"w2","task":"t"}')
+    assert runs.fields("A", 1)["worker"] == "w1"  # its own field wins
+    redis_client.hset(KEYS.run("A", 1), "own", "not json")
+    assert runs.fields("A", 1)["worker"] == "w1" and "own" not in runs.fields("A", 1)
+    row = runs.row_for("A", 1, record, Outcome.OK, ms(NOW + 3))
+    assert runs.finish(row, run, record, ms(NOW + 3)).written
+    assert not runs.finish(row, run, record, ms(NOW + 3)).written
+    assert [r["outcome"] for r in rows_of(redis_client, "A")] == ["ok"]
+    # The cut drops what this version writes; the six an older worker laid out stay.
+    assert set(stored(redis_client, "A")) == CUT | set(OWN)

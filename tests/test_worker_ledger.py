@@ -16,6 +16,7 @@ import redis
 from click.testing import CliRunner
 
 from gatekeeper.ops.cli import main
+from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import gate_settings, running_worker, wait_until
@@ -163,13 +164,15 @@ def test_a_worker_that_vanishes_without_a_signal_is_swept(
         # Merely long: its worker is alive, so the sweep leaves it alone.
         alive = CliRunner().invoke(main, ["sweep", "--older-than-s", "0"])
         assert alive.stdout.startswith("swept=0"), alive.output
-        hostname = redis_client.hget(KEYS.run(job, 1), "worker")
-        assert hostname and redis_client.exists(KEYS.worker(hostname.decode()))
+        hostname = unpack(
+            {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.run(job, 1)).items()}
+        )["worker"]
+        assert hostname and redis_client.exists(KEYS.worker(hostname))
         os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
         worker.kill()  # the main process goes too, before it can notice
         worker.wait()
     assert rows(redis_client) == []
-    assert wait_until(lambda: not redis_client.exists(KEYS.worker(hostname.decode())), 10)
+    assert wait_until(lambda: not redis_client.exists(KEYS.worker(hostname)), 10)
     result = CliRunner().invoke(main, ["sweep", "--older-than-s", "0"])
     assert result.stdout.startswith("swept=1 ")
     the_killed_row(redis_client)
