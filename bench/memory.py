@@ -94,6 +94,15 @@ def sizes(client: redis.Redis) -> tuple[Counter[str], Counter[str]]:
     return total, count
 
 
+def encodings(client: redis.Redis, ids: list[str]) -> Counter[str]:
+    """How the server holds each job's run record (``OBJECT ENCODING``), counted: one value
+    past ``hash-max-ziplist-value`` makes it a hash table for good."""
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.object("encoding", KEYS.run(job_id, 1))
+    return Counter(text_of(kind) if kind is not None else "none" for kind in pipe.execute())
+
+
 def decisions(client: redis.Redis, ids: list[str]) -> Counter[tuple[str, ...]]:
     """(decision, reason) of each job's run record, counted."""
     pipe = client.pipeline(transaction=False)
@@ -168,6 +177,7 @@ def main() -> int:
                 print(f"bench: {problem}", file=sys.stderr)
             return 1
         total, count = sizes(client)
+        kinds = encodings(client, ids)
         grown = int(client.info("memory")["used_memory"]) - before
         version = client.info("server")["redis_version"]
         app.close()
@@ -178,6 +188,8 @@ def main() -> int:
     for group in GROUPS:
         print(f"{group.replace(' ', '_')}: bytes_per_job={total[group] / jobs:.1f} "
               f"keys={count[group]}")  # fmt: skip
+    shown = " ".join(f"{kind}={n}" for kind, n in sorted(kinds.items()))
+    print(f"run_record_encodings: {shown} (a hash table costs about four times a compact one)")
     beyond = sum(total[g] for g in GROUPS if g not in ("ledger rows", "broker")) / jobs
     retention = {"run records": RECORD_RETENTION_S, "ledger rows": WINDOW_RETENTION_S,
                  "windows": WINDOW_RETENTION_S, "gatekeeper other": RECORD_RETENTION_S}  # fmt: skip

@@ -10,6 +10,7 @@ import redis
 
 from gatekeeper.core.ledger import BudgetMode, LedgerRow, Outcome
 from gatekeeper.defaults import RECORD_RETENTION_S
+from gatekeeper.redis.kept import OWN_FIELDS
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.scripts import read_rows
@@ -22,6 +23,7 @@ WINDOW = 7
 OWN = {"task": "t", "retries": "0", "max_retries": "3", "time_limit_s": "0.0",
        "tokens_out": "50", "worker": "w1"}  # fmt: skip
 CUT = {"nonce", "decision", "reason", "free_admitted", "runs", "rowed", "kept"}
+COMPACT = {b"ziplist", b"listpack"}
 
 
 def ms(seconds: float) -> int:
@@ -180,25 +182,41 @@ def test_a_publish_of_the_same_attempt_after_the_cut_is_decided_anew(
     assert stored(redis_client, "A")["kept"] == f"{ms(NOW + 100)}|{ms(NOW + 190)}|1200|{WINDOW}"
 
 
-def test_a_started_record_holds_the_workers_own_fields_as_one_and_reads_them_back(
+def test_a_started_record_packs_four_of_the_workers_numbers_and_stays_compact(
     redis_client: redis.Redis,
 ) -> None:
-    """What the worker knows of a run is one field while it goes on (``own``: six fields less
-    for start.lua and finish.lua to walk), read back as the six, and dropped by the cut."""
+    """Four numbers the worker knows of a run are one field while it goes on (``own``: three
+    fields less for start.lua and finish.lua to walk), read back as the four, dropped by the
+    cut; the record stays a compact hash throughout (one value past 64 bytes would turn it
+    into a hash table for good: about four times the memory after the cut)."""
     runs = ledger(redis_client)
     nonce = admitted(redis_client, "A")
     before = set(stored(redis_client, "A"))
     started = runs.start("A", 1, nonce, OWN, ms(NOW + 2))
     added = set(stored(redis_client, "A")) - before
-    assert added == {"own", "runs", "started_ms", "start_token", "start_dead"}
+    assert added == {"own", "task", "worker", "runs", "started_ms", "start_token", "start_dead"}
+    assert stored(redis_client, "A")["own"] == "0|3|0.0|50"
     assert {name: runs.fields("A", 1)[name] for name in OWN} == OWN
     assert started.record is not None and started.record.worker == "w1"
     assert started.record.max_retries == 3 and started.record.tokens_out == 50
     live = runs.record("A", 1)
     assert live is not None and live[1] == started.record  # read back as the start saw it
+    assert redis_client.object("encoding", KEYS.run("A", 1)) in COMPACT
     row = runs.row_for("A", 1, started.record, Outcome.OK, ms(NOW + 3))
     assert runs.finish(row, started.run, started.record, ms(NOW + 3)).written
     assert set(stored(redis_client, "A")) == CUT
+    assert redis_client.object("encoding", KEYS.run("A", 1)) in COMPACT
+
+
+def test_numbers_too_long_to_pack_are_written_laid_out(redis_client: redis.Redis) -> None:
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    huge = {**OWN, "time_limit_s": repr(1e300 / 3), "tokens_out": str(10**50)}  # 78 bytes packed
+    started = runs.start("A", 1, nonce, huge, ms(NOW + 2))
+    assert "own" not in stored(redis_client, "A")
+    assert started.record is not None and started.record.tokens_out == 10**50
+    assert {name: runs.fields("A", 1)[name] for name in huge} == huge
+    assert redis_client.object("encoding", KEYS.run("A", 1)) in COMPACT
 
 
 def test_a_record_an_older_worker_started_reads_back_and_is_finished_as_before(
@@ -216,13 +234,13 @@ def test_a_record_an_older_worker_started_reads_back_and_is_finished_as_before(
     assert stored_then is not None
     run, record = stored_then
     assert (run, record.worker, record.task, record.max_retries) == (1, "w1", "t", 3)
-    redis_client.hset(KEYS.run("A", 1), "own", '{"worker":"w2","task":"t"}')
-    assert runs.fields("A", 1)["worker"] == "w1"  # its own field wins
-    redis_client.hset(KEYS.run("A", 1), "own", "not json")
-    assert runs.fields("A", 1)["worker"] == "w1" and "own" not in runs.fields("A", 1)
+    redis_client.hset(KEYS.run("A", 1), "own", "9|9|9.0|9")
+    assert runs.fields("A", 1)["max_retries"] == "3"  # its own field wins
+    redis_client.hset(KEYS.run("A", 1), "own", "not four parts")
+    assert runs.fields("A", 1)["tokens_out"] == "50" and "own" not in runs.fields("A", 1)
     row = runs.row_for("A", 1, record, Outcome.OK, ms(NOW + 3))
     assert runs.finish(row, run, record, ms(NOW + 3)).written
     assert not runs.finish(row, run, record, ms(NOW + 3)).written
     assert [r["outcome"] for r in rows_of(redis_client, "A")] == ["ok"]
-    # The cut drops what this version writes; the six an older worker laid out stay.
-    assert set(stored(redis_client, "A")) == CUT | set(OWN)
+    # The cut drops what this version writes; the four numbers an older worker laid out stay.
+    assert set(stored(redis_client, "A")) == CUT | set(OWN_FIELDS)

@@ -22,8 +22,9 @@
 -- (gatekeeper/redis/kept.py): nonce, decision, reason, runs, rowed, free_admitted (when 1),
 -- the replayer's fields, and `kept` = '<published_ms>|<deadline_ms>|<tokens_in>|<window>'
 -- for the row of a redelivery; the reservation is closed (`kept` present: nothing more to
--- charge). The fields a redelivered run's start writes again are dropped (the worker's own
--- are one, `own`; a record an older worker started keeps its six laid-out ones).
+-- charge). The fields a redelivered run's start writes again are dropped (four of the
+-- worker's own numbers are one, `own`; a record an older worker started, or one whose `own`
+-- would be too long for a compact hash, keeps those four laid out).
 --
 -- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row; reserved,
 --                                  charged, kept
@@ -156,7 +157,7 @@ end
 if cut then
   local gone = {'published_ms', 'deadline_ms', 'tokens_in', 'window', 'admitted_ms', 'dwell_s',
     'label', 'reserved', 'charged', 'expired_ms', 'started_ms', 'start_token', 'start_dead',
-    'own'}
+    'task', 'own', 'worker'}
   if rec[10] ~= '1' then gone[#gone + 1] = 'free_admitted' end
   if rec[11] == '' then gone[#gone + 1] = 'prev_nonce' end
   if rec[6] or not rec[5] then  -- (a publish of the attempt after a cut writes its fields anew)

@@ -31,8 +31,8 @@
 -- ARGV[2] now_ms
 -- ARGV[3] nonce           the message's gatekeeper_nonce ('' when it has none)
 -- ARGV[4] token           this start's random value ('': not guarded against a re-send)
--- ARGV[5..] field, value pairs the worker knows itself: `own`, its task, retries,
---            max_retries, ... as one JSON object (gatekeeper/redis/kept.py pack_own)
+-- ARGV[5..] field, value pairs the worker knows itself: task, worker, and `own`, its
+--            retries, max_retries, time_limit_s and tokens_out as one (gatekeeper/redis/kept.py)
 --
 -- Returns {0, 'unverified' | 'forged'} for a message that is not the gate's, else
 -- {1, run, dead_run, dead_started_ms, field, value, ...}: dead_run is 0 when no earlier run is

@@ -21,21 +21,23 @@ bench/memory.py; about 110 of them are the key itself). What stays, and who read
 Dropped: ``admitted_ms`` and ``dwell_s`` (only the first run's tax and slack-miss line read
 them), ``label``, ``reserved``, ``charged``, ``expired_ms`` and every field a start writes.
 
-While a run goes on, what the worker knows of it itself (``task``, ``retries``,
-``max_retries``, ``time_limit_s``, ``tokens_out``, ``worker``: ``own_fields`` in
-gatekeeper/celery/message.py) is one field too, ``own``, a JSON object written by its start
-(:func:`pack_own`): no script reads those fields, and six more fields of a compact hash cost
-``start.lua`` and ``finish.lua`` a walk of the record each to write, look past and drop
-(bench/worker_ir.py). A record started by an older worker has them laid out; :func:`unpack`
-reads both.
+While a run goes on, four of the numbers the worker knows of it itself (``retries``,
+``max_retries``, ``time_limit_s``, ``tokens_out``: ``own_fields`` in
+gatekeeper/celery/message.py) are one field too, ``own`` = ``<retries>|<max_retries>|
+<time_limit_s>|<tokens_out>`` (:func:`pack_own`): no script reads them, and each field of a
+compact hash costs ``start.lua`` and ``finish.lua`` a walk of the record to write, look past
+and drop (bench/worker_ir.py). ``task`` and ``worker`` stay fields of their own, and the four
+are laid out when their text would pass :data:`COMPACT_VALUE` bytes: one value longer than
+that turns the record into a hash table for good, about four times the memory after the cut
+(bench/memory.py; a JSON object of all six did, with the bench's own names). A record started
+by an older worker has them all laid out; :func:`unpack` reads both.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
-__all__ = ["KEPT", "KEPT_FIELDS", "OWN", "pack_own", "unpack"]
+__all__ = ["COMPACT_VALUE", "KEPT", "KEPT_FIELDS", "OWN", "OWN_FIELDS", "pack_own", "unpack"]
 
 KEPT = "kept"
 """The packed field of a record cut after its row."""
@@ -45,24 +47,40 @@ KEPT_FIELDS = ("published_ms", "deadline_ms", "tokens_in", "window")
 
 
 OWN = "own"
-"""The field of a started record that holds the worker's own fields (:func:`pack_own`)."""
+"""The field of a started record that holds :data:`OWN_FIELDS` (:func:`pack_own`)."""
+
+OWN_FIELDS = ("retries", "max_retries", "time_limit_s", "tokens_out")
+"""The worker's own fields packed in ``own``, in their order there: numbers, never a ``|``."""
+
+COMPACT_VALUE = 64
+"""The longest value a compact hash holds (``hash-max-ziplist-value``/``-listpack-value``,
+Redis' default): a longer ``own`` is not packed."""
 
 
-def pack_own(own: Mapping[str, str]) -> str:
-    """The worker's own fields of a run as ``own``'s value: a JSON object of text."""
-    return json.dumps(dict(own), separators=(",", ":"))
+def pack_own(own: Mapping[str, str]) -> dict[str, str]:
+    """The fields a start writes for the worker's own ``own``: :data:`OWN_FIELDS` as one
+    ``own`` when all are there and their text is short enough, the rest as they are."""
+    if not all(name in own for name in OWN_FIELDS):
+        return dict(own)
+    packed = "|".join(own[name] for name in OWN_FIELDS)
+    if len(packed.encode()) > COMPACT_VALUE or any("|" in own[n] for n in OWN_FIELDS):
+        return dict(own)
+    rest = {name: value for name, value in own.items() if name not in OWN_FIELDS}
+    return {OWN: packed, **rest}
 
 
 def unpack(fields: Mapping[str, str]) -> dict[str, str]:
     """The record's fields with those packed in ``kept`` and ``own`` laid out again (a field
-    stored on its own wins); a record with neither comes back as it is. An ``own`` that is
-    not a JSON object of text (written by something else) is left out."""
+    stored on its own wins); a record with neither comes back as it is. An ``own`` without
+    its four parts (written by something else) is left out."""
     packed, own = fields.get(KEPT), fields.get(OWN)
     if packed is None and own is None:
         return dict(fields)
     laid_out: dict[str, str] = {}
     if own is not None:
-        laid_out.update(_own_of(own))
+        parts = own.split("|")
+        if len(parts) == len(OWN_FIELDS):
+            laid_out.update(zip(OWN_FIELDS, parts, strict=True))
     if packed is not None:
         values = packed.split("|")
         laid_out.update(
@@ -71,13 +89,3 @@ def unpack(fields: Mapping[str, str]) -> dict[str, str]:
     laid_out.update(fields)
     laid_out.pop(OWN, None)
     return laid_out
-
-
-def _own_of(text: str) -> dict[str, str]:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {}
-    if not isinstance(value, dict):
-        return {}
-    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}

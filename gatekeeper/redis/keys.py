@@ -51,9 +51,10 @@ namespace's slot):
     is then ``reserved``, reason ``free_wait_expired``). Then the
     worker's runs: ``runs`` (how many times a worker started it: more than one after a
     redelivery), ``rowed`` (the last run that has its row), ``started_ms`` and what the worker
-    knows itself, ``own``: one JSON object of ``task``, ``retries``, ``max_retries``,
-    ``time_limit_s``, ``tokens_out`` and ``worker`` (the hostname of the worker it started
-    on), read back laid out (gatekeeper/redis/kept.py; an older worker wrote them as fields).
+    knows itself: ``task``, ``worker`` (the hostname of the worker it started on) and ``own``
+    = ``<retries>|<max_retries>|<time_limit_s>|<tokens_out>``, read back laid out
+    (gatekeeper/redis/kept.py; an older worker, or values too long to pack, wrote them as
+    fields).
     Once every run it has had has its row, ``finish.lua`` cuts it to ``nonce``, ``decision``,
     ``reason``, ``runs``, ``rowed``, ``free_admitted`` (when ``1``), the replayer's fields
     and ``kept`` = ``<published_ms>|<deadline_ms>|<tokens_in>|<window>`` (what a redelivery's

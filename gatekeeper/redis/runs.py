@@ -23,7 +23,7 @@ from gatekeeper.core.service import bucket_of
 from gatekeeper.defaults import DECISION_RECORD_CAP, FREE_WAIT_ALLOWANCE_S, WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.cluster import home
-from gatekeeper.redis.kept import OWN, pack_own, unpack
+from gatekeeper.redis.kept import pack_own, unpack
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
@@ -164,8 +164,9 @@ class RunLedger:
         """:meth:`start`, sent now and read by ``started()`` on the call it returns, so the
         run does not wait for it (gatekeeper/redis/run_start.py)."""
         member = f"{job_id}:{attempt}"
-        # The worker's own fields as one (gatekeeper/redis/kept.py: OWN); read back laid out.
-        args = [member, str(now_ms), nonce, token or secrets.token_hex(8), OWN, pack_own(own)]
+        args: list[str] = [member, str(now_ms), nonce, token or secrets.token_hex(8)]
+        for name, value in pack_own(own).items():  # four numbers as one (kept.py: OWN)
+            args += [name, value]
         keys = [self.keys.run(job_id, attempt), self.keys.started, self.keys.free_waiting,
                 self.keys.stats]  # fmt: skip
         # start.lua sends back the gate's fields of the record alone: these are the caller's
