@@ -19,7 +19,9 @@ bench/memory.py; about 110 of them are the key itself). What stays, and who read
   closed: a later run of the attempt is charged nothing (as ``reserved`` = ``charged`` said).
 
 Dropped: ``admitted_ms`` and ``dwell_s`` (only the first run's tax and slack-miss line read
-them), ``label``, ``reserved``, ``charged``, ``expired_ms`` and every field a start writes.
+them), ``label``, ``reserved``, ``charged``, ``expired_ms`` and every field a start writes,
+but for the four numbers below when a start wrote them laid out (an older worker, or values
+too long to pack): those stay, as harmless leftovers.
 
 While a run goes on, four of the numbers the worker knows of it itself (``retries``,
 ``max_retries``, ``time_limit_s``, ``tokens_out``: ``own_fields`` in
@@ -63,8 +65,8 @@ def pack_own(own: Mapping[str, str]) -> dict[str, str]:
     if not all(name in own for name in OWN_FIELDS):
         return dict(own)
     packed = "|".join(own[name] for name in OWN_FIELDS)
-    if len(packed.encode()) > COMPACT_VALUE or any("|" in own[n] for n in OWN_FIELDS):
-        return dict(own)
+    if len(packed.encode()) > COMPACT_VALUE or packed.count("|") != len(OWN_FIELDS) - 1:
+        return dict(own)  # too long for a compact hash, or a value that would not split back
     rest = {name: value for name, value in own.items() if name not in OWN_FIELDS}
     return {OWN: packed, **rest}
 

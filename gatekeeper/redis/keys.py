@@ -57,6 +57,7 @@ namespace's slot):
     fields).
     Once every run it has had has its row, ``finish.lua`` cuts it to ``nonce``, ``decision``,
     ``reason``, ``runs``, ``rowed``, ``free_admitted`` (when ``1``), the replayer's fields
+    (and the four numbers of a start that wrote them laid out)
     and ``kept`` = ``<published_ms>|<deadline_ms>|<tokens_in>|<window>`` (what a redelivery's
     row needs; its presence closes the reservation), about 270 bytes instead of about 620,
     for the rest of its TTL (gatekeeper/redis/kept.py).
