@@ -244,3 +244,51 @@ def test_a_record_an_older_worker_started_reads_back_and_is_finished_as_before(
     assert [r["outcome"] for r in rows_of(redis_client, "A")] == ["ok"]
     # The cut drops what this version writes; the four numbers an older worker laid out stay.
     assert set(stored(redis_client, "A")) == CUT | set(OWN_FIELDS)
+
+
+def test_a_record_a_long_name_made_a_hash_table_is_compact_again_after_the_cut(
+    redis_client: redis.Redis,
+) -> None:
+    """A task name and a worker past 64 bytes (``proj.apps.<...>.tasks.<...>``,
+    ``celery@<pod>.<namespace>.svc``) turn the running record into a hash table; the cut
+    writes it again, compact, with the same fields and values HDEL would leave, under the TTL
+    it had. The four laid-out numbers of an older worker stay through that rewrite too."""
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    task = "proj.apps." + "embeddings." * 8 + "tasks.embed_batch"
+    worker = "celery@" + "worker-embeddings-7d9f8c6b5-x2x9k." * 3 + "svc"
+    long_names = {**OWN, "task": task, "worker": worker}
+    started = runs.start("A", 1, nonce, long_names, ms(NOW + 2))
+    assert started.record is not None and started.record.task == long_names["task"]
+    assert redis_client.object("encoding", KEYS.run("A", 1)) == b"hashtable"
+    redis_client.hset(KEYS.run("A", 1), mapping={"tokens_out": "50"})  # an older worker's
+    redis_client.pexpire(KEYS.run("A", 1), 123_456_789)
+    row = runs.row_for("A", 1, started.record, Outcome.OK, ms(NOW + 3))
+    assert runs.finish(row, started.run, started.record, ms(NOW + 3)).written
+    assert redis_client.object("encoding", KEYS.run("A", 1)) in COMPACT
+    record = stored(redis_client, "A")
+    assert set(record) == CUT | {"tokens_out"} and record["nonce"] == nonce
+    assert record["kept"] == f"{ms(NOW)}|{ms(NOW + 90)}|1200|{WINDOW}"
+    assert 123_456_789 - 60_000 < redis_client.pttl(KEYS.run("A", 1)) <= 123_456_789
+    assert [r["outcome"] for r in rows_of(redis_client, "A")] == ["ok"]
+    again = runs.start("A", 1, nonce, long_names, ms(NOW + 30))  # delivered again after the cut
+    assert again.record is not None and again.run == 2
+    row = runs.row_for("A", 1, again.record, Outcome.OK, ms(NOW + 31))
+    assert runs.finish(row, again.run, again.record, ms(NOW + 31)).written
+    assert [r["queue_wait_ms"] for r in rows_of(redis_client, "A")] == [2000, 30_000]
+    assert redis_client.object("encoding", KEYS.run("A", 1)) in COMPACT
+
+
+def test_a_record_whose_kept_fields_are_long_is_left_as_it_is_by_the_cut(
+    redis_client: redis.Redis,
+) -> None:
+    """What stays is too long for a compact hash (a replayer's handoff JSON): rewriting would
+    not make it compact, so the cut only drops fields, as before."""
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    handoff = '{"queue": "free", "set": {"gatekeeper_replays": 1}, "drop": ["x-long-header"]}'
+    redis_client.hset(KEYS.run("A", 1), "handoff", handoff)
+    run_once(runs, "A", nonce, NOW + 2, Outcome.OK)
+    assert redis_client.object("encoding", KEYS.run("A", 1)) == b"hashtable"
+    record = stored(redis_client, "A")
+    assert set(record) == CUT | {"handoff"} and record["handoff"] == handoff

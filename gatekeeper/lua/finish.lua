@@ -56,6 +56,8 @@
 --                        count (not ok and not cut by its time limit, or not this app's task)
 -- ARGV[13] lower_bound   1 when the run was killed by its time limit (it ran at least that)
 -- ARGV[14] task          the task's name, for service:names
+-- ARGV[15] long          1 when the run's task or worker is longer than a compact hash's
+--                        values (the cut then writes the record again: below)
 --
 -- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free,
 -- the row's retry_tax as written (a free row's capped by its reservation)}.
@@ -165,6 +167,26 @@ if cut then
       .. (rec[8] or '') .. '|' .. (rec[9] or ''))
   end
   redis.call('HDEL', KEYS[1], unpack(gone))
+  -- A value longer than a compact hash holds (`hash-max-ziplist-value`, 64 bytes by default:
+  -- a long task name, the label the gate wrote of it, or worker) made the record a hash table,
+  -- and HDEL leaves it one, about four times a compact record's memory for the rest of its
+  -- retention (bench/memory.py). When the caller says so (ARGV[15]), it is written again,
+  -- under the TTL it had, and is compact, unless what stays is too long itself (a replayer's
+  -- handoff): then it is left as it is. (Asking the server, OBJECT ENCODING, would cost every
+  -- cut 3% of its instructions and a command an ACL must grant.)
+  if ARGV[15] == '1' then
+    local stay = redis.call('HGETALL', KEYS[1])
+    local short = #stay > 0
+    for i = 1, #stay do
+      if #stay[i] > 64 then short = false break end
+    end
+    if short then
+      local ttl = redis.call('PTTL', KEYS[1])
+      redis.call('DEL', KEYS[1])
+      redis.call('HSET', KEYS[1], unpack(stay))
+      if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
+    end
+  end
 end
 local counts = redis.call('HMGET', KEYS[6], 'slack_misses', 'admitted_free')
 return {1, tonumber(counts[1] or '0'), tonumber(counts[2] or '0'), written_tax}

@@ -30,9 +30,12 @@ gatekeeper/celery/message.py) are one field too, ``own`` = ``<retries>|<max_retr
 compact hash costs ``start.lua`` and ``finish.lua`` a walk of the record to write, look past
 and drop (bench/worker_ir.py). ``task`` and ``worker`` stay fields of their own, and the four
 are laid out when their text would pass :data:`COMPACT_VALUE` bytes: one value longer than
-that turns the record into a hash table for good, about four times the memory after the cut
-(bench/memory.py; a JSON object of all six did, with the bench's own names). A record started
-by an older worker has them all laid out; :func:`unpack` reads both.
+that turns the record into a hash table, about four times the memory after the cut
+(bench/memory.py; a JSON object of all six did, with the bench's own names), and ``HDEL``
+never turns it back. A task name or worker that long does the same while the run goes on:
+the worker says so to ``finish.lua``, whose cut then writes the record again, compact (unless
+what stays is that long itself: a replayer's handoff). A record started by an older worker
+has them all laid out; :func:`unpack` reads both.
 """
 
 from __future__ import annotations

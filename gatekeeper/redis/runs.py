@@ -23,7 +23,7 @@ from gatekeeper.core.service import bucket_of
 from gatekeeper.defaults import DECISION_RECORD_CAP, FREE_WAIT_ALLOWANCE_S, WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.cluster import home
-from gatekeeper.redis.kept import pack_own, unpack
+from gatekeeper.redis.kept import COMPACT_VALUE, pack_own, unpack
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
@@ -297,6 +297,7 @@ class RunLedger:
             "" if service_s is None else f"b{bucket_of(service_s)}",
             "1" if lower_bound else "0",
             record.task,
+            "1" if _long(record.task) or _long(record.worker) else "0",
         ]
         try:
             written, misses, admitted, tax = self._call(self._finish, keys, args)
@@ -335,6 +336,12 @@ class RunLedger:
             job_id, _, attempt = text_of(member).rpartition(":")  # type: ignore[arg-type]
             found.append((job_id, int(attempt)))
         return found
+
+
+def _long(value: str) -> bool:
+    """Too long for a compact hash: the record it is written in is a hash table until the cut
+    writes it again (``finish.lua``)."""
+    return len(value.encode()) > COMPACT_VALUE
 
 
 def _started_of(reply: Any, mine: dict[str, str]) -> Started:
