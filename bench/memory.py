@@ -142,6 +142,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", type=int, default=10_000)
     parser.add_argument("--pool", default="solo", choices=["solo", "prefork"])
+    parser.add_argument("--hostname", help="the worker's -n (a name past 64 bytes: the records' "
+                        "hash-table case, gatekeeper/redis/kept.py)")  # fmt: skip
     args = parser.parse_args()
     wb = load_worker_bench()
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as folder_name:
@@ -166,7 +168,7 @@ def main() -> int:
         if set(decided) != {("admit_free", "fits")}:  # the worker would wait for nothing
             print(f"bench: not every task was admitted to free: {dict(decided)}", file=sys.stderr)
             return 1
-        with wb.worker(server.url, args.pool, folder):
+        with wb.worker(server.url, args.pool, folder, hostname=args.hostname):
             wb.wait_for(folder, wb.GATED, len(ids), timeout_s=60 + len(ids) / 20)
         window_ids |= {int(time.time() // 900)}
         window_ids = set(range(min(window_ids), max(window_ids) + 1))
@@ -183,8 +185,9 @@ def main() -> int:
         app.close()
         devnull.close()
     jobs = len(ids)
+    named = f" hostname_bytes={len(args.hostname.encode())}" if args.hostname else ""
     print(f"bench/memory.py {time.strftime('%Y-%m-%dT%H:%M:%S')} jobs={jobs} pool={args.pool} "
-          f"redis={version} decision_record_cap={cap}")  # fmt: skip
+          f"redis={version} decision_record_cap={cap}{named}")  # fmt: skip
     for group in GROUPS:
         print(f"{group.replace(' ', '_')}: bytes_per_job={total[group] / jobs:.1f} "
               f"keys={count[group]}")  # fmt: skip

@@ -206,7 +206,9 @@ class RunNotes:
         return noted
 
 
-def serve(url: str, pool: str, concurrency: int, folder: Path, profile: bool) -> int:
+def serve(
+    url: str, pool: str, concurrency: int, folder: Path, profile: bool, hostname: str | None = None
+) -> int:
     """The worker subprocess: this file's app, consuming the three kinds' queues."""
     app = create_app(url, folder)
 
@@ -218,7 +220,7 @@ def serve(url: str, pool: str, concurrency: int, folder: Path, profile: bool) ->
         "worker", "-P", pool, "-c", str(concurrency), "-Q", ",".join(QUEUES.values()),
         "-l", "WARNING",
         "--without-heartbeat", "--without-gossip", "--without-mingle",
-        "-n", f"bench-{os.getpid()}@%h",
+        "-n", hostname or f"bench-{os.getpid()}@%h",
     ]  # fmt: skip
     profiler = cProfile.Profile() if profile else None
     try:
@@ -304,8 +306,11 @@ def noted_runs(folder: Path) -> list[tuple[str, str, str, float]]:
 
 
 @contextlib.contextmanager
-def worker(url: str, pool: str, folder: Path, profile: bool = False) -> Iterator[None]:
-    """A worker subprocess of this file's app, ready; stopped (warm shutdown) on leaving."""
+def worker(
+    url: str, pool: str, folder: Path, profile: bool = False, hostname: str | None = None
+) -> Iterator[None]:
+    """A worker subprocess of this file's app, ready; stopped (warm shutdown) on leaving
+    (``hostname``: its ``-n``, ``bench-<pid>@<host>`` when None)."""
     name, concurrency = POOLS[pool]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -313,6 +318,8 @@ def worker(url: str, pool: str, folder: Path, profile: bool = False) -> Iterator
                "--concurrency", str(concurrency), "--folder", str(folder)]  # fmt: skip
     if profile:
         command.append("--profile")
+    if hostname is not None:
+        command += ["--hostname", hostname]
     with (folder / "worker.log").open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -598,9 +605,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", help=argparse.SUPPRESS)
     parser.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--hostname", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        return serve(args.redis_url, args.pool, args.concurrency, Path(args.folder), args.profile)
+        return serve(args.redis_url, args.pool, args.concurrency, Path(args.folder), args.profile,
+                     args.hostname)  # fmt: skip
     pools = [p for p in args.pools.split(",") if p]
     unknown = [p for p in pools if p not in POOLS]
     if unknown:

@@ -37,3 +37,15 @@ def test_with_records_off_the_bench_expects_none_and_counts_none(tmp_path: Path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "decision_record_cap=0" in result.stdout.splitlines()[0]
     assert "decision_records: bytes_per_job=0.0 keys=0" in result.stdout.splitlines()
+
+
+def test_a_worker_name_past_a_compact_hash_leaves_compact_records(tmp_path: Path) -> None:
+    """A real worker named past 64 bytes: its running records are hash tables, and the cut
+    writes each one again compact (the encodings line would say ``hashtable=`` otherwise)."""
+    name = "celery@worker-embeddings-7d9f8c6b5-x2x9k.batch-nightly.svc.cluster.local"
+    result = bench("memory.py", tmp_path, "-n", "30", "--hostname", name, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert f"hostname_bytes={len(name)}" in lines[0]
+    (kinds,) = [line for line in lines if line.startswith("run_record_encodings:")]
+    assert "hashtable" not in kinds and ("ziplist=" in kinds or "listpack=" in kinds), kinds
