@@ -205,10 +205,10 @@ def wait_until(check: Callable[[], bool], timeout_s: float = 20.0, every_s: floa
 @contextmanager
 def running_worker(
     redis_url: str, log_path: Path, queues: str = "free", concurrency: int = 1,
-    pool: str = "prefork", **env_overrides: str,
+    pool: str = "prefork", hostname: str | None = None, **env_overrides: str,
 ) -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
     """A real Celery worker (tests.apps.gated_app; prefork unless ``pool`` says otherwise)
-    consuming ``queues``."""
+    consuming ``queues`` (``hostname``: its ``-n``, a name of its own when None)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
     env.update(
         GATEKEEPER_TEST_WORKER="1",
@@ -224,7 +224,7 @@ def running_worker(
         sys.executable, "-m", "celery", "-A", "tests.apps.gated_app", "worker",
         "-Q", queues, "-P", pool, "-c", str(concurrency), "-l", "INFO",
         "--without-heartbeat", "--without-gossip", "--without-mingle",
-        "-n", f"test-{os.getpid()}-{time.monotonic_ns()}@%h",
+        "-n", hostname or f"test-{os.getpid()}-{time.monotonic_ns()}@%h",
     ]  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(
