@@ -292,3 +292,23 @@ def test_a_record_whose_kept_fields_are_long_is_left_as_it_is_by_the_cut(
     assert redis_client.object("encoding", KEYS.run("A", 1)) == b"hashtable"
     record = stored(redis_client, "A")
     assert set(record) == CUT | {"handoff"} and record["handoff"] == handoff
+
+
+def test_a_record_with_thousands_of_fields_is_cut_without_a_rewrite(
+    redis_client: redis.Redis,
+) -> None:
+    """Thousands of ``dup:*`` fields (a flood of re-sent publishes) and a long worker: the
+    record could not be compact anyway, and rewriting it would pass Lua's ``unpack`` limit and
+    fail the script after its row; the row is written once and the fields stay."""
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    worker = "celery@" + "worker-embeddings-7d9f8c6b5-x2x9k." * 2 + "svc"
+    redis_client.hset(KEYS.run("A", 1), mapping={f"dup:{n:032x}": "admit_free|fits"
+                                                 for n in range(5000)})  # fmt: skip
+    started = runs.start("A", 1, nonce, {**OWN, "worker": worker}, ms(NOW + 2))
+    assert started.record is not None
+    row = runs.row_for("A", 1, started.record, Outcome.OK, ms(NOW + 3))
+    assert runs.finish(row, started.run, started.record, ms(NOW + 3)).written
+    assert [r["outcome"] for r in rows_of(redis_client, "A")] == ["ok"]
+    record = stored(redis_client, "A")
+    assert len(record) == len(CUT) + 5000 and record["kept"]
