@@ -312,3 +312,22 @@ def test_a_record_with_thousands_of_fields_is_cut_without_a_rewrite(
     assert [r["outcome"] for r in rows_of(redis_client, "A")] == ["ok"]
     record = stored(redis_client, "A")
     assert len(record) == len(CUT) + 5000 and record["kept"]
+
+
+def test_a_record_rewritten_in_its_last_millisecond_never_loses_its_ttl(
+    redis_client: redis.Redis,
+) -> None:
+    """The cut's rewrite of a record a millisecond from expiring (PTTL 0 inside the script,
+    the key not yet gone): written again without a TTL it would stay for good."""
+    runs = ledger(redis_client)
+    worker = "celery@" + "worker-embeddings-7d9f8c6b5-x2x9k." * 2 + "svc"
+    jobs = [f"J{n}" for n in range(300)]
+    for job in jobs:
+        nonce = admitted(redis_client, job)
+        started = runs.start(job, 1, nonce, {**OWN, "worker": worker}, ms(NOW + 2))
+        assert started.record is not None
+        row = runs.row_for(job, 1, started.record, Outcome.OK, ms(NOW + 3))
+        seconds, micros = redis_client.time()
+        redis_client.pexpireat(KEYS.run(job, 1), seconds * 1000 + micros // 1000 + 1)
+        runs.finish(row, started.run, started.record, ms(NOW + 3))
+    assert [job for job in jobs if redis_client.pttl(KEYS.run(job, 1)) == -1] == []

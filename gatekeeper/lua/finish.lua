@@ -177,16 +177,18 @@ if cut then
   -- the server, OBJECT ENCODING, would cost every cut 3% of its instructions and a command an
   -- ACL must grant.)
   if ARGV[15] == '1' then
-    local stay = redis.call('HGETALL', KEYS[1])
+    -- The TTL read first: a record in its last millisecond (PTTL 0) is left to expire, never
+    -- written again without one.
+    local ttl = redis.call('PTTL', KEYS[1])
+    local stay = ttl > 0 and redis.call('HGETALL', KEYS[1]) or {}
     local short = #stay > 0 and #stay <= 256
     for i = 1, short and #stay or 0 do
       if #stay[i] > 64 then short = false break end
     end
     if short then
-      local ttl = redis.call('PTTL', KEYS[1])
       redis.call('DEL', KEYS[1])
       redis.call('HSET', KEYS[1], unpack(stay))
-      if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
+      redis.call('PEXPIRE', KEYS[1], ttl)
     end
   end
 end
