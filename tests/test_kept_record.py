@@ -331,3 +331,24 @@ def test_a_record_rewritten_in_its_last_millisecond_never_loses_its_ttl(
         redis_client.pexpireat(KEYS.run(job, 1), seconds * 1000 + micros // 1000 + 1)
         runs.finish(row, started.run, started.record, ms(NOW + 3))
     assert [job for job in jobs if redis_client.pttl(KEYS.run(job, 1)) == -1] == []
+
+
+def test_a_redelivery_to_a_worker_with_a_short_name_leaves_a_compact_record(
+    redis_client: redis.Redis,
+) -> None:
+    """Run 1 started on a worker with a long name and died; run 2, on a worker with a short
+    name, finishes: the record the first made a hash table is compact after the cut."""
+    runs = ledger(redis_client)
+    nonce = admitted(redis_client, "A")
+    far = "celery@" + "worker-embeddings-7d9f8c6b5-x2x9k." * 2 + "svc"
+    runs.start("A", 1, nonce, {**OWN, "worker": far}, ms(NOW + 2))  # its worker dies
+    assert redis_client.object("encoding", KEYS.run("A", 1)) == b"hashtable"
+    again = runs.start("A", 1, nonce, OWN, ms(NOW + 5))
+    assert again.dead is not None and again.record is not None
+    dead = runs.row_for("A", 1, again.dead, Outcome.KILLED, ms(NOW + 5))
+    assert runs.finish(dead, again.dead_run, again.dead, ms(NOW + 5), current=False).written
+    row = runs.row_for("A", 1, again.record, Outcome.OK, ms(NOW + 6))
+    assert runs.finish(row, again.run, again.record, ms(NOW + 6)).written
+    assert [r["outcome"] for r in rows_of(redis_client, "A")] == ["killed", "ok"]
+    assert set(stored(redis_client, "A")) == CUT
+    assert redis_client.object("encoding", KEYS.run("A", 1)) in COMPACT

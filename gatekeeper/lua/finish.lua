@@ -57,7 +57,8 @@
 -- ARGV[13] lower_bound   1 when the run was killed by its time limit (it ran at least that)
 -- ARGV[14] task          the task's name, for service:names
 -- ARGV[15] long          1 when the run's task or worker is longer than a compact hash's
---                        values (the cut then writes the record again: below)
+--                        values, or it is not the attempt's first run (the cut then writes
+--                        the record again: below)
 --
 -- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free,
 -- the row's retry_tax as written (a free row's capped by its reservation)}.

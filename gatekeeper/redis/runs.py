@@ -297,7 +297,9 @@ class RunLedger:
             "" if service_s is None else f"b{bucket_of(service_s)}",
             "1" if lower_bound else "0",
             record.task,
-            "1" if _long(record.task) or _long(record.worker) else "0",
+            # A later run may have started on another worker than the first (a redelivery):
+            # which names the record has held is not known here, so it is written again.
+            "1" if run > 1 or _long(record.task) or _long(record.worker) else "0",
         ]
         try:
             written, misses, admitted, tax = self._call(self._finish, keys, args)
