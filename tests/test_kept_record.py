@@ -4,21 +4,18 @@ forged copy) is recorded as it was before the cut. Real Redis, real scripts."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import redis
 
 from gatekeeper.core.ledger import BudgetMode, LedgerRow, Outcome
 from gatekeeper.defaults import RECORD_RETENTION_S
-from gatekeeper.redis.handoff import HANDOFF, HANDOFF_PARTS, Handoff, recalled, remember_all
 from gatekeeper.redis.kept import OWN_FIELDS
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.scripts import read_rows
 from gatekeeper.redis.store import GateStore
 from tests.calls import gate_call
-from tests.test_replay import defer_tasks, replay_once
 
 KEYS = Keys()
 NOW = 1_800_000_000.0
@@ -285,8 +282,8 @@ def test_a_record_a_long_name_made_a_hash_table_is_compact_again_after_the_cut(
 def test_a_record_whose_kept_fields_are_long_is_left_as_it_is_by_the_cut(
     redis_client: redis.Redis,
 ) -> None:
-    """What stays is too long for a compact hash (an older replayer's one-field handoff):
-    rewriting would not make it compact, so the cut only drops fields, as before."""
+    """What stays is too long for a compact hash (a replayer's handoff JSON): rewriting would
+    not make it compact, so the cut only drops fields, as before."""
     runs = ledger(redis_client)
     nonce = admitted(redis_client, "A")
     handoff = '{"queue": "free", "set": {"gatekeeper_replays": 1}, "drop": ["x-long-header"]}'
@@ -355,57 +352,3 @@ def test_a_redelivery_to_a_worker_with_a_short_name_leaves_a_compact_record(
     assert [r["outcome"] for r in rows_of(redis_client, "A")] == ["killed", "ok"]
     assert set(stored(redis_client, "A")) == CUT
     assert redis_client.object("encoding", KEYS.run("A", 1)) in COMPACT
-
-
-def test_a_handoff_is_kept_in_parts_a_compact_hash_holds_and_reads_back_whole(
-    redis_client: redis.Redis,
-) -> None:
-    """A replayer's handoff (some 250 bytes of JSON) in parts of at most 64: the record stays
-    compact; read back it is the handoff kept; a later, shorter one is read as itself."""
-    runs = ledger(redis_client)
-    nonce = admitted(redis_client, "A")
-    headers = {"gatekeeper_decision": "admit_free", "gatekeeper_reason": "fits",
-               "gatekeeper_nonce": nonce, "gatekeeper_replays": 1,
-               "note": "d\u00e9j\u00e0 vu"}  # fmt: skip
-    long = Handoff("free", headers, ("gatekeeper_replay_errors",), 0.0)
-    assert remember_all(runs, [("A", 1, "from-1", long)]) == [None]
-    record = stored(redis_client, "A")
-    assert int(record[HANDOFF_PARTS]) > 2 and all(len(v) <= 64 for v in record.values())
-    assert redis_client.object("encoding", KEYS.run("A", 1)) in COMPACT
-    assert recalled(runs.fields("A", 1), "from-1") == long
-    short = Handoff("defer", {}, (), 30.0)
-    assert remember_all(runs, [("A", 1, "from-2", short)]) == [None]
-    assert recalled(runs.fields("A", 1), "from-2") == short  # older parts left, unread
-    assert recalled(runs.fields("A", 1), "from-1") is None
-
-
-def test_a_handoff_kept_in_one_field_by_an_older_replayer_reads_back(
-    redis_client: redis.Redis,
-) -> None:
-    runs = ledger(redis_client)
-    admitted(redis_client, "A")
-    text = '{"queue": "free", "set": {"gatekeeper_replays": 1}, "drop": [], "wait_s": 0.0}'
-    redis_client.hset(KEYS.run("A", 1), mapping={"handoff_from": "n1", HANDOFF: text})
-    assert recalled(runs.fields("A", 1), "n1") == Handoff("free", {"gatekeeper_replays": 1}, ())
-    redis_client.hset(KEYS.run("A", 1), HANDOFF_PARTS, "3")  # a part missing: none kept
-    assert recalled(runs.fields("A", 1), "n1") is None
-
-
-def test_replayed_records_stay_compact_through_their_run_and_cut(
-    redis_url: str, redis_client: redis.Redis
-) -> None:
-    """Deferred, replayed by the replayer to free (its handoff kept), run, cut: each record
-    compact throughout, about a quarter of a hash table's memory."""
-    jobs = defer_tasks(redis_url, redis_client, 5)
-    assert replay_once(redis_url, redis_client, budget_units=1e9) == {"to_free": 5}
-    runs = ledger(redis_client)
-    for job in jobs:
-        assert redis_client.object("encoding", KEYS.run(job, 1)) in COMPACT, job
-        nonce = stored(redis_client, job)["nonce"]
-        started = runs.start(job, 1, nonce, OWN, ms(time.time()))
-        assert started.record is not None, started.refused
-        row = runs.row_for(job, 1, started.record, Outcome.OK, ms(time.time()))
-        assert runs.finish(row, started.run, started.record, ms(time.time())).written
-        record = stored(redis_client, job)
-        assert "kept" in record and HANDOFF_PARTS in record
-        assert redis_client.object("encoding", KEYS.run(job, 1)) in COMPACT, job

@@ -10,14 +10,6 @@ on) and ``handoff`` (the queue and the header changes, JSON). The message that c
 carries ``handoff_from``'s nonce and is handed on again exactly as the first time; the worker
 runs one of the copies (:mod:`gatekeeper.celery.duplicates`). On Redis the handoff is atomic
 (``move.lua``), and this covers a replayer killed between scoring and moving.
-
-The JSON of a handoff is some 250 bytes: one value past 64 would make the record a hash table
-for good, about four times a compact record's memory for its whole retention (the handoff
-stays after the cut: :mod:`gatekeeper.redis.kept`). So a longer one is kept in parts of at
-most :data:`~gatekeeper.redis.kept.COMPACT_VALUE` bytes: ``handoff`` the first,
-``handoff:1``, ``handoff:2``, ... the rest, and ``handoff_parts`` how many, all in one
-``HSET`` (a later handoff of the attempt with fewer parts leaves the older ones unread). A
-record without ``handoff_parts`` holds its handoff in one field, as before.
 """
 
 from __future__ import annotations
@@ -30,35 +22,14 @@ from typing import Any
 import redis
 
 from gatekeeper.core.headers import H_NONCE
-from gatekeeper.redis.kept import COMPACT_VALUE
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.store import GateStore
 
-__all__ = ["HANDOFF", "HANDOFF_FROM", "HANDOFF_PARTS", "Handoff", "Kept", "as_scored",
-           "laid_out", "recalled", "remember", "remember_all"]  # fmt: skip
+__all__ = ["HANDOFF", "HANDOFF_FROM", "Handoff", "Kept", "as_scored", "recalled", "remember",
+           "remember_all"]  # fmt: skip
 
 HANDOFF_FROM = "handoff_from"
 HANDOFF = "handoff"
-HANDOFF_PARTS = "handoff_parts"
-"""How many parts a handoff is kept in (``handoff``, ``handoff:1``, ...); absent: one."""
-
-
-def laid_out(text: str) -> dict[str, str]:
-    """The record's fields for a handoff's JSON (ASCII: ``json.dumps`` escapes the rest):
-    one ``handoff`` when it is short enough for a compact hash, else its parts."""
-    if len(text) <= COMPACT_VALUE:
-        return {HANDOFF: text, HANDOFF_PARTS: "1"}
-    parts = [text[at : at + COMPACT_VALUE] for at in range(0, len(text), COMPACT_VALUE)]
-    fields = {HANDOFF: parts[0], HANDOFF_PARTS: str(len(parts))}
-    fields.update({f"{HANDOFF}:{n}": part for n, part in enumerate(parts[1:], 1)})
-    return fields
-
-
-def _joined(record: Mapping[str, str]) -> str:
-    """A handoff's JSON, from its parts (or its one field)."""
-    count = int(record.get(HANDOFF_PARTS) or 1)
-    first = record.get(HANDOFF) or ""
-    return first + "".join(record[f"{HANDOFF}:{n}"] for n in range(1, count))
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +70,8 @@ def remember_all(runs: RunLedger, kept: Sequence[Kept]) -> list[redis.RedisError
     for job_id, attempt, nonce, handoff in kept:
         document = {"queue": handoff.queue, "set": handoff.set, "drop": list(handoff.drop),
                     "wait_s": handoff.wait_s}  # fmt: skip
-        fields: dict[Any, Any] = {HANDOFF_FROM: nonce, **laid_out(json.dumps(document))}
-        pipe.hset(runs.keys.run(job_id, attempt), mapping=fields)
+        pipe.hset(runs.keys.run(job_id, attempt),
+                  mapping={HANDOFF_FROM: nonce, HANDOFF: json.dumps(document)})  # fmt: skip
     replies = pipe.execute(raise_on_error=False)
     return [reply if isinstance(reply, redis.RedisError) else None for reply in replies]
 
@@ -110,7 +81,7 @@ def recalled(record: Mapping[str, str], nonce: str) -> Handoff | None:
     if not nonce or record.get(HANDOFF_FROM) != nonce:
         return None
     try:
-        document = json.loads(_joined(record))
+        document = json.loads(record.get(HANDOFF) or "")
         return Handoff(str(document["queue"]), dict(document["set"]),
                        tuple(document["drop"]), float(document.get("wait_s") or 0))  # fmt: skip
     except (ValueError, TypeError, KeyError):
