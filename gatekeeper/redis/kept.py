@@ -45,7 +45,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["COMPACT_VALUE", "KEPT", "KEPT_FIELDS", "OWN", "OWN_FIELDS", "pack_own", "unpack"]
+__all__ = ["COMPACT_VALUE", "KEPT", "KEPT_FIELDS", "OWN", "OWN_FIELDS", "pack_own", "too_long",
+           "unpack"]  # fmt: skip
 
 KEPT = "kept"
 """The packed field of a record cut after its row."""
@@ -65,13 +66,18 @@ COMPACT_VALUE = 64
 Redis' default): a longer ``own`` is not packed."""
 
 
+def too_long(value: str) -> bool:
+    """Longer than a compact hash holds: a record with such a value is a hash table."""
+    return len(value.encode()) > COMPACT_VALUE
+
+
 def pack_own(own: Mapping[str, str]) -> dict[str, str]:
     """The fields a start writes for the worker's own ``own``: :data:`OWN_FIELDS` as one
     ``own`` when all are there and their text is short enough, the rest as they are."""
     if not all(name in own for name in OWN_FIELDS):
         return dict(own)
     packed = "|".join(own[name] for name in OWN_FIELDS)
-    if len(packed.encode()) > COMPACT_VALUE or packed.count("|") != len(OWN_FIELDS) - 1:
+    if too_long(packed) or packed.count("|") != len(OWN_FIELDS) - 1:
         return dict(own)  # too long for a compact hash, or a value that would not split back
     rest = {name: value for name, value in own.items() if name not in OWN_FIELDS}
     return {OWN: packed, **rest}

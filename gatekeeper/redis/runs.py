@@ -23,7 +23,7 @@ from gatekeeper.core.service import bucket_of
 from gatekeeper.defaults import DECISION_RECORD_CAP, FREE_WAIT_ALLOWANCE_S, WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.cluster import home
-from gatekeeper.redis.kept import COMPACT_VALUE, pack_own, unpack
+from gatekeeper.redis.kept import pack_own, too_long, unpack
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
@@ -299,7 +299,7 @@ class RunLedger:
             record.task,
             # A later run may have started on another worker than the first (a redelivery):
             # which names the record has held is not known here, so it is written again.
-            "1" if run > 1 or _long(record.task) or _long(record.worker) else "0",
+            "1" if run > 1 or too_long(record.task) or too_long(record.worker) else "0",
         ]
         try:
             written, misses, admitted, tax = self._call(self._finish, keys, args)
@@ -338,12 +338,6 @@ class RunLedger:
             job_id, _, attempt = text_of(member).rpartition(":")  # type: ignore[arg-type]
             found.append((job_id, int(attempt)))
         return found
-
-
-def _long(value: str) -> bool:
-    """Too long for a compact hash: the record it is written in is a hash table until the cut
-    writes it again (``finish.lua``)."""
-    return len(value.encode()) > COMPACT_VALUE
 
 
 def _started_of(reply: Any, mine: dict[str, str]) -> Started:
