@@ -283,12 +283,17 @@ def test_a_record_whose_kept_fields_are_long_is_left_as_it_is_by_the_cut(
     redis_client: redis.Redis,
 ) -> None:
     """What stays is too long for a compact hash (a replayer's handoff JSON): rewriting would
-    not make it compact, so the cut only drops fields, as before."""
+    not make it compact, so the cut only drops fields, as before (the worker's long name
+    takes the cut to its rewrite)."""
     runs = ledger(redis_client)
     nonce = admitted(redis_client, "A")
     handoff = '{"queue": "free", "set": {"gatekeeper_replays": 1}, "drop": ["x-long-header"]}'
     redis_client.hset(KEYS.run("A", 1), "handoff", handoff)
-    run_once(runs, "A", nonce, NOW + 2, Outcome.OK)
+    worker = "celery@" + "worker-embeddings-7d9f8c6b5-x2x9k." * 2 + "svc"
+    started = runs.start("A", 1, nonce, {**OWN, "worker": worker}, ms(NOW + 2))
+    assert started.record is not None
+    row = runs.row_for("A", 1, started.record, Outcome.OK, ms(NOW + 3))
+    assert runs.finish(row, started.run, started.record, ms(NOW + 3)).written
     assert redis_client.object("encoding", KEYS.run("A", 1)) == b"hashtable"
     record = stored(redis_client, "A")
     assert set(record) == CUT | {"handoff"} and record["handoff"] == handoff
