@@ -13,8 +13,9 @@ import redis
 
 from gatekeeper.celery.batch import ReadRecord, _records
 from gatekeeper.celery.replay import H_REPLAY_ERRORS, Replayer
+from gatekeeper.defaults import RECORD_RETENTION_S
 from gatekeeper.redis.breaker import no_retry
-from gatekeeper.redis.handoff import HANDOFF_FROM, Handoff, remember_all
+from gatekeeper.redis.handoff import HANDOFF_NONCE, Handoff, remember_all
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from tests.conftest import gate_settings, queue_messages
@@ -45,8 +46,11 @@ def test_one_handoff_that_cannot_be_kept_fails_its_own_only(
     first, bad, second = remember_all(runs, kept)
     assert first is None and second is None
     assert isinstance(bad, redis.ResponseError) and "WRONGTYPE" in str(bad)
-    assert redis_client.hget(KEYS.run("one", 1), HANDOFF_FROM) == b"nonce-one"
-    assert redis_client.hget(KEYS.run("two", 1), HANDOFF_FROM) == b"nonce-two"
+    for job in ("one", "two"):  # the nonce in the record, the handoff in its own key
+        assert redis_client.hget(KEYS.run(job, 1), HANDOFF_NONCE) == f"nonce-{job}".encode()
+        kept_handoff = json.loads(redis_client.get(KEYS.handoff(job, 1)))
+        assert kept_handoff == {"queue": "free", "set": {"a": 1}, "drop": [], "wait_s": 0.0}
+        assert 0 < redis_client.ttl(KEYS.handoff(job, 1)) <= RECORD_RETENTION_S
 
 
 def test_a_replay_that_hands_a_message_on_drops_its_count_of_failed_replays(

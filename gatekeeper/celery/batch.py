@@ -3,12 +3,14 @@
 The replayer hands deferred messages on a batch at a time (``replay_batch_size`` on a Redis
 broker; one at a time on RabbitMQ). What one message goes through is written once, top to
 bottom, as a generator (:meth:`gatekeeper.celery.replay.Replayer._handle`): where it needs the
-gate's Redis it yields a request (:class:`ReadRecord`, :class:`Decide`, :class:`KeepHandoff`)
-and is sent the answer, or has the error thrown in at that point, as the call would have
-raised it there. :func:`run_batch` advances a batch's messages together, each round making
-the requests of one kind, all of them in one round trip, in the order a message makes them
-(records, decisions, handoffs). So a batch costs three round trips on the gate's Redis where
-each message cost three, and every rule a message follows is the code it followed alone.
+gate's Redis it yields a request (:class:`ReadRecord`, :class:`ReadHandoff`, :class:`Decide`,
+:class:`KeepHandoff`) and is sent the answer, or has the error thrown in at that point, as the
+call would have raised it there. :func:`run_batch` advances a batch's messages together,
+each round making the requests of one kind, all of them in one round trip, in the order a
+message makes them (records, kept handoffs, decisions, handoffs to keep). So a batch costs
+three round trips on the gate's Redis where each message cost three (a fourth, the kept
+handoffs read, only when a message that was handed on before came back), and every rule a
+message follows is the code it followed alone.
 
 Two messages of one job in a batch (a copy that came back beside its twin) are not handled
 side by side: the second starts once the first is done, and reads the record the first left.
@@ -36,13 +38,22 @@ from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import text_of
 
-__all__ = ["Decide", "KeepHandoff", "ReadRecord", "Step", "run_batch"]
+__all__ = ["Decide", "KeepHandoff", "ReadHandoff", "ReadRecord", "Step", "run_batch"]
 
 
 @dataclass(frozen=True, slots=True)
 class ReadRecord:
     """Answered with the gate's record of the attempt, as text (empty: none);
     :class:`LedgerUnavailable` is thrown when it cannot be read (``RunLedger.fields``'s)."""
+
+    job_id: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadHandoff:
+    """Answered with the attempt's kept handoff, its key's text ("" when there is none);
+    :class:`LedgerUnavailable` is thrown when it cannot be read."""
 
     job_id: str
     attempt: int
@@ -64,10 +75,10 @@ class KeepHandoff:
     kept: Kept
 
 
-Request = ReadRecord | Decide | KeepHandoff
+Request = ReadRecord | ReadHandoff | Decide | KeepHandoff
 Step = Generator[Request, Any, str]
 """One message's replay: yields what it needs of the gate's Redis, returns its label."""
-ORDER: tuple[type[Request], ...] = (ReadRecord, Decide, KeepHandoff)
+ORDER: tuple[type[Request], ...] = (ReadRecord, ReadHandoff, Decide, KeepHandoff)
 
 
 def run_batch(
@@ -138,6 +149,8 @@ def _answers(
     """The answers to requests of one kind, in one round trip."""
     if isinstance(requests[0], ReadRecord):
         return _records([r for r in requests if isinstance(r, ReadRecord)], runs)
+    if isinstance(requests[0], ReadHandoff):
+        return _handoffs([r for r in requests if isinstance(r, ReadHandoff)], runs)
     if isinstance(requests[0], Decide):
         decided = [r.publish for r in requests if isinstance(r, Decide)]
         return route_all(pipeline, decided, alive)
@@ -161,3 +174,18 @@ def _records(requests: list[ReadRecord], runs: RunLedger) -> list[Any]:
             if isinstance(fields, Exception)
             else unpack({text_of(k): text_of(v) for k, v in fields.items()})
             for r, fields in zip(requests, raw, strict=True)]  # fmt: skip
+
+
+def _handoffs(requests: list[ReadHandoff], runs: RunLedger) -> list[Any]:
+    """Each kept handoff's text, or why it could not be read (a key of another type fails its
+    own message only)."""
+    pipe = runs.client.pipeline(transaction=False)
+    for request in requests:
+        pipe.get(runs.keys.handoff(request.job_id, request.attempt))
+    try:
+        raw: list[Any] = pipe.execute(raise_on_error=False)
+    except redis.RedisError as exc:
+        raw = [exc] * len(requests)
+    return [LedgerUnavailable(f"cannot read the handoff of {r.job_id}:{r.attempt}: {text}")
+            if isinstance(text, Exception) else text_of(text or "")
+            for r, text in zip(requests, raw, strict=True)]  # fmt: skip

@@ -23,8 +23,8 @@ every claim, before each step of each message and round trip of a batch, and bef
 moves (:mod:`gatekeeper.redis.lock`; renewed once a third of its TTL has passed, so a slow
 batch keeps it): a replayer that lost it decides, moves and writes nothing more, and only
 dead tenures' claims are taken back. A message that comes back after it was scored is
-handed on again as it was the first time (the record keeps the handoff:
-:mod:`gatekeeper.redis.handoff`), and a worker runs one copy of the two
+handed on again as it was the first time (its handoff is kept beside the record until it
+moved: :mod:`gatekeeper.redis.handoff`), and a worker runs one copy of the two
 (:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
 """
 
@@ -43,8 +43,8 @@ from typing import Any
 import redis
 from redis.exceptions import LockError
 
-from gatekeeper.celery.batch import Decide, KeepHandoff, ReadRecord, Step, run_batch
-from gatekeeper.celery.broker import Broker, RedisBroker, Taken
+from gatekeeper.celery.batch import Decide, KeepHandoff, ReadHandoff, ReadRecord, Step, run_batch
+from gatekeeper.celery.broker import Broker, RedisBroker, Taken, left_defer
 from gatekeeper.celery.deadletter import abandon
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
@@ -60,7 +60,7 @@ from gatekeeper.lines import flush as flush_lines
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline, Routing
-from gatekeeper.redis.handoff import Handoff, as_scored, recalled
+from gatekeeper.redis.handoff import Handoff, as_scored, handed_on, recalled
 from gatekeeper.redis.lock import OneHolder
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.snapshot import forget_deferred, pass_completed
@@ -182,10 +182,8 @@ class Replayer:
             if labels is None:
                 return
             counts.update(labels)
-            gone = [taken.message["headers"] for taken, label in zip(batch, labels, strict=True)
-                    if label.startswith(("to_", "dead_lettered", "handed_on"))
-                    and taken.message]  # fmt: skip
-            forget_deferred(self.gate_client, self.pipeline.store.keys, *gone)
+            gone, moved = left_defer(self.broker, batch, labels)
+            forget_deferred(self.gate_client, self.pipeline.store.keys, *gone, handoffs=moved)
 
     def _replay_batch(self, batch: list[Taken]) -> list[str] | None:
         """Decide and hand on one batch (:mod:`gatekeeper.celery.batch`); None, with nothing
@@ -268,10 +266,12 @@ class Replayer:
             return "not_due"
         if H_ATTEMPT not in headers:
             return self._send(taken, message, self.settings.reserved_queue, "not_gated")
-        attempt = headers.get(H_ATTEMPT)
+        attempt = headers[H_ATTEMPT]
         gated = type(attempt) is int
-        record: dict[str, str] = (yield ReadRecord(job_id, attempt)) if gated else {}  # type: ignore[arg-type]
-        again = recalled(record, nonce_of(headers))
+        record: dict[str, str] = (yield ReadRecord(job_id, attempt)) if gated else {}
+        nonce = nonce_of(headers)  # a handoff in its own key is read for the message it names
+        in_key = (yield ReadHandoff(job_id, attempt)) if handed_on(record, nonce) == "key" else ""
+        again = recalled(record, nonce, in_key)
         if again is not None:  # handed on before, and the original came back: the same again
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
                              queue=again.queue)  # fmt: skip
@@ -282,7 +282,7 @@ class Replayer:
         if gated and nonce_of(headers) and record.get("prev_nonce") == nonce_of(headers):
             self.log.warning("replay_scored_not_handed_on", job_id=job_id, attempt=attempt,
                              decision=record.get("decision"))  # fmt: skip
-            as_scored(self.pipeline.store, job_id, attempt, record, headers)  # type: ignore[arg-type]
+            as_scored(self.pipeline.store, job_id, attempt, record, headers)
         if not (gated and self._deferred_by_the_gate(record, headers)):
             # Not a message the gate parked here (put in defer by hand or by a caller, or by
             # a publisher older than records): its headers are not the gate's, so it is not

@@ -172,8 +172,8 @@ if cut then
   -- a long task name, the label the gate wrote of it, or worker) made the record a hash table,
   -- and HDEL leaves it one, about four times a compact record's memory for the rest of its
   -- retention (bench/memory.py). When the caller says so (ARGV[15]), it is written again,
-  -- under the TTL it had, and is compact, unless what stays is itself too long (a replayer's
-  -- handoff) or too many fields (past `hash-max-ziplist-entries`, 128: a flood of duplicate
+  -- under the TTL it had, and is compact, unless what stays is itself too long (an older
+  -- replayer's handoff) or too many fields (past `hash-max-ziplist-entries`, 128: a flood of duplicate
   -- publishes' dup:*; unpack has a limit of its own too): then it is left as it is. (Asking
   -- the server, OBJECT ENCODING, would cost every cut 3% of its instructions and a command an
   -- ACL must grant.)

@@ -18,15 +18,16 @@ from typing import Any
 
 import click
 
-from gatekeeper.celery.broker import BROKER_ERRORS, Taken
+from gatekeeper.celery.broker import BROKER_ERRORS, RedisBroker, Taken
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import H_ATTEMPT, H_COPY, H_DEADLINE_AT, H_NONCE
 from gatekeeper.ops.context import settings_of
 from gatekeeper.ops.oncall import broker_of, redis_client
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline
-from gatekeeper.redis.handoff import Handoff, recalled, remember
+from gatekeeper.redis.handoff import Handoff, handed_on, read, recalled, remember
 from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.snapshot import forget_deferred
 
 __all__ = ["dead_letter"]
 
@@ -87,7 +88,10 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
     runs = RunLedger.from_settings(gate, settings)
     attempt, nonce = headers.get(H_ATTEMPT), nonce_of(headers)
     record = runs.fields(job_id, attempt) if type(attempt) is int else {}
-    handoff = recalled(record, nonce)
+    in_key = ""
+    if type(attempt) is int and handed_on(record, nonce) == "key":
+        in_key = read(gate, runs.keys, job_id, attempt)
+    handoff = recalled(record, nonce, in_key)
     if handoff is None:  # the first requeue of it: scored again, with its new deadline
         headers[H_DEADLINE_AT] = time.time() + deadline_s
         publish = carried_publish(headers, "requeue", record.get("label", ""))
@@ -110,5 +114,7 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
         broker.close()
     if not moved:
         raise click.ClickException(f"{job_id} left {settings.dead_letter_queue} meanwhile")
+    if isinstance(broker, RedisBroker) and type(attempt) is int:  # moved in one step: gone
+        forget_deferred(gate, runs.keys, handoffs=[(job_id, attempt)])
     click.echo(f"requeued {job_id} to {handoff.queue} (reason {why}, "
                f"deadline in {deadline_s:g} s)")  # fmt: skip

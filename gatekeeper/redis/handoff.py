@@ -1,15 +1,24 @@
-"""What the replayer handed a deferred message on as, kept in the gate's record of its attempt.
+"""What the replayer handed a deferred message on as, kept beside the gate's record of its
+attempt.
 
 The replayer scores a deferred message (the gate writes a new nonce into the record), then
 hands the rewritten message on. On RabbitMQ the two are not one step: the original is acked
 only once the rewritten copy is confirmed, so a replayer that dies in between leaves the
 original to come back. Scored again, it would be a second decision for one attempt (and the
 first copy, if it was published, a message whose nonce is no longer the record's). So the
-handoff is kept in the record: ``handoff_from`` (the nonce of the message that was handed
-on) and ``handoff`` (the queue and the header changes, JSON). The message that comes back
-carries ``handoff_from``'s nonce and is handed on again exactly as the first time; the worker
-runs one of the copies (:mod:`gatekeeper.celery.duplicates`). On Redis the handoff is atomic
-(``move.lua``), and this covers a replayer killed between scoring and moving.
+handoff is kept: the queue and the header changes, JSON, in a key of its own
+(``handoff:<job_id>:<attempt>``, keys.py), and in the record ``handoff_nonce``, the nonce of the
+message that was handed on. The message that comes back carries that nonce and is handed on
+again exactly as the first time; the worker runs one of the copies
+(:mod:`gatekeeper.celery.duplicates`). On Redis the handoff itself is atomic (``move.lua``),
+and this covers a replayer killed between scoring and moving; once the move is made, the
+original cannot come back, and the replayer deletes the key (``forget_deferred``,
+gatekeeper/redis/snapshot.py).
+
+The handoff is about 550-660 bytes of JSON. Kept in the record, as an older replayer kept it
+(``handoff_from`` and ``handoff``, still read), it made the record a hash table (a value past
+``hash-max-ziplist-value``, 64 bytes), about 1,560-1,920 bytes for its two days; beside it, the
+record stays compact.
 """
 
 from __future__ import annotations
@@ -17,19 +26,26 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import redis
 
 from gatekeeper.core.headers import H_NONCE
+from gatekeeper.defaults import RECORD_RETENTION_S
+from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.scripts import text_of
 from gatekeeper.redis.store import GateStore
 
-__all__ = ["HANDOFF", "HANDOFF_FROM", "Handoff", "Kept", "as_scored", "recalled", "remember",
-           "remember_all"]  # fmt: skip
+__all__ = ["HANDOFF", "HANDOFF_FROM", "HANDOFF_NONCE", "Handoff", "Kept", "Where", "as_scored",
+           "handed_on", "read", "recalled", "remember", "remember_all"]  # fmt: skip
 
+HANDOFF_NONCE = "handoff_nonce"
+"""The record's field naming the message whose handoff its key keeps."""
 HANDOFF_FROM = "handoff_from"
 HANDOFF = "handoff"
+"""An older replayer's fields: the nonce, and the handoff itself, in the record."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +68,8 @@ class Handoff:
 Kept = tuple[str, int, str, Handoff]
 """A handoff to keep: the job id, the attempt, the nonce of the message handed on, the handoff."""
 
+Where = Literal["key", "record"] | None
+
 
 def remember(runs: RunLedger, job_id: str, attempt: int, nonce: str, handoff: Handoff) -> None:
     """Keep one handoff (:func:`remember_all`); raises redis-py's error when it was not."""
@@ -61,8 +79,8 @@ def remember(runs: RunLedger, job_id: str, attempt: int, nonce: str, handoff: Ha
 
 
 def remember_all(runs: RunLedger, kept: Sequence[Kept]) -> list[redis.RedisError | None]:
-    """Keep each handoff in its record, as the handing on of the message carrying its nonce
-    (the record exists: the gate wrote it when it scored the message), in one round trip.
+    """Keep each handoff in its key, and in its record the nonce of the message it hands on
+    (the record exists: the gate wrote it when it scored the message), all in one round trip.
     Returns, for each, None once kept or the error that kept it from being (one bad record
     fails its own only); raises redis-py's errors when the round trip failed: then none may be
     kept. A message that comes back with no handoff kept is scored again (:func:`as_scored`)."""
@@ -70,18 +88,44 @@ def remember_all(runs: RunLedger, kept: Sequence[Kept]) -> list[redis.RedisError
     for job_id, attempt, nonce, handoff in kept:
         document = {"queue": handoff.queue, "set": handoff.set, "drop": list(handoff.drop),
                     "wait_s": handoff.wait_s}  # fmt: skip
-        pipe.hset(runs.keys.run(job_id, attempt),
-                  mapping={HANDOFF_FROM: nonce, HANDOFF: json.dumps(document)})  # fmt: skip
+        # The key before the nonce that points to it: a nonce in the record always has its
+        # handoff (or none at all, when the key's write failed).
+        pipe.set(runs.keys.handoff(job_id, attempt), json.dumps(document), ex=RECORD_RETENTION_S)
+        pipe.hset(runs.keys.run(job_id, attempt), HANDOFF_NONCE, nonce)
     replies = pipe.execute(raise_on_error=False)
-    return [reply if isinstance(reply, redis.RedisError) else None for reply in replies]
+    return [next((r for r in pair if isinstance(r, redis.RedisError)), None)
+            for pair in zip(replies[::2], replies[1::2], strict=True)]  # fmt: skip
 
 
-def recalled(record: Mapping[str, str], nonce: str) -> Handoff | None:
-    """The handoff of the message carrying ``nonce``, when the record kept one for it."""
-    if not nonce or record.get(HANDOFF_FROM) != nonce:
+def handed_on(record: Mapping[str, str], nonce: str) -> Where:
+    """Where the handoff of the message carrying ``nonce`` is kept: ``"key"`` (its own,
+    :func:`read`), ``"record"`` (an older replayer's, in ``handoff``), or ``None``: none was
+    kept for it."""
+    if not nonce:
         return None
+    if record.get(HANDOFF_NONCE) == nonce:
+        return "key"
+    return "record" if record.get(HANDOFF_FROM) == nonce else None
+
+
+def read(client: redis.Redis, keys: Keys, job_id: str, attempt: int) -> str:
+    """The document in the attempt's handoff key ("" when there is none)."""
     try:
-        document = json.loads(record.get(HANDOFF) or "")
+        return text_of(client.get(keys.handoff(job_id, attempt)) or "")
+    except redis.RedisError as exc:
+        raise LedgerUnavailable(f"cannot read the handoff of {job_id}:{attempt}: {exc}") from exc
+
+
+def recalled(record: Mapping[str, str], nonce: str, in_key: str = "") -> Handoff | None:
+    """The handoff of the message carrying ``nonce``: ``in_key``, its key's document, when
+    :func:`handed_on` says ``"key"``; an older replayer's in the record; None when none was
+    kept for it, or it does not read back."""
+    where = handed_on(record, nonce)
+    if where is None:
+        return None
+    text = in_key if where == "key" else record.get(HANDOFF) or ""
+    try:
+        document = json.loads(text)
         return Handoff(str(document["queue"]), dict(document["set"]),
                        tuple(document["drop"]), float(document.get("wait_s") or 0))  # fmt: skip
     except (ValueError, TypeError, KeyError):

@@ -33,12 +33,12 @@ are laid out when their text would pass :data:`COMPACT_VALUE` bytes: one value l
 that turns the record into a hash table, about four times the memory after the cut
 (bench/memory.py; a JSON object of all six did, with the bench's own names), and ``HDEL``
 never turns it back. A task name or worker that long does the same while the run goes on:
-the worker says so to ``finish.lua``, whose cut then writes the record again, compact (unless
-what stays is that long itself: a replayer's handoff). The worker knows only its own run's
-names, so the cut of any run but an attempt's first is written again too (a redelivery may
-have started on a worker with a longer name; such cuts are rare, and a rewrite costs one a
-third more instructions). A record started by an older worker has them all laid out;
-:func:`unpack` reads both.
+the worker says so to ``finish.lua``, whose cut then writes the record again, compact
+(unless what stays is that long itself: an older replayer's handoff). The worker knows only
+its own run's names, so the cut of any run but an attempt's first is written again too (a
+redelivery may have started on a worker with a longer name; such cuts are rare, and a
+rewrite costs one a third more instructions). A record started by an older worker has them
+all laid out; :func:`unpack` reads both.
 """
 
 from __future__ import annotations

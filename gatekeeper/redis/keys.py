@@ -57,7 +57,8 @@ namespace's slot):
     fields).
     Once every run it has had has its row, ``finish.lua`` cuts it to ``nonce``, ``decision``,
     ``reason``, ``runs``, ``rowed``, ``free_admitted`` (when ``1``), the replayer's fields
-    (and the four numbers of a start that wrote them laid out)
+    (``handoff_nonce``; an older replayer's ``handoff_from`` and ``handoff``, which kept the
+    handoff in the record), the four numbers of a start that wrote them laid out
     and ``kept`` = ``<published_ms>|<deadline_ms>|<tokens_in>|<window>`` (what a redelivery's
     row needs; its presence closes the reservation), about 270 bytes instead of about 620,
     for the rest of its TTL (gatekeeper/redis/kept.py).
@@ -76,6 +77,12 @@ namespace's slot):
     as in ``totals`` below: ``read_windows`` leaves it out.
 ``gatekeeper:{default}:window:<id>:rows`` - list, TTL = window retention
     The window's ledger rows, one JSON object each, oldest first.
+``gatekeeper:{default}:handoff:<job_id>:<attempt>`` - string, TTL = 2 days
+    How the replayer (or ``dead-letter requeue``) handed a deferred message on (JSON: the
+    queue and the header changes, gatekeeper/redis/handoff.py), kept outside the record so
+    that its length leaves the record a compact hash. The record's ``handoff_nonce`` names
+    the message it belongs to. On a Redis broker the replayer deletes it once the message has
+    moved (the original cannot come back); on RabbitMQ it expires.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
     Marks an attempt whose ``abandoned`` row is written (the replayer writes it once).
 ``gatekeeper:{default}:stats`` - hash, no TTL
@@ -231,6 +238,9 @@ class Keys:
 
     def run(self, job_id: str, attempt: int) -> str:
         return f"{self.base}:run:{job_id}:{attempt}"
+
+    def handoff(self, job_id: str, attempt: int) -> str:
+        return f"{self.base}:handoff:{job_id}:{attempt}"
 
     def abandoned(self, job_id: str, attempt: int) -> str:
         return f"{self.base}:abandoned:{job_id}:{attempt}"

@@ -1,0 +1,147 @@
+"""The replayer's handoff is kept in a key of its own, beside the record, which stays a compact
+hash (kept in the record, its JSON made the record a hash table for two days). On a Redis
+broker the key goes once the message has moved; a message that comes back is handed on as
+the handoff kept for its nonce says, in the key or, written by an older replayer, in the
+record."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from gatekeeper.celery.replay import Replayer
+from gatekeeper.ops.cli import main
+from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE
+from gatekeeper.redis.keys import Keys
+from tests.apps.gated_app import create_app
+from tests.conftest import gate_settings, queue_messages
+from tests.test_dead_letter_result import SOON
+from tests.test_replay import defer_tasks, replay_once
+
+KEYS = Keys()
+COMPACT = (b"ziplist", b"listpack")  # a small hash, on Redis 6.2 and 7
+
+
+def replayed(redis_url: str, client: redis.Redis) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """One task deferred and replayed to free: its id, the parked message and the one sent."""
+    (job,) = defer_tasks(redis_url, client, 1)
+    (parked,) = queue_messages(client, "defer")
+    assert replay_once(redis_url, client) == {"to_free": 1}
+    (sent,) = queue_messages(client, "free")
+    client.delete("free")
+    return job, parked, sent
+
+
+def record_of(client: redis.Redis, job: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in client.hgetall(KEYS.run(job, 1)).items()}
+
+
+def handoff(queue: str, replays: int, nonce: str) -> str:
+    changes = {"gatekeeper_replays": replays, "gatekeeper_nonce": nonce}
+    return json.dumps({"queue": queue, "set": changes, "drop": [], "wait_s": 0.0})
+
+
+def test_a_replayed_record_stays_compact_and_its_handoff_key_goes_once_moved(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    job, parked, sent = replayed(redis_url, redis_client)
+    record = record_of(redis_client, job)
+    assert record[HANDOFF_NONCE] == parked["headers"]["gatekeeper_nonce"]
+    assert record["nonce"] == sent["headers"]["gatekeeper_nonce"] != record[HANDOFF_NONCE]
+    assert HANDOFF not in record and HANDOFF_FROM not in record
+    assert redis_client.object("encoding", KEYS.run(job, 1)) in COMPACT
+    # Moved by move.lua: the original is gone, and nothing can need its handoff any more.
+    assert not redis_client.exists(KEYS.handoff(job, 1))
+
+
+def test_an_original_that_comes_back_is_handed_on_as_its_kept_handoff_says(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # As on RabbitMQ (or a replayer killed between the move and the key's deletion): the
+    # original comes back while its handoff is kept. It is handed on as the key says (a
+    # queue and a count the gate would not have chosen), not scored a second time.
+    job, parked, sent = replayed(redis_url, redis_client)
+    redis_client.set(
+        KEYS.handoff(job, 1), handoff("reserved", 7, sent["headers"]["gatekeeper_nonce"])
+    )
+    redis_client.lpush("defer", json.dumps(parked))
+    assert replay_once(redis_url, redis_client) == {"handed_on_again": 1}
+    (again,) = queue_messages(redis_client, "reserved")
+    assert again["headers"]["gatekeeper_replays"] == 7
+    assert again["headers"]["gatekeeper_nonce"] == sent["headers"]["gatekeeper_nonce"]
+    assert not queue_messages(redis_client, "free") and not queue_messages(redis_client, "defer")
+    assert not redis_client.exists(KEYS.handoff(job, 1))  # moved again: gone
+
+
+def test_an_older_replayers_handoff_in_the_record_is_still_handed_on(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # An older replayer kept the handoff in the record (``handoff_from``, ``handoff``); a
+    # newer one kept another, for another message of the attempt, in the key. Each message
+    # comes back to the handoff kept for its own nonce.
+    job, parked, _ = replayed(redis_url, redis_client)
+    old = parked["headers"]["gatekeeper_nonce"]
+    older = {HANDOFF_FROM: old, HANDOFF: handoff("reserved", 7, "from-old")}
+    redis_client.hset(KEYS.run(job, 1), mapping=older)
+    redis_client.hset(KEYS.run(job, 1), HANDOFF_NONCE, "newer")
+    redis_client.set(KEYS.handoff(job, 1), handoff("free", 9, "from-newer"))
+    other = json.loads(json.dumps(parked))
+    other["headers"]["gatekeeper_nonce"] = "newer"
+    redis_client.lpush("defer", json.dumps(parked), json.dumps(other))
+    assert replay_once(redis_url, redis_client) == {"handed_on_again": 2}
+    (to_reserved,) = queue_messages(redis_client, "reserved")
+    (to_free,) = queue_messages(redis_client, "free")
+    assert to_reserved["headers"]["gatekeeper_replays"] == 7
+    assert to_reserved["headers"]["gatekeeper_nonce"] == "from-old"
+    assert to_free["headers"]["gatekeeper_replays"] == 9
+    assert to_free["headers"]["gatekeeper_nonce"] == "from-newer"
+
+
+def test_a_handoff_key_that_cannot_be_read_fails_its_own_message_only(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    job, parked, _ = replayed(redis_url, redis_client)
+    redis_client.hset(KEYS.handoff(job, 1), "not", "a string")  # GET: WRONGTYPE
+    redis_client.lpush("defer", json.dumps(parked))
+    assert replay_once(redis_url, redis_client) == {"replay_error": 1}
+    (kept,) = queue_messages(redis_client, "defer")  # back in defer, never lost
+    assert kept["headers"]["gatekeeper_nonce"] == parked["headers"]["gatekeeper_nonce"]
+    assert redis_client.type(KEYS.handoff(job, 1)) == b"hash"  # not deleted: it did not move on
+
+
+def test_a_requeue_hands_on_as_its_kept_handoff_says_and_leaves_no_key(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = gate_settings(redis_url)
+    app = create_app(settings, redis_url)
+    job = app.tasks["tests.embed"].apply_async((2,), headers=SOON).id
+    time.sleep(1.2)
+    Replayer(settings, broker=redis_client, gate=redis_client).run(threading.Event(), once=True)
+    (dead,) = queue_messages(redis_client, "dead_letter")
+    for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
+                        ("CANARY_PERCENT", "100")):  # fmt: skip
+        monkeypatch.setenv(f"GATEKEEPER_{name}", value)
+    requeue = ["dead-letter", "requeue", job, "--deadline-s", "120"]
+    done = CliRunner().invoke(main, requeue)
+    assert done.exit_code == 0 and "to defer (reason" in done.output, done.output
+    assert record_of(redis_client, job)[HANDOFF_NONCE] == dead["headers"]["gatekeeper_nonce"]
+    assert not redis_client.exists(KEYS.handoff(job, 1))  # moved in one step: gone
+    assert redis_client.object("encoding", KEYS.run(job, 1)) in COMPACT
+    # A requeue cut short between keeping its handoff and the move: the dead letter is still
+    # there, and the next requeue hands it on as the key says, not scoring it again.
+    redis_client.delete("defer")
+    redis_client.set(KEYS.handoff(job, 1), handoff("reserved", 7, "kept"))
+    redis_client.lpush("dead_letter", json.dumps(dead))
+    again = CliRunner().invoke(main, requeue)
+    assert again.exit_code == 0, again.output
+    assert "to reserved (reason handed_on_again" in again.output, again.output
+    (moved,) = queue_messages(redis_client, "reserved")
+    assert moved["headers"]["gatekeeper_replays"] == 7
+    assert moved["headers"]["gatekeeper_nonce"] == "kept"
+    assert not redis_client.exists(KEYS.handoff(job, 1))
