@@ -29,6 +29,13 @@ whatever the rate).
 
 ``GATEKEEPER_DECISION_RECORD_CAP=0 python bench/memory.py`` measures a job with decision
 records off (the check then expects none).
+
+``--replayed`` measures jobs the replayer handed on: published while a member of the free
+queue's waiting set 5 s old makes the queue older than a 1 s age cap (each decided ``defer/
+queue_age_cap``, as tests/test_replay.py defers), then, that member removed, one pass of the
+real replayer (``Replayer.run(once=True)``) moves each to free (``to_free`` for every job,
+checked) before the worker runs them. The checks then expect two decision records a job, and
+the kept handoffs (``handoff:<job_id>:<attempt>``) are a group of their own.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -45,6 +53,7 @@ from types import ModuleType
 
 import redis
 
+from gatekeeper.celery.replay import Replayer
 from gatekeeper.defaults import RECORD_RETENTION_S, WINDOW_RETENTION_S
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.decisions import read_records
@@ -53,8 +62,8 @@ from gatekeeper.redis.keys import ATTEMPTS, Keys
 from gatekeeper.redis.scripts import read_rows, text_of
 
 KEYS = Keys()
-GROUPS = ("run records", "ledger rows", "decision records", "windows", "gatekeeper other",
-          "broker")  # fmt: skip
+GROUPS = ("run records", "handoffs", "ledger rows", "decision records", "windows",
+          "gatekeeper other", "broker")  # fmt: skip
 
 
 def load_worker_bench() -> ModuleType:
@@ -73,6 +82,8 @@ def group_of(key: str) -> str:
     rest = key[len(KEYS.base) + 1 :]
     if rest.startswith("run:"):
         return "run records"
+    if rest.startswith("handoff:"):
+        return "handoffs"
     if rest.startswith("window:") and rest.endswith(":rows"):
         return "ledger rows"
     if rest == "decisions":
@@ -111,7 +122,9 @@ def decisions(client: redis.Redis, ids: list[str]) -> Counter[tuple[str, ...]]:
     return Counter(tuple(text_of(v) if v is not None else "" for v in f) for f in pipe.execute())
 
 
-def checks(client: redis.Redis, ids: list[str], window_ids: set[int], cap: int) -> list[str]:
+def checks(
+    client: redis.Redis, ids: list[str], window_ids: set[int], cap: int, scorings: int
+) -> list[str]:
     problems = []
     rows = [row for w in sorted(window_ids) for row in read_rows(client, KEYS, w)]
     by_job = Counter(row["job_id"] for row in rows)
@@ -133,8 +146,9 @@ def checks(client: redis.Redis, ids: list[str], window_ids: set[int], cap: int) 
     ):
         problems.append("work left in free, its waiting set or inflight")
     records = read_records(client, KEYS, 0).records
-    if len(records) != (len(ids) if cap else 0):  # decision_record_cap = 0: records off
-        problems.append(f"{len(records)} decision records for {len(ids)} decisions (cap {cap})")
+    if len(records) != (scorings * len(ids) if cap else 0):  # decision_record_cap = 0: off
+        problems.append(f"{len(records)} decision records for {scorings * len(ids)} decisions "
+                        f"(cap {cap})")  # fmt: skip
     return problems
 
 
@@ -144,6 +158,9 @@ def main() -> int:
     parser.add_argument("--pool", default="solo", choices=["solo", "prefork"])
     parser.add_argument("--hostname", help="the worker's -n (a name past 64 bytes: the records' "
                         "hash-table case, gatekeeper/redis/kept.py)")  # fmt: skip
+    parser.add_argument("--replayed", action="store_true",
+                        help="every job deferred at publish (the age cap), then replayed to "
+                        "free by the replayer, before it runs: the handoff's records")  # fmt: skip
     args = parser.parse_args()
     wb = load_worker_bench()
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as folder_name:
@@ -156,14 +173,28 @@ def main() -> int:
         devnull = open(os.devnull, "w")  # noqa: SIM115 - closed below
         saved, sys.stderr = sys.stderr, devnull
         try:
-            app = wb.create_app(server.url)
+            settings = wb.bench_settings(server.url)
+            if args.replayed:  # a free queue older than the cap at publish: each is deferred
+                settings = settings.model_copy(update={"max_queue_age_s": 1.0})
+                client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
+            app = wb.create_app(server.url, settings=settings)
             task = app.tasks[wb.TASKS[wb.GATED]]
             ids = [task.delay().id for _ in range(50)]  # warm up, run below with the rest
             started = time.time()
             ids = [task.delay().id for _ in range(args.n)] + ids
+            if args.replayed:
+                client.zrem(KEYS.free_waiting, "stale:1")
+                parked = decisions(client, ids)
+                replayer = Replayer(wb.bench_settings(server.url), broker=client, gate=client)
+                moved = dict(replayer.run(threading.Event(), once=True))
         finally:
             sys.stderr = saved
         window_ids = {int(started // 900), int(time.time() // 900) + 1}
+        if args.replayed and (set(parked) != {("defer", "queue_age_cap")}
+                              or moved != {"to_free": len(ids)}):  # fmt: skip
+            print(f"bench: not every task was deferred, then replayed to free: {dict(parked)} "
+                  f"{moved}", file=sys.stderr)  # fmt: skip
+            return 1
         decided = decisions(client, ids)
         if set(decided) != {("admit_free", "fits")}:  # the worker would wait for nothing
             print(f"bench: not every task was admitted to free: {dict(decided)}", file=sys.stderr)
@@ -173,7 +204,7 @@ def main() -> int:
         window_ids |= {int(time.time() // 900)}
         window_ids = set(range(min(window_ids), max(window_ids) + 1))
         cap = wb.bench_settings(server.url).decision_record_cap
-        problems = checks(client, ids, window_ids, cap)
+        problems = checks(client, ids, window_ids, cap, 2 if args.replayed else 1)
         if problems:
             for problem in problems:
                 print(f"bench: {problem}", file=sys.stderr)
@@ -186,6 +217,7 @@ def main() -> int:
         devnull.close()
     jobs = len(ids)
     named = f" hostname_bytes={len(args.hostname.encode())}" if args.hostname else ""
+    named += " replayed=every job (deferred, then handed on to free)" if args.replayed else ""
     print(f"bench/memory.py {time.strftime('%Y-%m-%dT%H:%M:%S')} jobs={jobs} pool={args.pool} "
           f"redis={version} decision_record_cap={cap}{named}")  # fmt: skip
     for group in GROUPS:
@@ -194,7 +226,8 @@ def main() -> int:
     shown = " ".join(f"{kind}={n}" for kind, n in sorted(kinds.items()))
     print(f"run_record_encodings: {shown} (a hash table costs about four times a compact one)")
     beyond = sum(total[g] for g in GROUPS if g not in ("ledger rows", "broker")) / jobs
-    retention = {"run records": RECORD_RETENTION_S, "ledger rows": WINDOW_RETENTION_S,
+    retention = {"run records": RECORD_RETENTION_S, "handoffs": RECORD_RETENTION_S,
+                 "ledger rows": WINDOW_RETENTION_S,
                  "windows": WINDOW_RETENTION_S, "gatekeeper other": RECORD_RETENTION_S}  # fmt: skip
     for rate in (10, 100):
         parts = []

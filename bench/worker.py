@@ -133,10 +133,12 @@ def bench_settings(url: str) -> GatekeeperSettings:
     )
 
 
-def create_app(url: str, records: Path | None = None) -> Celery:
+def create_app(
+    url: str, records: Path | None = None, settings: GatekeeperSettings | None = None
+) -> Celery:
     """The bench's app: the no-op ungated, gated, and with the yardstick's PINGs; with
     ``records``, each run appends ``kind id routing_key end_time`` to a file of its process's
-    own there."""
+    own there. Gated with ``settings`` (default :func:`bench_settings`)."""
     app = Celery("bench_worker", broker=url)
     app.conf.update(
         task_default_queue=QUEUES[PLAIN],
@@ -160,7 +162,7 @@ def create_app(url: str, records: Path | None = None) -> Celery:
     def noop_pings() -> None:
         pinger.ping(YARDSTICK_PINGS)
 
-    gatekeeper.install(app, bench_settings(url))
+    gatekeeper.install(app, settings or bench_settings(url))
     if records is not None:
         note = RunNotes(records)
         for kind in KINDS:

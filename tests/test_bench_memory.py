@@ -49,3 +49,25 @@ def test_a_worker_name_past_a_compact_hash_leaves_compact_records(tmp_path: Path
     assert f"hostname_bytes={len(name)}" in lines[0]
     (kinds,) = [line for line in lines if line.startswith("run_record_encodings:")]
     assert "hashtable" not in kinds and ("ziplist=" in kinds or "listpack=" in kinds), kinds
+
+
+def test_replayed_jobs_leave_compact_records_and_no_handoff_on_a_redis_broker(
+    tmp_path: Path,
+) -> None:
+    """Every job deferred, replayed to free by the real replayer, then run: each record stays
+    compact (its handoff kept beside it), and every handoff went once its message moved."""
+    result = bench("memory.py", tmp_path, "-n", "30", "--replayed", timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "replayed=every job" in lines[0]
+    (kinds,) = [line for line in lines if line.startswith("run_record_encodings:")]
+    assert "hashtable" not in kinds and ("ziplist=" in kinds or "listpack=" in kinds), kinds
+    assert "handoffs: bytes_per_job=0.0 keys=0" in lines, result.stdout
+
+
+def test_replayed_jobs_the_replayer_did_not_move_fail_the_bench(tmp_path: Path) -> None:
+    # With the free path off, the replayer sends each to reserved, not free: no figure.
+    result = bench("memory.py", tmp_path, "-n", "30", "--replayed", timeout=180,
+                   GATEKEEPER_FREE_PATH_ENABLED="false")  # fmt: skip
+    assert result.returncode != 0 and "bytes_per_job" not in result.stdout
+    assert "not every task was deferred, then replayed to free" in result.stderr, result.stderr
