@@ -34,8 +34,8 @@ records off (the check then expects none).
 queue's waiting set 5 s old makes the queue older than a 1 s age cap (each decided ``defer/
 queue_age_cap``, as tests/test_replay.py defers), then, that member removed, one pass of the
 real replayer (``Replayer.run(once=True)``) moves each to free (``to_free`` for every job,
-checked) before the worker runs them. The checks then expect two decision records a job, and
-the kept handoffs (``handoff:<job_id>:<attempt>``) are a group of their own.
+checked) before the worker runs them. The checks then expect two decision records and one
+kept handoff (``handoff:<job_id>:<attempt>``, a group of its own) a job.
 """
 
 from __future__ import annotations
@@ -145,6 +145,9 @@ def checks(
         or client.hlen(KEYS.inflight)
     ):
         problems.append("work left in free, its waiting set or inflight")
+    handoffs = sum(client.exists(KEYS.handoff(job_id, 1)) for job_id in ids)
+    if handoffs != (len(ids) if scorings > 1 else 0):  # replayed: one kept handoff a job
+        problems.append(f"{handoffs} kept handoffs for {len(ids)} jobs ({scorings} scorings)")
     records = read_records(client, KEYS, 0).records
     if len(records) != (scorings * len(ids) if cap else 0):  # decision_record_cap = 0: off
         problems.append(f"{len(records)} decision records for {scorings * len(ids)} decisions "

@@ -51,18 +51,19 @@ def test_a_worker_name_past_a_compact_hash_leaves_compact_records(tmp_path: Path
     assert "hashtable" not in kinds and ("ziplist=" in kinds or "listpack=" in kinds), kinds
 
 
-def test_replayed_jobs_leave_compact_records_and_no_handoff_on_a_redis_broker(
+def test_replayed_jobs_leave_compact_records_and_their_handoffs_beside_them(
     tmp_path: Path,
 ) -> None:
     """Every job deferred, replayed to free by the real replayer, then run: each record stays
-    compact (its handoff kept beside it), and every handoff went once its message moved."""
+    compact, its handoff kept beside it (one key a job)."""
     result = bench("memory.py", tmp_path, "-n", "30", "--replayed", timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert "replayed=every job" in lines[0]
     (kinds,) = [line for line in lines if line.startswith("run_record_encodings:")]
     assert "hashtable" not in kinds and ("ziplist=" in kinds or "listpack=" in kinds), kinds
-    assert "handoffs: bytes_per_job=0.0 keys=0" in lines, result.stdout
+    (handoffs,) = [line for line in lines if line.startswith("handoffs:")]
+    assert handoffs.endswith(" keys=80"), handoffs  # -n 30 and the bench's 50 to warm up
 
 
 def test_replayed_jobs_the_replayer_did_not_move_fail_the_bench(tmp_path: Path) -> None:

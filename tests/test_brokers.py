@@ -147,17 +147,12 @@ def test_the_scenario_on_either_broker(
         assert text.count("event=duplicate_skipped") == 1, text
     rows = Counter((r["job_id"], r["attempt"]) for r in _rows(redis_client))
     assert all(n == 1 for n in rows.values()) and len(rows) == 7, rows
-    # Each replayed record stays a compact hash (its handoff kept beside it). On Redis the
-    # handoffs went once their messages moved; RabbitMQ's acks are not confirmed, so an
-    # original may come back: there each is kept until it expires.
+    # Each replayed record stays a compact hash, its handoff kept beside it until it expires.
     for job in deferred:
         assert redis_client.object("encoding", KEYS.run(job.id, 1)) in (b"ziplist", b"listpack")
     handoffs = list(redis_client.scan_iter(match=f"{KEYS.base}:handoff:*"))
-    if amqp:
-        assert {KEYS.handoff(job.id, 1).encode() for job in deferred} == set(handoffs), handoffs
-        assert all(0 < redis_client.ttl(key) <= RECORD_RETENTION_S for key in handoffs)
-    else:
-        assert not handoffs, handoffs
+    assert {KEYS.handoff(job.id, 1).encode() for job in deferred} == set(handoffs), handoffs
+    assert all(0 < redis_client.ttl(key) <= RECORD_RETENTION_S for key in handoffs)
     outcomes = Counter(r["outcome"] for r in _rows(redis_client))
     assert outcomes == {"ok": 6, "abandoned": 1}, outcomes
 

@@ -85,8 +85,9 @@ def test_every_gate_key_of_a_namespace_is_in_one_slot() -> None:
     prefix: they too must carry the namespace's tag (a job id may hold ':run:')."""
     keys = Keys("gk", "tenant-a")
     names = [keys.flags, keys.flags_log, keys.free_waiting, keys.inflight, keys.stats,
-             keys.started, keys.run("a:run:b", 2), keys.abandoned("j", 1), keys.worker("w@h"),
-             keys.replayer_lock, keys.window(7), keys.window_rows(7)]  # fmt: skip
+             keys.started, keys.run("a:run:b", 2), keys.handoff("a:run:b", 2),
+             keys.abandoned("j", 1), keys.worker("w@h"), keys.replayer_lock, keys.window(7),
+             keys.window_rows(7)]  # fmt: skip
     assert {key_slot(name.encode()) for name in names} == {key_slot(b"tenant-a")}
 
 

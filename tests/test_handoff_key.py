@@ -1,7 +1,7 @@
 """The replayer's handoff is kept in a key of its own, beside the record, which stays a compact
-hash (kept in the record, its JSON made the record a hash table for two days). On a Redis
-broker the key goes once the message has moved; a message that comes back is handed on as
-the handoff kept for its nonce says, in the key or, written by an older replayer, in the
+hash (kept in the record, its JSON made the record a hash table for two days), for the
+record's TTL; a message that comes back (or a twin of it, replayed later) is handed on as the
+handoff kept for its nonce says, in the key or, written by an older replayer, in the
 record."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def handoff(queue: str, replays: int, nonce: str) -> str:
     return json.dumps({"queue": queue, "set": changes, "drop": [], "wait_s": 0.0})
 
 
-def test_a_replayed_record_stays_compact_and_its_handoff_key_goes_once_moved(
+def test_a_replayed_record_stays_compact_and_its_handoff_is_kept_beside_it(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     job, parked, sent = replayed(redis_url, redis_client)
@@ -56,16 +56,35 @@ def test_a_replayed_record_stays_compact_and_its_handoff_key_goes_once_moved(
     assert record["nonce"] == sent["headers"]["gatekeeper_nonce"] != record[HANDOFF_NONCE]
     assert HANDOFF not in record and HANDOFF_FROM not in record
     assert redis_client.object("encoding", KEYS.run(job, 1)) in COMPACT
-    # Moved by move.lua: the original is gone, and nothing can need its handoff any more.
-    assert not redis_client.exists(KEYS.handoff(job, 1))
+    kept = json.loads(redis_client.get(KEYS.handoff(job, 1)))
+    assert kept["queue"] == "free" and kept["set"]["gatekeeper_nonce"] == record["nonce"]
+    # As long as the record (the gate set its TTL when it scored the replay), give or take
+    # the moment between the two writes.
+    record_ttl = redis_client.ttl(KEYS.run(job, 1))
+    assert record_ttl - 2 <= redis_client.ttl(KEYS.handoff(job, 1)) <= record_ttl
+
+
+def test_a_twin_replayed_in_a_later_batch_is_handed_on_as_the_first(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # Two copies of one deferred message (a publish sent twice: one nonce), in two batches:
+    # the second is handed on as the first was, with its nonce, not scored a second time.
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    (parked,) = queue_messages(redis_client, "defer")
+    redis_client.lpush("defer", json.dumps(parked))
+    counts = replay_once(redis_url, redis_client, replay_batch_size=1)
+    assert counts == {"to_free": 1, "handed_on_again": 1}
+    first, second = queue_messages(redis_client, "free")
+    assert first["headers"]["gatekeeper_nonce"] == second["headers"]["gatekeeper_nonce"]
+    assert record_of(redis_client, job)["nonce"] == first["headers"]["gatekeeper_nonce"]
 
 
 def test_an_original_that_comes_back_is_handed_on_as_its_kept_handoff_says(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
-    # As on RabbitMQ (or a replayer killed between the move and the key's deletion): the
-    # original comes back while its handoff is kept. It is handed on as the key says (a
-    # queue and a count the gate would not have chosen), not scored a second time.
+    # As on RabbitMQ (an ack lost): the original comes back while its handoff is kept. It is
+    # handed on as the key says (a queue and a count the gate would not have chosen), not
+    # scored a second time.
     job, parked, sent = replayed(redis_url, redis_client)
     redis_client.set(
         KEYS.handoff(job, 1), handoff("reserved", 7, sent["headers"]["gatekeeper_nonce"])
@@ -76,7 +95,6 @@ def test_an_original_that_comes_back_is_handed_on_as_its_kept_handoff_says(
     assert again["headers"]["gatekeeper_replays"] == 7
     assert again["headers"]["gatekeeper_nonce"] == sent["headers"]["gatekeeper_nonce"]
     assert not queue_messages(redis_client, "free") and not queue_messages(redis_client, "defer")
-    assert not redis_client.exists(KEYS.handoff(job, 1))  # moved again: gone
 
 
 def test_an_older_replayers_handoff_in_the_record_is_still_handed_on(
@@ -107,15 +125,16 @@ def test_a_handoff_key_that_cannot_be_read_fails_its_own_message_only(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     job, parked, _ = replayed(redis_url, redis_client)
+    redis_client.delete(KEYS.handoff(job, 1))
     redis_client.hset(KEYS.handoff(job, 1), "not", "a string")  # GET: WRONGTYPE
     redis_client.lpush("defer", json.dumps(parked))
     assert replay_once(redis_url, redis_client) == {"replay_error": 1}
     (kept,) = queue_messages(redis_client, "defer")  # back in defer, never lost
     assert kept["headers"]["gatekeeper_nonce"] == parked["headers"]["gatekeeper_nonce"]
-    assert redis_client.type(KEYS.handoff(job, 1)) == b"hash"  # not deleted: it did not move on
+    assert redis_client.type(KEYS.handoff(job, 1)) == b"hash"  # left as it was
 
 
-def test_a_requeue_hands_on_as_its_kept_handoff_says_and_leaves_no_key(
+def test_a_requeue_keeps_its_handoff_and_a_second_one_hands_on_as_it_says(
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = gate_settings(redis_url)
@@ -131,10 +150,11 @@ def test_a_requeue_hands_on_as_its_kept_handoff_says_and_leaves_no_key(
     done = CliRunner().invoke(main, requeue)
     assert done.exit_code == 0 and "to defer (reason" in done.output, done.output
     assert record_of(redis_client, job)[HANDOFF_NONCE] == dead["headers"]["gatekeeper_nonce"]
-    assert not redis_client.exists(KEYS.handoff(job, 1))  # moved in one step: gone
+    assert json.loads(redis_client.get(KEYS.handoff(job, 1)))["queue"] == "defer"
     assert redis_client.object("encoding", KEYS.run(job, 1)) in COMPACT
-    # A requeue cut short between keeping its handoff and the move: the dead letter is still
-    # there, and the next requeue hands it on as the key says, not scoring it again.
+    # A requeue cut short between keeping its handoff and the move (here: its kept handoff
+    # made distinct, the dead letter put back): the next requeue hands it on as the key
+    # says, not scoring it again.
     redis_client.delete("defer")
     redis_client.set(KEYS.handoff(job, 1), handoff("reserved", 7, "kept"))
     redis_client.lpush("dead_letter", json.dumps(dead))
@@ -144,4 +164,3 @@ def test_a_requeue_hands_on_as_its_kept_handoff_says_and_leaves_no_key(
     (moved,) = queue_messages(redis_client, "reserved")
     assert moved["headers"]["gatekeeper_replays"] == 7
     assert moved["headers"]["gatekeeper_nonce"] == "kept"
-    assert not redis_client.exists(KEYS.handoff(job, 1))

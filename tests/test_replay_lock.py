@@ -152,8 +152,6 @@ def test_a_replayer_that_loses_its_lock_mid_batch_moves_none_of_it(
     # The successor hands each one on as it was decided, not scoring it a second time.
     assert successor.count("event=replay_handed_on_again") == BATCH
     assert successor.count("event=gate_decision") == 200 - 2 * BATCH
-    # Every message moved at last (on Redis, in one step): no kept handoff is left.
-    assert not list(redis_client.scan_iter(match=f"{KEYS.base}:handoff:*"))
 
 
 def test_a_stall_longer_than_the_ttl_loses_the_lock_though_redis_still_has_it(

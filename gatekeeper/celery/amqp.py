@@ -8,7 +8,7 @@ Through kombu (py-amqp), on a connection of its own with publisher confirms:
 - ``send``: the rewritten message is published to the queue's name on the default exchange
   and confirmed by the broker, and only then is the original acked. A crash between the two
   leaves both: the original comes back (redelivered) and is handed on again with the same
-  decision (the gate's record remembers it: :mod:`gatekeeper.redis.handoff`), and a worker
+  decision (the gate keeps its handoff: :mod:`gatekeeper.redis.handoff`), and a worker
   runs one of the two copies (:mod:`gatekeeper.celery.duplicates`).
 - ``hold``: a message not yet due waits in a delay queue ``<defer>.delay.<ms>`` (a queue TTL
   and a dead-letter exchange that send it back to ``defer``), never at the head of defer. One

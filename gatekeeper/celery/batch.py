@@ -155,7 +155,8 @@ def _answers(
         decided = [r.publish for r in requests if isinstance(r, Decide)]
         return route_all(pipeline, decided, alive)
     try:
-        return list(remember_all(runs, [r.kept for r in requests if isinstance(r, KeepHandoff)]))
+        kept = [r.kept for r in requests if isinstance(r, KeepHandoff)]  # for the record's TTL
+        return list(remember_all(runs, kept, pipeline.store.record_ttl_s))
     except redis.RedisError as exc:  # the round trip itself: none may be kept
         return [exc] * len(requests)
 

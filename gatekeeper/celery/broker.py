@@ -28,7 +28,6 @@ from kombu.exceptions import KombuError
 
 from gatekeeper.celery.lists import PRIORITY_STEPS, queue_list, waiting_attempts
 from gatekeeper.celery.taken import Broker, Taken
-from gatekeeper.core.headers import H_ATTEMPT
 from gatekeeper.errors import ConfigError
 from gatekeeper.redis.cluster import is_cluster, shown_nodes
 from gatekeeper.redis.connect import client_for
@@ -37,14 +36,12 @@ from gatekeeper.redis.scripts import evalsha, load_lua
 from gatekeeper.settings import REDIS_URL_SCHEMES, GatekeeperSettings
 
 __all__ = ["AMQP_URL_SCHEMES", "BROKER_ERRORS", "Broker", "RedisBroker", "Taken", "broker_for",
-           "check_broker", "left_defer", "shown_url"]  # fmt: skip
+           "check_broker", "gone_for_good", "shown_url"]  # fmt: skip
 
 AMQP_URL_SCHEMES = ("amqp://", "amqps://", "pyamqp://")
 """The RabbitMQ URLs gatekeeper reads (kombu's py-amqp transport)."""
 BROKER_ERRORS = (redis.RedisError, OSError, KombuError, AMQPError)
 """What a broker that cannot be reached raises, on either kind."""
-MOVED_LABELS = ("to_", "dead_lettered", "handed_on", "deferred_again")
-"""The replayer's labels of a message it moved (``Replayer._handle``'s, by their start)."""
 
 
 def check_broker(url: str | None, field: str = "broker_url") -> str:
@@ -226,24 +223,10 @@ class RedisBroker:
         self.client.close()
 
 
-def left_defer(
-    broker: Broker, batch: list[Taken], labels: list[str]
-) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
-    """What of a replayed batch (its messages and their labels, ``Replayer._handle``'s) left
-    defer: the headers of the messages gone for good (handed on or dead-lettered: their
-    deadlines no longer count), and the attempts whose every message moved on a Redis broker,
-    deferred again too (``move.lua``: the originals are gone, so their kept handoffs can no
-    longer be needed, gatekeeper/redis/handoff.py). No attempt on RabbitMQ, whose acks are not
-    confirmed: an original may still come back, and its handoff expires."""
-    gone: list[dict[str, Any]] = []
-    moved: set[tuple[str, int]] = set()
-    kept: set[tuple[str, int]] = set()  # an attempt with a message not moved keeps it
-    for taken, label in zip(batch, labels, strict=True):
-        headers = (taken.message or {}).get("headers") or {}
-        if taken.message and label.startswith(("to_", "dead_lettered", "handed_on")):
-            gone.append(headers)
-        attempt = headers.get(H_ATTEMPT)
-        if type(attempt) is int and isinstance(broker, RedisBroker):
-            done = taken.done and not taken.refused and label.startswith(MOVED_LABELS)
-            (moved if done else kept).add((str(headers.get("id")), attempt))
-    return gone, sorted(moved - kept)
+def gone_for_good(batch: list[Taken], labels: list[str]) -> list[dict[str, Any]]:
+    """The headers of a replayed batch's messages (with their labels, ``Replayer._handle``'s)
+    that left defer for good, handed on or dead-lettered: their deadlines no longer count."""
+    gone = ("to_", "dead_lettered", "handed_on")
+    pairs = zip(batch, labels, strict=True)
+    return [taken.message["headers"] for taken, label in pairs
+            if label.startswith(gone) and taken.message]  # fmt: skip

@@ -23,8 +23,8 @@ every claim, before each step of each message and round trip of a batch, and bef
 moves (:mod:`gatekeeper.redis.lock`; renewed once a third of its TTL has passed, so a slow
 batch keeps it): a replayer that lost it decides, moves and writes nothing more, and only
 dead tenures' claims are taken back. A message that comes back after it was scored is
-handed on again as it was the first time (its handoff is kept beside the record until it
-moved: :mod:`gatekeeper.redis.handoff`), and a worker runs one copy of the two
+handed on again as it was the first time (its handoff is kept beside the record:
+:mod:`gatekeeper.redis.handoff`), and a worker runs one copy of the two
 (:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
 """
 
@@ -44,7 +44,7 @@ import redis
 from redis.exceptions import LockError
 
 from gatekeeper.celery.batch import Decide, KeepHandoff, ReadHandoff, ReadRecord, Step, run_batch
-from gatekeeper.celery.broker import Broker, RedisBroker, Taken, left_defer
+from gatekeeper.celery.broker import Broker, RedisBroker, Taken, gone_for_good
 from gatekeeper.celery.deadletter import abandon
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
@@ -182,8 +182,8 @@ class Replayer:
             if labels is None:
                 return
             counts.update(labels)
-            gone, moved = left_defer(self.broker, batch, labels)
-            forget_deferred(self.gate_client, self.pipeline.store.keys, *gone, handoffs=moved)
+            forget_deferred(self.gate_client, self.pipeline.store.keys,
+                            *gone_for_good(batch, labels))  # fmt: skip
 
     def _replay_batch(self, batch: list[Taken]) -> list[str] | None:
         """Decide and hand on one batch (:mod:`gatekeeper.celery.batch`); None, with nothing

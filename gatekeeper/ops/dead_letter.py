@@ -6,8 +6,8 @@ explicitly (an operator's decision: it is the one place a deadline is ever moved
 decision line says so), scores it again through the same pipeline as a publish, and hands it
 to the queue decided: on Redis in one atomic step (``move.lua``), on RabbitMQ acked only once
 its new copy is confirmed. A requeue cut short between the two leaves the task listed; a
-second requeue of it hands it on exactly as the first did (the record keeps the handoff:
-:mod:`gatekeeper.redis.handoff`), and a worker runs one of the copies.
+second requeue of it hands it on exactly as the first did (the handoff is kept beside the
+record: :mod:`gatekeeper.redis.handoff`), and a worker runs one of the copies.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from gatekeeper.celery.broker import BROKER_ERRORS, RedisBroker, Taken
+from gatekeeper.celery.broker import BROKER_ERRORS, Taken
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import H_ATTEMPT, H_COPY, H_DEADLINE_AT, H_NONCE
 from gatekeeper.ops.context import settings_of
@@ -27,7 +27,6 @@ from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline
 from gatekeeper.redis.handoff import Handoff, handed_on, read, recalled, remember
 from gatekeeper.redis.runs import RunLedger
-from gatekeeper.redis.snapshot import forget_deferred
 
 __all__ = ["dead_letter"]
 
@@ -114,7 +113,5 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
         broker.close()
     if not moved:
         raise click.ClickException(f"{job_id} left {settings.dead_letter_queue} meanwhile")
-    if isinstance(broker, RedisBroker) and type(attempt) is int:  # moved in one step: gone
-        forget_deferred(gate, runs.keys, handoffs=[(job_id, attempt)])
     click.echo(f"requeued {job_id} to {handoff.queue} (reason {why}, "
                f"deadline in {deadline_s:g} s)")  # fmt: skip

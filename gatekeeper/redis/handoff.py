@@ -11,14 +11,16 @@ handoff is kept: the queue and the header changes, JSON, in a key of its own
 message that was handed on. The message that comes back carries that nonce and is handed on
 again exactly as the first time; the worker runs one of the copies
 (:mod:`gatekeeper.celery.duplicates`). On Redis the handoff itself is atomic (``move.lua``),
-and this covers a replayer killed between scoring and moving; once the move is made, the
-original cannot come back, and the replayer deletes the key (``forget_deferred``,
-gatekeeper/redis/snapshot.py).
+and this covers a replayer killed between scoring and moving, and a twin of the message (a
+publish sent twice, one nonce) that is replayed after it.
 
-The handoff is about 550-660 bytes of JSON. Kept in the record, as an older replayer kept it
-(``handoff_from`` and ``handoff``, still read), it made the record a hash table (a value past
-``hash-max-ziplist-value``, 64 bytes), about 1,560-1,920 bytes for its two days; beside it, the
-record stays compact.
+The key lives as long as the record (its TTL, ``GateStore.record_ttl_s``, from when the
+handoff is kept; never deleted when the message moves: a twin, or a dead letter listed twice,
+may still come back, in a later batch, a later pass, or after the deadline). A handoff is
+about 550 bytes of JSON. Kept in the record, as an older replayer kept it (``handoff_from``
+and ``handoff``, still read), it made the record a hash table (a value past
+``hash-max-ziplist-value``, 64 bytes): 1,872 bytes a cut record on Redis 7.0, 2,076 on 6.2
+(bench/memory.py --replayed); beside it, the record stays compact.
 """
 
 from __future__ import annotations
@@ -78,9 +80,12 @@ def remember(runs: RunLedger, job_id: str, attempt: int, nonce: str, handoff: Ha
         raise error
 
 
-def remember_all(runs: RunLedger, kept: Sequence[Kept]) -> list[redis.RedisError | None]:
+def remember_all(
+    runs: RunLedger, kept: Sequence[Kept], ttl_s: int = RECORD_RETENTION_S
+) -> list[redis.RedisError | None]:
     """Keep each handoff in its key, and in its record the nonce of the message it hands on
-    (the record exists: the gate wrote it when it scored the message), all in one round trip.
+    (the record exists: the gate wrote it when it scored the message, and set its TTL, ``ttl_s``
+    from now: the key's), all in one round trip.
     Returns, for each, None once kept or the error that kept it from being (one bad record
     fails its own only); raises redis-py's errors when the round trip failed: then none may be
     kept. A message that comes back with no handoff kept is scored again (:func:`as_scored`)."""
@@ -90,7 +95,7 @@ def remember_all(runs: RunLedger, kept: Sequence[Kept]) -> list[redis.RedisError
                     "wait_s": handoff.wait_s}  # fmt: skip
         # The key before the nonce that points to it: a nonce in the record always has its
         # handoff (or none at all, when the key's write failed).
-        pipe.set(runs.keys.handoff(job_id, attempt), json.dumps(document), ex=RECORD_RETENTION_S)
+        pipe.set(runs.keys.handoff(job_id, attempt), json.dumps(document), ex=ttl_s)
         pipe.hset(runs.keys.run(job_id, attempt), HANDOFF_NONCE, nonce)
     replies = pipe.execute(raise_on_error=False)
     return [next((r for r in pair if isinstance(r, redis.RedisError)), None)

@@ -81,8 +81,7 @@ namespace's slot):
     How the replayer (or ``dead-letter requeue``) handed a deferred message on (JSON: the
     queue and the header changes, gatekeeper/redis/handoff.py), kept outside the record so
     that its length leaves the record a compact hash. The record's ``handoff_nonce`` names
-    the message it belongs to. On a Redis broker the replayer deletes it once the message has
-    moved (the original cannot come back); on RabbitMQ it expires.
+    the message it belongs to; its TTL is the record's, set when the handoff is kept.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
     Marks an attempt whose ``abandoned`` row is written (the replayer writes it once).
 ``gatekeeper:{default}:stats`` - hash, no TTL

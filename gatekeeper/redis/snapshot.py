@@ -11,7 +11,7 @@ then ``INFO memory``: never a whole large hash or list. Key names and lifetimes 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,28 +119,15 @@ def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
     )
 
 
-def forget_deferred(
-    client: redis.Redis,
-    keys: Keys,
-    *headers: Mapping[str, Any],
-    handoffs: Sequence[tuple[str, int]] = (),
-) -> None:
+def forget_deferred(client: redis.Redis, keys: Keys, *headers: Mapping[str, Any]) -> None:
     """Deferred messages (their headers) left defer for good (handed on, dead-lettered):
-    their deadlines no longer count, all forgotten in one ``ZREM``; with the kept handoffs of
-    the attempts in ``handoffs`` deleted, in the same round trip (moved on a Redis broker: the
-    message they were kept for is gone, gatekeeper/redis/handoff.py). Best effort: a member
-    left behind is trimmed after its deadline, a handoff expires."""
+    their deadlines no longer count, all forgotten in one ``ZREM``. Best effort: a member
+    left behind is trimmed after its deadline."""
     members = [f"{h.get('id')}:{h.get(H_ATTEMPT)}" for h in headers
                if h.get("id") is not None and type(h.get(H_ATTEMPT)) is int]  # fmt: skip
-    if not members and not handoffs:
-        return
-    pipe = client.pipeline(transaction=False)
     if members:
-        pipe.zrem(keys.deferred, *members)
-    if handoffs:
-        pipe.delete(*(keys.handoff(job_id, attempt) for job_id, attempt in handoffs))
-    with contextlib.suppress(redis.RedisError):
-        pipe.execute()
+        with contextlib.suppress(redis.RedisError):
+            client.zrem(keys.deferred, *members)
 
 
 def pass_completed(

@@ -52,7 +52,7 @@ if os.environ.get("GATEKEEPER_TEST_KILL_IN") == "remember":
     # Killed after the gate scored the messages, before their handoffs are kept in the record.
     import gatekeeper.celery.batch as batch_module
 
-    def _killed_remember(_: Any, kept: list[Any]) -> list[None]:
+    def _killed_remember(_: Any, kept: list[Any], *__: Any) -> list[None]:
         _die_on_the_nth(len(kept))
         return [None] * len(kept)  # not the nth: taken as kept (nothing is written)
 
