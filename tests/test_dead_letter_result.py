@@ -61,17 +61,24 @@ def test_without_the_app_the_dead_letter_still_works_and_says_no_result(
     assert "result=no_app" in capsys.readouterr().err
 
 
-def test_dead_letters_are_listed_and_one_requeued_with_a_new_deadline(
-    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def dead_lettered(redis_url: str, client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> str:
+    """One gated task abandoned to the dead letter by the replayer, and the publisher's
+    settings set for the CLI; returns its id."""
     settings = gate_settings(redis_url)
     app = create_app(settings, redis_url)
     deferred = app.tasks["tests.embed"].apply_async((2,), headers=SOON).id
     time.sleep(1.2)
-    Replayer(settings, broker=redis_client, gate=redis_client).run(threading.Event(), once=True)
+    Replayer(settings, broker=client, gate=client).run(threading.Event(), once=True)
     for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
                         ("CANARY_PERCENT", "100")):  # fmt: skip
         monkeypatch.setenv(f"GATEKEEPER_{name}", value)  # the publisher's settings
+    return str(deferred)
+
+
+def test_dead_letters_are_listed_and_one_requeued_with_a_new_deadline(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deferred = dead_lettered(redis_url, redis_client, monkeypatch)
     listed = CliRunner().invoke(main, ["dead-letter", "list"])
     assert listed.exit_code == 0 and f"job_id={deferred} " in listed.output
     assert "dead_lettered=1" in listed.output

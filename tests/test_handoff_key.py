@@ -7,21 +7,17 @@ record."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from typing import Any
 
 import pytest
 import redis
 from click.testing import CliRunner
 
-from gatekeeper.celery.replay import Replayer
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE
 from gatekeeper.redis.keys import Keys
-from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, queue_messages
-from tests.test_dead_letter_result import SOON
+from tests.conftest import queue_messages
+from tests.test_dead_letter_result import dead_lettered
 from tests.test_replay import defer_tasks, replay_once
 
 KEYS = Keys()
@@ -137,15 +133,8 @@ def test_a_handoff_key_that_cannot_be_read_fails_its_own_message_only(
 def test_a_requeue_keeps_its_handoff_and_a_second_one_hands_on_as_it_says(
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    settings = gate_settings(redis_url)
-    app = create_app(settings, redis_url)
-    job = app.tasks["tests.embed"].apply_async((2,), headers=SOON).id
-    time.sleep(1.2)
-    Replayer(settings, broker=redis_client, gate=redis_client).run(threading.Event(), once=True)
+    job = dead_lettered(redis_url, redis_client, monkeypatch)
     (dead,) = queue_messages(redis_client, "dead_letter")
-    for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
-                        ("CANARY_PERCENT", "100")):  # fmt: skip
-        monkeypatch.setenv(f"GATEKEEPER_{name}", value)
     requeue = ["dead-letter", "requeue", job, "--deadline-s", "120"]
     done = CliRunner().invoke(main, requeue)
     assert done.exit_code == 0 and "to defer (reason" in done.output, done.output

@@ -162,31 +162,36 @@ def _answers(
 
 
 def _records(requests: list[ReadRecord], runs: RunLedger) -> list[Any]:
-    """Each record as ``RunLedger.fields`` reads it, or why it could not be read: one bad
-    record (a key of another type) fails its own message only."""
-    pipe = runs.client.pipeline(transaction=False)
-    for request in requests:
-        pipe.hgetall(runs.keys.run(request.job_id, request.attempt))
-    try:
-        raw: list[Any] = pipe.execute(raise_on_error=False)
-    except redis.RedisError as exc:
-        raw = [exc] * len(requests)
-    return [LedgerUnavailable(f"cannot read run {r.job_id}:{r.attempt}: {fields}")
-            if isinstance(fields, Exception)
-            else unpack({text_of(k): text_of(v) for k, v in fields.items()})
-            for r, fields in zip(requests, raw, strict=True)]  # fmt: skip
+    """Each record as ``RunLedger.fields`` reads it, or why it could not be read."""
+
+    def read(fields: dict[Any, Any]) -> dict[str, str]:
+        return unpack({text_of(k): text_of(v) for k, v in fields.items()})
+
+    return _each(requests, runs, "run", lambda pipe, r: pipe.hgetall(runs.keys.run(*r)), read)
 
 
 def _handoffs(requests: list[ReadHandoff], runs: RunLedger) -> list[Any]:
-    """Each kept handoff's text, or why it could not be read (a key of another type fails its
-    own message only)."""
+    """Each kept handoff's text ("" for none), or why it could not be read."""
+    return _each(requests, runs, "handoff", lambda pipe, r: pipe.get(runs.keys.handoff(*r)),
+                 lambda text: text_of(text or ""))  # fmt: skip
+
+
+def _each(
+    requests: Sequence[ReadRecord | ReadHandoff],
+    runs: RunLedger,
+    what: str,
+    ask: Callable[[Any, tuple[str, int]], Any],
+    read: Callable[[Any], Any],
+) -> list[Any]:
+    """One read per request's attempt, all in one round trip: each answer ``read``, or why it
+    could not be read (one bad key, of another type, fails its own message only)."""
     pipe = runs.client.pipeline(transaction=False)
     for request in requests:
-        pipe.get(runs.keys.handoff(request.job_id, request.attempt))
+        ask(pipe, (request.job_id, request.attempt))
     try:
         raw: list[Any] = pipe.execute(raise_on_error=False)
     except redis.RedisError as exc:
         raw = [exc] * len(requests)
-    return [LedgerUnavailable(f"cannot read the handoff of {r.job_id}:{r.attempt}: {text}")
-            if isinstance(text, Exception) else text_of(text or "")
-            for r, text in zip(requests, raw, strict=True)]  # fmt: skip
+    return [LedgerUnavailable(f"cannot read {what} {r.job_id}:{r.attempt}: {answer}")
+            if isinstance(answer, Exception) else read(answer)
+            for r, answer in zip(requests, raw, strict=True)]  # fmt: skip
