@@ -173,10 +173,10 @@ if cut then
   -- and HDEL leaves it one, about four times a compact record's memory for the rest of its
   -- retention (bench/memory.py). When the caller says so (ARGV[15]), it is written again,
   -- under the TTL it had, and is compact, unless what stays is itself too long (an older
-  -- replayer's handoff) or too many fields (past `hash-max-ziplist-entries`, 128: a flood of duplicate
-  -- publishes' dup:*; unpack has a limit of its own too): then it is left as it is. (Asking
-  -- the server, OBJECT ENCODING, would cost every cut 3% of its instructions and a command an
-  -- ACL must grant.)
+  -- replayer's handoff) or too many fields (past `hash-max-ziplist-entries`, 128: a flood of
+  -- duplicate publishes' dup:*; unpack has a limit of its own too): then it is left as it
+  -- is. (Asking the server, OBJECT ENCODING, would cost every cut 3% of its instructions and a
+  -- command an ACL must grant.)
   if ARGV[15] == '1' then
     -- The TTL read first: a record in its last millisecond (PTTL 0) is left to expire, never
     -- written again without one.

@@ -118,7 +118,7 @@ def read(client: redis.Redis, keys: Keys, job_id: str, attempt: int) -> str:
     try:
         return text_of(client.get(keys.handoff(job_id, attempt)) or "")
     except redis.RedisError as exc:
-        raise LedgerUnavailable(f"cannot read the handoff of {job_id}:{attempt}: {exc}") from exc
+        raise LedgerUnavailable(f"cannot read handoff {job_id}:{attempt}: {exc}") from exc
 
 
 def recalled(record: Mapping[str, str], nonce: str, in_key: str = "") -> Handoff | None:
