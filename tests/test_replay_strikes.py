@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from typing import Any
 
+import pytest
 import redis
 
 from gatekeeper.celery.batch import ReadRecord, _records
 from gatekeeper.celery.replay import H_REPLAY_ERRORS, Replayer
 from gatekeeper.defaults import RECORD_RETENTION_S
+from gatekeeper.redis import wire
 from gatekeeper.redis.breaker import no_retry
+from gatekeeper.redis.decisions import read_records
 from gatekeeper.redis.handoff import HANDOFF_NONCE, Handoff, remember_all
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
@@ -67,9 +71,10 @@ def test_a_replay_that_hands_a_message_on_drops_its_count_of_failed_replays(
 
 
 class StallsTheFirstBatch(redis.Connection):
-    """A real connection; the first pipeline of gate scripts it sends finds the server asleep
+    """A real connection; the first batch of gate scripts it sends finds the server asleep
     (``DEBUG SLEEP``, sent just before from ``side``) for longer than the read timeout: the
-    scripts run once the server wakes, and their replies are never read."""
+    scripts run once the server wakes, and their replies are never read. (Sent through the
+    line's socket, the batch is stalled by the ``stalled`` fixture instead.)"""
 
     side: redis.Connection | None = None
 
@@ -86,8 +91,29 @@ class StallsTheFirstBatch(redis.Connection):
         super().send_packed_command(command, check_health)
 
 
+@pytest.fixture(params=["socket", "redis-py"])
+def stalled(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the gate's line sends a batch: straight through its socket (hiredis packs), or
+    through redis-py's connection (no hiredis), whose ``send_packed_command`` stalls it."""
+    if request.param == "redis-py":
+        monkeypatch.setattr(wire, "RAW", False)
+        return request.param
+    send_all = wire.Line.send_all
+
+    def stalling(line: wire.Line, commands: Any) -> list[Any]:
+        side = StallsTheFirstBatch.side
+        if side is not None and sum(c[0] == "EVALSHA" for c in commands) > 1:
+            StallsTheFirstBatch.side = None
+            side.send_command("DEBUG", "SLEEP", "0.3")
+            time.sleep(0.02)  # asleep before the batch arrives
+        return send_all(line, commands)
+
+    monkeypatch.setattr(wire.Line, "send_all", stalling)
+    return request.param
+
+
 def test_a_batch_whose_decisions_time_out_is_answered_with_the_decisions_made(
-    redis_url: str, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis, stalled: str
 ) -> None:
     jobs = defer_tasks(redis_url, redis_client, 10)
     settings = gate_settings(redis_url, budget_units=1e9)
@@ -120,3 +146,18 @@ def test_a_batch_reads_a_cut_record_as_the_ledger_does(
     (record,) = _records([ReadRecord("cut", 1)], runs)
     assert record == runs.fields("cut", 1)
     assert record["window"] == "42"  # what as_scored releases an admission from
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["socket", "redis-py"])
+def test_a_batch_sent_to_a_server_that_lost_its_scripts_is_decided_once_each(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, raw: bool
+) -> None:
+    monkeypatch.setattr(wire, "RAW", raw)
+    jobs = defer_tasks(redis_url, redis_client, 10)
+    redis_client.script_flush()  # a restart or a failover: every script of the batch NOSCRIPT
+    assert replay_once(redis_url, redis_client, budget_units=1e9) == {"to_free": 10}
+    carried = {m["headers"]["id"]: m["headers"]["gatekeeper_nonce"]
+               for m in queue_messages(redis_client, "free")}  # fmt: skip
+    assert carried == {job: redis_client.hget(KEYS.run(job, 1), "nonce").decode() for job in jobs}
+    scored = Counter(r.job_id for r in read_records(redis_client, KEYS, 0).records)
+    assert scored == {job: 2 for job in jobs}  # deferred at publish, admitted once by the replay

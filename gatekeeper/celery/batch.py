@@ -164,15 +164,17 @@ def _answers(
 def _records(requests: list[ReadRecord], runs: RunLedger) -> list[Any]:
     """Each record as ``RunLedger.fields`` reads it, or why it could not be read."""
 
-    def read(fields: dict[Any, Any]) -> dict[str, str]:
-        return unpack({text_of(k): text_of(v) for k, v in fields.items()})
+    def read(fields: Any) -> dict[str, str]:  # a flat list on the line, a dict from redis-py
+        flat = fields if isinstance(fields, list) else [x for kv in fields.items() for x in kv]
+        pairs = zip(flat[::2], flat[1::2], strict=True)
+        return unpack({text_of(k): text_of(v) for k, v in pairs})
 
-    return _each(requests, runs, "run", lambda pipe, r: pipe.hgetall(runs.keys.run(*r)), read)
+    return _each(requests, runs, "run", lambda r: ["HGETALL", runs.keys.run(*r)], read)
 
 
 def _handoffs(requests: list[ReadHandoff], runs: RunLedger) -> list[Any]:
     """Each kept handoff's text ("" for none), or why it could not be read."""
-    return _each(requests, runs, "handoff", lambda pipe, r: pipe.get(runs.keys.handoff(*r)),
+    return _each(requests, runs, "handoff", lambda r: ["GET", runs.keys.handoff(*r)],
                  lambda text: text_of(text or ""))  # fmt: skip
 
 
@@ -180,16 +182,13 @@ def _each(
     requests: Sequence[ReadRecord | ReadHandoff],
     runs: RunLedger,
     what: str,
-    ask: Callable[[Any, tuple[str, int]], Any],
+    ask: Callable[[tuple[str, int]], list[str]],
     read: Callable[[Any], Any],
 ) -> list[Any]:
     """One read per request's attempt, all in one round trip: each answer ``read``, or why it
     could not be read (one bad key, of another type, fails its own message only)."""
-    pipe = runs.client.pipeline(transaction=False)
-    for request in requests:
-        ask(pipe, (request.job_id, request.attempt))
     try:
-        raw: list[Any] = pipe.execute(raise_on_error=False)
+        raw = runs.send_all([ask((request.job_id, request.attempt)) for request in requests])
     except redis.RedisError as exc:
         raw = [exc] * len(requests)
     return [LedgerUnavailable(f"cannot read {what} {r.job_id}:{r.attempt}: {answer}")

@@ -87,17 +87,20 @@ def remember_all(
     (the record exists: the gate wrote it when it scored the message, and set its TTL, ``ttl_s``
     from now: the key's), all in one round trip.
     Returns, for each, None once kept or the error that kept it from being (one bad record
-    fails its own only); raises redis-py's errors when the round trip failed: then none may be
-    kept. A message that comes back with no handoff kept is scored again (:func:`as_scored`)."""
-    pipe = runs.client.pipeline(transaction=False)
+    fails its own only). When no answer came (a connection error, a timeout), each not
+    answered gets that error (it may be kept); other errors of the round trip raise, and then
+    none may be kept. A message that comes back with no handoff kept is scored again
+    (:func:`as_scored`)."""
+    commands: list[list[str]] = []
     for job_id, attempt, nonce, handoff in kept:
         document = {"queue": handoff.queue, "set": handoff.set, "drop": list(handoff.drop),
                     "wait_s": handoff.wait_s}  # fmt: skip
         # The key before the nonce that points to it: a nonce in the record always has its
         # handoff (or none at all, when the key's write failed).
-        pipe.set(runs.keys.handoff(job_id, attempt), json.dumps(document), ex=ttl_s)
-        pipe.hset(runs.keys.run(job_id, attempt), HANDOFF_NONCE, nonce)
-    replies = pipe.execute(raise_on_error=False)
+        commands.append(["SET", runs.keys.handoff(job_id, attempt), json.dumps(document),
+                         "EX", str(ttl_s)])  # fmt: skip
+        commands.append(["HSET", runs.keys.run(job_id, attempt), HANDOFF_NONCE, nonce])
+    replies = runs.send_all(commands)
     return [next((r for r in pair if isinstance(r, redis.RedisError)), None)
             for pair in zip(replies[::2], replies[1::2], strict=True)]  # fmt: skip
 

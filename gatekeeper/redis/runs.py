@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -27,7 +28,7 @@ from gatekeeper.redis.kept import pack_own, too_long, unpack
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
-from gatekeeper.redis.wire import Line, call_script, has_lines
+from gatekeeper.redis.wire import Line, call_script, has_lines, send_all
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["Finished", "RunLedger", "RunRecord", "Started"]
@@ -179,6 +180,11 @@ class RunLedger:
         if self._line is None:
             return evalsha(self.client, script, keys, args)
         return call_script(self._line, self.client, script, keys, args)
+
+    def send_all(self, commands: Sequence[Sequence[str]]) -> list[Any]:
+        """The commands in one round trip, on this thread's line where there is one: each
+        reply or its error (:func:`gatekeeper.redis.wire.send_all`)."""
+        return send_all(self._line, self.client, commands)
 
     def fields(self, job_id: str, attempt: int) -> dict[str, str]:
         """The attempt's record as stored (empty when there is none)."""

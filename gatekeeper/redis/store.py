@@ -33,7 +33,7 @@ from gatekeeper.redis.keys import DEFERRED_CAP, OTHER_TASK, Keys
 from gatekeeper.redis.numbers import exact
 from gatekeeper.redis.push import Push
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
-from gatekeeper.redis.wire import Line
+from gatekeeper.redis.wire import Line, send_all
 
 __all__ = ["GateCall", "GateStore", "ScoredAttempt"]
 
@@ -184,25 +184,25 @@ class GateStore:
             except LedgerUnavailable as exc:
                 return [exc]
         requests = [self.gate_call(call) for call in calls]
+        for _, args in requests:
+            args[RERUN] = "1"
+        commands = [["EVALSHA", self._gate.sha, str(len(keys)), *keys, *args]
+                    for keys, args in requests]  # fmt: skip
         try:
             if self.breaker is not None:
                 self.breaker.check("gate script")
-            pipe = self.client.pipeline(transaction=False)
-            for keys, args in requests:
-                args[RERUN] = "1"
-                pipe.evalsha(self._gate.sha, len(keys), *keys, *args)
-            replies: list[Any] = pipe.execute(raise_on_error=False)
+            replies = send_all(None if self._direct else self._line, self.client, commands)
         except LedgerUnavailable as exc:  # the breaker is open
             return [exc] * len(requests)
-        except NO_ANSWER:  # some may have run: each is asked again, as a rerun
-            replies = []
-            for keys, args in requests:
-                lost = replies and isinstance(replies[-1], NO_ANSWER)
-                replies.append(replies[-1] if lost else self._reply_now(keys, args))
         except redis.RedisError as exc:  # no answer to trust: one failure for all
             if self.breaker is not None:
                 self.breaker.failed(exc)
             return [LedgerUnavailable(f"gate script failed: {exc}")] * len(requests)
+        lost = None  # each call that got no answer is asked again, until a rerun gets none
+        for i, reply in enumerate(replies):
+            if isinstance(reply, NO_ANSWER):
+                replies[i] = reply = lost or self._reply_now(*requests[i])
+                lost = reply if isinstance(reply, NO_ANSWER) else None
         return [self._answer(keys, args, reply) for (keys, args), reply in
                 zip(requests, replies, strict=True)]  # fmt: skip
 

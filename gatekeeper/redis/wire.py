@@ -42,10 +42,12 @@ try:
 except ImportError:  # pragma: no cover - hiredis is optional
     hiredis = None
 
-__all__ = ["Line", "Sent", "call_script", "has_lines", "send_script"]
+__all__ = ["Line", "Sent", "call_script", "has_lines", "send_all", "send_script"]
 
 RAW = hiredis is not None and hasattr(hiredis, "pack_command")
 """hiredis packs and parses; without it, redis-py's connection does both."""
+SENT_TOGETHER = 8
+"""Commands :meth:`Line.send_all` packs into one write."""
 
 
 class Line(threading.local):
@@ -82,23 +84,27 @@ class Line(threading.local):
     def send(self, parts: Sequence[str]) -> None:
         """Send one command: through the socket when hiredis packs it, else through redis-py."""
         try:
-            if self._went_stale():
-                self.close()
-            if self.known is None or getattr(self.conn, "_sock", None) is None:
-                self.known = set()  # a new connection: no script answered on it yet
-            if self.sock is None:
-                self.conn.connect()
-                self.sock = getattr(self.conn, "_sock", None) if RAW else None
-                if self.sock is not None:
-                    self.reader = hiredis.Reader()
-                    self.poller = select.poll()
-                    self.poller.register(self.sock, select.POLLIN)
+            self._ready()
             if self.sock is not None:
                 self.sock.sendall(hiredis.pack_command(tuple(parts)))
             else:
                 self.conn.send_command(*parts, check_health=False)
         except OSError as exc:
             raise redis.ConnectionError(f"cannot send to the gate's Redis: {exc}") from exc
+
+    def _ready(self) -> None:
+        """Connected, and idle as far as the server is concerned (else connected again)."""
+        if self._went_stale():
+            self.close()
+        if self.known is None or getattr(self.conn, "_sock", None) is None:
+            self.known = set()  # a new connection: no script answered on it yet
+        if self.sock is None:
+            self.conn.connect()
+            self.sock = getattr(self.conn, "_sock", None) if RAW else None
+            if self.sock is not None:
+                self.reader = hiredis.Reader()
+                self.poller = select.poll()
+                self.poller.register(self.sock, select.POLLIN)
 
     def _went_stale(self) -> bool:
         """Readable while idle: the server closed it (a timeout, a restart, CLIENT KILL) or
@@ -110,6 +116,45 @@ class Line(threading.local):
     def read(self) -> Any:
         if self.sock is None:
             return self.conn.read_response()
+        reply = self._next()
+        if self.reader.has_data():  # more than the one reply asked for: never trust it again
+            raise redis.ConnectionError("the gate's Redis sent more than one reply")
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def send_all(self, commands: Sequence[Sequence[str]]) -> list[Any]:
+        """Send ``commands`` and read their replies, in order: each reply, or its error
+        (``NoScriptError``, ``ResponseError``) in its place. With hiredis they go out a few
+        at a time, so the server runs the first while the rest are packed. A connection
+        error or a timeout takes the place of every reply not read (those requests may have
+        run), and the line is closed."""
+        replies: list[Any] = []
+        try:
+            self._ready()
+            if self.sock is None:  # no hiredis: redis-py's connection packs and parses
+                self.conn.send_packed_command(self.conn.pack_commands(commands))
+            for start in range(0, len(commands) if self.sock else 0, SENT_TOGETHER):
+                chunk = commands[start : start + SENT_TOGETHER]
+                self.sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in chunk))
+            while len(replies) < len(commands):
+                replies.append(self._next())
+            if self.sock is not None and self.reader.has_data():
+                raise redis.ConnectionError("the gate's Redis sent more replies than asked for")
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            self.close()  # it may hold half a reply
+            lost = exc if isinstance(exc, redis.RedisError) else redis.ConnectionError(
+                f"cannot reach the gate's Redis: {exc}")  # fmt: skip
+            replies += [lost] * (len(commands) - len(replies))
+        return replies
+
+    def _next(self) -> Any:
+        """The next reply from the socket; a server's error reply as redis-py's error."""
+        if self.sock is None:
+            try:
+                return self.conn.read_response()
+            except redis.ResponseError as exc:
+                return exc
         reader = self.reader
         try:
             reply = reader.gets()
@@ -121,13 +166,9 @@ class Line(threading.local):
                 reply = reader.gets()
         except OSError as exc:
             raise redis.ConnectionError(f"cannot read from the gate's Redis: {exc}") from exc
-        if reader.has_data():  # more than the one reply asked for: never trust this line again
-            raise redis.ConnectionError("the gate's Redis sent more than one reply")
         if isinstance(reply, hiredis.ReplyError):
             text = str(reply)
-            if text.startswith("NOSCRIPT"):
-                raise NoScriptError(text)
-            raise redis.ResponseError(text)
+            return NoScriptError(text) if text.startswith("NOSCRIPT") else redis.ResponseError(text)
         return reply
 
     def close(self) -> None:
@@ -137,6 +178,29 @@ class Line(threading.local):
 
     def release(self) -> None:
         self.busy = False
+
+
+def send_all(
+    line: Line | None, client: redis.Redis, commands: Sequence[Sequence[str]]
+) -> list[Any]:
+    """Each command's reply, or its error in its place, in order and in one round trip: on
+    this thread's ``line`` when there is one and it is free (replies as the server sent them:
+    ``HGETALL``'s a flat list), else through a redis-py pipeline (replies as redis-py makes
+    them). When no answer came (a connection error, a timeout), that error stands for every
+    reply not read: those commands may have run. Other errors of the round trip raise."""
+    channel = line.take(client.connection_pool) if line is not None else None
+    if channel is None:
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+        try:
+            return list(pipe.execute(raise_on_error=False))
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            return [exc] * len(commands)
+    try:
+        return channel.send_all(commands)
+    finally:
+        channel.release()
 
 
 def has_lines(client: redis.Redis) -> bool:
