@@ -98,17 +98,17 @@ def stalled(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "redis-py":
         monkeypatch.setattr(wire, "RAW", False)
         return request.param
-    send_all = wire.Line.send_all
+    send_many = wire.Line.send_many
 
-    def stalling(line: wire.Line, commands: Any) -> list[Any]:
+    def stalling(line: wire.Line, commands: Any, first: bool) -> None:
         side = StallsTheFirstBatch.side
         if side is not None and sum(c[0] == "EVALSHA" for c in commands) > 1:
             StallsTheFirstBatch.side = None
             side.send_command("DEBUG", "SLEEP", "0.3")
             time.sleep(0.02)  # asleep before the batch arrives
-        return send_all(line, commands)
+        send_many(line, commands, first)
 
-    monkeypatch.setattr(wire.Line, "send_all", stalling)
+    monkeypatch.setattr(wire.Line, "send_many", stalling)
     return request.param
 
 

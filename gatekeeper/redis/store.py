@@ -10,7 +10,7 @@ path's calls then fail at once, without a socket, until its probe finds Redis ba
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -33,7 +33,7 @@ from gatekeeper.redis.keys import DEFERRED_CAP, OTHER_TASK, Keys
 from gatekeeper.redis.numbers import exact
 from gatekeeper.redis.push import Push
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
-from gatekeeper.redis.wire import Line, send_all
+from gatekeeper.redis.wire import Line
 
 __all__ = ["GateCall", "GateStore", "ScoredAttempt"]
 
@@ -110,7 +110,7 @@ class GateStore:
             ttl,
             str(_ms(call.deadline_s)),
             str(_ms(call.now_s + call.delay_s)),
-            "0",  # rerun: set where the request may have run already (_reply_now, score_all)
+            "0",  # rerun: set where the request may have run already (_reply_now, Scoring)
             call.prev_nonce,
             allowance,
             call.task,
@@ -170,41 +170,6 @@ class GateStore:
         finally:
             channel.release()
         return self._gate_reply(reply)
-
-    def score_all(self, calls: Sequence[GateCall]) -> list[ScoredAttempt | LedgerUnavailable]:
-        """:meth:`score` for each call, in order: what it decided, or why it failed. The
-        scripts go in one round trip (one call goes as :meth:`score`'s). The gate's client
-        never sends it again (:func:`~gatekeeper.redis.breaker.no_retry`): when it gets no
-        answer (a timeout, a dropped connection), some scripts may have run, so each call is
-        sent once more as a rerun (:meth:`_reply_now`: gate.lua answers a request it decided
-        with that decision), until one of those gets no answer either."""
-        if len(calls) == 1:
-            try:
-                return [self.score(calls[0])]
-            except LedgerUnavailable as exc:
-                return [exc]
-        requests = [self.gate_call(call) for call in calls]
-        for _, args in requests:
-            args[RERUN] = "1"
-        commands = [["EVALSHA", self._gate.sha, str(len(keys)), *keys, *args]
-                    for keys, args in requests]  # fmt: skip
-        try:
-            if self.breaker is not None:
-                self.breaker.check("gate script")
-            replies = send_all(None if self._direct else self._line, self.client, commands)
-        except LedgerUnavailable as exc:  # the breaker is open
-            return [exc] * len(requests)
-        except redis.RedisError as exc:  # no answer to trust: one failure for all
-            if self.breaker is not None:
-                self.breaker.failed(exc)
-            return [LedgerUnavailable(f"gate script failed: {exc}")] * len(requests)
-        lost = None  # each call that got no answer is asked again, until a rerun gets none
-        for i, reply in enumerate(replies):
-            if isinstance(reply, NO_ANSWER):
-                replies[i] = reply = lost or self._reply_now(*requests[i])
-                lost = reply if isinstance(reply, NO_ANSWER) else None
-        return [self._answer(keys, args, reply) for (keys, args), reply in
-                zip(requests, replies, strict=True)]  # fmt: skip
 
     def _answer(self, keys: list[str], args: list[str], reply: Any) -> Any:
         if isinstance(reply, NoScriptError):  # a restarted or flushed Redis
