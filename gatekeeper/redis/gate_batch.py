@@ -22,8 +22,8 @@ from gatekeeper.errors import GatekeeperError, LedgerUnavailable
 from gatekeeper.redis.attempt import Attempt, Publish
 from gatekeeper.redis.call import GateCall, ScoredAttempt
 from gatekeeper.redis.gate import Pipeline, Routing
+from gatekeeper.redis.queued import Queued
 from gatekeeper.redis.store import NO_ANSWER, RERUN, GateStore
-from gatekeeper.redis.wire import Queued
 
 __all__ = ["Scoring", "route_all"]
 

@@ -26,9 +26,10 @@ from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.cluster import home
 from gatekeeper.redis.kept import pack_own, too_long, unpack
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.queued import send_all
 from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
-from gatekeeper.redis.wire import Line, call_script, has_lines, send_all
+from gatekeeper.redis.wire import Line, call_script, has_lines
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["Finished", "RunLedger", "RunRecord", "Started"]

@@ -17,7 +17,7 @@ The worker's two scripts of a run (``start.lua``, ``finish.lua``) take the same 
 (:func:`call_script`), on a line of their own; where a line cannot be had (:func:`has_lines`:
 a cluster, a client of one connection) they go through redis-py. ``start.lua`` is sent as the
 run starts and its reply read as it ends (:func:`send_script`), so the task does not wait for
-it.
+it. The replayer's batches take the line too (:mod:`gatekeeper.redis.queued`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import inspect
 import os
 import select
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -42,12 +42,10 @@ try:
 except ImportError:  # pragma: no cover - hiredis is optional
     hiredis = None
 
-__all__ = ["Line", "Queued", "Sent", "call_script", "has_lines", "send_all", "send_script"]
+__all__ = ["Line", "Sent", "call_script", "has_lines", "send_script"]
 
 RAW = hiredis is not None and hasattr(hiredis, "pack_command")
 """hiredis packs and parses; without it, redis-py's connection does both."""
-SENT_TOGETHER = 8
-"""Commands :class:`Queued` sends in one write."""
 
 
 class Line(threading.local):
@@ -172,92 +170,6 @@ class Line(threading.local):
 
     def release(self) -> None:
         self.busy = False
-
-
-class Queued:
-    """Commands sent as they are added, a few at a time, on this thread's ``line`` when there
-    is one and it is free (else through a redis-py pipeline, sent when the replies are
-    asked for), and their replies read one at a time, in order (:meth:`replies`): the server
-    runs the first while the rest are made, and the caller works on each reply while the
-    server runs the next. A command is never sent once the replies are asked for."""
-
-    def __init__(self, line: Line | None, client: redis.Redis) -> None:
-        self._client = client
-        self._channel = line.take(client.connection_pool) if line is not None else None
-        self._commands: list[Sequence[str]] = []
-        self._unsent = 0
-        self._lost: Exception | None = None
-
-    def add(self, command: Sequence[str]) -> None:
-        self._commands.append(command)
-        self._unsent += 1
-        if self._unsent >= SENT_TOGETHER:
-            self._send()
-
-    def _send(self) -> None:
-        channel, unsent, self._unsent = self._channel, self._unsent, 0
-        if channel is None or not unsent or self._lost is not None:
-            return
-        first = unsent == len(self._commands)
-        try:
-            channel.send_many(self._commands[-unsent:], first)
-        except redis.RedisError as exc:
-            self._lost = exc
-            channel.close()
-
-    def replies(self, send: bool = True) -> Iterator[Any]:
-        """Each command's reply, or its error in its place. When no answer came (a
-        connection error, a timeout), that error stands for every reply not read: those
-        commands may have run. Through redis-py, other errors of the round trip raise.
-        ``send`` false: the commands not sent yet never are (none, through redis-py), and
-        the replies are those of the commands sent."""
-        if not send:
-            del self._commands[len(self._commands) - self._unsent :]
-            self._unsent = 0
-        if self._channel is None:
-            if send:
-                yield from _pipelined(self._client, self._commands)
-            return
-        self._send()
-        channel, read = self._channel, 0
-        try:
-            for _ in self._commands:
-                if self._lost is None:
-                    try:
-                        reply = channel.next_reply()
-                    except (redis.ConnectionError, redis.TimeoutError) as exc:
-                        self._lost = exc
-                        channel.close()  # it may hold half a reply
-                read += 1
-                yield self._lost if self._lost is not None else reply
-            if self._lost is None and channel.sock is not None and channel.reader.has_data():
-                channel.close()  # more than was asked for: never trust this line again
-        finally:
-            if self._lost is None and read < len(self._commands):
-                channel.close()  # left unread (the caller stopped): out of step with its replies
-            channel.release()
-
-
-def send_all(
-    line: Line | None, client: redis.Redis, commands: Sequence[Sequence[str]]
-) -> list[Any]:
-    """Each command's reply, or its error in its place, in order and in one round trip
-    (:class:`Queued`): on this thread's ``line`` replies come as the server sent them
-    (``HGETALL``'s a flat list), through redis-py as redis-py makes them."""
-    queued = Queued(line, client)
-    for command in commands:
-        queued.add(command)
-    return list(queued.replies())
-
-
-def _pipelined(client: redis.Redis, commands: Sequence[Sequence[str]]) -> list[Any]:
-    pipe = client.pipeline(transaction=False)
-    for command in commands:
-        pipe.execute_command(*command)  # type: ignore[no-untyped-call]
-    try:
-        return list(pipe.execute(raise_on_error=False))
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        return [exc] * len(commands)
 
 
 def has_lines(client: redis.Redis) -> bool:
