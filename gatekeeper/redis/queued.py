@@ -32,8 +32,11 @@ class Queued:
     runs the first while the rest are made, and the caller works on each reply while the
     server runs the next. A command is never sent once the replies are asked for."""
 
-    def __init__(self, line: Line | None, client: redis.Redis) -> None:
+    def __init__(
+        self, line: Line | None, client: redis.Redis, together: int = SENT_TOGETHER
+    ) -> None:
         self._client = client
+        self._together = together
         self._channel = line.take(client.connection_pool) if line is not None else None
         self._commands: list[Sequence[str]] = []
         self._unsent = 0
@@ -42,7 +45,7 @@ class Queued:
     def add(self, command: Sequence[str]) -> None:
         self._commands.append(command)
         self._unsent += 1
-        if self._unsent >= SENT_TOGETHER:
+        if self._unsent >= self._together:
             self._send()
 
     def _send(self) -> None:
@@ -95,7 +98,7 @@ def send_all(
     """Each command's reply, or its error in its place, in order and in one round trip
     (:class:`Queued`): on this thread's ``line`` replies come as the server sent them
     (``HGETALL``'s a flat list), through redis-py as redis-py makes them."""
-    queued = Queued(line, client)
+    queued = Queued(line, client, together=len(commands))  # one write: nothing to wait for
     for command in commands:
         queued.add(command)
     return list(queued.replies())
