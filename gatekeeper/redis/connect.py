@@ -61,8 +61,11 @@ def _sentinel_master(url: str, timeout_s: float, options: dict[str, Any]) -> red
             f"redis_url: a sentinel URL needs hosts and ?master_name=<name>, got {url!r}"
         )
     timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-    sentinels = Sentinel(hosts, sentinel_kwargs=dict(timeouts), **timeouts)  # type: ignore[no-untyped-call]
-    client: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+    # Untyped before redis-py 8.2, typed since (keyword by keyword): taken as Any, so that
+    # mypy passes with either.
+    sentinel_class: Any = Sentinel
+    sentinels = sentinel_class(hosts, sentinel_kwargs=dict(timeouts), **timeouts)
+    client: redis.Redis = sentinels.master_for(
         master, db=db, password=password, **timeouts, **options
     )
     return client
