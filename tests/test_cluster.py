@@ -34,6 +34,7 @@ from gatekeeper.redis.cluster import GateCluster, home, is_cluster
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import ATTEMPTS, Keys
+from gatekeeper.redis.snapshot import read_snapshot
 from tests.acl import PASSWORD, USER, refused
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import (
@@ -144,6 +145,36 @@ def test_gated_publishes_are_decided_on_the_cluster_and_the_worker_writes_rows_t
     assert [m["headers"]["id"] for m in queue_messages(redis_client, "free")] == [aged]
     for port in cluster.ports:  # the README's ACL let every command through, on every node
         assert refused(cluster.admin(port)) == []
+
+
+def test_a_replay_batch_of_several_scripts_is_decided_on_the_cluster(
+    redis_url: str,
+    redis_client: redis.Redis,
+    cluster: LocalCluster,
+    admin: RedisCluster,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replayer batch of many gate scripts (a cluster has no line: redis-py's cluster
+    pipeline carries them) is decided script by script, every one to free."""
+    url = cluster.url()
+    app = create_app(gate_settings(url, max_queue_age_s=1.0), redis_url)
+    admin.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # the free queue old
+    ids = [app.tasks["tests.embed"].delay(n).id for n in range(12)]
+    admin.zrem(KEYS.free_waiting, "stale:1")
+    assert reasons(redis_client, "defer") == ["queue_age_cap"] * 12
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", url)
+    monkeypatch.setenv("GATEKEEPER_BROKER_URL", redis_url)
+    monkeypatch.setenv("GATEKEEPER_DWELL_GATE_ENABLED", "true")
+    monkeypatch.setenv("GATEKEEPER_CANARY_PERCENT", "100")
+    monkeypatch.setenv("GATEKEEPER_BUDGET_UNITS", "1e9")  # no admission refused for the budget
+    replay = CliRunner().invoke(main, ["replay", "--once"])
+    assert replay.exit_code == 0, replay.output
+    assert sorted(m["headers"]["id"] for m in queue_messages(redis_client, "free")) == sorted(ids)
+    assert set(reasons(redis_client, "free")) == {"fits"}
+    assert admin.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 12
+    # The pass was recorded, and a scrape reads it (both one transaction on the slot's primary).
+    snap = read_snapshot(client_for(url, 1.0), KEYS, int(time.time() // 900))
+    assert snap.waiting == 12 and snap.last_pass_s is not None
 
 
 def test_any_startup_node_that_answers_is_enough(

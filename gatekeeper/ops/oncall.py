@@ -31,6 +31,7 @@ from gatekeeper.ops.context import app_of, settings_of
 from gatekeeper.ops.metrics import DEFAULT_HOST, collector_for, listening
 from gatekeeper.ops.service_status import service_lines
 from gatekeeper.redis.breaker import no_retry
+from gatekeeper.redis.cluster import home
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.decisions import stream_state
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
@@ -196,7 +197,8 @@ def status(ctx: click.Context) -> None:
         stored = store.stored()
         policy = store.eviction_policy()
         history = store.history(limit=50)
-        pipe = gate.pipeline(transaction=True)  # one transaction: a size less its pad
+        # one transaction (a size less its pad), on a cluster the slot's primary's
+        pipe = home(gate, keys.free_waiting).pipeline(transaction=True)
         read_waiting(pipe, keys)
         oldest_ms, waiting = waiting_of(*pipe.execute())
         current = window_id(now, settings.window_seconds)

@@ -107,7 +107,10 @@ def send_all(
 def _pipelined(client: redis.Redis, commands: Sequence[Sequence[str]]) -> list[Any]:
     pipe = client.pipeline(transaction=False)
     for command in commands:
-        pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+        parts: list[str | int] = list(command)
+        if parts[0] == "EVALSHA":  # a cluster's pipeline finds the keys by the count, an int
+            parts[2] = int(parts[2])  # (redis-py 5.0; later ones take text too)
+        pipe.execute_command(*parts)  # type: ignore[no-untyped-call]
     try:
         return list(pipe.execute(raise_on_error=False))
     except (redis.ConnectionError, redis.TimeoutError) as exc:

@@ -19,6 +19,7 @@ import redis
 
 from gatekeeper.core.headers import H_ATTEMPT
 from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.redis.cluster import home
 from gatekeeper.redis.keys import ATTEMPTS, Keys
 from gatekeeper.redis.scripts import text_of
 
@@ -84,7 +85,8 @@ def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
     """The namespace's state for a scrape; :class:`LedgerUnavailable` when Redis cannot be
     read (a timeout on a hung server included: the caller's client sets how long)."""
     try:
-        pipe = client.pipeline(transaction=True)
+        server = home(client, keys.totals)  # a cluster's MULTI and INFO: the slot's primary
+        pipe = server.pipeline(transaction=True)
         pipe.hgetall(keys.totals)
         pipe.hmget(keys.window(window_id), list(WINDOW_FIELDS))
         read_waiting(pipe, keys)
@@ -93,7 +95,7 @@ def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
         pipe.hgetall(keys.stats)
         pipe.get(keys.replayer_last_pass)
         totals, window, *waiting, nearest, flags, stats, last = pipe.execute()
-        policy = client.info("memory").get("maxmemory_policy")
+        policy = server.info("memory").get("maxmemory_policy")
     except redis.RedisError as exc:
         raise LedgerUnavailable(f"cannot read the gate's Redis: {exc}") from exc
     counted = _text(totals)
@@ -137,7 +139,7 @@ def pass_completed(
     and drop the deferred deadlines older than ``backoff_max_s`` before it began (a message
     still in defer with such a deadline would have been abandoned in this pass: it was purged
     or lost)."""
-    pipe = client.pipeline(transaction=True)
+    pipe = home(client, keys.replayer_last_pass).pipeline(transaction=True)  # a cluster's MULTI
     pipe.set(keys.replayer_last_pass, repr(now_s))
     pipe.zremrangebyscore(keys.deferred, "-inf", f"({(began_s - backoff_max_s) * 1000!r}")
     pipe.execute()
