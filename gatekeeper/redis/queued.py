@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
+from redis.exceptions import NoScriptError
 
 from gatekeeper.redis.wire import Line
 
@@ -55,8 +56,10 @@ class Queued:
         first = unsent == len(self._commands)
         try:
             channel.send_many(self._commands[-unsent:], first)
-        except redis.RedisError as exc:
-            self._lost = exc
+        except Exception as exc:  # a command that cannot be packed is a batch not sent too
+            self._lost = exc if isinstance(exc, redis.RedisError) else redis.ConnectionError(
+                f"cannot send a batch to the gate's Redis: {exc!r}"
+            )  # fmt: skip
             channel.close()
 
     def replies(self, send: bool = True) -> Iterator[Any]:
@@ -73,7 +76,7 @@ class Queued:
                 yield from _pipelined(self._client, self._commands)
             return
         self._send()
-        channel, read = self._channel, 0
+        channel, read, refused = self._channel, 0, False
         try:
             for _ in self._commands:
                 if self._lost is None:
@@ -82,13 +85,20 @@ class Queued:
                     except (redis.ConnectionError, redis.TimeoutError) as exc:
                         self._lost = exc
                         channel.close()  # it may hold half a reply
+                    else:
+                        refused |= isinstance(reply, redis.RedisError) and not isinstance(
+                            reply, NoScriptError
+                        )  # fmt: skip
                 read += 1
                 yield self._lost if self._lost is not None else reply
             if self._lost is None and channel.sock is not None and channel.reader.has_data():
                 channel.close()  # more than was asked for: never trust this line again
         finally:
-            if self._lost is None and read < len(self._commands):
-                channel.close()  # left unread (the caller stopped): out of step with its replies
+            if self._lost is None and (refused or read < len(self._commands)):
+                # Left unread (the caller stopped): out of step with its replies. Or an error
+                # reply (READONLY, LOADING, MASTERDOWN: a failover that moved the address
+                # leaves this line on a replica), as a single call's closes it (GateStore.score).
+                channel.close()
             channel.release()
 
 

@@ -131,7 +131,8 @@ class Line(threading.local):
             if self.sock is not None:
                 self.sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
             else:
-                self.conn.send_packed_command(self.conn.pack_commands(commands))
+                # No health check: its PING would read a reply of the batch as its PONG.
+                self.conn.send_packed_command(self.conn.pack_commands(commands), check_health=False)
         except OSError as exc:
             raise redis.ConnectionError(f"cannot send to the gate's Redis: {exc}") from exc
 
