@@ -8,7 +8,6 @@ check reads a reply of the batch as its own."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +18,12 @@ from celery import Celery
 
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.core.headers import H_REPLAY_AFTER
-from gatekeeper.errors import EmbeddedRedisError
-from gatekeeper.ops.embedded import find_redis_server
 from gatekeeper.redis import wire
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.queued import Queued, send_all
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, initialised, missing_server, queue_messages
+from tests.conftest import gate_settings, initialised, queue_messages
+from tests.moved import Moved, moved_redis
 
 
 @pytest.fixture(params=["hiredis", "redis-py"])
@@ -91,42 +89,10 @@ def test_without_hiredis_no_health_check_reads_a_reply_of_the_batch(
     assert list(queued.replies()) == [str(n).encode() for n in range(16)]
 
 
-class Server:
-    """A ``redis-server`` on a Unix socket of its own."""
-
-    def __init__(self, directory: Path, name: str) -> None:
-        self.socket = directory / f"{name}.sock"
-        self.process = subprocess.Popen(
-            [find_redis_server(), "--port", "0", "--unixsocket", str(self.socket),
-             "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.client = redis.Redis(unix_socket_path=str(self.socket))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.client.ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-
 @pytest.fixture()
-def two_servers(tmp_path: Path) -> Iterator[tuple[Server, Server]]:
-    try:
-        find_redis_server()
-    except EmbeddedRedisError as exc:
-        missing_server(str(exc))
-    servers: list[Server] = []
-    try:
-        servers += [Server(tmp_path, "a"), Server(tmp_path, "b")]
-        yield servers[0], servers[1]
-    finally:
-        for server in servers:
-            server.process.terminate()
-            server.process.wait(10)
+def moved(tmp_path: Path) -> Iterator[Moved]:
+    with moved_redis(tmp_path) as pair:
+        yield pair
 
 
 def defer(app: Celery, gate: redis.Redis, count: int) -> list[str]:
@@ -137,43 +103,36 @@ def defer(app: Celery, gate: redis.Redis, count: int) -> list[str]:
     return ids
 
 
-def test_the_replayer_follows_a_failover_that_moved_the_gates_address(
-    two_servers: tuple[Server, Server], tmp_path: Path
-) -> None:
-    """The gate's address is a symlink to A's socket. Then B takes A's data, A turns replica
-    (READONLY to writes) and the address points at B (a VIP or DNS move). The batch that meets
-    A's READONLY fails closed (never to free), as a single publish does; the next one decides
-    on B, where the replayer's lines connect again."""
-    a, b = two_servers
-    address = tmp_path / "gate.sock"
-    address.symlink_to(a.socket)
-    url = f"unix://{address}"
-    app = create_app(gate_settings(url, max_queue_age_s=1.0), f"redis+socket://{address}")
+def test_the_replayer_follows_a_failover_that_moved_the_gates_address(moved: Moved) -> None:
+    """The gate's address points at A; then B takes A's data, A turns replica (READONLY to
+    writes, its connections kept) and the address points at B (a VIP or DNS move). What meets
+    A's READONLY is asked again on a new connection, which reaches B, and the replayer's
+    lines connect again there."""
+    url = moved.url
+    app = create_app(gate_settings(url, max_queue_age_s=1.0), f"redis+socket://{moved.address}")
     client = redis.Redis.from_url(url)
     initialised(client)
     gate = redis.Redis.from_url(url, socket_timeout=1, **no_retry())
-    replayer = Replayer(gate_settings(url, budget_units=1e9, breaker_open_s=0.2),
-                        broker=client, gate=gate)  # fmt: skip
+    replayer = Replayer(gate_settings(url, budget_units=1e9), broker=client, gate=gate)
     assert replayer.acquire()
     defer(app, client, 3)
     assert dict(replayer.pass_once()) == {"to_free": 3}  # its lines are on A now
     parked = defer(app, client, 8)
 
-    for key in a.client.keys("*"):  # B as A's replica would hold it
-        b.client.restore(key, 0, a.client.dump(key), replace=True)
-    a.client.replicaof("127.0.0.1", "1")  # A, a replica now, answers writes with READONLY
-    address.unlink()
-    address.symlink_to(b.socket)
-    for pool_owner in (client, gate):  # what the breaker does on an error: the pool dropped
+    moved.fail_over()
+    for pool_owner in (client, gate):  # the pools' idle connections too (as Sentinel's would)
         pool_owner.connection_pool.disconnect()
-    messages = [json.loads(raw) for raw in b.client.lrange("defer", 0, -1)]
-    b.client.delete("defer")
+    messages = [json.loads(raw) for raw in moved.b.client.lrange("defer", 0, -1)]
+    moved.b.client.delete("defer")
     for message in messages:  # half of them due now, the rest in half a second
         due = 0.5 if message["headers"]["id"] in parked[4:] else -0.1
         message["headers"][H_REPLAY_AFTER] = time.time() + due
-        b.client.rpush("defer", json.dumps(message))
+        moved.b.client.rpush("defer", json.dumps(message))
 
-    assert "to_free" not in dict(replayer.pass_once())  # A's READONLY: failed closed
-    time.sleep(0.6)  # the rest due, and past the breaker that opened
+    assert dict(replayer.pass_once()) == {"to_free": 4, "not_due": 4}
+    time.sleep(0.6)  # the rest due
     assert dict(replayer.pass_once()) == {"to_free": 4}
-    assert set(parked[4:]) <= {m["headers"]["id"] for m in queue_messages(b.client, "free")}
+    free = {m["headers"]["id"] for m in queue_messages(moved.b.client, "free")}
+    assert set(parked) <= free
+    waiting = moved.b.client.zrange("gatekeeper:{default}:free:waiting", 0, -1)
+    assert {f"{job}:1".encode() for job in parked} <= set(waiting)  # decided on B

@@ -147,7 +147,7 @@ class Line(threading.local):
             try:
                 return self.conn.read_response()
             except redis.ResponseError as exc:
-                return exc
+                return _classified(exc)
         reader = self.reader
         try:
             reply = reader.gets()
@@ -161,7 +161,9 @@ class Line(threading.local):
             raise redis.ConnectionError(f"cannot read from the gate's Redis: {exc}") from exc
         if isinstance(reply, hiredis.ReplyError):
             text = str(reply)
-            return NoScriptError(text) if text.startswith("NOSCRIPT") else redis.ResponseError(text)
+            if text.startswith("NOSCRIPT"):
+                return NoScriptError(text)
+            return _classified(redis.ResponseError(text))
         return reply
 
     def close(self) -> None:
@@ -171,6 +173,16 @@ class Line(threading.local):
 
     def release(self) -> None:
         self.busy = False
+
+
+def _classified(error: redis.ResponseError) -> redis.RedisError:
+    """A ``READONLY`` reply, bare or from inside a script, as a connection error: the server
+    is a replica now (a failover), and a call asked again on a new connection reaches the
+    primary, as redis-py's Sentinel connections do. Other error replies as they are."""
+    text = str(error)
+    if text.startswith("READONLY") or " -READONLY " in text:
+        return redis.ConnectionError(f"the gate's Redis is a replica now: {text}")
+    return error
 
 
 def has_lines(client: redis.Redis) -> bool:
