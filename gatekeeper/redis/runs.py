@@ -309,7 +309,11 @@ class RunLedger:
             "1" if run > 1 or too_long(record.task) or too_long(record.worker) else "0",
         ]
         try:
-            written, misses, admitted, tax = self._call(self._finish, keys, args)
+            try:
+                reply = self._call(self._finish, keys, args)
+            except (redis.ConnectionError, redis.TimeoutError):  # no answer: it may not have run
+                reply = self._call(self._finish, keys, args)  # safe: one row per run
+            written, misses, admitted, tax = reply
             return Finished(bool(written), int(misses), int(admitted), float(text_of(tax)))
         except (redis.RedisError, ValueError) as exc:  # ValueError: not finish.lua's reply
             raise LedgerUnavailable(f"cannot write the row of {member}: {exc}") from exc
@@ -334,17 +338,13 @@ class RunLedger:
 
     def stale(self, now_ms: int, older_than_s: float) -> list[tuple[str, int]]:
         """Attempts started more than ``older_than_s`` ago that still have no row."""
+        before = now_ms - older_than_s * 1000
         try:
-            members = self.client.zrangebyscore(
-                self.keys.started, "-inf", now_ms - older_than_s * 1000
-            )
+            members = self.client.zrangebyscore(self.keys.started, "-inf", before)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read started runs: {exc}") from exc
-        found = []
-        for member in members:
-            job_id, _, attempt = text_of(member).rpartition(":")  # type: ignore[arg-type]
-            found.append((job_id, int(attempt)))
-        return found
+        split = (text_of(member).rpartition(":") for member in members)  # type: ignore[arg-type]
+        return [(job_id, int(attempt)) for job_id, _, attempt in split]
 
 
 def _started_of(reply: Any, mine: dict[str, str]) -> Started:
