@@ -183,6 +183,28 @@ def test_with_the_broker_on_the_hung_server_a_publish_fails_and_lands_at_most_on
     assert queue_messages(broker, "free")[-1]["headers"]["id"] == "third"
 
 
+def test_while_the_breaker_is_open_a_fast_publish_takes_celerys_own_way_and_lands(
+    gate_server: EmbeddedRedis,
+) -> None:
+    """The breaker opened (a stall, a flags read that timed out) and Redis answers again
+    before the probe says so: a fast publish whose broker is known to be the gate's server
+    does not raise (its fallback push would be refused), it lands in reserved by Celery's
+    own publish, which fails only when the broker does."""
+    app = create_app(gate_settings(gate_server.url, fast_publish="on", breaker_open_s=3),
+                     gate_server.url)  # fmt: skip
+    embed = app.tasks["tests.embed"]
+    embed.delay(0)  # fast publish: the broker's pool is known to be the gate's server
+    broker = redis.Redis.from_url(gate_server.url)
+    assert reasons(broker, "free") == ["fits"]
+    breaker_of(app).failed(redis.TimeoutError("a stall"))  # Redis answers again meanwhile
+    for n in range(3):
+        embed.apply_async((n,), task_id=f"after-{n}")
+    assert breaker_of(app).is_open
+    reserved = {m["headers"]["id"]: m["headers"] for m in queue_messages(broker, "reserved")}
+    assert sorted(reserved) == ["after-0", "after-1", "after-2"]
+    assert {h["gatekeeper_reason"] for h in reserved.values()} == {"gate_unavailable"}
+
+
 def sent_while_stopped(server: EmbeddedRedis, call: Any) -> Counter[str]:
     """What reached the server (once it went on) from ``call`` made while it was stopped."""
     observer = redis.Redis.from_url(server.url)

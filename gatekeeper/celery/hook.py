@@ -256,11 +256,13 @@ class Installed:
         pool = getattr(broker, "connection_pool", None)
         if pool is None:
             return False
+        breaker = self.store.breaker
+        if breaker is not None and breaker.is_open:
+            # The script would not be asked, and its fallback push refused: Celery's own
+            # publish, which fails only if the broker does (Redis may answer again already).
+            return False
         same = self._same_server.get(pool)
         if same is None:
-            breaker = self.store.breaker
-            if breaker is not None and breaker.is_open:
-                return False  # not asked of a server that is not answering: Celery's own way
             same = same_server(broker, self.client)
             if same is not None:  # unknown (a server unreachable): asked again next time
                 self._same_server[pool] = same
