@@ -72,7 +72,7 @@ def test_the_record_of_a_finished_attempt_keeps_only_what_later_reads_need(
     record = stored(redis_client, "A")
     assert set(record) == CUT, whole
     assert (record["nonce"], record["runs"], record["rowed"]) == (nonce, "1", "1")
-    assert record["kept"] == f"{ms(NOW)}|{ms(NOW + 90)}|1200|{WINDOW}"
+    assert record["kept"] == f"{ms(NOW)}|{ms(NOW + 90)}|1200|{WINDOW}|ok"
 
 
 def test_the_cut_record_keeps_the_ttl_the_gate_gave_the_record(redis_client: redis.Redis) -> None:
@@ -179,7 +179,8 @@ def test_a_publish_of_the_same_attempt_after_the_cut_is_decided_anew(
     run_once(runs, "A", again, NOW + 103, Outcome.OK)
     found = rows_of(redis_client, "A")
     assert [(r["outcome"], r["queue_wait_ms"]) for r in found] == [("ok", 2000), ("ok", 3000)]
-    assert stored(redis_client, "A")["kept"] == f"{ms(NOW + 100)}|{ms(NOW + 190)}|1200|{WINDOW}"
+    kept = stored(redis_client, "A")["kept"]
+    assert kept == f"{ms(NOW + 100)}|{ms(NOW + 190)}|1200|{WINDOW}|ok"
 
 
 def test_a_started_record_packs_four_of_the_workers_numbers_and_stays_compact(
@@ -268,7 +269,7 @@ def test_a_record_a_long_name_made_a_hash_table_is_compact_again_after_the_cut(
     assert redis_client.object("encoding", KEYS.run("A", 1)) in COMPACT
     record = stored(redis_client, "A")
     assert set(record) == CUT | {"tokens_out"} and record["nonce"] == nonce
-    assert record["kept"] == f"{ms(NOW)}|{ms(NOW + 90)}|1200|{WINDOW}"
+    assert record["kept"] == f"{ms(NOW)}|{ms(NOW + 90)}|1200|{WINDOW}|ok"
     assert 123_456_789 - 60_000 < redis_client.pttl(KEYS.run("A", 1)) <= 123_456_789
     assert [r["outcome"] for r in rows_of(redis_client, "A")] == ["ok"]
     again = runs.start("A", 1, nonce, long_names, ms(NOW + 30))  # delivered again after the cut

@@ -183,6 +183,46 @@ def test_a_run_after_the_attempt_has_its_row_is_counted_as_a_rerun(
     assert redis_client.hget(KEYS.stats, "reruns_after_row") == b"1"
 
 
+def test_a_rerun_after_the_attempts_ok_row_is_no_slack_miss_even_when_late(
+    redis_client: redis.Redis,
+) -> None:
+    """A lost ack: the job finished in time, its message ran again after the deadline."""
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
+    _, rec = runs.record("job", 1) or (0, record())
+    on_time = runs.finish(runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 200), 1, rec,
+                          T0_MS + 200)  # fmt: skip
+    assert on_time.written and not on_time.slack_miss
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 120_000)  # past its deadline
+    run, rec = runs.record("job", 1) or (0, record())
+    late = T0_MS + 120_100
+    rerun = runs.finish(runs.row_for("job", 1, rec, Outcome.OK, late), run, rec, late,
+                        slack_miss=True)  # fmt: skip
+    assert rerun.written and not rerun.slack_miss
+    assert redis_client.hget(KEYS.totals, "slack_misses") is None
+    assert int(window_hash(redis_client, T0_MS).get(b"slack_misses") or 0) == 0
+
+
+def test_a_redelivery_after_a_killed_row_that_ends_late_is_a_slack_miss(
+    redis_client: redis.Redis,
+) -> None:
+    """The sweep wrote the run killed (its worker gone); the message ran again, late: the
+    job's only finish missed its deadline."""
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
+    _, rec = runs.record("job", 1) or (0, record())
+    runs.finish(runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200), 1, rec, T0_MS + 200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 120_000)
+    run, rec = runs.record("job", 1) or (0, record())
+    late = T0_MS + 120_100
+    done = runs.finish(runs.row_for("job", 1, rec, Outcome.OK, late), run, rec, late,
+                       slack_miss=True)  # fmt: skip
+    assert done.written and done.slack_miss
+    assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
+
+
 def test_a_row_that_counts_adds_its_run_to_the_tasks_buckets_in_the_same_step_once(
     redis_client: redis.Redis,
 ) -> None:

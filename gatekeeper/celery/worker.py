@@ -345,7 +345,7 @@ class WorkerSide:
             queue_wait_ms=row.queue_wait_ms, tokens_in=row.tokens_in, retry_tax=done.retry_tax,
             deadline_slack_ms=row.deadline_slack_ms,
         )  # fmt: skip
-        if miss:
+        if done.slack_miss:  # not a rerun's after the attempt's ok row (finish.lua)
             self.alerts.error(
                 "slack_miss", decision="admit_free", slack_miss=True, task=record.task,
                 job_id=job_id, attempt=attempt, dwell_s=record.dwell_s,

@@ -61,7 +61,8 @@
 --                        the record again: below)
 --
 -- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free,
--- the row's retry_tax as written (a free row's capped by its reservation)}.
+-- the row's retry_tax as written (a free row's capped by its reservation), missed (1 when
+-- the slack miss was counted: not for a rerun after the attempt's `ok` row)}.
 
 local function fmt17(x) return string.format('%.17g', x) end
 -- Whole numbers go to redis.call as the text they came in ('1', ARGV[8]): the server formats
@@ -136,7 +137,10 @@ if held and (ARGV[9] == '1' or ARGV[5] ~= 'free') then
   redis.call('HDEL', KEYS[4], ARGV[1])
   redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -tonumber(string.match(held, '^[^|]+')))
 end
-if ARGV[7] == '1' then
+-- A rerun after the attempt's `ok` row (a lost ack, a redelivery; `kept` ends in '|ok'): the
+-- job finished then, and its slack was judged at that row. A late rerun is no miss of it.
+local missed = ARGV[7] == '1' and not (rec[5] and string.sub(rec[5], -3) == '|ok')
+if missed then
   redis.call('HINCRBY', KEYS[6], 'slack_misses', '1')
   redis.call('EXPIRE', KEYS[6], ARGV[8])
   redis.call('HINCRBY', KEYS[8], 'slack_misses', '1')
@@ -165,7 +169,7 @@ if cut then
   if rec[11] == '' then gone[#gone + 1] = 'prev_nonce' end
   if rec[6] or not rec[5] then  -- (a publish of the attempt after a cut writes its fields anew)
     redis.call('HSET', KEYS[1], 'kept', (rec[6] or '') .. '|' .. (rec[7] or '') .. '|'
-      .. (rec[8] or '') .. '|' .. (rec[9] or ''))
+      .. (rec[8] or '') .. '|' .. (rec[9] or '') .. (ARGV[4] == 'ok' and '|ok' or ''))
   end
   redis.call('HDEL', KEYS[1], unpack(gone))
   -- A value longer than a compact hash holds (`hash-max-ziplist-value`, 64 bytes by default:
@@ -194,4 +198,5 @@ if cut then
   end
 end
 local counts = redis.call('HMGET', KEYS[6], 'slack_misses', 'admitted_free')
-return {1, tonumber(counts[1] or '0'), tonumber(counts[2] or '0'), written_tax}
+return {1, tonumber(counts[1] or '0'), tonumber(counts[2] or '0'), written_tax,
+  missed and 1 or 0}

@@ -17,6 +17,8 @@ bench/memory.py; about 110 of them are the key itself). What stays, and who read
   redelivery after the row needs besides what its own start writes again (``started_ms``,
   ``task``, ``retries``, ``tokens_out``, ...). Its presence also says the reservation is
   closed: a later run of the attempt is charged nothing (as ``reserved`` = ``charged`` said).
+  A fifth part, ``ok``, when the row that cut it was ``ok``: the job finished then, so a
+  rerun's late finish is no slack miss of it (finish.lua; older readers ignore the part).
 
 Dropped: ``admitted_ms`` and ``dwell_s`` (only the first run's tax and slack-miss line read
 them), ``label``, ``reserved``, ``charged``, ``expired_ms`` and every field a start writes,

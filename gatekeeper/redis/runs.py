@@ -110,6 +110,8 @@ class Finished:
     admitted_free: int
     retry_tax: float = 0.0
     """The row's tax as written (``finish.lua`` caps a free row's by its reservation)."""
+    slack_miss: bool = False
+    """The row counted a slack miss (not a rerun's after the attempt's ``ok`` row)."""
 
 
 class RunLedger:
@@ -313,8 +315,9 @@ class RunLedger:
                 reply = self._call(self._finish, keys, args)
             except (redis.ConnectionError, redis.TimeoutError):  # no answer: it may not have run
                 reply = self._call(self._finish, keys, args)  # safe: one row per run
-            written, misses, admitted, tax = reply
-            return Finished(bool(written), int(misses), int(admitted), float(text_of(tax)))
+            written, misses, admitted, tax, *missed = reply
+            return Finished(bool(written), int(misses), int(admitted), float(text_of(tax)),
+                            missed == [1])  # fmt: skip
         except (redis.RedisError, ValueError) as exc:  # ValueError: not finish.lua's reply
             raise LedgerUnavailable(f"cannot write the row of {member}: {exc}") from exc
 
