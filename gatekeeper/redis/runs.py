@@ -277,19 +277,13 @@ class RunLedger:
         member = f"{row.job_id}:{row.attempt}"
         row_window = window_id(now_ms / 1000, self.window_seconds)
         admission_window = record.window
-        keys = [
-            self.keys.run(row.job_id, row.attempt),
-            self.keys.window(row_window),
-            self.keys.window_rows(row_window),
-            self.keys.inflight,
-            self.keys.started,
-            self.keys.window(admission_window),
-            self.keys.window_rows(admission_window),
-            self.keys.totals,
-            self.keys.decisions,
-            self.keys.service(record.task),
+        keys = [  # finish.lua's KEYS, in order
+            self.keys.run(row.job_id, row.attempt), self.keys.window(row_window),
+            self.keys.window_rows(row_window), self.keys.inflight, self.keys.started,
+            self.keys.window(admission_window), self.keys.window_rows(admission_window),
+            self.keys.totals, self.keys.decisions, self.keys.service(record.task),
             self.keys.service_tasks,
-        ]
+        ]  # fmt: skip
         text = json.dumps(row.to_json())  # retry_tax is its last field (LedgerRow's order)
         args = [
             member,
