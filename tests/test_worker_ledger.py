@@ -77,6 +77,21 @@ def test_an_exception_is_one_killed_row_priced_as_the_worked_vector(
     assert "reason=ValueError" in (tmp_path / "w.log").read_text()
 
 
+def test_a_task_that_raises_ignore_is_one_ok_row_and_leaves_nothing_started(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Celery ends an ``Ignore`` (``Task.replace`` raises it too) with ``task_postrun``
+    alone: no success, failure or retry signal."""
+    with running_worker(redis_url, tmp_path / "w.log"):
+        job = app_for(redis_url).tasks["tests.ignores"].delay().id
+        (row,) = wait_rows(redis_client, 1)
+    assert (row["job_id"], row["outcome"], row["path"]) == (job, "ok", "free")
+    assert redis_client.zcard(KEYS.started) == 0
+    assert redis_client.hlen(KEYS.inflight) == 0
+    assert window_totals(redis_client, "exposure") == 0
+    assert "reason=ignored" in (tmp_path / "w.log").read_text()
+
+
 def test_a_soft_time_limit_is_one_killed_row(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

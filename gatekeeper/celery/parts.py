@@ -25,6 +25,7 @@ import redis
 from celery import Celery
 from celery.signals import (
     task_failure,
+    task_postrun,
     task_prerun,
     task_received,
     task_retry,
@@ -54,6 +55,7 @@ SIGNALS = (
     (task_success, "worker", "on_success"),
     (task_failure, "worker", "on_failure"),
     (task_retry, "worker", "on_retry"),
+    (task_postrun, "worker", "on_postrun"),  # before the lines' flush (hook.connect)
     (task_revoked, "worker", "on_revoked"),
     (worker_init, "expiry", "on_worker_init"),
     (worker_ready, "heartbeat", "on_ready"),

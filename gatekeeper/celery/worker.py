@@ -15,6 +15,7 @@ how the run ended                      signal          process
 returned                               task_success    pool child -> ``ok``
 raised (soft time limit included)      task_failure    pool child -> ``killed``
 asked for a retry                      task_retry      pool child -> ``killed``
+raised ``Ignore`` (``Task.replace``)   task_postrun    pool child -> ``ok`` (``ignored``)
 hard time limit, child SIGKILLed       task_failure    main process (``sender.request``
                                                        may be empty: headers cached from
                                                        ``task_received``) -> ``killed``
@@ -86,8 +87,7 @@ class _Starting:
 
 
 class _Starts(threading.local):
-    """The starts this thread sent and has not read, by task id (a line is a thread's own:
-    no other thread may read its replies)."""
+    """The starts this thread sent and not read, by task id (a line's replies: its own)."""
 
     def __init__(self) -> None:
         self.by_job: dict[str, _Starting] = {}
@@ -273,12 +273,15 @@ class WorkerSide:
         if self._ours(sender):
             self._end_running(sender.request.id, Outcome.OK, "ok")
 
-    def on_retry(
-        self, sender: Any = None, request: Any = None, reason: Any = None, **_: Any
-    ) -> None:
+    def on_retry(self, sender: Any = None, request: Any = None, **_: Any) -> None:
         if self._ours(sender):
             job_id = getattr(request, "id", None) or sender.request.id
             self._end_running(job_id, Outcome.KILLED, "retry")
+
+    def on_postrun(self, sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+        """A run no other signal ended (``Ignore``, which ``Task.replace`` raises too): ok."""
+        if self._ours(sender) and (task_id in self._running or task_id in self._starts.by_job):
+            self._end_running(task_id, Outcome.OK, "ignored")
 
     def on_failure(
         self, sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any

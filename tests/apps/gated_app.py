@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
+from celery.exceptions import Ignore
 
 import gatekeeper
 from gatekeeper.redis.connect import client_for
@@ -91,6 +92,11 @@ def create_app(
     def boom(self: Any) -> None:
         record(self)
         raise ValueError("boom")
+
+    @app.task(bind=True, name="tests.ignores", max_retries=0, shared=False, gatekeeper=kill_spec)
+    def ignores(self: Any) -> None:
+        record(self)
+        raise Ignore()  # no end signal but task_postrun (Task.replace raises it too)
 
     @app.task(
         bind=True, name="tests.soft", max_retries=0, soft_time_limit=0.5, shared=False,
