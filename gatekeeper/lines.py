@@ -12,7 +12,8 @@ bench, 0.01 to 0.035 of the gated/plain ratio; bench/README.md).
 the process that ran it (``task_postrun``: a prefork child SIGKILLed after its task has
 written its lines), when a prefork child shuts down (``worker_process_shutdown``: it leaves
 by ``os._exit``, without atexit), across a fork (a child neither repeats its parent's lines
-nor inherits a write half done), and at exit. A process killed between two passes loses at
+nor inherits a write half done), at exit, and when a ``multiprocessing`` child ends (it too
+leaves by ``os._exit``, after its finalizers). A process killed between two passes loses at
 most ``log_buffer_s`` of lines; ``log_buffer_s = 0`` writes each line in the call, as
 structlog's ``PrintLogger``.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -54,6 +56,8 @@ CHUNK = 256
 """Lines joined into one write at most."""
 DEFAULT_INTERVAL_S = 0.1
 """The thread's pass interval before any logger asked for one."""
+FORK_WAIT_S = 1.0
+"""How long a fork waits for a write under way (:meth:`Lines._before_fork`)."""
 MIN_INTERVAL_S = 0.001
 """No logger makes the thread pass more often than this (it would spin)."""
 
@@ -70,6 +74,7 @@ class Lines:
         self._starting = threading.Lock()
         self._thread: threading.Thread | None = None
         self._draining = threading.local()
+        self._forking = threading.local()
         self.interval = math.inf
 
     def want(self, interval: float) -> None:
@@ -128,24 +133,30 @@ class Lines:
         try:
             for file, render, event in batch:
                 if chunk and (file is not current or len(chunk) >= CHUNK):
-                    _write(current, chunk)
-                    chunk = []
+                    written, chunk = chunk, []  # taken first: an interrupt never writes it twice
+                    _write(current, written)
                 current = file
                 chunk.append(_rendered(render, event))
                 done += 1
         finally:
+            self._queue.extendleft(reversed(batch[done:]))
             if chunk:
                 _write(current, chunk)
-            self._queue.extendleft(reversed(batch[done:]))
 
     def _before_fork(self) -> None:
         """Held across the fork, so that the thread is not inside a write the child would
-        inherit half done (a stream's own lock held, its buffer half flushed)."""
-        self._lock.acquire()
-        self.flush()
+        inherit half done (a stream's own lock held, its buffer half flushed). A write that
+        does not end (a pipe nobody reads) is waited for :data:`FORK_WAIT_S` at most: the
+        fork then goes on without the lines (a prefork pool must still replace children)."""
+        held = self._lock.acquire(timeout=FORK_WAIT_S)
+        self._forking.held = held
+        if held:
+            self.flush()
 
     def _after_fork_in_parent(self) -> None:
-        self._lock.release()
+        if getattr(self._forking, "held", False):
+            self._forking.held = False
+            self._lock.release()
 
     def _forked(self) -> None:
         """In a new child: the parent keeps (and writes) what it had queued; no thread yet."""
@@ -153,7 +164,16 @@ class Lines:
         self._lock = threading.RLock()
         self._starting = threading.Lock()
         self._draining = threading.local()
+        self._forking = threading.local()
         self._thread = None
+        util = sys.modules.get("multiprocessing.util")
+        if util is not None:  # a multiprocessing child leaves by os._exit, after its finalizers
+            util.register_after_fork(self, _flush_at_the_end)  # (which it clears first)
+
+
+def _flush_at_the_end(lines: Lines) -> None:
+    """In a ``multiprocessing`` child: its lines written when it ends (its finalizers)."""
+    sys.modules["multiprocessing.util"].Finalize(None, lines.flush, exitpriority=100)
 
 
 def _rendered(render: Render, event: MutableMapping[str, Any]) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import re
 import subprocess
@@ -120,6 +121,70 @@ def test_a_fork_neither_repeats_nor_loses_the_parents_lines(tmp_path: Path) -> N
     assert sorted(events) == ["child_line", "parent_after_fork", "parent_before_fork"]
     assert events.index("parent_before_fork") < events.index("child_line")
     assert not LINES._queue
+
+
+def test_a_fork_waits_a_second_at_most_for_a_write_that_does_not_end() -> None:
+    """stderr a pipe nobody reads: the writer thread blocks in write() holding the lock; a
+    fork (a prefork pool replacing a child) must still go on."""
+    script = (
+        "import os, time\n"
+        "from gatekeeper.logs import make_logger\n"
+        "from gatekeeper.settings import GatekeeperSettings\n"
+        "log = make_logger(GatekeeperSettings())\n"
+        "for i in range(3000):\n"
+        "    log.info('filler', n=i, pad='x' * 100)\n"
+        "time.sleep(0.5)\n"
+        "began = time.monotonic()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print('forked_in', round(time.monotonic() - began, 1), flush=True)\n"
+        "os._exit(0)\n"  # at exit the lines would wait on the full pipe again
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:  # stderr never read
+        assert wait_until(lambda: child.poll() is not None, timeout_s=10), "the fork hung"
+        out = child.stdout.read() if child.stdout else b""
+        assert out.startswith(b"forked_in 1."), out
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_an_interrupt_after_a_chunk_is_written_writes_no_line_twice() -> None:
+    class Interrupting(io.StringIO):
+        fired = False
+
+        def write(self, text: str) -> int:
+            written = super().write(text)
+            if not Interrupting.fired:  # Ctrl-C just after the first chunk's write
+                Interrupting.fired = True
+                raise KeyboardInterrupt
+            return written
+
+    lines, sink = Lines(), Interrupting()
+    lines.interval = 3600.0  # the thread asleep: this thread drains, as at a task's end
+    for n in range(300):  # more than one chunk (256 lines)
+        lines.put(sink, lambda _l, _m, e: e["event"], {"event": f"line{n}"})
+    with pytest.raises(KeyboardInterrupt):
+        lines.flush()
+    lines.flush()
+    written = sink.getvalue().splitlines()
+    assert sorted(written) == sorted(f"line{n}" for n in range(300))
+
+
+def test_a_multiprocessing_childs_lines_are_written_when_it_ends(tmp_path: Path) -> None:
+    path = tmp_path / "lines.log"
+    with path.open("w") as stream:
+        log = logger(stream)  # the child's line written at its end, not in the call
+        context = multiprocessing.get_context("fork")
+        child = context.Process(target=log.info, args=("child_line",))
+        child.start()
+        child.join(30)
+    assert child.exitcode == 0
+    assert re.findall(r"event=(\w+)", path.read_text()) == ["child_line"]
 
 
 def test_a_process_that_exits_writes_its_queued_lines(tmp_path: Path) -> None:
