@@ -17,7 +17,7 @@ import redis
 
 from gatekeeper.core.ledger import window_id
 from gatekeeper.redis.keys import Keys
-from tests.apps.gated_app import create_app
+from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import gate_settings, queue_messages, running_worker, unused_port, wait_until
 
 pytestmark = pytest.mark.celery
@@ -118,6 +118,23 @@ def test_forged_messages_run_but_price_nothing_and_leave_the_real_job_alone(
     assert record[b"nonce"] == real_nonce.encode() and record[b"runs"] == b"1"
     log = (tmp_path / "w.log").read_text()
     assert log.count("event=ledger_unverified_message") == 6
+
+
+def test_a_forged_attempt_that_is_no_number_runs_as_an_ordinary_task(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Not a whole number: no signal handler of the gate raises over it (Celery would log
+    each), no row, nothing counted."""
+    gate_off = create_app(gate_settings(redis_url, dwell_gate_enabled=False), redis_url)
+    for attempt in ("x", "1.5", [1], True):
+        headers = {**forged(), "gatekeeper_attempt": attempt}
+        gate_off.tasks["tests.plain"].apply_async(queue="free", headers=headers)
+    with running_worker(redis_url, tmp_path / "w.log"):
+        assert wait_until(lambda: redis_client.llen(RUNS_KEY) == 4)
+        time.sleep(0.5)  # a late signal, if any, would land now
+    log = (tmp_path / "w.log").read_text()
+    assert "Signal handler" not in log and "Traceback" not in log, log
+    assert rows(redis_client) == [] and stats(redis_client) == {}
 
 
 def test_a_decision_made_without_redis_gets_an_unverified_unpriced_row(
