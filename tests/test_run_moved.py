@@ -5,6 +5,7 @@ no answer (a flow a NAT forgot) is sent again, once, and writes its row once."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,11 +13,12 @@ import pytest
 import redis
 
 from gatekeeper.core.ledger import Outcome
+from gatekeeper.redis import wire
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.runs import RunLedger
 from tests.moved import BlackHole, moved_redis
-from tests.test_run_start import KEYS, decided, ledger, warm
+from tests.test_run_start import KEYS, applied, decided, ledger, warm
 
 
 def test_a_start_that_meets_a_demoted_primary_is_applied_on_the_new_one(tmp_path: Path) -> None:
@@ -61,3 +63,19 @@ def test_a_finish_that_gets_no_answer_is_sent_again_and_writes_one_row(
     assert redis_client.hget(KEYS.run("job", 1), "rowed") == b"1"
     assert redis_client.zscore(KEYS.started, "job:1") is None
     assert not runs.finish(row, 1, started.record, 2000).written  # one row per run
+
+
+def test_a_start_on_a_line_idle_past_its_limit_is_applied_before_the_run_goes_on(
+    redis_client: redis.Redis, forgetful: BlackHole, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its flow forgotten while it idled: the start is waited for (and sent again on a new
+    connection), so a worker killed during the run leaves a start the sweep sees."""
+    monkeypatch.setattr(wire, "IDLE_PROVEN_S", 0.2)
+    client = client_for(f"redis://127.0.0.1:{forgetful.port}/0", 0.3, **no_retry())
+    runs = ledger(client)
+    warm(runs, redis_client)  # the line has had start.lua answered
+    time.sleep(0.3)  # idle past the limit
+    forgetful.forget()
+    decided(redis_client, "job")
+    runs.send_start("job", 1, "n-job", {"worker": "w"}, 2000)  # the run would go on now
+    assert applied(redis_client, "job")

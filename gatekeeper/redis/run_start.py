@@ -15,7 +15,9 @@ It is waited for, as before, whenever it is not surely applied while the run goe
   restart) replies ``NOSCRIPT`` and applies nothing, so the first start on each connection
   is read at once and the script loaded then if need be. (A ``SCRIPT FLUSH`` on a server
   still connected is the exception: that run's start is applied when it ends, and if the
-  run is killed first the sweep does not see it.)
+  run is killed first the sweep does not see it.) Nor on a line that has had no answer for
+  a minute (``wire.IDLE_PROVEN_S``): a flow a NAT forgot takes a request and says nothing,
+  and waiting finds it out (the start is then sent again on a new connection).
 - the message was redelivered (the worker's choice: the row of the run that died before it
   is written before this run can die too). Both brokers the replayer reads, Redis and
   RabbitMQ, mark a redelivered message in ``delivery_info``.

@@ -26,6 +26,7 @@ import inspect
 import os
 import select
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,10 @@ __all__ = ["Line", "Sent", "call_script", "has_lines", "send_script"]
 
 RAW = hiredis is not None and hasattr(hiredis, "pack_command")
 """hiredis packs and parses; without it, redis-py's connection does both."""
+IDLE_PROVEN_S = 60.0
+"""A line that has had no answer for this long may be a flow a NAT or a load balancer has
+forgotten (nothing closes it, nothing answers): a call sent on it is not taken as on its way
+(:attr:`Sent.unproven`). Cloud NATs forget idle flows after 4 to 10 minutes."""
 
 
 class Line(threading.local):
@@ -57,6 +62,8 @@ class Line(threading.local):
     poller: Any = None
     pid: int = 0
     busy: bool = False
+    answered_at: float = 0.0
+    """``time.monotonic()`` of the last reply read on this line."""
     known: set[str] | None = None
     """The scripts (SHA1s) this connection has had answered: a new one (perhaps to another
     server, after a restart or a failover) knows none, and its server may lack them."""
@@ -145,9 +152,11 @@ class Line(threading.local):
         """The next reply from the socket; a server's error reply as redis-py's error."""
         if self.sock is None:
             try:
-                return self.conn.read_response()
+                reply = self.conn.read_response()
             except redis.ResponseError as exc:
-                return _classified(exc)
+                reply = _classified(exc)
+            self.answered_at = time.monotonic()
+            return reply
         reader = self.reader
         try:
             reply = reader.gets()
@@ -159,6 +168,7 @@ class Line(threading.local):
                 reply = reader.gets()
         except OSError as exc:
             raise redis.ConnectionError(f"cannot read from the gate's Redis: {exc}") from exc
+        self.answered_at = time.monotonic()
         if isinstance(reply, hiredis.ReplyError):
             text = str(reply)
             if text.startswith("NOSCRIPT"):
@@ -203,9 +213,11 @@ class Sent:
         args: Sequence[str],
     ) -> None:  # fmt: skip
         self._line: Line | None = line
-        self.unproven = script.sha not in (line.known or ())
+        idle = time.monotonic() - line.answered_at > IDLE_PROVEN_S
+        self.unproven = idle or script.sha not in (line.known or ())
         """Sent on a connection that has not had this script answered: its server may not
-        have it (``NOSCRIPT``: nothing applied until :meth:`reply` loads it)."""
+        have it (``NOSCRIPT``: nothing applied until :meth:`reply` loads it); or on one idle
+        past :data:`IDLE_PROVEN_S`, which may no longer reach the server at all."""
         self._client, self._script = client, script
         self._keys, self._args = list(keys), list(args)
 
