@@ -194,7 +194,7 @@ def test_a_rerun_after_the_attempts_ok_row_is_no_slack_miss_even_when_late(
     on_time = runs.finish(runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 200), 1, rec,
                           T0_MS + 200)  # fmt: skip
     assert on_time.written and not on_time.slack_miss
-    start_run(runs, redis_client, "job", 1, record(), T0_MS + 120_000)  # past its deadline
+    runs.start("job", 1, "nonce-job-1", {"task": "t"}, T0_MS + 120_000)  # past its deadline
     run, rec = runs.record("job", 1) or (0, record())
     late = T0_MS + 120_100
     rerun = runs.finish(runs.row_for("job", 1, rec, Outcome.OK, late), run, rec, late,
@@ -204,22 +204,22 @@ def test_a_rerun_after_the_attempts_ok_row_is_no_slack_miss_even_when_late(
     assert int(window_hash(redis_client, T0_MS).get(b"slack_misses") or 0) == 0
 
 
-def test_a_redelivery_after_a_killed_row_that_ends_late_is_a_slack_miss(
+def test_a_redelivery_after_a_killed_row_that_ends_late_is_one_slack_miss_reruns_none(
     redis_client: redis.Redis,
 ) -> None:
     """The sweep wrote the run killed (its worker gone); the message ran again, late: the
-    job's only finish missed its deadline."""
+    job's only finish missed its deadline. A lost ack then runs it a third time: no miss."""
     runs = ledger(redis_client)
     admit(redis_client, "job:1", 1200)
     start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
     _, rec = runs.record("job", 1) or (0, record())
     runs.finish(runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200), 1, rec, T0_MS + 200)
-    start_run(runs, redis_client, "job", 1, record(), T0_MS + 120_000)
-    run, rec = runs.record("job", 1) or (0, record())
-    late = T0_MS + 120_100
-    done = runs.finish(runs.row_for("job", 1, rec, Outcome.OK, late), run, rec, late,
-                       slack_miss=True)  # fmt: skip
-    assert done.written and done.slack_miss
+    for at_ms, missed in ((T0_MS + 120_000, True), (T0_MS + 200_000, False)):
+        runs.start("job", 1, "nonce-job-1", {"task": "t"}, at_ms)  # a redelivery's start
+        run, rec = runs.record("job", 1) or (0, record())
+        row = runs.row_for("job", 1, rec, Outcome.OK, at_ms + 100)
+        done = runs.finish(row, run, rec, at_ms + 100, slack_miss=True)
+        assert done.written and done.slack_miss is missed
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
 
 

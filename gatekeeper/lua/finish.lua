@@ -167,9 +167,12 @@ if cut then
     'task', 'own', 'worker'}
   if rec[10] ~= '1' then gone[#gone + 1] = 'free_admitted' end
   if rec[11] == '' then gone[#gone + 1] = 'prev_nonce' end
+  local ok = ARGV[4] == 'ok' and '|ok' or ''
   if rec[6] or not rec[5] then  -- (a publish of the attempt after a cut writes its fields anew)
     redis.call('HSET', KEYS[1], 'kept', (rec[6] or '') .. '|' .. (rec[7] or '') .. '|'
-      .. (rec[8] or '') .. '|' .. (rec[9] or '') .. (ARGV[4] == 'ok' and '|ok' or ''))
+      .. (rec[8] or '') .. '|' .. (rec[9] or '') .. ok)
+  elseif ok ~= '' and string.sub(rec[5], -3) ~= '|ok' then  -- ok after a killed row's cut
+    redis.call('HSET', KEYS[1], 'kept', rec[5] .. ok)
   end
   redis.call('HDEL', KEYS[1], unpack(gone))
   -- A value longer than a compact hash holds (`hash-max-ziplist-value`, 64 bytes by default:
