@@ -92,6 +92,19 @@ def test_a_task_that_raises_ignore_is_one_ok_row_and_leaves_nothing_started(
     assert "reason=ignored" in (tmp_path / "w.log").read_text()
 
 
+def test_a_rejected_and_requeued_run_is_killed_when_its_copy_starts_and_the_copy_rows_ok(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """``Reject(requeue=True)`` has no end signal but ``task_postrun`` either: the run stays
+    open, and the requeued copy's start finds it dead (not an ok run, not a rerun)."""
+    with running_worker(redis_url, tmp_path / "w.log"):
+        job = app_for(redis_url).tasks["tests.rejects"].delay().id
+        found = wait_rows(redis_client, 2)
+    assert [(r["job_id"], r["outcome"]) for r in found] == [(job, "killed"), (job, "ok")]
+    assert redis_client.hget(KEYS.stats, "reruns_after_row") is None
+    assert redis_client.zcard(KEYS.started) == 0 and redis_client.hlen(KEYS.inflight) == 0
+
+
 def test_a_soft_time_limit_is_one_killed_row(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

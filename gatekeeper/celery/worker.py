@@ -36,25 +36,25 @@ is written before this run can die too.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import redis
 from celery import Celery
+from celery.states import IGNORED
 
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers, unverified
 from gatekeeper.celery.metering import take_metered
 from gatekeeper.celery.received import Received
+from gatekeeper.celery.running import Running, Starting, Starts
 from gatekeeper.core.headers import H_ATTEMPT
 from gatekeeper.core.ledger import Outcome
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.run_start import StartCall
 from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
@@ -63,34 +63,6 @@ __all__ = ["TIME_LIMIT_REASONS", "WorkerSide", "maybe_freeze"]
 
 TIME_LIMIT_REASONS = frozenset({"TimeLimitExceeded", "SoftTimeLimitExceeded"})
 """The failures that mean a run was cut off by its time limit: it ran at least that long."""
-
-
-@dataclass(frozen=True)
-class _Running:
-    """A run this process is executing: verified (the gate's record) or not."""
-
-    attempt: int
-    run: int
-    record: RunRecord
-    verified: bool
-
-
-@dataclass(frozen=True)
-class _Starting:
-    """A run whose start was sent on this thread's line and whose reply is not read yet."""
-
-    call: StartCall
-    task: Any
-    attempt: int
-    headers: dict[str, Any]
-    now: int
-
-
-class _Starts(threading.local):
-    """The starts this thread sent and not read, by task id (a line's replies: its own)."""
-
-    def __init__(self) -> None:
-        self.by_job: dict[str, _Starting] = {}
 
 
 class WorkerSide:
@@ -113,8 +85,8 @@ class WorkerSide:
         self.store = GateStore(client, Keys(settings.key_prefix, settings.namespace))
         self.log = make_logger(settings, "worker")
         self.alerts = make_logger(settings, "alert")
-        self._running: dict[str, _Running] = {}
-        self._starts = _Starts()
+        self._running: dict[str, Running] = {}
+        self._starts = Starts()
         self._received = Received()
 
     def _ours(self, task: Any) -> bool:
@@ -205,7 +177,7 @@ class WorkerSide:
             now = self._now_ms()
             call = self.runs.send_start(task_id, attempt, nonce_of(headers),
                                         own_fields(sender, headers), now)  # fmt: skip
-            self._starts.by_job[task_id] = _Starting(call, sender, attempt, headers, now)
+            self._starts.by_job[task_id] = Starting(call, sender, attempt, headers, now)
             if delivery.get("redelivered") or headers.get("redelivered"):  # its dead run's row
                 # now, not after this run (kombu's Redis transport marks both)
                 self._read_start(task_id)
@@ -226,7 +198,7 @@ class WorkerSide:
                 self._refused(task, job_id, attempt, starting.headers, started.refused,
                               starting.now)  # fmt: skip
                 return
-            self._running[job_id] = _Running(attempt, started.run, started.record, True)
+            self._running[job_id] = Running(attempt, started.run, started.record, True)
             if started.dead is not None:
                 self._end(
                     job_id, attempt, started.dead_run, started.dead, Outcome.KILLED,
@@ -243,7 +215,7 @@ class WorkerSide:
                          attempt=attempt, kind=kind)  # fmt: skip
         if kind == "unverified":
             record = replace(unverified(task, headers), started_ms=now)
-            self._running[job_id] = _Running(attempt, 1, record, False)
+            self._running[job_id] = Running(attempt, 1, record, False)
 
     def _end_running(self, job_id: str | None, outcome: Outcome, reason: str) -> bool:
         """End the run this process is executing; False when it is not one of ours."""
@@ -278,9 +250,11 @@ class WorkerSide:
             job_id = getattr(request, "id", None) or sender.request.id
             self._end_running(job_id, Outcome.KILLED, "retry")
 
-    def on_postrun(self, sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-        """A run no other signal ended (``Ignore``, which ``Task.replace`` raises too): ok."""
-        if self._ours(sender) and (task_id in self._running or task_id in self._starts.by_job):
+    def on_postrun(self, sender: Any = None, task_id: Any = None, **kw: Any) -> None:
+        """A run ``Ignore`` ended (``Task.replace`` raises it): ok. A ``Reject`` has no other
+        signal either; it stays open, for its redelivery's start to find it dead."""
+        open_here = task_id in self._running or task_id in self._starts.by_job
+        if kw.get("state") == IGNORED and self._ours(sender) and open_here:
             self._end_running(task_id, Outcome.OK, "ignored")
 
     def on_failure(
@@ -306,7 +280,7 @@ class WorkerSide:
         return task in self.app.tasks
 
     def _end_unverified(
-        self, job_id: str, running: _Running, outcome: Outcome, reason: str,
+        self, job_id: str, running: Running, outcome: Outcome, reason: str,
         tokens_in: int | None, tokens_out: int | None,
     ) -> None:  # fmt: skip
         now = self._now_ms()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 
 import gatekeeper
 from gatekeeper.redis.connect import client_for
@@ -97,6 +97,14 @@ def create_app(
     def ignores(self: Any) -> None:
         record(self)
         raise Ignore()  # no end signal but task_postrun (Task.replace raises it too)
+
+    @app.task(bind=True, name="tests.rejects", max_retries=0, shared=False, gatekeeper=kill_spec,
+              acks_late=True)  # fmt: skip
+    def rejects(self: Any) -> str:
+        record(self)
+        if runs_of(self.request.id) == 1:
+            raise Reject("not now", requeue=True)  # no end signal but task_postrun either
+        return "ok"
 
     @app.task(
         bind=True, name="tests.soft", max_retries=0, soft_time_limit=0.5, shared=False,
