@@ -56,8 +56,6 @@ CHUNK = 256
 """Lines joined into one write at most."""
 DEFAULT_INTERVAL_S = 0.1
 """The thread's pass interval before any logger asked for one."""
-FORK_WAIT_S = 1.0
-"""How long a fork waits for a write under way (:meth:`Lines._before_fork`)."""
 MIN_INTERVAL_S = 0.001
 """No logger makes the thread pass more often than this (it would spin)."""
 
@@ -74,7 +72,6 @@ class Lines:
         self._starting = threading.Lock()
         self._thread: threading.Thread | None = None
         self._draining = threading.local()
-        self._forking = threading.local()
         self.interval = math.inf
 
     def want(self, interval: float) -> None:
@@ -145,18 +142,14 @@ class Lines:
 
     def _before_fork(self) -> None:
         """Held across the fork, so that the thread is not inside a write the child would
-        inherit half done (a stream's own lock held, its buffer half flushed). A write that
-        does not end (a pipe nobody reads) is waited for :data:`FORK_WAIT_S` at most: the
-        fork then goes on without the lines (a prefork pool must still replace children)."""
-        held = self._lock.acquire(timeout=FORK_WAIT_S)
-        self._forking.held = held
-        if held:
-            self.flush()
+        inherit half done (a stream's own lock held, its buffer half flushed: the child's
+        first write would wait for it for ever). So a write that does not end (a pipe nobody
+        reads) holds the fork too, as it holds every other writer of that stream."""
+        self._lock.acquire()
+        self.flush()
 
     def _after_fork_in_parent(self) -> None:
-        if getattr(self._forking, "held", False):
-            self._forking.held = False
-            self._lock.release()
+        self._lock.release()
 
     def _forked(self) -> None:
         """In a new child: the parent keeps (and writes) what it had queued; no thread yet."""
@@ -164,7 +157,6 @@ class Lines:
         self._lock = threading.RLock()
         self._starting = threading.Lock()
         self._draining = threading.local()
-        self._forking = threading.local()
         self._thread = None
         util = sys.modules.get("multiprocessing.util")
         if util is not None:  # a multiprocessing child leaves by os._exit, after its finalizers

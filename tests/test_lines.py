@@ -123,36 +123,6 @@ def test_a_fork_neither_repeats_nor_loses_the_parents_lines(tmp_path: Path) -> N
     assert not LINES._queue
 
 
-def test_a_fork_waits_a_second_at_most_for_a_write_that_does_not_end() -> None:
-    """stderr a pipe nobody reads: the writer thread blocks in write() holding the lock; a
-    fork (a prefork pool replacing a child) must still go on."""
-    script = (
-        "import os, time\n"
-        "from gatekeeper.logs import make_logger\n"
-        "from gatekeeper.settings import GatekeeperSettings\n"
-        "log = make_logger(GatekeeperSettings())\n"
-        "for i in range(3000):\n"
-        "    log.info('filler', n=i, pad='x' * 100)\n"
-        "time.sleep(0.5)\n"
-        "began = time.monotonic()\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    os._exit(0)\n"
-        "os.waitpid(pid, 0)\n"
-        "print('forked_in', round(time.monotonic() - began, 1), flush=True)\n"
-        "os._exit(0)\n"  # at exit the lines would wait on the full pipe again
-    )
-    child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:  # stderr never read
-        assert wait_until(lambda: child.poll() is not None, timeout_s=10), "the fork hung"
-        out = child.stdout.read() if child.stdout else b""
-        assert out.startswith(b"forked_in 1."), out
-    finally:
-        child.kill()
-        child.wait()
-
-
 def test_an_interrupt_after_a_chunk_is_written_writes_no_line_twice() -> None:
     class Interrupting(io.StringIO):
         fired = False
