@@ -20,6 +20,7 @@ import redis
 
 from gatekeeper.errors import GatekeeperError, LedgerUnavailable
 from gatekeeper.redis.attempt import Attempt, Publish
+from gatekeeper.redis.breaker import not_answering
 from gatekeeper.redis.call import GateCall, ScoredAttempt
 from gatekeeper.redis.gate import Pipeline, Routing
 from gatekeeper.redis.queued import Queued
@@ -136,5 +137,7 @@ class Scoring:
             reply = first if i == 0 else next(replies)
             if isinstance(reply, NO_ANSWER):
                 reply = lost or store._reply_now(keys, args)
-                lost = reply if isinstance(reply, NO_ANSWER) else None
+                # Asked again and not answered either (a replica's READONLY among them):
+                # the rest that got no answer are not asked again, one reconnect each.
+                lost = reply if not_answering(reply) else None
             yield store._answer(keys, args, reply)

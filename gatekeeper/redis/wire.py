@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ReadOnlyError
 
 from gatekeeper.redis.cluster import is_cluster
 from gatekeeper.redis.scripts import evalsha
@@ -119,10 +119,8 @@ class Line(threading.local):
         return getattr(self.conn, "_sock", None) is not None and _stale(self.conn)
 
     def read(self) -> Any:
-        if self.sock is None:
-            return self.conn.read_response()
         reply = self._next()
-        if self.reader.has_data():  # more than the one reply asked for: never trust it again
+        if self.sock is not None and self.reader.has_data():  # more than the one reply asked
             raise redis.ConnectionError("the gate's Redis sent more than one reply")
         if isinstance(reply, Exception):
             raise reply
@@ -189,8 +187,8 @@ def _classified(error: redis.ResponseError) -> redis.RedisError:
     """A ``READONLY`` reply, bare or from inside a script, as a connection error: the server
     is a replica now (a failover), and a call asked again on a new connection reaches the
     primary, as redis-py's Sentinel connections do. Other error replies as they are."""
-    text = str(error)
-    if text.startswith("READONLY") or " -READONLY " in text:
+    text = str(error)  # (redis-py's ReadOnlyError leaves the code out of its text)
+    if isinstance(error, ReadOnlyError) or text.startswith("READONLY") or " -READONLY " in text:
         return redis.ConnectionError(f"the gate's Redis is a replica now: {text}")
     return error
 
