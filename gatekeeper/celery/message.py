@@ -37,10 +37,11 @@ READ = (H_ATTEMPT, H_DECISION, H_NONCE, H_ATTEMPT_PUBLISHED_AT, H_PUBLISHED_AT, 
 
 def claims(headers: Mapping[str, Any]) -> bool:
     """Whether a message claims to be one the gate routed: a decision, and an attempt that
-    is a whole number (the gate writes one; anything else is a caller's, and ``int()`` of
-    it would raise in a signal handler)."""
+    is a whole number of a few digits (the gate writes one; anything else is a caller's, and
+    ``int()`` of it, thousands of digits included, would raise in a signal handler)."""
     attempt = headers.get(H_ATTEMPT)
-    whole = isinstance(attempt, int) or (isinstance(attempt, str) and attempt.isdecimal())
+    digits = isinstance(attempt, str) and attempt.isdecimal() and len(attempt) < 10
+    whole = isinstance(attempt, int) or digits
     return whole and not isinstance(attempt, bool) and headers.get(H_DECISION) is not None
 
 
