@@ -204,6 +204,24 @@ def test_a_rerun_after_the_attempts_ok_row_is_no_slack_miss_even_when_late(
     assert int(window_hash(redis_client, T0_MS).get(b"slack_misses") or 0) == 0
 
 
+def test_a_new_publish_of_the_attempt_after_its_ok_row_that_ends_late_is_a_slack_miss(
+    redis_client: redis.Redis,
+) -> None:
+    """Not a rerun: the gate decided the attempt again (its record's fields written anew)."""
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
+    _, rec = runs.record("job", 1) or (0, record())
+    runs.finish(runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 200), 1, rec, T0_MS + 200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 120_000)  # published again
+    run, rec = runs.record("job", 1) or (0, record())
+    late = T0_MS + 120_100
+    done = runs.finish(runs.row_for("job", 1, rec, Outcome.OK, late), run, rec, late,
+                       slack_miss=True)  # fmt: skip
+    assert done.written and done.slack_miss
+    assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
+
+
 def test_a_redelivery_after_a_killed_row_that_ends_late_is_one_slack_miss_reruns_none(
     redis_client: redis.Redis,
 ) -> None:

@@ -139,7 +139,9 @@ if held and (ARGV[9] == '1' or ARGV[5] ~= 'free') then
 end
 -- A rerun after the attempt's `ok` row (a lost ack, a redelivery; `kept` ends in '|ok'): the
 -- job finished then, and its slack was judged at that row. A late rerun is no miss of it.
-local missed = ARGV[7] == '1' and not (rec[5] and string.sub(rec[5], -3) == '|ok')
+-- (A publish of the attempt after the cut writes published_ms anew: its runs are judged.)
+local rerun = rec[5] and not rec[6] and string.sub(rec[5], -3) == '|ok'
+local missed = ARGV[7] == '1' and not rerun
 if missed then
   redis.call('HINCRBY', KEYS[6], 'slack_misses', '1')
   redis.call('EXPIRE', KEYS[6], ARGV[8])
