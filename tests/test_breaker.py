@@ -29,6 +29,7 @@ from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import EmbeddedRedisError, LedgerUnavailable
 from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis import wire
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.store import GateStore
@@ -299,6 +300,23 @@ def test_a_gate_redis_demoted_to_a_replica_fails_closed_then_decides_again_witho
     assert wait_until(lambda: not breaker.is_open, timeout_s=5)
     embed.delay(2)
     assert reasons(redis_client, "free") == ["fits"]
+
+
+def test_the_lines_readonly_drops_the_pools_connections_too(gate_server: EmbeddedRedis) -> None:
+    """The gate's line says a READONLY as a lost connection (so that the call is asked again
+    on a new one): the breaker still drops the pool's connections to that server."""
+    admin = redis.Redis.from_url(gate_server.url)
+    client = redis.Redis.from_url(gate_server.url, client_name="pooled")
+    client.ping()  # one connection in the client's pool
+
+    def pooled() -> int:
+        return sum(c["name"] == "pooled" for c in admin.client_list())
+
+    assert pooled() == 1
+    lost = wire._classified(redis.ResponseError("READONLY You can't write against a replica."))
+    assert isinstance(lost, redis.ConnectionError)
+    assert Breaker(client, open_s=60).failed(lost)
+    assert wait_until(lambda: pooled() == 0, timeout_s=5)
 
 
 def _servers() -> list[str]:

@@ -132,7 +132,10 @@ class Breaker:
         """Open the breaker when ``exc`` says the server did not answer; True when it did."""
         if not not_answering(exc):
             return False
-        if not isinstance(exc, NOT_ANSWERING) and not is_cluster(self.client):
+        # A lost reply (the gate's line says a READONLY as a lost connection): this server is
+        # not the primary any more, so the pool's connections to it go too.
+        lost_reply = not isinstance(exc, NOT_ANSWERING) or LOST_REPLIES.search(str(exc))
+        if lost_reply and not is_cluster(self.client):
             with contextlib.suppress(Exception):
                 self.client.connection_pool.disconnect()
         with self._lock:

@@ -189,7 +189,7 @@ def _classified(error: redis.ResponseError) -> redis.RedisError:
     primary, as redis-py's Sentinel connections do. Other error replies as they are."""
     text = str(error)  # (redis-py's ReadOnlyError leaves the code out of its text)
     if isinstance(error, ReadOnlyError) or text.startswith("READONLY") or " -READONLY " in text:
-        return redis.ConnectionError(f"the gate's Redis is a replica now: {text}")
+        return redis.ConnectionError(f"READONLY: the gate's Redis is a replica now: {text}")
     return error
 
 
