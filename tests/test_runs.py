@@ -15,7 +15,7 @@ from gatekeeper.core.ledger import Outcome, window_id
 from gatekeeper.core.service import bucket_of
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.runs import RunLedger, RunRecord, Started
+from gatekeeper.redis.runs import Finished, RunLedger, RunRecord, Started
 from gatekeeper.redis.scripts import read_rows
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import sweep
@@ -183,22 +183,31 @@ def test_a_run_after_the_attempt_has_its_row_is_counted_as_a_rerun(
     assert redis_client.hget(KEYS.stats, "reruns_after_row") == b"1"
 
 
+def first_run(runs: RunLedger, client: redis.Redis, outcome: Outcome) -> Finished:
+    """An admitted attempt's first run, ended at once (well before its deadline)."""
+    admit(client, "job:1", 1200)
+    start_run(runs, client, "job", 1, record(), T0_MS + 100)
+    _, rec = runs.record("job", 1) or (0, record())
+    return runs.finish(runs.row_for("job", 1, rec, outcome, T0_MS + 200), 1, rec, T0_MS + 200)
+
+
+def ok_late(runs: RunLedger, at_ms: int) -> Finished:
+    """The attempt's latest run, started at ``at_ms`` and ended ok 100 ms later, past its
+    deadline (a slack miss as the worker sees it)."""
+    run, rec = runs.record("job", 1) or (0, record())
+    row = runs.row_for("job", 1, rec, Outcome.OK, at_ms + 100)
+    return runs.finish(row, run, rec, at_ms + 100, slack_miss=True)
+
+
 def test_a_rerun_after_the_attempts_ok_row_is_no_slack_miss_even_when_late(
     redis_client: redis.Redis,
 ) -> None:
     """A lost ack: the job finished in time, its message ran again after the deadline."""
     runs = ledger(redis_client)
-    admit(redis_client, "job:1", 1200)
-    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
-    _, rec = runs.record("job", 1) or (0, record())
-    on_time = runs.finish(runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 200), 1, rec,
-                          T0_MS + 200)  # fmt: skip
+    on_time = first_run(runs, redis_client, Outcome.OK)
     assert on_time.written and not on_time.slack_miss
-    runs.start("job", 1, "nonce-job-1", {"task": "t"}, T0_MS + 120_000)  # past its deadline
-    run, rec = runs.record("job", 1) or (0, record())
-    late = T0_MS + 120_100
-    rerun = runs.finish(runs.row_for("job", 1, rec, Outcome.OK, late), run, rec, late,
-                        slack_miss=True)  # fmt: skip
+    runs.start("job", 1, "nonce-job-1", {"task": "t"}, T0_MS + 120_000)  # a redelivery's start
+    rerun = ok_late(runs, T0_MS + 120_000)
     assert rerun.written and not rerun.slack_miss
     assert redis_client.hget(KEYS.totals, "slack_misses") is None
     assert int(window_hash(redis_client, T0_MS).get(b"slack_misses") or 0) == 0
@@ -209,15 +218,9 @@ def test_a_new_publish_of_the_attempt_after_its_ok_row_that_ends_late_is_a_slack
 ) -> None:
     """Not a rerun: the gate decided the attempt again (its record's fields written anew)."""
     runs = ledger(redis_client)
-    admit(redis_client, "job:1", 1200)
-    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
-    _, rec = runs.record("job", 1) or (0, record())
-    runs.finish(runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 200), 1, rec, T0_MS + 200)
+    first_run(runs, redis_client, Outcome.OK)
     start_run(runs, redis_client, "job", 1, record(), T0_MS + 120_000)  # published again
-    run, rec = runs.record("job", 1) or (0, record())
-    late = T0_MS + 120_100
-    done = runs.finish(runs.row_for("job", 1, rec, Outcome.OK, late), run, rec, late,
-                       slack_miss=True)  # fmt: skip
+    done = ok_late(runs, T0_MS + 120_000)
     assert done.written and done.slack_miss
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
 
@@ -228,15 +231,10 @@ def test_a_redelivery_after_a_killed_row_that_ends_late_is_one_slack_miss_reruns
     """The sweep wrote the run killed (its worker gone); the message ran again, late: the
     job's only finish missed its deadline. A lost ack then runs it a third time: no miss."""
     runs = ledger(redis_client)
-    admit(redis_client, "job:1", 1200)
-    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
-    _, rec = runs.record("job", 1) or (0, record())
-    runs.finish(runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200), 1, rec, T0_MS + 200)
+    first_run(runs, redis_client, Outcome.KILLED)
     for at_ms, missed in ((T0_MS + 120_000, True), (T0_MS + 200_000, False)):
         runs.start("job", 1, "nonce-job-1", {"task": "t"}, at_ms)  # a redelivery's start
-        run, rec = runs.record("job", 1) or (0, record())
-        row = runs.row_for("job", 1, rec, Outcome.OK, at_ms + 100)
-        done = runs.finish(row, run, rec, at_ms + 100, slack_miss=True)
+        done = ok_late(runs, at_ms)
         assert done.written and done.slack_miss is missed
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
 
