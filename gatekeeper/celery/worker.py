@@ -253,8 +253,9 @@ class WorkerSide:
     def on_postrun(self, sender: Any = None, task_id: Any = None, **kw: Any) -> None:
         """A run ``Ignore`` ended (``Task.replace`` raises it): ok. A ``Reject`` has no other
         signal either; it stays open, for its redelivery's start to find it dead."""
-        open_here = task_id in self._running or task_id in self._starts.by_job
-        if kw.get("state") == IGNORED and self._ours(sender) and open_here:
+        if kw.get("state") != IGNORED or not self._ours(sender):  # every other task: at once
+            return
+        if task_id in self._running or task_id in self._starts.by_job:
             self._end_running(task_id, Outcome.OK, "ignored")
 
     def on_failure(
