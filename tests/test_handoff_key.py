@@ -14,7 +14,7 @@ import redis
 from click.testing import CliRunner
 
 from gatekeeper.ops.cli import main
-from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE
+from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE, Handoff, packed, recalled
 from gatekeeper.redis.keys import Keys
 from tests.conftest import queue_messages
 from tests.test_dead_letter_result import dead_lettered
@@ -52,12 +52,30 @@ def test_a_replayed_record_stays_compact_and_its_handoff_is_kept_beside_it(
     assert record["nonce"] == sent["headers"]["gatekeeper_nonce"] != record[HANDOFF_NONCE]
     assert HANDOFF not in record and HANDOFF_FROM not in record
     assert redis_client.object("encoding", KEYS.run(job, 1)) in COMPACT
-    kept = json.loads(redis_client.get(KEYS.handoff(job, 1)))
-    assert kept["queue"] == "free" and kept["set"]["gatekeeper_nonce"] == record["nonce"]
+    text = redis_client.get(KEYS.handoff(job, 1)).decode()
+    kept = recalled(record, record[HANDOFF_NONCE], text)
+    assert kept is not None and kept.queue == "free"
+    assert kept.set["gatekeeper_nonce"] == record["nonce"] and "gatekeeper_nonce" not in text
     # As long as the record (the gate set its TTL when it scored the replay), give or take
     # the moment between the two writes.
     record_ttl = redis_client.ttl(KEYS.run(job, 1))
     assert record_ttl - 2 <= redis_client.ttl(KEYS.handoff(job, 1)) <= record_ttl
+
+
+def test_a_packed_handoff_reads_back_as_it_was_kept() -> None:
+    # Gatekeeper's header names lose their prefix in the key; any other name keeps its own,
+    # one that starts with the mark ('/') included. A document of the spelled-out form (an
+    # older replayer's key) still reads.
+    names = {"gatekeeper_replays": 2, "x-trace": "t", "/odd": None, "gatekeeper_": 1}
+    kept = Handoff("reserved", names, ("gatekeeper_replay_after", "/x"), 1.5)
+    text = packed(kept)
+    assert "gatekeeper_" not in text and " " not in text
+    record = {HANDOFF_NONCE: "n"}
+    assert recalled(record, "n", text) == kept
+    assert recalled(record, "n", handoff("free", 3, "m")) == Handoff(
+        "free", {"gatekeeper_replays": 3, "gatekeeper_nonce": "m"}, ()
+    )
+    assert recalled(record, "n", '{"q": "free"}') is None  # not a whole document: none kept
 
 
 def test_a_twin_replayed_in_a_later_batch_is_handed_on_as_the_first(
@@ -139,7 +157,7 @@ def test_a_requeue_keeps_its_handoff_and_a_second_one_hands_on_as_it_says(
     done = CliRunner().invoke(main, requeue)
     assert done.exit_code == 0 and "to defer (reason" in done.output, done.output
     assert record_of(redis_client, job)[HANDOFF_NONCE] == dead["headers"]["gatekeeper_nonce"]
-    assert json.loads(redis_client.get(KEYS.handoff(job, 1)))["queue"] == "defer"
+    assert json.loads(redis_client.get(KEYS.handoff(job, 1)))["q"] == "defer"
     assert redis_client.object("encoding", KEYS.run(job, 1)) in COMPACT
     # A requeue cut short between keeping its handoff and the move (here: its kept handoff
     # made distinct, the dead letter put back): the next requeue hands it on as the key

@@ -53,7 +53,7 @@ def test_one_handoff_that_cannot_be_kept_fails_its_own_only(
     for job in ("one", "two"):  # the nonce in the record, the handoff in its own key
         assert redis_client.hget(KEYS.run(job, 1), HANDOFF_NONCE) == f"nonce-{job}".encode()
         kept_handoff = json.loads(redis_client.get(KEYS.handoff(job, 1)))
-        assert kept_handoff == {"queue": "free", "set": {"a": 1}, "drop": [], "wait_s": 0.0}
+        assert kept_handoff == {"q": "free", "s": {"/a": 1}, "d": [], "w": 0.0}
         assert 0 < redis_client.ttl(KEYS.handoff(job, 1)) <= RECORD_RETENTION_S
 
 
