@@ -471,6 +471,24 @@ def test_a_fast_publish_whose_script_fails_is_sent_once_to_reserved(
     assert message["properties"]["delivery_info"]["routing_key"] == "reserved"
     assert "__gk_" not in json.dumps(message)
     assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 1, "celery": 0}
+    assert redis_client.object("encoding", Keys().totals) == b"hashtable"  # as gate.lua's
+
+
+def test_the_window_and_totals_of_decisions_made_in_process_are_hash_tables(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A night with the free path off: record.lua makes every decision, and creates the window
+    # and the totals. They are hash tables from their first write, as gate.lua makes them (a
+    # compact hash is searched field by field).
+    app = make_app(redis_url, free_path_enabled=False)
+    app.tasks["tests.embed"].delay(1)
+    assert only_message(redis_client, "reserved")["headers"]["gatekeeper_reason"] == (
+        "free_path_disabled"
+    )
+    pattern = Keys().window(0).removesuffix("0") + "*"
+    windows = [k for k in redis_client.scan_iter(match=pattern) if not k.endswith(b":rows")]
+    assert windows and all(redis_client.object("encoding", k) == b"hashtable" for k in windows)
+    assert redis_client.object("encoding", Keys().totals) == b"hashtable"
 
 
 def test_a_fast_publish_through_a_redis_stall_is_published_once(

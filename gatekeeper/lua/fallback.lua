@@ -30,7 +30,11 @@ if done[6] then  -- pushed already as a duplicate of a live record
   return {string.match(done[6], '^([^|]*)|(.*)$')}
 end
 redis.call('LPUSH', KEYS[2], ARGV[4])
-redis.call('HINCRBY', KEYS[3], 'decided:' .. ARGV[2] .. ':' .. ARGV[3] .. ':' .. ARGV[7], 1)
+if redis.call('HINCRBY', KEYS[3], 'decided:' .. ARGV[2] .. ':' .. ARGV[3] .. ':' .. ARGV[7], 1)
+    == 1 then  -- a new counter: `hash_table` with it, as gate.lua writes it
+  redis.call('HSET', KEYS[3], 'hash_table',
+    '00000000000000000000000000000000000000000000000000000000000000000')
+end
 local runs, rowed = tonumber(done[4] or '0'), tonumber(done[5] or '0')
 if done[1] and done[1] ~= ARGV[6] and (runs == 0 or rowed < runs) then
   redis.call('HSET', KEYS[1], 'dup:' .. ARGV[1], ARGV[2] .. '|' .. ARGV[3])

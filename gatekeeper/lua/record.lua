@@ -35,10 +35,17 @@ for i = 29, #ARGV - 1, 2 do
     deadline = ARGV[i + 1]
   end
 end
+-- A new counter also writes `hash_table` (gate.lua's WIDE), so that a window or the totals
+-- this script creates (a night with the free path off) is a hash table too, as gate.lua's.
+local WIDE = '00000000000000000000000000000000000000000000000000000000000000000'
 if redis.call('HINCRBY', KEYS[1], 'decided:' .. ARGV[1] .. ':' .. ARGV[2], 1) == 1 then
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
+  redis.call('HSET', KEYS[1], 'hash_table', WIDE)
 end
-redis.call('HINCRBY', KEYS[4], 'decided:' .. ARGV[1] .. ':' .. ARGV[2] .. ':' .. ARGV[8], 1)
+if redis.call('HINCRBY', KEYS[4], 'decided:' .. ARGV[1] .. ':' .. ARGV[2] .. ':' .. ARGV[8], 1)
+    == 1 then
+  redis.call('HSET', KEYS[4], 'hash_table', WIDE)
+end
 if ARGV[1] == 'defer' and deadline then
   redis.call('ZADD', KEYS[5], deadline, ARGV[10])
   redis.call('ZREMRANGEBYRANK', KEYS[5], tonumber(ARGV[9]), -1)
