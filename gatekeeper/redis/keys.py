@@ -74,8 +74,8 @@ namespace's slot):
     (admissions are counted in ``admitted_free`` only) and ``free_age_max_ms``, the oldest
     free-queue age a decision of ``gate.lua`` saw in the window (for ``report --html``). The
     TTL is set by the write that creates a counter, so a window lives about its retention from
-    its first decisions. ``gate.lua`` writes ``hash_table`` (65 zeros, not a counter) with it,
-    as in ``totals`` below: ``read_windows`` leaves it out.
+    its first decisions. ``gate.lua`` and ``record.lua`` write ``hash_table`` (65 zeros, not a
+    counter) with it, as in ``totals`` below: ``read_windows`` leaves it out.
 ``gatekeeper:{default}:window:<id>:rows`` - list, TTL = window retention
     The window's ledger rows, one JSON object each, oldest first.
 ``gatekeeper:{default}:handoff:<job_id>:<attempt>`` - string, TTL = 2 days
@@ -103,8 +103,9 @@ namespace's slot):
     ``abandoned`` (``abandon.lua``; unverified rows too) and ``freezes`` (the auto-freeze's
     flag write). Windows expire and their sums would look like resets; these do not. And
     ``hash_table``, not a counter: 65 zeros, written with each new ``decided:`` field by
-    ``gate.lua``, past Redis's 64-byte compact-hash limit, so the hash stays a hash table (a
-    compact one is searched field by field: 36% more instructions a decision at 300 fields).
+    ``gate.lua``, ``record.lua`` and ``fallback.lua``, past Redis's 64-byte compact-hash
+    limit, so the hash stays a hash table (a compact one is searched field by field: 36% more
+    instructions a decision at 300 fields).
 ``gatekeeper:{default}:deferred`` - sorted set, no TTL, at most ``DEFERRED_CAP`` members
     Attempts the gate deferred (``gate.lua``, ``record.lua``): member ``<job_id>:<attempt>``,
     score = its deadline in ms (``gatekeeper_defer_next_deadline_seconds``). The replayer
