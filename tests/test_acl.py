@@ -66,7 +66,7 @@ def test_the_readmes_acl_is_enough_for_everything_the_gate_does_on_its_redis(
     embed.apply_async((9,), headers={"gatekeeper_deadline_s": 1.5})  # reserved, by gate.lua
     late = embed.apply_async((8,), headers={"gatekeeper_deadline_at": 1.0}).id  # record.lua
     # A worker named past 64 bytes: finish.lua's cut writes its records again (kept.py).
-    long_name = f"test-{time.monotonic_ns()}@worker-7d9f8c6b5-x2x9k.batch-nightly.svc.local"
+    long_name = f"test-{time.monotonic_ns():020d}@worker-7d9f8c6b5-x2x9k.batch-nightly.svc.local"
     with running_worker(redis_url, tmp_path / "worker.log", GATEKEEPER_REDIS_URL=url,
                         GATEKEEPER_TEST_RECORDER_URL=redis_url, hostname=long_name):  # fmt: skip
         assert wait_until(lambda: redis_client.llen(RUNS_KEY) == 2)
