@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.keys import Keys
-from tests.apps.gated_app import RUNS_KEY, create_app
+from tests.apps.gated_app import HELD_KEY, RUNS_KEY, create_app
 from tests.conftest import gate_settings, running_worker, wait_until
 
 pytestmark = pytest.mark.celery
@@ -92,17 +92,47 @@ def test_a_task_that_raises_ignore_is_one_ok_row_and_leaves_nothing_started(
     assert "reason=ignored" in (tmp_path / "w.log").read_text()
 
 
-def test_a_rejected_and_requeued_run_is_killed_when_its_copy_starts_and_the_copy_rows_ok(
+def test_a_run_rejected_without_requeue_is_one_killed_row_and_gives_back_its_reservation(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    """``Reject(requeue=True)`` has no end signal but ``task_postrun`` either: the run stays
-    open, and the requeued copy's start finds it dead (not an ok run, not a rerun)."""
+    """``Reject(requeue=False)``: no copy will run to find the run dead, so it ends at
+    ``task_postrun``, not at the sweep (which leaves a live worker's runs alone)."""
+    with running_worker(redis_url, tmp_path / "w.log"):
+        job = app_for(redis_url).tasks["tests.rejects"].delay(requeue=False).id
+        row = the_killed_row(redis_client)  # its exposure given back too
+    assert row["job_id"] == job and [r["id"] for r in runs(redis_client)] == [job]
+    assert redis_client.hmget(KEYS.run(job, 1), "runs", "rowed") == [b"1", b"1"]
+    assert redis_client.zcard(KEYS.started) == 0 and redis_client.hlen(KEYS.inflight) == 0
+    assert "reason=rejected" in (tmp_path / "w.log").read_text()
+
+
+def test_a_rejected_run_is_not_held_by_the_process_that_ran_it(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    app = app_for(redis_url)
+    with running_worker(redis_url, tmp_path / "w.log"):  # one child: it runs both, in turn
+        job = app.tasks["tests.rejects"].delay(requeue=False).id
+        app.tasks["tests.held"].apply_async(queue="free")
+        assert wait_until(lambda: redis_client.llen(HELD_KEY) == 1)
+    assert [r["id"] for r in runs(redis_client)] == [job]
+    assert json.loads(redis_client.lindex(HELD_KEY, 0) or "null") == []
+
+
+def test_a_rejected_and_requeued_run_is_killed_at_once_and_its_copy_is_a_rerun_that_rows_ok(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """``Reject(requeue=True)`` ends the run at ``task_postrun`` too, on the worker that ran
+    it: its copy may run on another worker, or never. The copy is a new run of an attempt
+    that has its row, counted as a rerun like any message delivered again after its row."""
     with running_worker(redis_url, tmp_path / "w.log"):
         job = app_for(redis_url).tasks["tests.rejects"].delay().id
         found = wait_rows(redis_client, 2)
     assert [(r["job_id"], r["outcome"]) for r in found] == [(job, "killed"), (job, "ok")]
-    assert redis_client.hget(KEYS.stats, "reruns_after_row") is None
+    assert redis_client.hget(KEYS.stats, "reruns_after_row") == b"1"
     assert redis_client.zcard(KEYS.started) == 0 and redis_client.hlen(KEYS.inflight) == 0
+    assert window_totals(redis_client, "exposure") == 0
+    log = (tmp_path / "w.log").read_text()
+    assert "reason=rejected" in log and "reason=worker_lost_redelivered" not in log
 
 
 def test_a_soft_time_limit_is_one_killed_row(

@@ -16,6 +16,9 @@ returned                               task_success    pool child -> ``ok``
 raised (soft time limit included)      task_failure    pool child -> ``killed``
 asked for a retry                      task_retry      pool child -> ``killed``
 raised ``Ignore`` (``Task.replace``)   task_postrun    pool child -> ``ok`` (``ignored``)
+raised ``Reject``, requeued or not     task_postrun    pool child -> ``killed``
+                                                       (``rejected``); a requeued copy is
+                                                       a new run of the attempt
 hard time limit, child SIGKILLed       task_failure    main process (``sender.request``
                                                        may be empty: headers cached from
                                                        ``task_received``) -> ``killed``
@@ -25,8 +28,9 @@ child killed with ``acks_late`` and    none            the redelivered copy's st
 worker gone, no signal at all          none            ``gatekeeper sweep`` -> ``killed``
 =====================================  ==============  ===================================
 
-Signals that fire twice (a hard time limit on Celery 5.7) are harmless: ``finish.lua`` writes
-one row per run. Nothing here raises into Celery: a fault is logged and the task goes on.
+Signals that fire twice (on Celery 5.7: a hard time limit; a ``Reject`` not requeued, whose
+``task_failure`` the main process sends after its row) are harmless: ``finish.lua`` writes one
+row per run. Nothing here raises into Celery: a fault is logged and the task goes on.
 
 A run's start is sent before its body runs and its reply read when it ends
 (gatekeeper/redis/run_start.py), so the task waits for one round trip of the ledger's, not
@@ -43,7 +47,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.states import IGNORED
+from celery.states import IGNORED, REJECTED
 
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers, unverified
@@ -63,6 +67,8 @@ __all__ = ["TIME_LIMIT_REASONS", "WorkerSide", "maybe_freeze"]
 
 TIME_LIMIT_REASONS = frozenset({"TimeLimitExceeded", "SoftTimeLimitExceeded"})
 """The failures that mean a run was cut off by its time limit: it ran at least that long."""
+ENDED_AT_POSTRUN = {IGNORED: (Outcome.OK, "ignored"), REJECTED: (Outcome.KILLED, "rejected")}
+"""The states of a run that ends with no signal but ``task_postrun``: its outcome, reason."""
 
 
 class WorkerSide:
@@ -250,13 +256,17 @@ class WorkerSide:
             job_id = getattr(request, "id", None) or sender.request.id
             self._end_running(job_id, Outcome.KILLED, "retry")
 
-    def on_postrun(self, sender: Any = None, task_id: Any = None, **kw: Any) -> None:
-        """A run ``Ignore`` ended (``Task.replace`` raises it): ok. A ``Reject`` has no other
-        signal either; it stays open, for its redelivery's start to find it dead."""
-        if kw.get("state") != IGNORED or not self._ours(sender):  # every other task: at once
+    def on_postrun(
+        self, sender: Any = None, task_id: Any = None, state: Any = None, **_: Any
+    ) -> None:
+        """A run ``Ignore`` ended (``Task.replace`` raises it): ok. One ``Reject`` ended:
+        killed, at once, requeued or not: no copy may come back to this process, or run at
+        all; one that runs is a new run of the attempt (start.lua)."""
+        ended = ENDED_AT_POSTRUN.get(state)  # every other task: one lookup, at once
+        if ended is None or not self._ours(sender):
             return
         if task_id in self._running or task_id in self._starts.by_job:
-            self._end_running(task_id, Outcome.OK, "ignored")
+            self._end_running(task_id, *ended)
 
     def on_failure(
         self, sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any

@@ -22,6 +22,8 @@ from gatekeeper.settings import GatekeeperSettings, load_settings
 
 RUNS_KEY = "test:runs"
 """List of JSON records, one per task run: task, id, attempt, queue, gatekeeper headers."""
+HELD_KEY = "test:held"
+"""List of JSON lists, one per run of ``tests.held``: the task ids its process held open."""
 
 
 def create_app(
@@ -100,10 +102,11 @@ def create_app(
 
     @app.task(bind=True, name="tests.rejects", max_retries=0, shared=False, gatekeeper=kill_spec,
               acks_late=True)  # fmt: skip
-    def rejects(self: Any) -> str:
+    def rejects(self: Any, requeue: bool = True) -> str:
+        """Rejects its first run (requeued: its copy returns ok), or every run."""
         record(self)
-        if runs_of(self.request.id) == 1:
-            raise Reject("not now", requeue=True)  # no end signal but task_postrun either
+        if not requeue or runs_of(self.request.id) == 1:
+            raise Reject("not now", requeue=requeue)  # no end signal but task_postrun either
         return "ok"
 
     @app.task(
@@ -187,12 +190,20 @@ def create_app(
         """Kills its own process at once, gated or not (tests/test_lines.py)."""
         os.kill(os.getpid(), signal.SIGKILL)
 
+    @app.task(bind=True, name="tests.held", shared=False)
+    def held(self: Any) -> None:
+        """Records the runs its process's worker side holds open (ungated: its start reads
+        none of the starts left unread)."""
+        worker = installed.worker
+        kept = (set(worker._running) | set(worker._starts.by_job)) - {self.request.id}
+        recorder.rpush(HELD_KEY, json.dumps(sorted(kept)))
+
     @app.task(bind=True, name="tests.plain", shared=False)
     def plain(self: Any) -> str:
         record(self)
         return "plain"
 
-    gatekeeper.install(app, settings, clock=clock)
+    installed = gatekeeper.install(app, settings, clock=clock)
     return app
 
 
