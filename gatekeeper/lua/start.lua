@@ -25,7 +25,8 @@
 -- KEYS[3] free:waiting              sorted set: admitted free attempts not yet started
 -- KEYS[4] stats                     hash: unverified_runs, forged_runs, reruns_after_row (a run
 --                                   of an attempt that already had its row: the broker
---                                   delivered a finished message again)
+--                                   delivered a finished message again, or a requeued
+--                                   `Reject`'s copy)
 --
 -- ARGV[1] member          <job_id>:<attempt>
 -- ARGV[2] now_ms
