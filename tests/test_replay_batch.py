@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 import redis
+from click.testing import CliRunner
 
 from gatekeeper.celery.broker import RedisBroker, Taken
 from gatekeeper.celery.replay import Replayer
+from gatekeeper.ops.cli import main
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import load_lua
 from gatekeeper.redis.wire import Line
@@ -297,3 +299,33 @@ def test_messages_whose_move_is_refused_are_counted_given_back_and_handed_on_lat
     assert sum(counts.values()) == left and set(counts) <= {"to_free", "handed_on_again"}, counts
     assert placed(redis_client) == Counter(jobs) and claimed(redis_client) == 0
     assert redis_client.zcard(KEYS.deferred) == 0
+
+
+def test_replay_once_that_gave_messages_back_exits_1_saying_how_many(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cron job or a Kubernetes Job running `replay --once` must tell a pass that handed on
+    # all it took from one whose moves were refused (its tenure's heartbeat lapses between
+    # the lock's last check and the batch's move, as a paused replayer's would).
+    jobs = defer_tasks(redis_url, redis_client, 5)
+    hand_on = RedisBroker.hand_on
+
+    def paused_before_the_move(broker: RedisBroker, batch: list[Taken]) -> None:
+        assert broker.claims is not None
+        redis_client.delete(broker.claims.heartbeat_of(broker.claims.tenure))
+        hand_on(broker, batch)
+
+    monkeypatch.setattr(RedisBroker, "hand_on", paused_before_the_move)
+    for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
+                        ("CANARY_PERCENT", "100"), ("BUDGET_UNITS", "1e9")):  # fmt: skip
+        monkeypatch.setenv(f"GATEKEEPER_{name}", value)
+    given_back = CliRunner().invoke(main, ["replay", "--once"])
+    assert given_back.exit_code == 1, given_back.output
+    assert isinstance(given_back.exception, SystemExit)  # a message, not a traceback
+    assert "given_back=5: 5 messages not handed on" in given_back.output, given_back.output
+    assert not placed(redis_client) and claimed(redis_client) == 5
+    # The next pass hands them on, and exits 0.
+    monkeypatch.setattr(RedisBroker, "hand_on", hand_on)
+    handed_on = CliRunner().invoke(main, ["replay", "--once"])
+    assert handed_on.exit_code == 0, handed_on.output
+    assert placed(redis_client) == Counter(jobs) and claimed(redis_client) == 0

@@ -1,7 +1,9 @@
 """The ``gatekeeper`` command line: the drill, one-off decisions, and (later) operations.
 
 Settings are read here, at the edge, from the environment, ``.env`` and the TOML file
-(``--config`` or ``GATEKEEPER_CONFIG_FILE``). Exit codes: 0 success, 2 bad usage or settings.
+(``--config`` or ``GATEKEEPER_CONFIG_FILE``). Exit codes: 0 success, 1 the command could not
+do its work and says why (a ``replay --once`` pass that did not hand on all it took, say), 2 bad
+usage or settings.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -278,15 +279,43 @@ def status(ctx: click.Context) -> None:
                f"decision_record_cap={settings.decision_record_cap} refused={refused}")  # fmt: skip
 
 
+def _incomplete(totals: Counter[str]) -> list[str]:
+    """Why a ``replay --once`` pass did not do all its work, each with its count (none: it
+    handed on every message it took); the command then exits 1, for a cron job or a Job to see."""
+    why: list[str] = []
+    if totals["pass_failed"]:
+        why.append("the pass failed (replay_pass_failed above says why)")
+    if totals["lock_held"]:
+        why.append("another replayer holds the lock: nothing replayed")
+    if totals["lock_lost"]:
+        why.append("the lock was lost mid-pass: the rest is left to its holder")
+    if given_back := totals["given_back"]:
+        why.append(
+            f"given_back={given_back}: {given_back} message{'s' * (given_back != 1)} not handed "
+            "on (a move refused: this replayer's tenure ended, or the lock's holder took the "
+            "copy back; or the broker's connection dropped). None is lost: the next pass "
+            "hands them on"
+        )
+    return why
+
+
 @click.command()
-@click.option("--once", is_flag=True, help="One pass over defer, then exit.")
+@click.option("--once", is_flag=True,
+              help="One pass, then exit: 1 if it did not hand on all it took.")  # fmt: skip
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Also serve gatekeeper metrics at /metrics on this port.")  # fmt: skip
 @click.option("--metrics-host", default=DEFAULT_HOST, show_default=True,
               help="Address the metrics are served on.")  # fmt: skip
 @click.pass_context
 def replay(ctx: click.Context, once: bool, metrics_port: int | None, metrics_host: str) -> None:
-    """Score deferred tasks again and hand them to free, reserved, defer or the dead letters."""
+    """Score deferred tasks again and hand them to free, reserved, defer or the dead letters.
+
+    With --once, one pass, then exit 0 when it handed on every message it took; 1, saying
+    what happened and to how many, when the pass failed, another replayer holds the lock,
+    the lock was lost mid-pass, or messages were given back, not handed on (given_back=N: a
+    move refused, or the broker's connection dropped; none is lost, the next pass hands them
+    on). Without --once it runs until stopped (SIGINT, SIGTERM), and exits 0.
+    """
     settings = settings_of(ctx)
     replayer = Replayer(settings, broker_of(ctx), redis_client(ctx), app=app_of(ctx))
     if metrics_port is not None:
@@ -305,9 +334,5 @@ def replay(ctx: click.Context, once: bool, metrics_port: int | None, metrics_hos
     totals = replayer.run(stop, once=once)
     done = " ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "nothing to replay"
     click.echo(f"{done} (broker {broker}, queue {settings.defer_queue})")
-    if once and totals["pass_failed"]:
-        raise click.ClickException("the pass failed (replay_pass_failed above says why)")
-    if once and totals["lock_held"]:
-        raise click.ClickException("another replayer holds the lock: nothing replayed")
-    if once and totals["lock_lost"]:
-        raise click.ClickException("the lock was lost mid-pass: the rest is left to its holder")
+    if once and (why := _incomplete(totals)):
+        raise click.ClickException("; ".join(why))
