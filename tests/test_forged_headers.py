@@ -120,21 +120,37 @@ def test_forged_messages_run_but_price_nothing_and_leave_the_real_job_alone(
     assert log.count("event=ledger_unverified_message") == 6
 
 
-def test_a_forged_attempt_that_is_no_number_runs_as_an_ordinary_task(
-    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+BAD_ATTEMPTS = ("12345678901", "x", "1.5", "-1", [1], True, "1" * 5000)
+"""Attempts the gate never writes: ten digits or more, not a whole number, not a number."""
+
+
+@pytest.mark.parametrize("nonce", ["forged-nonce", None])
+def test_a_forged_attempt_the_gate_never_writes_is_counted_and_logged_once_as_forged(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, nonce: str | None
 ) -> None:
-    """Not a whole number: no signal handler of the gate raises over it (Celery would log
-    each), no row, nothing counted."""
+    """A message that claims the gate's decision with an attempt the gate never writes runs
+    as an ordinary task, is counted and logged once as forged (with a nonce or without), and
+    charges nothing; no signal handler of the gate raises over it (Celery would log each).
+    Failed ones too: ``tests.boom`` raises, so its end signals fire in the child and the
+    main process."""
     gate_off = create_app(gate_settings(redis_url, dwell_gate_enabled=False), redis_url)
-    for attempt in ("x", "1.5", [1], True, "1" * 5000):
-        headers = {**forged(), "gatekeeper_attempt": attempt}
+    for attempt in BAD_ATTEMPTS:
+        headers = {**forged(nonce=nonce), "gatekeeper_attempt": attempt}
         gate_off.tasks["tests.plain"].apply_async(queue="free", headers=headers)
+    headers = {**forged(nonce=nonce), "gatekeeper_attempt": "12345678901"}
+    gate_off.tasks["tests.boom"].apply_async(queue="free", headers=headers)
+    ran = len(BAD_ATTEMPTS)
     with running_worker(redis_url, tmp_path / "w.log"):
-        assert wait_until(lambda: redis_client.llen(RUNS_KEY) == 5)
+        assert wait_until(lambda: redis_client.llen(RUNS_KEY) == ran + 1)
         time.sleep(0.5)  # a late signal, if any, would land now
     log = (tmp_path / "w.log").read_text()
-    assert "Signal handler" not in log and "Traceback" not in log, log
-    assert rows(redis_client) == [] and stats(redis_client) == {}
+    assert "Signal handler" not in log and "event=ledger_write_failed" not in log, log
+    assert log.count("Traceback") == 1, log  # tests.boom's own ValueError, no other
+    assert rows(redis_client) == [] and stats(redis_client) == {"forged_runs": ran + 1}
+    forged_lines = [line for line in log.splitlines() if "event=ledger_unverified_message" in line]
+    assert len(forged_lines) == ran + 1 and all("kind=forged" in line for line in forged_lines)
+    assert not [key for key in redis_client.scan_iter(match=f"{KEYS.base}:*")
+                if key not in (KEYS.stats.encode(), KEYS.flags.encode())]  # fmt: skip
 
 
 def test_a_decision_made_without_redis_gets_an_unverified_unpriced_row(

@@ -1,5 +1,6 @@
-"""What the worker side reads of a message: whether it claims to be gated, its nonce, and
-what the worker adds to the gate's record itself.
+"""What the worker side reads of a message: whether it claims to be gated (or is forged on
+its face: an attempt the gate never writes), its nonce, and what the worker adds to the gate's
+record itself.
 
 Nothing read here is trusted for pricing: a message is the gate's only when its nonce is the
 one in the gate's record (``start.lua`` checks). :func:`unverified` builds the row of a
@@ -28,7 +29,7 @@ from gatekeeper.core.ledger import Path
 from gatekeeper.errors import GatekeeperError
 from gatekeeper.redis.runs import RunRecord
 
-__all__ = ["claims", "nonce_of", "own_fields", "request_headers", "unverified"]
+__all__ = ["claims", "forged_attempt", "nonce_of", "own_fields", "request_headers", "unverified"]
 
 READ = (H_ATTEMPT, H_DECISION, H_NONCE, H_ATTEMPT_PUBLISHED_AT, H_PUBLISHED_AT, H_DEADLINE_AT,
         H_TOKENS_IN, H_TOKENS_OUT, "retries")  # fmt: skip
@@ -39,10 +40,22 @@ def claims(headers: Mapping[str, Any]) -> bool:
     """Whether a message claims to be one the gate routed: a decision, and an attempt that
     is a whole number of a few digits (the gate writes one; anything else is a caller's, and
     ``int()`` of it, thousands of digits included, would raise in a signal handler)."""
+    return headers.get(H_DECISION) is not None and _the_gates(headers.get(H_ATTEMPT))
+
+
+def forged_attempt(headers: Mapping[str, Any]) -> bool:
+    """Whether a message claims the gate's decision with an attempt the gate never writes
+    (present, but not a whole number of a few digits): forged, whatever its nonce. A decision
+    with no attempt at all is not: a publish the gate failed closed carries its decision alone."""
     attempt = headers.get(H_ATTEMPT)
+    decided = headers.get(H_DECISION) is not None
+    return decided and attempt is not None and not _the_gates(attempt)
+
+
+def _the_gates(attempt: Any) -> bool:
+    """An attempt as the gate writes one: a whole number of a few digits."""
     digits = isinstance(attempt, str) and attempt.isdecimal() and len(attempt) < 10
-    whole = isinstance(attempt, int) or digits
-    return whole and not isinstance(attempt, bool) and headers.get(H_DECISION) is not None
+    return (isinstance(attempt, int) or digits) and not isinstance(attempt, bool)
 
 
 def nonce_of(headers: Mapping[str, Any]) -> str:

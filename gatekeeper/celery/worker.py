@@ -2,10 +2,11 @@
 
 The gate's own record of an attempt (written in Redis when it was decided) is the truth, not
 the message: a run is priced only when its message carries the record's nonce. A message that
-claims gatekeeper headers with another nonce (forged: a caller chooses task ids and headers)
-runs as an ordinary task, counted and logged once, and charges nothing; one with no nonce (a
-publisher that predates records, or a decision made without Redis) gets an unverified row,
-unpriced and never counted toward a freeze or against a clean hour.
+claims gatekeeper headers with another nonce, or with an attempt the gate never writes (forged:
+a caller chooses task ids and headers), runs as an ordinary task, counted and logged once, and
+charges nothing; one with no nonce (a publisher that predates records, or a decision made
+without Redis) gets an unverified row, unpriced and never counted toward a freeze or against a
+clean hour.
 
 Which signal ends a run, and where it fires (prefork):
 
@@ -50,7 +51,14 @@ from celery import Celery
 from celery.states import IGNORED, REJECTED
 
 from gatekeeper.celery.freeze import maybe_freeze
-from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers, unverified
+from gatekeeper.celery.message import (
+    claims,
+    forged_attempt,
+    nonce_of,
+    own_fields,
+    request_headers,
+    unverified,
+)
 from gatekeeper.celery.metering import take_metered
 from gatekeeper.celery.received import Received
 from gatekeeper.celery.running import Running, Starting, Starts
@@ -173,6 +181,8 @@ class WorkerSide:
         take_metered(task_id)  # a meter left by an earlier run of this id is not this run's
         headers = request_headers(sender.request)
         if not claims(headers):
+            if forged_attempt(headers):  # no record can be its: start.lua is not asked
+                self._guarded("start", task_id, lambda: self._forged(sender, task_id))
             return
         attempt = int(headers.get(H_ATTEMPT) or 1)
         for earlier in list(self._starts.by_job):  # a run inside a run, or one with no end signal
@@ -222,6 +232,13 @@ class WorkerSide:
         if kind == "unverified":
             record = replace(unverified(task, headers), started_ms=now)
             self._running[job_id] = Running(attempt, 1, record, False)
+
+    def _forged(self, task: Any, job_id: str) -> None:
+        """A message that claims the gate's decision with an attempt the gate never writes:
+        logged once and counted as forged, as ``start.lua`` counts the others."""
+        self.log.warning("ledger_unverified_message", task=task.name, job_id=job_id,
+                         kind="forged", reason="attempt_not_the_gates")  # fmt: skip
+        self.runs.count_forged()
 
     def _end_running(self, job_id: str | None, outcome: Outcome, reason: str) -> bool:
         """End the run this process is executing; False when it is not one of ours."""

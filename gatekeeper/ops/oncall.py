@@ -259,9 +259,10 @@ def status(ctx: click.Context) -> None:
         f"budget_left={settings.budget_units - tax:.0f} admitted_free={admitted} "
         f"slack_misses={misses} miss_rate={rate}"
     )
-    # Runs of messages the gate has no record of: forged (a nonce that is not the record's:
-    # run as ordinary tasks, priced nothing) and unverified (no nonce: an older publisher,
-    # or a decision made without Redis; unpriced rows).
+    # Runs of messages the gate has no record of: forged (a nonce that is not the record's,
+    # or an attempt the gate never writes: run as ordinary tasks, priced nothing) and
+    # unverified (no nonce: an older publisher, or a decision made without Redis; unpriced
+    # rows).
     counters = ("reruns_after_row", "forged_runs", "unverified_runs")
     click.echo(" ".join(f"{name}={stats.get(name, 0)}" for name in counters))
     try:  # per task: the declared service time and the learned p95 (SPEC section 6)

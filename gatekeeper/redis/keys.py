@@ -90,8 +90,9 @@ namespace's slot):
     an attempt that already had its row (a message the broker delivered again after it
     finished, e.g. an ack lost with ``acks_late``, or requeued by a task that raised
     ``Reject(requeue=True)``): Celery can run such a task twice, and gatekeeper counts it
-    rather than hide it; ``forged_runs``, runs of messages whose
-    ``gatekeeper_nonce`` is not their record's (run as ordinary tasks, priced nothing);
+    rather than hide it; ``forged_runs``, runs of messages whose ``gatekeeper_nonce`` is not
+    their record's, or that claim the gate's decision with an attempt it never writes (run as
+    ordinary tasks, priced nothing);
     ``unverified_runs``, runs of messages with gatekeeper headers and no nonce (an older
     publisher, or a decision made without Redis: unpriced rows).
 ``gatekeeper:{default}:totals`` - hash, no TTL (lifetime counters, never reset)

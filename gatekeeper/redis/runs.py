@@ -143,14 +143,11 @@ class RunLedger:
     @classmethod
     def from_settings(cls, client: redis.Redis, settings: GatekeeperSettings) -> RunLedger:
         """A run ledger for the settings' namespace, window width and wait weight."""
-        return cls(
-            client,
-            Keys(settings.key_prefix, settings.namespace),
-            window_seconds=settings.window_seconds,
-            queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
-            wait_allowance_s=settings.free_wait_allowance_s,
-            decision_record_cap=settings.decision_record_cap,
-        )
+        return cls(client, Keys(settings.key_prefix, settings.namespace),
+                   window_seconds=settings.window_seconds,
+                   queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
+                   wait_allowance_s=settings.free_wait_allowance_s,
+                   decision_record_cap=settings.decision_record_cap)  # fmt: skip
 
     def start(self, job_id: str, attempt: int, nonce: str, own: dict[str, str], now_ms: int,
               token: str | None = None) -> Started:  # fmt: skip
@@ -177,6 +174,13 @@ class RunLedger:
         mine = {**own, "started_ms": str(now_ms), "nonce": nonce}
         return StartCall.send(member, self._line, self.client, self._start, keys, args,
                               self._call, partial(_started_of, mine=mine))  # fmt: skip
+
+    def count_forged(self) -> None:
+        """Count in ``forged_runs`` a run forged on its face (an attempt the gate never writes)."""
+        try:
+            self.client.hincrby(self.keys.stats, "forged_runs", 1)
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot count a forged run: {exc}") from exc
 
     def _call(self, script: Script, keys: list[str], args: list[str]) -> Any:
         """A run's script through this thread's line (redis-py's way where there is none)."""
