@@ -50,15 +50,9 @@ import redis
 from celery import Celery
 from celery.states import IGNORED, REJECTED
 
+from gatekeeper.celery import message
 from gatekeeper.celery.freeze import maybe_freeze
-from gatekeeper.celery.message import (
-    claims,
-    forged_attempt,
-    nonce_of,
-    own_fields,
-    request_headers,
-    unverified,
-)
+from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers, unverified
 from gatekeeper.celery.metering import take_metered
 from gatekeeper.celery.received import Received
 from gatekeeper.celery.running import Running, Starting, Starts
@@ -181,7 +175,7 @@ class WorkerSide:
         take_metered(task_id)  # a meter left by an earlier run of this id is not this run's
         headers = request_headers(sender.request)
         if not claims(headers):
-            if forged_attempt(headers):  # no record can be its: start.lua is not asked
+            if message.forged_attempt(headers):  # no record can be its: start.lua is not asked
                 self._guarded("start", task_id, lambda: self._forged(sender, task_id))
             return
         attempt = int(headers.get(H_ATTEMPT) or 1)
