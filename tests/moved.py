@@ -1,7 +1,8 @@
 """A gate's Redis that moves under its clients: two ``redis-server`` processes behind one
 address (a symlinked Unix socket, as a VIP or a DNS name), failed over from the first to the
 second; and a TCP proxy that black-holes the connections open when told to (a flow a NAT or
-a load balancer forgot: nothing closes, nothing answers)."""
+a load balancer forgot: nothing closes, nothing answers), or loses one request's reply (the
+server applied it, the connection broke before its answer came back)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import redis
@@ -80,7 +81,8 @@ def moved_redis(directory: Path) -> Iterator[Moved]:
 
 class BlackHole:
     """A TCP proxy on a free loopback port to ``target``; :meth:`forget` drops every byte of
-    the connections open at that moment, both ways, without closing them (new ones work)."""
+    the connections open at that moment, both ways, without closing them (new ones work);
+    :meth:`lose_reply` loses the reply of one request the server applied."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self._target = target
@@ -89,10 +91,19 @@ class BlackHole:
         self._forgotten: set[int] = set()
         self._open: list[int] = []
         self._ids = 0
+        self._marker: bytes | None = None
+        self._losing: set[int] = set()
+        self.lost = 0
+        """How many replies :meth:`lose_reply` has lost."""
         threading.Thread(target=self._accept, daemon=True).start()
 
     def forget(self) -> None:
         self._forgotten.update(self._open)
+
+    def lose_reply(self, marker: bytes) -> None:
+        """The next request that carries ``marker`` reaches the server; its reply does not
+        reach the client: the connection is closed, both ways, as the reply comes back."""
+        self._marker = marker
 
     def close(self) -> None:
         self._listener.close()
@@ -106,10 +117,11 @@ class BlackHole:
             server = socket.create_connection(self._target)
             self._ids += 1
             self._open.append(self._ids)
-            for src, dst in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(src, dst, self._ids), daemon=True).start()
+            for src, dst, up in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, self._ids, up),
+                                 daemon=True).start()  # fmt: skip
 
-    def _pump(self, src: socket.socket, dst: socket.socket, flow: int) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, flow: int, up: bool) -> None:
         while True:
             try:
                 data = src.recv(65536)
@@ -120,6 +132,15 @@ class BlackHole:
                 return
             if flow in self._forgotten:
                 continue
+            if not up and flow in self._losing:  # the reply: both ends go, it never arrives
+                self.lost += 1
+                for end in (src, dst):
+                    with suppress(OSError):
+                        end.shutdown(socket.SHUT_RDWR)
+                return
+            if up and self._marker is not None and self._marker in data:
+                self._marker = None
+                self._losing.add(flow)  # before the request is on its way: its reply follows
             try:
                 dst.sendall(data)
             except OSError:
