@@ -22,7 +22,7 @@ NOW = 1_800_000_000.0
 WINDOW = 7
 OWN = {"task": "t", "retries": "0", "max_retries": "3", "time_limit_s": "0.0",
        "tokens_out": "50", "worker": "w1"}  # fmt: skip
-CUT = {"nonce", "decision", "reason", "free_admitted", "runs", "rowed", "kept"}
+CUT = {"nonce", "decision", "reason", "free_admitted", "runs", "rowed", "rowed_by", "kept"}
 COMPACT = {b"ziplist", b"listpack"}
 
 

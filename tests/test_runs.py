@@ -239,6 +239,28 @@ def test_a_redelivery_after_a_killed_row_that_ends_late_is_one_slack_miss_reruns
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
 
 
+def test_a_finish_sent_again_with_its_token_is_told_its_row_its_capped_tax_and_its_miss(
+    redis_client: redis.Redis,
+) -> None:
+    """Its reply was lost: the same call again (its token) gets that reply, for the worker to
+    log; another call for the run (a signal fired twice: another token) is told nothing."""
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 9000)  # a wait taxed 1800
+    redis_client.hset(KEYS.run("job", 1), "reserved", 1000)  # what the admission reserved
+    run, rec = runs.record("job", 1) or (0, record())
+    row = runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 120_000)
+    first, again, other = (
+        runs.finish(row, run, rec, T0_MS + 120_000, slack_miss=True, token=token)
+        for token in ("t1", "t1", "t2")
+    )
+    assert row.retry_tax == 1800  # more than the reservation: written capped
+    assert first == again == Finished(True, 1, 0, 1000.0, slack_miss=True)
+    assert not other.written
+    assert len(read_rows(redis_client, KEYS, window_id(T0_MS / 1000, 900))) == 1
+    assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
+
+
 def test_a_row_that_counts_adds_its_run_to_the_tasks_buckets_in_the_same_step_once(
     redis_client: redis.Redis,
 ) -> None:

@@ -18,8 +18,10 @@ from click.testing import CliRunner
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.scripts import load_lua
 from tests.apps.gated_app import HELD_KEY, RUNS_KEY, create_app
 from tests.conftest import gate_settings, running_worker, wait_until
+from tests.moved import BlackHole
 
 pytestmark = pytest.mark.celery
 KEYS = Keys()
@@ -298,6 +300,34 @@ def test_slack_misses_alert_and_freeze_the_free_path(
     assert "event=free_path_frozen" in log.read_text()
     (change,) = [json.loads(raw) for raw in redis_client.lrange(KEYS.flags_log, 0, -1)]
     assert change["actor"] == "gatekeeper:auto-freeze" and "slack misses" in change["reason"]
+
+
+def test_a_row_whose_reply_was_lost_is_logged_once_with_its_slack_miss_and_freeze(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """The worker's finish wrote the row and counted the miss, and its reply was lost (the
+    connection broke): sent again, it is told so, and the log has what the ledger has."""
+    finish = redis_client.script_load(load_lua("finish.lua"))  # loaded, as on a running server
+    address = redis_client.connection_pool.connection_kwargs
+    hole = BlackHole((address.get("host", "127.0.0.1"), int(address.get("port", 6379))))
+    hole.lose_reply(finish.encode())  # the worker's gate Redis is reached through the proxy
+    log = tmp_path / "w.log"
+    sleepy = app_for(redis_url).tasks["tests.sleepy"]
+    late = {"headers": {"gatekeeper_deadline_s": 1.3}}  # admitted (dwell 1 s), runs 1.5 s
+    try:
+        with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="1",
+                            GATEKEEPER_REDIS_URL=f"redis://127.0.0.1:{hole.port}/0"):  # fmt: skip
+            job = sleepy.apply_async(kwargs={"sleep_s": 1.5}, **late).id
+            wait_rows(redis_client, 1)
+            wait_until(lambda: "event=free_path_frozen" in log.read_text(), 10)  # the last line
+    finally:
+        hole.close()
+    assert hole.lost == 1  # the finish's reply, after its row
+    lines = [line for line in log.read_text().splitlines() if f"job_id={job}" in line]
+    assert len([line for line in lines if "event=ledger_row" in line]) == 1, lines
+    assert len([line for line in lines if "event=slack_miss" in line]) == 1, lines
+    assert redis_client.hget(KEYS.flags, "free_path_enabled") == b"false"
+    assert "event=free_path_frozen" in log.read_text()
 
 
 def test_a_task_revoked_before_it_starts_gives_back_its_exposure_and_has_no_row(

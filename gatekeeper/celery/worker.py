@@ -31,7 +31,9 @@ worker gone, no signal at all          none            ``gatekeeper sweep`` -> `
 
 Signals that fire twice (on Celery 5.7: a hard time limit; a ``Reject`` not requeued, whose
 ``task_failure`` the main process sends after its row) are harmless: ``finish.lua`` writes one
-row per run. Nothing here raises into Celery: a fault is logged and the task goes on.
+row per run and tells only the call that wrote it so (that call sent again after its reply was
+lost too), so the row's line is logged once. Nothing here raises into Celery: a fault is
+logged and the task goes on.
 
 A run's start is sent before its body runs and its reply read when it ends
 (gatekeeper/redis/run_start.py), so the task waits for one round trip of the ledger's, not

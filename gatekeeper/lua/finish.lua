@@ -5,6 +5,12 @@
 -- at this run and changes nothing. The row itself is built by the caller from the Python core
 -- (gatekeeper/core/ledger.py make_row); this script applies it atomically.
 --
+-- Safe to send twice: each call carries a random token, kept in the record with what the call
+-- that wrote the run's row replied (`rowed_by`). The same token again (a request re-sent
+-- after a lost reply, the row written) gets that reply again, so the caller still logs the row
+-- and its slack miss, once; another call for the run (a signal that fired twice) is told
+-- nothing was written.
+--
 -- The ceiling (SPEC section 2): a free row is charged to the window that admitted it (the
 -- budget that reserved it), never more, over all runs of the attempt, than the admission
 -- reserved (the record's `reserved`; `charged` sums what its rows were charged). A row whose
@@ -19,15 +25,16 @@
 --
 -- After the row of the attempt's latest run (every run it has had now has its row) the record
 -- is cut to what a later run of the attempt and the one-row-per-attempt rule read
--- (gatekeeper/redis/kept.py): nonce, decision, reason, runs, rowed, free_admitted (when 1),
--- the replayer's fields, and `kept` = '<published_ms>|<deadline_ms>|<tokens_in>|<window>'
--- for the row of a redelivery; the reservation is closed (`kept` present: nothing more to
--- charge). The fields a redelivered run's start writes again are dropped (four of the
+-- (gatekeeper/redis/kept.py): nonce, decision, reason, runs, rowed, rowed_by, free_admitted
+-- (when 1), the replayer's fields, and `kept` = '<published_ms>|<deadline_ms>|<tokens_in>|
+-- <window>' for the row of a redelivery; the reservation is closed (`kept` present: nothing
+-- more to charge). The fields a redelivered run's start writes again are dropped (four of the
 -- worker's own numbers are one, `own`; a record an older worker started, or one whose `own`
 -- would be too long for a compact hash, keeps those four laid out).
 --
--- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row; reserved,
---                                  charged, kept
+-- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row; rowed_by =
+--                                  '<token>|<missed>[|<tax as written, when capped>]' of the
+--                                  call that wrote it; reserved, charged, kept
 -- KEYS[2] window:<row window>       hash: rows:<outcome> (a reserved row)
 -- KEYS[3] window:<row window>:rows  list: ledger rows (JSON): a reserved row's
 -- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>|..."
@@ -59,10 +66,13 @@
 -- ARGV[15] long          1 when the run's task or worker is longer than a compact hash's
 --                        values, or it is not the attempt's first run (the cut then writes
 --                        the record again: below)
+-- ARGV[16] token         this call's random value (the same when it is sent again)
 --
 -- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free,
 -- the row's retry_tax as written (a free row's capped by its reservation), missed (1 when
--- the slack miss was counted: not for a rerun after the attempt's `ok` row)}.
+-- the slack miss was counted: not for a rerun after the attempt's `ok` row)}; {0, 0, 0, '0'}
+-- when the run had its row already, but for the call that wrote it, sent again: its reply
+-- (the window's counts as they are now).
 
 local function fmt17(x) return string.format('%.17g', x) end
 -- Whole numbers go to redis.call as the text they came in ('1', ARGV[8]): the server formats
@@ -74,9 +84,23 @@ local run = tonumber(ARGV[2])
 local rec = redis.call('HMGET', KEYS[1], 'rowed', 'runs', 'reserved', 'charged', 'kept',
   'published_ms', 'deadline_ms', 'tokens_in', 'window', 'free_admitted', 'prev_nonce')
 if tonumber(rec[1] or '0') >= run then
-  return {0, 0, 0, '0'}
+  -- The run has its row: nothing is written, and a duplicate is told so; the call that wrote
+  -- it, sent again after its reply was lost, gets that reply (`rowed_by` is read here alone:
+  -- a walk of the record a first call need not pay).
+  local by = redis.call('HGET', KEYS[1], 'rowed_by') or ''
+  local token, missed, tax = string.match(by, '^([^|]*)|(%d)|?(.*)$')
+  if token ~= ARGV[16] then
+    return {0, 0, 0, '0'}
+  end
+  local counts = redis.call('HMGET', KEYS[6], 'slack_misses', 'admitted_free')  -- (as below)
+  return {1, tonumber(counts[1] or '0'), tonumber(counts[2] or '0'),
+    tax ~= '' and tax or ARGV[6], tonumber(missed)}
 end
-redis.call('HSET', KEYS[1], 'rowed', ARGV[2])
+-- A rerun after the attempt's `ok` row (a lost ack, a redelivery; `kept` ends in '|ok'): the
+-- job finished then, and its slack was judged at that row. A late rerun is no miss of it.
+-- (A publish of the attempt after the cut writes published_ms anew: its runs are judged.)
+local rerun = rec[5] and not rec[6] and string.sub(rec[5], -3) == '|ok'
+local missed = ARGV[7] == '1' and not rerun
 -- The attempt's last run: no run of it is left without its row, so the record is cut below
 -- (what `charged` and `reserved` would say after this row, `kept` says: closed).
 local cut = rec[2] ~= false and tonumber(rec[2]) == run
@@ -122,6 +146,9 @@ if free then
     redis.call('HSET', KEYS[1], 'reserved', charged)
   end
 end
+-- Written once the tax is known: the run has its row, and what this call replies (above).
+redis.call('HSET', KEYS[1], 'rowed', ARGV[2], 'rowed_by', ARGV[16] .. '|'
+  .. (missed and '1' or '0') .. (written_tax ~= ARGV[6] and '|' .. written_tax or ''))
 redis.call('RPUSH', rows, row)
 redis.call('EXPIRE', rows, ARGV[8])
 redis.call('HINCRBY', window, 'rows:' .. ARGV[4], '1')
@@ -137,11 +164,6 @@ if held and (ARGV[9] == '1' or ARGV[5] ~= 'free') then
   redis.call('HDEL', KEYS[4], ARGV[1])
   redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -tonumber(string.match(held, '^[^|]+')))
 end
--- A rerun after the attempt's `ok` row (a lost ack, a redelivery; `kept` ends in '|ok'): the
--- job finished then, and its slack was judged at that row. A late rerun is no miss of it.
--- (A publish of the attempt after the cut writes published_ms anew: its runs are judged.)
-local rerun = rec[5] and not rec[6] and string.sub(rec[5], -3) == '|ok'
-local missed = ARGV[7] == '1' and not rerun
 if missed then
   redis.call('HINCRBY', KEYS[6], 'slack_misses', '1')
   redis.call('EXPIRE', KEYS[6], ARGV[8])

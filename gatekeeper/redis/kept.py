@@ -10,6 +10,9 @@ bench/memory.py; about 110 of them are the key itself). What stays, and who read
   re-sent publish request still finds its own decision (gate.lua);
 - ``runs``, ``rowed``: one row per run, whatever signal fires twice (finish.lua), and a
   publish of the same attempt after its row is not taken for a duplicate (gate.lua);
+- ``rowed_by``, ``<token>|<missed>`` (``|<tax>`` after it when the row's tax was capped): the
+  reply of the finish that wrote the last row, for that call sent again after its reply was
+  lost, so its worker still logs the row and its slack miss (finish.lua);
 - ``free_admitted`` (only when ``1``): the next attempt's decision carries it (gate.lua);
 - ``prev_nonce`` (when not empty), ``dup:*``, ``taken:*`` and the replayer's handoff fields,
   untouched: a copy or a replay that comes back after the run finds what it found before;

@@ -50,13 +50,15 @@ namespace's slot):
     were charged so far); ``expired_ms`` when its wait allowance ran out on free (its decision
     is then ``reserved``, reason ``free_wait_expired``). Then the
     worker's runs: ``runs`` (how many times a worker started it: more than one after a
-    redelivery), ``rowed`` (the last run that has its row), ``started_ms`` and what the worker
+    redelivery), ``rowed`` (the last run that has its row), ``rowed_by`` (what the finish that
+    wrote that row replied, for that call sent again), ``started_ms`` and what the worker
     knows itself: ``task``, ``worker`` (the hostname of the worker it started on) and ``own``
     = ``<retries>|<max_retries>|<time_limit_s>|<tokens_out>``, read back laid out
     (gatekeeper/redis/kept.py; an older worker, or values too long to pack, wrote them as
     fields).
     Once every run it has had has its row, ``finish.lua`` cuts it to ``nonce``, ``decision``,
-    ``reason``, ``runs``, ``rowed``, ``free_admitted`` (when ``1``), the replayer's fields
+    ``reason``, ``runs``, ``rowed``, ``rowed_by``, ``free_admitted`` (when ``1``), the
+    replayer's fields
     (``handoff_nonce``; an older replayer's ``handoff_from`` and ``handoff``, which kept the
     handoff in the record), the four numbers of a start that wrote them laid out
     and ``kept`` = ``<published_ms>|<deadline_ms>|<tokens_in>|<window>`` (what a redelivery's

@@ -272,12 +272,14 @@ class RunLedger:
         current: bool = True,
         service_s: float | None = None,
         lower_bound: bool = False,
+        token: str | None = None,
     ) -> Finished:
         """Apply one run's row atomically; a second call for the same run writes nothing.
 
         ``service_s``: the run's time, counted in its task's learned service time (SPEC
         section 6) in the same step, only if the row is written (``lower_bound``: it was
-        cut off by its time limit). None: the run does not count."""
+        cut off by its time limit). None: the run does not count. ``token`` (random unless
+        given): the call that wrote the row, sent again, gets its reply again (finish.lua)."""
         member = f"{row.job_id}:{row.attempt}"
         row_window = window_id(now_ms / 1000, self.window_seconds)
         admission_window = record.window
@@ -307,12 +309,13 @@ class RunLedger:
             # A later run may have started on another worker than the first (a redelivery):
             # which names the record has held is not known here, so it is written again.
             "1" if run > 1 or too_long(record.task) or too_long(record.worker) else "0",
+            token or secrets.token_hex(4),  # kept with the row's run: short (bench/memory.py)
         ]
         try:
             try:
                 reply = self._call(self._finish, keys, args)
-            except (redis.ConnectionError, redis.TimeoutError):  # no answer: it may not have run
-                reply = self._call(self._finish, keys, args)  # safe: one row per run
+            except (redis.ConnectionError, redis.TimeoutError):  # no answer: it may have run
+                reply = self._call(self._finish, keys, args)  # then its reply again (token)
             written, misses, admitted, tax, *missed = reply
             return Finished(bool(written), int(misses), int(admitted), float(text_of(tax)),
                             missed == [1])  # fmt: skip
