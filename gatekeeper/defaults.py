@@ -85,8 +85,8 @@ WINDOW_RETENTION_S = 8 * 24 * 3600
 """Windows are kept eight days: a week of review (``gatekeeper report``) plus a day's margin."""
 RECORD_RETENTION_S = 2 * 24 * 3600
 """An attempt's record (the gate's, then its runs') outlives any sane visibility timeout,
-retry delay or deadline. About 620 bytes until the row of its last run, then cut to about 270
-(gatekeeper/redis/kept.py): at 10 finished jobs a second, 10 x 2 days x 270 B = 0.47 GB."""
+retry delay or deadline. About 620 bytes until the row of its last run, then cut to about 310
+(gatekeeper/redis/kept.py): at 10 finished jobs a second, 10 x 2 days x 310 B = 0.54 GB."""
 SERVICE_TIME_MIN_SAMPLES = 100
 """Runs a task needs before its observed p95 is used (``service_time=learned`` or ``max``) or
 said to drift: the p95 of 100 runs rests on its 5 slowest, so one slow run moves it by at
