@@ -234,7 +234,7 @@ class WorkerSide:
         logged once and counted as forged, as ``start.lua`` counts the others."""
         self.log.warning("ledger_unverified_message", task=task.name, job_id=job_id,
                          kind="forged", reason="attempt_not_the_gates")  # fmt: skip
-        self.runs.count_forged()
+        self.runs.client.hincrby(self.runs.keys.stats, "forged_runs", 1)  # as start.lua counts
 
     def _end_running(self, job_id: str | None, outcome: Outcome, reason: str) -> bool:
         """End the run this process is executing; False when it is not one of ours."""

@@ -175,13 +175,6 @@ class RunLedger:
         return StartCall.send(member, self._line, self.client, self._start, keys, args,
                               self._call, partial(_started_of, mine=mine))  # fmt: skip
 
-    def count_forged(self) -> None:
-        """Count in ``forged_runs`` a run forged on its face (an attempt the gate never writes)."""
-        try:
-            self.client.hincrby(self.keys.stats, "forged_runs", 1)
-        except redis.RedisError as exc:
-            raise LedgerUnavailable(f"cannot count a forged run: {exc}") from exc
-
     def _call(self, script: Script, keys: list[str], args: list[str]) -> Any:
         """A run's script through this thread's line (redis-py's way where there is none)."""
         if self._line is None:
