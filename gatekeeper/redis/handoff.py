@@ -154,7 +154,8 @@ def packed(handoff: Handoff) -> str:
 
 
 def _short(name: str) -> str:
-    return name[len(PREFIX) :] if name.startswith(PREFIX) else "/" + name
+    rest = name[len(PREFIX) :]
+    return rest if name.startswith(PREFIX) and not rest.startswith("/") else "/" + name
 
 
 def _long(name: str) -> str:
