@@ -17,7 +17,7 @@ from gatekeeper.core.ledger import Outcome
 from gatekeeper.redis import wire
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
-from gatekeeper.redis.runs import Finished, RunLedger
+from gatekeeper.redis.runs import Finished, RunLedger, RunRecord
 from tests.moved import BlackHole, moved_redis
 from tests.test_run_start import KEYS, WINDOW, applied, decided, ledger, warm
 
@@ -47,9 +47,8 @@ def forgetful(redis_url: str, redis_client: redis.Redis) -> Iterator[BlackHole]:
         hole.close()
 
 
-def test_a_finish_that_gets_no_answer_is_sent_again_and_writes_one_row(
-    redis_client: redis.Redis, forgetful: BlackHole
-) -> None:
+def started_through(forgetful: BlackHole, redis_client: redis.Redis) -> tuple[RunLedger, RunRecord]:
+    """A run ledger through the proxy, and the record of a run it started."""
     client = client_for(f"redis://127.0.0.1:{forgetful.port}/0", 0.3, **no_retry())
     runs: RunLedger = ledger(client)
     for script in (runs._start, runs._finish):  # loaded long ago, as on a running server
@@ -57,13 +56,20 @@ def test_a_finish_that_gets_no_answer_is_sent_again_and_writes_one_row(
     decided(redis_client, "job")
     started = runs.start("job", 1, "n-job", {"task": "t", "worker": "w"}, 1000)
     assert started.record is not None
+    return runs, started.record
+
+
+def test_a_finish_that_gets_no_answer_is_sent_again_and_writes_one_row(
+    redis_client: redis.Redis, forgetful: BlackHole
+) -> None:
+    runs, record = started_through(forgetful, redis_client)
     forgetful.forget()  # the line's flow: nothing closes, nothing answers
-    row = runs.row_for("job", 1, started.record, Outcome.OK, 2000)
-    done = runs.finish(row, 1, started.record, 2000)
+    row = runs.row_for("job", 1, record, Outcome.OK, 2000)
+    done = runs.finish(row, 1, record, 2000)
     assert done.written
     assert redis_client.hget(KEYS.run("job", 1), "rowed") == b"1"
     assert redis_client.zscore(KEYS.started, "job:1") is None
-    assert not runs.finish(row, 1, started.record, 2000).written  # one row per run
+    assert not runs.finish(row, 1, record, 2000).written  # one row per run
 
 
 def test_a_finish_whose_reply_is_lost_after_its_row_is_told_its_row_and_miss_when_sent_again(
@@ -72,21 +78,15 @@ def test_a_finish_whose_reply_is_lost_after_its_row_is_told_its_row_and_miss_whe
     """The script ran (the row, its tax, a slack miss), its reply never came back: the call
     sent again gets the reply the first had, so the worker logs the row and the miss and
     checks the freeze. Another finish of the run (a signal fired twice) still writes nothing."""
-    client = client_for(f"redis://127.0.0.1:{forgetful.port}/0", 0.3, **no_retry())
-    runs: RunLedger = ledger(client)
-    for script in (runs._start, runs._finish):  # loaded long ago, as on a running server
-        redis_client.script_load(script.script)
-    decided(redis_client, "job")
-    started = runs.start("job", 1, "n-job", {"task": "t", "worker": "w"}, 1000)
-    assert started.record is not None
+    runs, record = started_through(forgetful, redis_client)
     forgetful.lose_reply(runs._finish.sha.encode())
-    row = runs.row_for("job", 1, started.record, Outcome.OK, 2000)
-    done = runs.finish(row, 1, started.record, 2000, slack_miss=True)
+    row = runs.row_for("job", 1, record, Outcome.OK, 2000)
+    done = runs.finish(row, 1, record, 2000, slack_miss=True)
     assert forgetful.lost == 1  # the first call's reply, after its row
     assert done == Finished(True, 1, 0, row.retry_tax, slack_miss=True)
     assert redis_client.llen(KEYS.window_rows(WINDOW)) == 1
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
-    assert not runs.finish(row, 1, started.record, 2000, slack_miss=True).written
+    assert not runs.finish(row, 1, record, 2000, slack_miss=True).written
 
 
 def test_a_start_on_a_line_idle_past_its_limit_is_applied_before_the_run_goes_on(
