@@ -18,7 +18,7 @@ raised (soft time limit included)      task_failure    pool child -> ``killed``
 asked for a retry                      task_retry      pool child -> ``killed``
 raised ``Ignore`` (``Task.replace``)   task_postrun    pool child -> ``ok`` (``ignored``)
 raised ``Reject``, requeued or not     task_postrun    pool child -> ``killed``
-                                                       (``rejected``); a requeued copy is
+                                                       (``reject``); a requeued copy is
                                                        a new run of the attempt
 hard time limit, child SIGKILLed       task_failure    main process (``sender.request``
                                                        may be empty: headers cached from
@@ -71,7 +71,7 @@ __all__ = ["TIME_LIMIT_REASONS", "WorkerSide", "maybe_freeze"]
 
 TIME_LIMIT_REASONS = frozenset({"TimeLimitExceeded", "SoftTimeLimitExceeded"})
 """The failures that mean a run was cut off by its time limit: it ran at least that long."""
-ENDED_AT_POSTRUN = {IGNORED: (Outcome.OK, "ignored"), REJECTED: (Outcome.KILLED, "rejected")}
+ENDED_AT_POSTRUN = {IGNORED: (Outcome.OK, "ignored"), REJECTED: (Outcome.KILLED, "reject")}
 """The states of a run that ends with no signal but ``task_postrun``: its outcome, reason."""
 
 
