@@ -40,7 +40,7 @@ import os
 import platform
 import statistics
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -84,7 +84,7 @@ class Phase:
     calls: int = 0
     block_us: list[float] = field(default_factory=list)
     usec: float = 0.0
-    inner_usec: Counter[str] = field(default_factory=Counter)
+    inner_usec: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Server microseconds of the commands the script ran, by command."""
     inner_calls: Counter[str] = field(default_factory=Counter)
     decided: Counter[str] = field(default_factory=Counter)
@@ -136,7 +136,7 @@ def phases_for(
     client: redis.Redis, scripts: dict[str, str], cap: int, budget_units: float
 ) -> list[Phase]:
     """A phase per path and script, each in a namespace of its own, its state initialised."""
-    phases = []
+    phases: list[Phase] = []
     for label, text in scripts.items():
         for path in PATHS:
             keys = Keys("gatekeeper", f"bench-gate-{len(phases)}")

@@ -76,7 +76,7 @@ def make_app(broker_url: str, gate_url: str, args: argparse.Namespace) -> tuple[
     app.conf.task_default_queue = "celery"
 
     @gatekeeper.gated(expected_service_s=1.0, tokens_in=10, deadline_s=3600)
-    @app.task(name="bench.gated", shared=False, max_retries=1)
+    @app.task(name="bench.gated", shared=False, max_retries=1)  # type: ignore[untyped-decorator]
     def gated_task(x: int) -> int:
         return x
 

@@ -127,10 +127,10 @@ def main() -> int:
           f"rounds={args.rounds} date={time.strftime('%Y-%m-%d')}")  # fmt: skip
     medians = {}
     for size in sizes:
-        server = statistics.median(f[0] for f in figures[size])
+        server_us = statistics.median(f[0] for f in figures[size])
         client_us = statistics.median(f[1] for f in figures[size])
-        medians[size] = server
-        print(f"in_flight={size} gate_lua_us={server:.1f} client_us={client_us:.1f} "
+        medians[size] = server_us
+        print(f"in_flight={size} gate_lua_us={server_us:.1f} client_us={client_us:.1f} "
               f"(rounds: {' '.join(f'{f[0]:.1f}' for f in figures[size])})")  # fmt: skip
     print(f"flatness={medians[sizes[-1]] / medians[sizes[0]]:.2f} (gate_lua_us at "
           f"in_flight={sizes[-1]} / at in_flight={sizes[0]}; 1.00 = flat)")  # fmt: skip

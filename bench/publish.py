@@ -385,12 +385,12 @@ class Bench:
         self.app = Celery("bench", broker=broker_url)
         self.app.conf.task_default_queue = "celery"
 
-        @self.app.task(name="bench.plain", shared=False)
+        @self.app.task(name="bench.plain", shared=False)  # type: ignore[untyped-decorator]
         def plain(x: int) -> int:
             return x
 
         @gatekeeper.gated(expected_service_s=1.0, tokens_in=10, deadline_s=3600)
-        @self.app.task(name="bench.gated", shared=False, max_retries=1)
+        @self.app.task(name="bench.gated", shared=False, max_retries=1)  # type: ignore[untyped-decorator]
         def gated_task(x: int) -> int:
             return x
 

@@ -63,7 +63,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,7 +121,8 @@ class RoundTrips:
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
-        send, read = AbstractConnection.send_packed_command, AbstractConnection.read_response
+        send: Callable[..., Any] = AbstractConnection.send_packed_command
+        read: Callable[..., Any] = AbstractConnection.read_response
         line_send, line_read = Line.send, Line.read
 
         def sent(conn: Any) -> None:
