@@ -302,7 +302,10 @@ def test_messages_whose_move_is_refused_are_counted_given_back_and_handed_on_lat
 
 
 def test_replay_once_that_gave_messages_back_exits_1_saying_how_many(
-    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    redis_url: str,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     # A cron job or a Kubernetes Job running `replay --once` must tell a pass that handed on
     # all it took from one whose moves were refused (its tenure's heartbeat lapses between
@@ -321,6 +324,9 @@ def test_replay_once_that_gave_messages_back_exits_1_saying_how_many(
         monkeypatch.setenv(f"GATEKEEPER_{name}", value)
     given_back = CliRunner().invoke(main, ["replay", "--once"])
     assert given_back.exit_code == 1, given_back.output
+    said = given_back.output + capsys.readouterr().err  # one line for the refused moves
+    assert said.count("event=replay_given_back reason=move_refused messages=5 ") == 1, said
+    assert all(job in said for job in jobs)
     assert isinstance(given_back.exception, SystemExit)  # a message, not a traceback
     assert "given_back=5: 5 messages not handed on" in given_back.output, given_back.output
     assert not placed(redis_client) and claimed(redis_client) == 5

@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from gatekeeper.celery.batch import ReadRecord, _records
-from gatekeeper.celery.replay import H_REPLAY_ERRORS, Replayer
+from gatekeeper.celery.deadletter import H_REPLAY_ERRORS
+from gatekeeper.celery.replay import Replayer
 from gatekeeper.defaults import RECORD_RETENTION_S
 from gatekeeper.redis import wire
 from gatekeeper.redis.breaker import no_retry

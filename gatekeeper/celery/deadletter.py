@@ -22,12 +22,24 @@ from celery.backends.base import DisabledBackend
 
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import nonce_of
-from gatekeeper.core.headers import H_ATTEMPT, H_DEADLINE_AT, H_DECISION, H_DWELL_S, H_REASON
+from gatekeeper.core.headers import (
+    H_ATTEMPT,
+    H_DEADLINE_AT,
+    H_DECISION,
+    H_DWELL_S,
+    H_REASON,
+    H_REPLAY_AFTER,
+)
 from gatekeeper.core.ledger import Outcome, Path, make_row, window_id
 from gatekeeper.errors import DeadlineAbandoned
 from gatekeeper.redis.runs import Finished
 
-__all__ = ["abandon", "fail_in_backend"]
+__all__ = ["H_REPLAY_ERRORS", "MAX_REPLAY_ERRORS", "abandon", "fail_in_backend", "set_aside"]
+
+MAX_REPLAY_ERRORS = 5
+"""A message that fails this many replays in a row goes to the dead letters, with an alert
+(its count, in ``H_REPLAY_ERRORS``, is dropped once a replay scores it and hands it on)."""
+H_REPLAY_ERRORS = "gatekeeper_replay_errors"
 
 
 def fail_in_backend(app: Any, message: dict[str, Any], deadline_at: float) -> str:
@@ -109,3 +121,33 @@ def abandon(
                 done.admitted_free, now,
             )  # fmt: skip
     return "dead_lettered"
+
+
+def set_aside(self: Any, taken: Any, exc: Exception) -> str:
+    """A message that failed to replay (``self``: the :class:`~gatekeeper.celery.replay.Replayer`):
+    back to defer with a backoff, or, after ``MAX_REPLAY_ERRORS`` failures, to the dead letters
+    with an alert. Never lost."""
+    self.log.warning("replay_failed", queue=self.defer, error=repr(exc))
+    if taken.done:  # handed on already (a fault after): nothing more to move
+        return "replay_error_after_handoff"
+    if not self.broker.holds(taken):  # its connection is gone: the broker gives it back
+        return "given_back"
+    message = taken.message
+    if message is None:  # not even readable: kept as it is, where a person can see it
+        self.broker.send(taken, self.settings.dead_letter_queue, None)
+        return "dead_lettered_unreadable"
+    headers = message["headers"]
+    try:
+        errors = int(headers.get(H_REPLAY_ERRORS) or 0) + 1
+    except (TypeError, ValueError):
+        errors = MAX_REPLAY_ERRORS
+    headers[H_REPLAY_ERRORS] = errors
+    wait = self.settings.replay_backoff_max_s
+    headers[H_REPLAY_AFTER] = self.clock() + wait
+    if errors >= MAX_REPLAY_ERRORS:
+        self.broker.send(taken, self.settings.dead_letter_queue, message)
+        self.alerts.error("replay_gave_up", job_id=headers.get("id"), errors=errors,
+                          error=repr(exc), queue=self.settings.dead_letter_queue)  # fmt: skip
+        return "dead_lettered_after_errors"
+    self.broker.hold(taken, message, wait)
+    return "replay_error"

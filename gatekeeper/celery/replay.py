@@ -45,7 +45,7 @@ from redis.exceptions import LockError
 
 from gatekeeper.celery.batch import Decide, KeepHandoff, ReadHandoff, ReadRecord, Step, run_batch
 from gatekeeper.celery.broker import Broker, RedisBroker, Taken, gone_for_good
-from gatekeeper.celery.deadletter import abandon
+from gatekeeper.celery.deadletter import H_REPLAY_ERRORS, abandon, set_aside
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import (
@@ -70,10 +70,6 @@ from gatekeeper.settings import GatekeeperSettings
 __all__ = ["PRIORITY_SEP", "PRIORITY_STEPS", "Replayer", "queue_list"]
 
 SWEEP_EVERY_S = 60.0
-MAX_REPLAY_ERRORS = 5
-"""A message that fails this many replays in a row goes to the dead letters, with an alert
-(its count, in ``H_REPLAY_ERRORS``, is dropped once a replay scores it and hands it on)."""
-H_REPLAY_ERRORS = "gatekeeper_replay_errors"
 
 
 class Replayer:
@@ -196,7 +192,7 @@ class Replayer:
             return None
         steps = [(self._job_of(taken), self._handle(taken)) for taken in batch]
         labels = run_batch(steps, self.runs, self.pipeline,
-                           lambda i, exc: self._set_aside(batch[i], exc),
+                           lambda i, exc: set_aside(self, batch[i], exc),
                            self._holder.check)  # fmt: skip
         if not self._holder.held or (any(taken.move is not None for taken in batch)
                                      and not self._holder.check()):  # fmt: skip
@@ -207,6 +203,11 @@ class Replayer:
             return None
         flush_lines()  # the batch's lines are in the log before its messages move
         self.broker.hand_on(batch)  # a move refused (the tenure over, the copy gone): given back
+        if refused := [str(t.message["headers"].get("id")) if t.message else "unreadable"
+                       for t in batch if t.refused]:  # fmt: skip
+            # Their lines (alerts included) are said again when a later pass hands them on.
+            self.log.warning("replay_given_back", reason="move_refused", messages=len(refused),
+                             queue=self.defer, job_ids=",".join(refused))  # fmt: skip
         pairs = zip(batch, labels, strict=True)
         return ["given_back" if taken.refused else label for taken, label in pairs]
 
@@ -219,34 +220,6 @@ class Replayer:
     def _job_of(taken: Taken) -> object:
         """What two messages of one job share (they are not handled side by side)."""
         return str(taken.message["headers"].get("id")) if taken.message else object()
-
-    def _set_aside(self, taken: Taken, exc: Exception) -> str:
-        """A message that failed to replay: back to defer with a backoff, or, after
-        ``MAX_REPLAY_ERRORS`` failures, to the dead letters with an alert. Never lost."""
-        self.log.warning("replay_failed", queue=self.defer, error=repr(exc))
-        if taken.done:  # handed on already (a fault after): nothing more to move
-            return "replay_error_after_handoff"
-        if not self.broker.holds(taken):  # its connection is gone: the broker gives it back
-            return "given_back"
-        message = taken.message
-        if message is None:  # not even readable: kept as it is, where a person can see it
-            self.broker.send(taken, self.settings.dead_letter_queue, None)
-            return "dead_lettered_unreadable"
-        headers = message["headers"]
-        try:
-            errors = int(headers.get(H_REPLAY_ERRORS) or 0) + 1
-        except (TypeError, ValueError):
-            errors = MAX_REPLAY_ERRORS
-        headers[H_REPLAY_ERRORS] = errors
-        wait = self.settings.replay_backoff_max_s
-        headers[H_REPLAY_AFTER] = self.clock() + wait
-        if errors >= MAX_REPLAY_ERRORS:
-            self.broker.send(taken, self.settings.dead_letter_queue, message)
-            self.alerts.error("replay_gave_up", job_id=headers.get("id"), errors=errors,
-                              error=repr(exc), queue=self.settings.dead_letter_queue)  # fmt: skip
-            return "dead_lettered_after_errors"
-        self.broker.hold(taken, message, wait)
-        return "replay_error"
 
     def _handle(self, taken: Taken) -> Step:
         """One message's replay, top to bottom; what it needs of the gate's Redis is yielded,
