@@ -1,6 +1,8 @@
 """A task whose deadline passed in defer is abandoned (:func:`abandon`: its row, the dead
 letter, the alert lines), and ends in the result backend, so that callers, ``link_error`` and
-chords see it end instead of waiting forever.
+chords see it end instead of waiting forever. A message that fails to replay is set aside
+(:func:`set_aside`): back to defer with a backoff, or to the dead letters after
+``MAX_REPLAY_ERRORS`` failures in a row.
 
 When the replayer abandons a task (its deadline passed in defer) and it knows the Celery app
 (``gatekeeper -A proj replay``, ``celery -A proj gatekeeper replay``), it stores a failure for
