@@ -24,6 +24,7 @@ from celery.backends.base import DisabledBackend
 
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import nonce_of
+from gatekeeper.celery.taken import Taken
 from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_DEADLINE_AT,
@@ -125,7 +126,7 @@ def abandon(
     return "dead_lettered"
 
 
-def set_aside(self: Any, taken: Any, exc: Exception) -> str:
+def set_aside(self: Any, taken: Taken, exc: Exception) -> str:
     """A message that failed to replay (``self``: the :class:`~gatekeeper.celery.replay.Replayer`):
     back to defer with a backoff, or, after ``MAX_REPLAY_ERRORS`` failures, to the dead letters
     with an alert. Never lost."""
