@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import redis
 
+import gatekeeper
+from gatekeeper.celery.message import attempt_of, claims
 from gatekeeper.core.ledger import window_id
 from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import RUNS_KEY, create_app
@@ -172,6 +174,45 @@ def test_a_decision_made_without_redis_gets_an_unverified_unpriced_row(
     summed = totals(redis_client)
     assert summed.get("rows:killed", 0) == 0 and summed.get("unverified:killed") == 1
     assert stats(redis_client).get("unverified_runs") == 1
+
+
+@pytest.mark.parametrize("fast_publish", ["auto", "off"])
+def test_a_publish_the_gate_failed_closed_gets_an_unverified_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, fast_publish: str
+) -> None:
+    # A fault inside the gate (gate_error): reserved, with the decision alone (no attempt,
+    # no nonce, no publish time). Its run is owed an unverified row like any decision made
+    # without a record, its attempt counted from its retries, its wait not since 1970.
+    app = create_app(gate_settings(redis_url, fast_publish=fast_publish), redis_url)
+
+    def fault(*_: Any, **__: Any) -> None:
+        raise RuntimeError("a fault inside the gate")
+
+    gatekeeper.install(app).pipeline.route = fault  # type: ignore[method-assign]
+    job = app.tasks["tests.embed"].delay(1).id
+    (message,) = queue_messages(redis_client, "reserved")
+    assert message["headers"]["gatekeeper_reason"] == "gate_error"
+    assert "gatekeeper_attempt" not in message["headers"]
+    with running_worker(redis_url, tmp_path / "w.log", queues="reserved"):
+        assert wait_until(lambda: len(rows(redis_client)) == 1)
+        time.sleep(0.5)  # a second row, if any, would land now
+    (row,) = rows(redis_client)
+    shown = {name: row[name] for name in ("job_id", "attempt", "outcome", "path")}
+    assert shown == {"job_id": job, "attempt": 1, "outcome": "ok", "path": "reserved"}
+    assert (row["verified"], row["retry_tax"]) == (False, 0.0)
+    assert 0 <= row["queue_wait_ms"] < 60_000
+    assert stats(redis_client) == {"unverified_runs": 1}
+    log = (tmp_path / "w.log").read_text()
+    assert "kind=unverified" in log and "event=ledger_write_failed" not in log, log
+
+
+def test_a_failed_closed_retry_is_its_retries_plus_one() -> None:
+    # Celery's own retries header is the only count a decision-only message carries.
+    failed_closed = {"gatekeeper_decision": "reserved", "gatekeeper_reason": "gate_error"}
+    assert claims(failed_closed) and attempt_of(failed_closed) == 1
+    assert attempt_of({**failed_closed, "retries": 2}) == 3
+    assert attempt_of({**failed_closed, "retries": "x", "gatekeeper_attempt": 4}) == 4
+    assert not claims({**failed_closed, "gatekeeper_attempt": "x"})  # forged, not this
 
 
 def test_a_second_publish_of_a_live_attempt_cannot_orphan_its_record(

@@ -29,7 +29,15 @@ from gatekeeper.core.ledger import Path
 from gatekeeper.errors import GatekeeperError
 from gatekeeper.redis.runs import RunRecord
 
-__all__ = ["claims", "forged_attempt", "nonce_of", "own_fields", "request_headers", "unverified"]
+__all__ = [
+    "attempt_of",
+    "claims",
+    "forged_attempt",
+    "nonce_of",
+    "own_fields",
+    "request_headers",
+    "unverified",
+]
 
 READ = (H_ATTEMPT, H_DECISION, H_NONCE, H_ATTEMPT_PUBLISHED_AT, H_PUBLISHED_AT, H_DEADLINE_AT,
         H_TOKENS_IN, H_TOKENS_OUT, "retries")  # fmt: skip
@@ -39,8 +47,21 @@ READ = (H_ATTEMPT, H_DECISION, H_NONCE, H_ATTEMPT_PUBLISHED_AT, H_PUBLISHED_AT, 
 def claims(headers: Mapping[str, Any]) -> bool:
     """Whether a message claims to be one the gate routed: a decision, and an attempt that
     is a whole number of a few digits (the gate writes one; anything else is a caller's, and
-    ``int()`` of it, thousands of digits included, would raise in a signal handler)."""
-    return headers.get(H_DECISION) is not None and _the_gates(headers.get(H_ATTEMPT))
+    ``int()`` of it, thousands of digits included, would raise in a signal handler), or no
+    attempt at all: a publish the gate failed closed (``gate_error``) carries its decision
+    alone, and its run is owed an unverified row as much as any decision made without
+    Redis (with no nonce, ``start.lua`` answers ``unverified``)."""
+    attempt = headers.get(H_ATTEMPT)
+    return headers.get(H_DECISION) is not None and (attempt is None or _the_gates(attempt))
+
+
+def attempt_of(headers: Mapping[str, Any]) -> int:
+    """The attempt of a message that :func:`claims`: its header, else (a publish the gate
+    failed closed) its retries plus one, as the gate counts attempts."""
+    attempt = headers.get(H_ATTEMPT)
+    if attempt is None:
+        return _whole(headers.get("retries")) + 1
+    return int(attempt or 1)
 
 
 def forged_attempt(headers: Mapping[str, Any]) -> bool:
@@ -111,9 +132,13 @@ def _seconds(value: Any) -> float:
     return number if math.isfinite(number) else 0.0
 
 
-def unverified(task: Any, headers: Mapping[str, Any]) -> RunRecord:
-    """A run record from a message's own headers, for its unverified (unpriced) row."""
+def unverified(task: Any, headers: Mapping[str, Any], started_ms: int) -> RunRecord:
+    """A run record from a message's own headers, for its unverified (unpriced) row, of a
+    run that started at ``started_ms``. A message that says nothing of its publish (a publish
+    the gate failed closed) is taken as published then: its row's wait is 0, not the time
+    since 1970."""
     published = _seconds(headers.get(H_ATTEMPT_PUBLISHED_AT) or headers.get(H_PUBLISHED_AT))
+    published = published or started_ms / 1000
     decision = str(headers.get(H_DECISION))
     return RunRecord(
         task=getattr(task, "name", "") or "",
@@ -127,4 +152,5 @@ def unverified(task: Any, headers: Mapping[str, Any]) -> RunRecord:
         tokens_out=_whole(headers.get(H_TOKENS_OUT, _declared_out(task))),
         dwell_s=math.nan,
         retries=_whole(headers.get("retries")),
+        started_ms=started_ms,
     )

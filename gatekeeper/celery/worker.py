@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import redis
@@ -58,7 +57,6 @@ from gatekeeper.celery.message import claims, nonce_of, own_fields, request_head
 from gatekeeper.celery.metering import take_metered
 from gatekeeper.celery.received import Received
 from gatekeeper.celery.running import Running, Starting, Starts
-from gatekeeper.core.headers import H_ATTEMPT
 from gatekeeper.core.ledger import Outcome
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.flags import FlagStore
@@ -148,7 +146,7 @@ class WorkerSide:
         headers = self._headers_of(request.id, request)
         if not claims(headers):
             return
-        attempt = int(headers.get(H_ATTEMPT) or 1)
+        attempt = message.attempt_of(headers)
         fields = self.runs.fields(request.id, attempt)
         if not fields or fields.get("nonce") != nonce_of(headers) or "runs" in fields:
             return  # not the gate's message, or it started: its run ends it
@@ -161,7 +159,7 @@ class WorkerSide:
         headers = self._headers_of(job_id, getattr(task, "request", None))
         if not claims(headers):
             return
-        attempt = int(headers.get(H_ATTEMPT) or 1)
+        attempt = message.attempt_of(headers)
         stored = self.runs.record(job_id, attempt)
         if stored is None or stored[1].nonce != nonce_of(headers):
             return  # never started, or not the gate's message (an unverified run: no row)
@@ -180,7 +178,7 @@ class WorkerSide:
             if message.forged_attempt(headers):  # no record can be its: start.lua is not asked
                 self._guarded("start", task_id, lambda: self._forged(sender, task_id))
             return
-        attempt = int(headers.get(H_ATTEMPT) or 1)
+        attempt = message.attempt_of(headers)
         for earlier in list(self._starts.by_job):  # a run inside a run, or one with no end signal
             self._read_start(earlier)
         delivery = getattr(sender.request, "delivery_info", None) or {}
@@ -226,7 +224,7 @@ class WorkerSide:
         self.log.warning("ledger_unverified_message", task=task.name, job_id=job_id,
                          attempt=attempt, kind=kind)  # fmt: skip
         if kind == "unverified":
-            record = replace(unverified(task, headers), started_ms=now)
+            record = unverified(task, headers, now)
             self._running[job_id] = Running(attempt, 1, record, False)
 
     def _forged(self, task: Any, job_id: str) -> None:
