@@ -12,7 +12,14 @@ from celery import Celery
 from kombu import Exchange, Queue
 from kombu.utils.objects import cached_property
 
-from gatekeeper.celery.private import CHANNEL_API, SENDER_PARAMETERS, bound_for, check_celery_shape
+from gatekeeper.celery.private import (
+    CHANNEL_API,
+    SENDER_PARAMETERS,
+    CelerySender,
+    bound_for,
+    check_celery_shape,
+    checked_sender,
+)
 from gatekeeper.errors import CeleryShapeError
 
 
@@ -41,7 +48,8 @@ def test_the_task_sender_takes_the_parameters_the_hook_passes() -> None:
     params = list(inspect.signature(sender).parameters)
     assert params[:3] == ["producer", "name", "message"]
     assert set(SENDER_PARAMETERS) <= set(params)
-    assert check_celery_shape(Celery("d", broker="memory://"))
+    assert checked_sender(sender) is sender
+    check_celery_shape(Celery("d", broker="memory://"))  # raises CeleryShapeError otherwise
 
 
 def test_send_task_calls_the_sender_with_a_message_carrying_id_task_and_retries() -> None:
@@ -63,7 +71,30 @@ def test_a_changed_sender_is_refused() -> None:
     app = Celery("f", broker="memory://")
     app.amqp.send_task_message = lambda producer, message: None
     with pytest.raises(CeleryShapeError, match="changed shape"):
-        check_celery_shape(app)
+        CelerySender(app)  # one the app held before install: checked at once
+    fresh = Celery("f2", broker="memory://")
+    fresh.amqp._create_task_sender = lambda: lambda producer, message: None
+    sender = CelerySender(fresh)  # made at the first publish, and checked then
+    with pytest.raises(CeleryShapeError, match="changed shape"):
+        sender(None, "t", None)
+
+
+def test_the_sender_is_made_at_the_first_publish_or_is_the_one_held_before() -> None:
+    app = Celery("h", broker="memory://")
+    sender = CelerySender(app)
+    assert sender.sender is None and not app.configured  # nothing made, no config read
+    held = Celery("i", broker="memory://")
+    seen: list[str] = []
+
+    def wrapper(
+        producer: Any, name: str, message: Any, exchange: Any = None, routing_key: Any = None,
+        queue: Any = None, headers: Any = None,
+    ) -> None:  # fmt: skip
+        seen.append(name)
+
+    held.amqp.send_task_message = wrapper  # another extension's wrapper, set first
+    CelerySender(held)(None, "some.task", None)
+    assert seen == ["some.task"]
 
 
 def test_kombus_redis_channel_has_what_fast_publish_catches(redis_url: str) -> None:

@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from celery.local import PromiseProxy
+
 from gatekeeper.celery.private import current_task, task_functions
 from gatekeeper.core.spec import GatedSpec, declared_number, whole_tokens
 from gatekeeper.errors import BadDeclaredInput
@@ -58,12 +60,23 @@ def gated(
     )
 
     def mark(task: T) -> T:
+        if isinstance(task, PromiseProxy) and not task.__evaluated__():
+            # @app.task on an app not yet finalized gives a promise, made into the task (and
+            # bound to the app's configuration: serializer, acks_late...) when first used.
+            # Made here (even ``isinstance`` would), it would be bound to a configuration
+            # perhaps not loaded yet.
+            task.__then__(mark_task, task)
+            return task
         if inspect.isfunction(task) or inspect.ismethod(task):
             raise TypeError(
                 f"gatekeeper.gated: expected a Celery task, got the function "
                 f"{getattr(task, '__qualname__', task)!r}; place @gatekeeper.gated above "
                 "@app.task, not below it"
             )
+        mark_task(task)
+        return task
+
+    def mark_task(task: object) -> None:
         current = current_task(task)
         existing = getattr(current, GATED_ATTRIBUTE, None)
         if existing is not None and existing != spec:
@@ -76,7 +89,6 @@ def gated(
         name = getattr(current, "name", None)
         for function in task_functions(current):  # a shared task is made again per app
             function.__dict__.setdefault(_BY_TASK_NAME, {})[name] = spec
-        return task
 
     return mark
 

@@ -40,7 +40,7 @@ from gatekeeper.celery.fastpath import FastRender, possible, publish_observed, s
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.heartbeat import Heartbeat
 from gatekeeper.celery.parts import SIGNALS, Parts, build
-from gatekeeper.celery.private import bound_for, check_celery_shape, replace_sender
+from gatekeeper.celery.private import CelerySender, bound_for, replace_sender
 from gatekeeper.celery.worker import WorkerSide
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.headers import H_WINDOW
@@ -83,7 +83,7 @@ class Installed:
         self._given = (settings, client)
         self._parts: Parts | None = None
         self._building = threading.Lock()
-        self.original_sender = check_celery_shape(app)
+        self.original_sender: Callable[..., Any] = CelerySender(app)  # made at first use
         self._specs: dict[str, _Gated | None] = {}
         self._same_server: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 

@@ -7,7 +7,9 @@ What is touched, and why (``docs/design.md`` has the longer story):
   ``app.amqp._create_task_sender()`` returned. It sees every publish (retries and canvas
   included) with the built headers and takes ``queue=``, which neither routers nor
   ``before_task_publish`` can offer. Setting the attribute on one app's ``amqp`` replaces it
-  for that app alone. :func:`check_celery_shape` checks its parameters at install.
+  for that app alone. :func:`check_celery_shape` checks it is there at install; Celery's
+  own sender is made at the first publish (:class:`CelerySender`, which checks its
+  parameters), from the configuration as it then stands, as Celery itself makes it.
 - Where Celery keeps a task's function (``_decorated_fun`` on 5.7, ``__wrapped__`` before):
   ``@shared_task`` makes its task again for every app, so ``@gated`` marks that function too
   (:func:`task_functions`).
@@ -41,11 +43,13 @@ from gatekeeper.errors import CeleryShapeError
 __all__ = [
     "CHANNEL_API",
     "SENDER_PARAMETERS",
+    "CelerySender",
     "bound_for",
     "capture_message",
     "channel_fits",
     "check_celery_shape",
     "check_request_shape",
+    "checked_sender",
     "current_task",
     "outstanding",
     "replace_sender",
@@ -59,15 +63,40 @@ CHANNEL_API = ("_put", "_q_for_pri", "_get_message_priority")
 """What fast publish uses of kombu's virtual Redis channel."""
 
 
-def check_celery_shape(app: Celery) -> Callable[..., Any]:
-    """Return the app's current task sender after checking the shape gatekeeper relies on."""
+def check_celery_shape(app: Celery) -> None:
+    """Check, at install, that the app's ``amqp`` has the task sender gatekeeper replaces.
+    Nothing is built or read here: Celery makes its sender from the app's configuration
+    (serializer, delivery mode, publish retry, queues), which may be loaded after install."""
     amqp = app.amqp
     if not hasattr(type(amqp), "send_task_message") or not hasattr(amqp, "_create_task_sender"):
         raise CeleryShapeError(
             "celery's AMQP.send_task_message/_create_task_sender are gone; gatekeeper supports "
             "celery 5.5 to 5.7"
         )
-    sender: Callable[..., Any] = amqp.send_task_message
+
+
+class CelerySender:
+    """Celery's own task sender for one app, which gatekeeper wraps, made at the app's first
+    publish from its configuration as it then stands (as Celery makes it: an app configured
+    after ``install`` keeps its serializer, delivery mode, publish retry and queues), its
+    parameters checked then. A sender the app already held at install (a publish made it, or
+    another wrapper set it) is the one wrapped."""
+
+    def __init__(self, app: Celery) -> None:
+        check_celery_shape(app)
+        self.app = app
+        held: Callable[..., Any] | None = vars(app.amqp).get("send_task_message")
+        self.sender = checked_sender(held) if held is not None else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        sender = self.sender
+        if sender is None:  # made twice at worst, by two first publishes: the same sender
+            sender = self.sender = checked_sender(self.app.amqp._create_task_sender())
+        return sender(*args, **kwargs)
+
+
+def checked_sender(sender: Callable[..., Any]) -> Callable[..., Any]:
+    """``sender`` after checking it takes the parameters the hook passes, in that order."""
     params = list(inspect.signature(sender).parameters)
     if tuple(p for p in params if p in SENDER_PARAMETERS) != SENDER_PARAMETERS or params[
         :3
