@@ -11,10 +11,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery
+from kombu import Queue
 
 import gatekeeper
 from gatekeeper.redis.keys import Keys
@@ -97,6 +99,54 @@ def test_config_loaded_after_install_is_the_one_used(redis_url: str) -> None:
     assert gate.settings.canary_percent == 37 and gate.settings.redis_url == redis_url
 
 
+@pytest.mark.parametrize("fast_publish", ["auto", "off"])
+def test_celerys_own_settings_loaded_after_install_are_the_ones_its_publishes_use(
+    redis_url: str, redis_client: redis.Redis, fast_publish: str
+) -> None:
+    # The Quick start's order: install, then config_from_object. Celery makes its task sender
+    # from the config (serializer, delivery mode, queues), and binds a task to it (acks_late,
+    # serializer) when the task is made: made at install, or at @gated, they had the defaults:
+    # JSON, persistent, acks_late off, the app's own task_queues unknown to it.
+    app = Celery("late")
+    gatekeeper.install(app)
+    assert not app.configured  # install read nothing
+
+    @gatekeeper.gated(expected_service_s=0.2, tokens_in=10, deadline_s=120)
+    @app.task(name="late.gated", max_retries=0, shared=False)
+    def gated(chunk: Any) -> Any:
+        return chunk
+
+    @app.task(name="late.plain", shared=False)
+    def plain(chunk: Any) -> Any:
+        return chunk
+
+    assert not app.configured  # nor did @gated: the task is made, and bound, when first used
+
+    class Settings:
+        CELERY_BROKER_URL = redis_url
+        CELERY_TASK_SERIALIZER = "pickle"
+        CELERY_ACCEPT_CONTENT = ("pickle",)
+        CELERY_TASK_DEFAULT_DELIVERY_MODE = "transient"
+        CELERY_TASK_ACKS_LATE = True
+        CELERY_TASK_CREATE_MISSING_QUEUES = False
+        CELERY_TASK_QUEUES = tuple(Queue(name) for name in ("celery", "free", "defer", "reserved"))
+        CELERY_GATEKEEPER_DWELL_GATE_ENABLED = True
+        CELERY_GATEKEEPER_CANARY_PERCENT = 100
+        CELERY_GATEKEEPER_FAST_PUBLISH = fast_publish
+
+    app.config_from_object(Settings, namespace="CELERY")
+    plain.delay(1)
+    gated.delay(2)
+    assert set(app.amqp.queues) == {"celery", "free", "defer", "reserved"}
+    assert gated.acks_late and plain.acks_late
+    (ungated,) = queue_messages(redis_client, "celery")
+    (admitted,) = queue_messages(redis_client, "free")
+    assert admitted["headers"]["gatekeeper_reason"] == "fits"
+    for message in (ungated, admitted):
+        assert message["content-type"] == "application/x-python-serialize"
+        assert message["properties"]["delivery_mode"] == 1
+
+
 def test_an_eager_app_with_no_redis_imports_and_runs_its_gated_tasks() -> None:
     app = Celery("eager")  # no broker, no GATEKEEPER_* variable, no gatekeeper_* key
     app.conf.task_always_eager = True
@@ -134,3 +184,32 @@ def test_with_no_gate_redis_a_gated_publish_fails_closed_and_says_why(
     # read it, so gating is refused, and the line says why and what is expected.
     refused = next(line for line in err.splitlines() if "event=broker_unsupported" in line)
     assert "broker=memory" in refused and "RabbitMQ (amqp://" in refused
+
+
+QUEUES = ("celery", "free", "defer", "reserved")
+
+
+def purged(redis_url: str, client: redis.Redis, declared: bool, *extra: str) -> dict[str, int]:
+    """What is left in each queue after ``celery purge -f`` (and ``extra``) of conf_app."""
+    for queue in QUEUES:
+        client.lpush(queue, b"{}")
+    env = {**env_for(redis_url), **({"CONF_APP_DECLARED_QUEUES": "1"} if declared else {})}
+    done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.conf_app", "purge",
+                           "-f", *extra], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    left = {queue: client.llen(queue) for queue in QUEUES}
+    client.delete(*QUEUES)
+    return left
+
+
+def test_celery_purge_leaves_the_gates_queues_unless_the_app_declares_them(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # The README's promise, and its exception: Celery purges the queues it knows, and an app
+    # with task_create_missing_queues off must declare gatekeeper's (install checks): -X then.
+    assert purged(redis_url, redis_client, False) == {
+        "celery": 0, "free": 1, "defer": 1, "reserved": 1}  # fmt: skip
+    assert purged(redis_url, redis_client, True) == dict.fromkeys(QUEUES, 0)
+    assert purged(redis_url, redis_client, True, "-X", "free,defer,reserved") == {
+        "celery": 0, "free": 1, "defer": 1, "reserved": 1}  # fmt: skip

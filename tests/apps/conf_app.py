@@ -1,7 +1,8 @@
 """A Celery app configured as a Django project configures it: ``CELERY_*`` settings through
 ``config_from_object(..., namespace='CELERY')``, gatekeeper installed before the config is
 loaded, and no ``GATEKEEPER_*`` variable. The worker and CLI processes import ``app`` (its
-broker from ``CONF_APP_REDIS_URL``, the test's Redis)."""
+broker from ``CONF_APP_REDIS_URL``, the test's Redis; with ``CONF_APP_DECLARED_QUEUES`` set,
+every queue declared in ``task_queues`` and ``task_create_missing_queues`` off)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 from typing import Any
 
 from celery import Celery
+from kombu import Queue
 
 import gatekeeper
 
@@ -27,7 +29,15 @@ def settings_object(redis_url: str) -> type:
     return DjangoSettings
 
 
-def create_app(redis_url: str) -> Celery:
+def declared_queues() -> type:
+    class Declared:  # a project that declares its queues, gatekeeper's three included
+        CELERY_TASK_CREATE_MISSING_QUEUES = False
+        CELERY_TASK_QUEUES = tuple(Queue(name) for name in ("celery", "free", "defer", "reserved"))
+
+    return Declared
+
+
+def create_app(redis_url: str, declared: bool = False) -> Celery:
     app = Celery("conf_app")
     gatekeeper.install(app)  # first, as a project's celery.py often does
 
@@ -36,9 +46,13 @@ def create_app(redis_url: str) -> Celery:
     def embed(chunk: Any) -> Any:
         return chunk
 
-    app.config_from_object(settings_object(redis_url), namespace="CELERY")
+    settings = settings_object(redis_url)
+    if declared:
+        settings = type("DjangoSettings", (declared_queues(), settings), {})
+    app.config_from_object(settings, namespace="CELERY")
     return app
 
 
 if os.environ.get("CONF_APP_REDIS_URL"):
-    app = create_app(os.environ["CONF_APP_REDIS_URL"])
+    app = create_app(os.environ["CONF_APP_REDIS_URL"],
+                     declared=bool(os.environ.get("CONF_APP_DECLARED_QUEUES")))  # fmt: skip
