@@ -16,7 +16,7 @@ import gatekeeper
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.core.spec import GatedSpec, resolve_inputs
 from gatekeeper.errors import BadDeclaredInput
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, queue_messages
 
 
 def test_gated_keeps_the_tasks_name_signature_and_max_retries() -> None:
@@ -271,3 +271,38 @@ def test_a_relative_deadline_is_held_to_the_deadline_it_makes() -> None:
     with pytest.raises(BadDeclaredInput) as caught:
         resolve_inputs(SPEC, {"gatekeeper_deadline_s": 1e12}, now=1_800_000_000.0)
     assert caught.value.field == "gatekeeper_deadline_s"
+
+
+OPTIONS: list[tuple[dict[str, Any], str, str]] = [
+    ({"expected_service_s": "0.2", "tokens_in": "10", "deadline_s": "60"}, "fits", ""),
+    ({"expected_service_s": True, "deadline_s": 60}, "bad_input", "field=expected_service_s"),
+    ({"expected_service_s": "fast", "deadline_s": 60}, "bad_input", "field=expected_service_s"),
+    ({"expected_service_s": 0.2, "tokens_in": 1.5, "deadline_s": 60}, "bad_input",
+     "field=tokens_in"),
+    ({"expected_service_s": 0.2, "deadline_s": 60, "deadline_at": 2e9}, "bad_input",
+     "field=deadline_s/deadline_at"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("option", "reason", "field"), OPTIONS)
+def test_the_task_option_is_checked_at_publish_numeric_text_taken(
+    redis_url: str, redis_client: Any, option: dict[str, Any], reason: str, field: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # The README: the option's values are checked at publish; text that reads as a number is
+    # that number; anything else goes to reserved, bad_input, naming the field.
+    app = Celery("option", broker=redis_url)
+    app.conf.update(gatekeeper_redis_url=redis_url, gatekeeper_dwell_gate_enabled=True,
+                    gatekeeper_canary_percent=100)  # fmt: skip
+    gatekeeper.install(app)
+
+    @app.task(name="t.option", shared=False, gatekeeper=option)
+    def task() -> None:
+        return None
+
+    task.delay()
+    queue = "free" if reason == "fits" else "reserved"
+    (message,) = queue_messages(redis_client, queue)
+    assert message["headers"]["gatekeeper_reason"] == reason
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "gate_decision" in line]
+    assert f"reason={reason}" in line and field in line, line
