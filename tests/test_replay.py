@@ -90,6 +90,29 @@ def test_a_task_deferred_again_waits_out_its_backoff(
     assert replay_once(redis_url, redis_client, **slow) == {"not_due": 1}
 
 
+def test_the_backoff_doubles_up_to_its_maximum_and_is_never_an_eta(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # Deferred again four times: waits of 0.2, 0.4, then 0.5 twice (the maximum), each in the
+    # headers of a message that stays in defer; Celery's eta stays unset (an ETA message
+    # would wait in the broker's unacked hash and run twice past its visibility timeout).
+    defer_tasks(redis_url, redis_client, 1)
+    backoff = {"max_queue_age_s": 1.0, "replay_backoff_s": 0.2, "replay_backoff_max_s": 0.5}
+    for expected in (0.2, 0.4, 0.5, 0.5):
+        # Still old (each pass's sweep drops this member: it has no message in free).
+        redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
+        before = time.time()
+        assert replay_once(redis_url, redis_client, **backoff) == {"deferred_again": 1}
+        after = time.time()
+        (parked,) = queue_messages(redis_client, "defer")
+        due = parked["headers"]["gatekeeper_replay_after"]
+        assert before + expected <= due <= after + expected
+        assert parked["headers"].get("eta") is None
+        assert not redis_client.hlen("unacked")
+        time.sleep(max(0.0, due - time.time()) + 0.01)
+    assert parked["headers"]["gatekeeper_replays"] == 4
+
+
 def test_a_passed_deadline_goes_to_dead_letter_with_an_abandoned_row_and_an_alert(
     redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
