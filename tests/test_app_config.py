@@ -19,6 +19,7 @@ from celery import Celery
 from kombu import Queue
 
 import gatekeeper
+from gatekeeper.errors import DeadlineAbandoned
 from gatekeeper.redis.keys import Keys
 from tests.apps.conf_app import create_app
 from tests.conftest import REPO_ROOT, queue_messages, wait_until
@@ -213,3 +214,29 @@ def test_celery_purge_leaves_the_gates_queues_unless_the_app_declares_them(
     assert purged(redis_url, redis_client, True) == dict.fromkeys(QUEUES, 0)
     assert purged(redis_url, redis_client, True, "-X", "free,defer,reserved") == {
         "celery": 0, "free": 1, "defer": 1, "reserved": 1}  # fmt: skip
+
+
+def test_the_celery_command_replayer_ends_an_abandoned_task_in_the_backend_and_its_errback(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The README: run with the app (`celery -A proj gatekeeper replay`), the replayer stores
+    # DeadlineAbandoned in the app's result backend and link_error callbacks run.
+    monkeypatch.setenv("CONF_APP_RESULTS", "1")
+    app = create_app(redis_url)
+    assert app.conf.result_backend == redis_url
+    soon = {"gatekeeper_deadline_s": 1, "gatekeeper_expected_service_s": 0}  # deferred
+    result = app.tasks["conf.embed"].apply_async(
+        (1,), headers=soon, link_error=app.tasks["conf.plain"].si()
+    )
+    assert len(queue_messages(redis_client, "defer")) == 1
+    time.sleep(1.2)  # its deadline gone
+    env = {**env_for(redis_url), "CONF_APP_RESULTS": "1"}
+    done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.conf_app",
+                           "gatekeeper", "replay", "--once"], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "event=task_abandoned" in done.stderr and "result=no_app" not in done.stderr
+    with pytest.raises(DeadlineAbandoned, match="abandoned: its deadline"):
+        result.get(timeout=10)
+    errbacks = [m["headers"]["task"] for m in queue_messages(redis_client, "celery")]
+    assert errbacks == ["conf.plain"]

@@ -2,7 +2,8 @@
 ``config_from_object(..., namespace='CELERY')``, gatekeeper installed before the config is
 loaded, and no ``GATEKEEPER_*`` variable. The worker and CLI processes import ``app`` (its
 broker from ``CONF_APP_REDIS_URL``, the test's Redis; with ``CONF_APP_DECLARED_QUEUES`` set,
-every queue declared in ``task_queues`` and ``task_create_missing_queues`` off)."""
+every queue declared in ``task_queues`` and ``task_create_missing_queues`` off; with
+``CONF_APP_RESULTS`` set, results kept in that Redis)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def settings_object(redis_url: str) -> type:
         CELERY_GATEKEEPER_CANARY_PERCENT = 100
         CELERY_GATEKEEPER_FLAG_CACHE_S = 0.2
         CELERY_GATEKEEPER_MAX_QUEUE_AGE_S = 0.5
+        CELERY_RESULT_BACKEND = redis_url if os.environ.get("CONF_APP_RESULTS") else None
 
     return DjangoSettings
 
@@ -45,6 +47,10 @@ def create_app(redis_url: str, declared: bool = False) -> Celery:
     @app.task(name="conf.embed", max_retries=0, shared=False)
     def embed(chunk: Any) -> Any:
         return chunk
+
+    @app.task(name="conf.plain", shared=False)
+    def plain(task_id: Any = None) -> Any:  # one argument: an errback is published, as a task
+        return task_id
 
     settings = settings_object(redis_url)
     if declared:
