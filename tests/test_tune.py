@@ -439,3 +439,19 @@ def tune_since(since: str) -> list[str]:
     result = CliRunner().invoke(main, ["tune", "--since", since])
     assert result.exit_code == 0, result.output
     return result.stdout.splitlines()
+
+
+def test_tune_says_when_the_record_begins_after_since_and_why(
+    history: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The history was recorded just now: asked about the last two hours, tune says its record
+    # begins later, and why (nothing recorded before; or, near the cap, trimmed).
+    shown = CliRunner().invoke(main, ["tune", "--since", "2h"])
+    assert shown.exit_code == 0, shown.output
+    assert "note: the record begins at " in shown.output
+    assert "after --since: none were recorded before" in shown.output
+    monkeypatch.setenv("GATEKEEPER_DECISION_RECORD_CAP", "10")  # the stream holds about that
+    trimmed = CliRunner().invoke(main, ["tune", "--since", "2h"])
+    assert "after --since: older ones were trimmed at decision_record_cap=10" in trimmed.output
+    recent = CliRunner().invoke(main, ["tune", "--since", "1m"])
+    assert "the record begins at" not in recent.output
