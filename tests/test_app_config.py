@@ -161,12 +161,18 @@ def test_an_eager_app_with_no_redis_imports_and_runs_its_gated_tasks() -> None:
     assert embed.delay(21).get(timeout=5) == 42
 
 
+@pytest.mark.parametrize("gate_redis", [False, True])
 def test_with_no_gate_redis_a_gated_publish_fails_closed_and_says_why(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+    capsys: pytest.CaptureFixture[str], redis_url: str, redis_client: redis.Redis,
+    gate_redis: bool,
+) -> None:  # fmt: skip
+    # Without a gate Redis, and with one that works (initialised, the gate on): a broker
+    # gatekeeper cannot read refuses gating, whatever the gate would have decided.
     app = Celery("nowhere", broker="memory://")
     app.conf.gatekeeper_dwell_gate_enabled = True
     app.conf.gatekeeper_canary_percent = 100
+    if gate_redis:
+        app.conf.gatekeeper_redis_url = redis_url
     gatekeeper.install(app)
 
     @gatekeeper.gated(expected_service_s=1, tokens_in=5, deadline_s=60)
@@ -174,11 +180,16 @@ def test_with_no_gate_redis_a_gated_publish_fails_closed_and_says_why(
     def embed(x: int) -> int:
         return x
 
-    embed.delay(1)  # published, not raised
+    embed.delay(1)  # published, not raised; the gate would admit it
+    embed.apply_async((2,), headers={"gatekeeper_expected_service_s": 0})  # would defer it
     with app.connection_for_read() as connection:
-        message = connection.SimpleQueue("reserved").get(timeout=2)
-        assert message.headers["gatekeeper_reason"] == "gate_unavailable"
-        message.ack()
+        for _ in range(2):
+            message = connection.SimpleQueue("reserved").get(timeout=2)
+            assert message.headers["gatekeeper_reason"] == "gate_unavailable"
+            message.ack()
+        for queue in ("free", "defer"):
+            assert not connection.default_channel.queue_declare(queue, passive=False).message_count
+    assert not list(redis_client.scan_iter(match="gatekeeper:*:run:*"))  # nothing recorded
     err = capsys.readouterr().err
     assert "reason=gate_unavailable" in err
     # memory:// is no broker gatekeeper can read: deferred work would have nothing able to
