@@ -335,3 +335,43 @@ def test_replay_once_that_gave_messages_back_exits_1_saying_how_many(
     handed_on = CliRunner().invoke(main, ["replay", "--once"])
     assert handed_on.exit_code == 0, handed_on.output
     assert placed(redis_client) == Counter(jobs) and claimed(redis_client) == 0
+
+
+def test_an_abandon_given_back_is_said_again_by_the_pass_that_hands_it_on_and_rowed_once(
+    redis_url: str,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The README: an alert may repeat but is never lost. A task whose deadline passed in
+    # defer, its move to the dead letters refused (the tenure ended before the move): the
+    # next pass moves it and says its task_abandoned alert again; its row is written once.
+    soon = {"headers": {"gatekeeper_deadline_s": 1, "gatekeeper_expected_service_s": 0}}
+    (job,) = defer_tasks(redis_url, redis_client, 1, **soon)
+    time.sleep(1.2)  # its deadline gone
+    hand_on = RedisBroker.hand_on
+
+    def paused_before_the_move(broker: RedisBroker, batch: list[Taken]) -> None:
+        assert broker.claims is not None
+        redis_client.delete(broker.claims.heartbeat_of(broker.claims.tenure))
+        hand_on(broker, batch)
+
+    monkeypatch.setattr(RedisBroker, "hand_on", paused_before_the_move)
+    for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
+                        ("CANARY_PERCENT", "100")):  # fmt: skip
+        monkeypatch.setenv(f"GATEKEEPER_{name}", value)
+    given_back = CliRunner().invoke(main, ["replay", "--once"])
+    assert given_back.exit_code == 1, given_back.output
+    said = given_back.output + capsys.readouterr().err
+    assert f"reason=move_refused messages=1 queue=defer job_ids={job}" in said, said
+    assert not redis_client.llen("dead_letter") and claimed(redis_client) == 1
+    monkeypatch.setattr(RedisBroker, "hand_on", hand_on)
+    handed_on = CliRunner().invoke(main, ["replay", "--once"])
+    assert handed_on.exit_code == 0, handed_on.output
+    said_again = handed_on.output + capsys.readouterr().err
+    alerts = [line for line in said_again.splitlines() if "event=task_abandoned" in line]
+    assert len(alerts) == 1 and f"job_id={job}" in alerts[0], said_again
+    assert ids_in(redis_client, "dead_letter") == [job] and claimed(redis_client) == 0
+    rows = [row for key in redis_client.scan_iter(match=f"{Keys().base}:window:*:rows")
+            for row in redis_client.lrange(key, 0, -1)]  # fmt: skip
+    assert len(rows) == 1 and b'"outcome": "abandoned"' in rows[0], rows
