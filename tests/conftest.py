@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from gatekeeper.lines import flush as flush_lines
-from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.ops.embedded import EmbeddedRedis, find_redis_server
 from gatekeeper.redis.keys import Keys
 from gatekeeper.settings import GatekeeperSettings
 from tests.processes import stop
@@ -37,8 +37,16 @@ def redis_url() -> Iterator[str]:
     if configured:
         yield configured
         return
-    with EmbeddedRedis() as server:
+    with EmbeddedRedis(args=debug_allowed()) as server:
         yield server.url
+
+
+def debug_allowed() -> tuple[str, ...]:
+    """The option that lets tests stall the session's server (``DEBUG SLEEP``): Redis 7 refuses
+    ``DEBUG`` unless started with it, and Redis 6 does not know it."""
+    version = subprocess.run([find_redis_server(), "--version"], capture_output=True, text=True)
+    major = version.stdout.partition("v=")[2].split(".")[0]
+    return ("--enable-debug-command", "local") if major.isdigit() and int(major) >= 7 else ()
 
 
 @pytest.fixture()

@@ -502,13 +502,19 @@ def test_a_fast_publish_through_a_redis_stall_is_published_once(
     embed.delay(0)  # connections, script and flags warm
     redis_client.delete("free")
     staller = redis.Redis.from_url(redis_url)
-    stall = threading.Thread(target=lambda: staller.execute_command("DEBUG", "SLEEP", "1.2"))
+    slept: list[Any] = []
+
+    def sleep() -> None:
+        slept.append(staller.execute_command("DEBUG", "SLEEP", "1.2"))
+
+    stall = threading.Thread(target=sleep)
     stall.start()
     time.sleep(0.1)
     try:
         result = embed.delay(1)
     finally:
         stall.join()
+    assert slept == [b"OK"]  # the server did stall (Redis 7 refuses DEBUG unless allowed)
     copies = {q: [m["headers"]["id"] for m in queue_messages(redis_client, q)].count(result.id)
               for q in ("free", "defer", "reserved")}  # fmt: skip
     assert sum(copies.values()) == 1, copies

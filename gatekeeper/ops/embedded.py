@@ -57,9 +57,12 @@ def _answers_ping(port: int) -> bool:
 class EmbeddedRedis:
     """One ``redis-server`` process this object owns."""
 
-    def __init__(self, binary: str | None = None, startup_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, binary: str | None = None, startup_timeout_s: float = 10.0, args: tuple[str, ...] = ()
+    ) -> None:
         self.binary = binary or find_redis_server()
         self.startup_timeout_s = startup_timeout_s
+        self.args = args  # more of the server's options, e.g. ("--enable-debug-command", "local")
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
@@ -88,6 +91,7 @@ class EmbeddedRedis:
                     "--appendonly", "no",
                     "--dir", self._dir.name,
                     "--maxmemory-policy", "noeviction",
+                    *self.args,
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
