@@ -1,5 +1,6 @@
 """A Celery app's ``conf`` as a settings source: ``app.conf.gatekeeper_<setting>`` keys (as
-redbeat reads ``redbeat_*``), and the app's own ``broker_url`` as gatekeeper's broker.
+redbeat reads ``redbeat_*``), and the app's own ``broker_url`` as gatekeeper's broker, with its
+``broker_transport_options`` (a Sentinel broker's master name is there).
 
 :func:`gatekeeper.settings.load_settings` adds it, between the environment and ``.env``, when
 it is given an app.
@@ -18,8 +19,9 @@ APP_CONF_PREFIX = "gatekeeper_"
 
 
 class AppConfSource(PydanticBaseSettingsSource):
-    """The ``gatekeeper_<setting>`` keys of a Celery app's ``conf``, and its ``broker_url`` as
-    the broker (so the gate's Redis is the app's broker when that is Redis)."""
+    """The ``gatekeeper_<setting>`` keys of a Celery app's ``conf``, and its ``broker_url`` and
+    ``broker_transport_options`` as the broker's (so the gate's Redis is the app's broker when
+    that is Redis)."""
 
     def __init__(self, settings_cls: type[BaseSettings], conf: Any) -> None:
         super().__init__(settings_cls)
@@ -37,4 +39,7 @@ class AppConfSource(PydanticBaseSettingsSource):
         broker = self.conf.get("broker_url")
         if "broker_url" not in values and isinstance(broker, str) and broker:
             values["broker_url"] = broker
+        options = self.conf.get("broker_transport_options")
+        if "broker_transport_options" not in values and isinstance(options, dict) and options:
+            values["broker_transport_options"] = options
         return values

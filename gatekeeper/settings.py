@@ -3,9 +3,10 @@
 Sources, highest first: keyword arguments, ``GATEKEEPER_*`` environment variables, the Celery
 app's ``gatekeeper_*`` keys (``app.conf.gatekeeper_redis_url``, which Django's
 ``CELERY_GATEKEEPER_REDIS_URL`` becomes with ``namespace='CELERY'``; and the app's own
-``broker_url`` as the broker), a ``.env`` file in the working directory, the TOML file
-(``GATEKEEPER_CONFIG_FILE``, else ``config/gatekeeper.toml`` when it exists), then the defaults
-below. Nested tables use ``__`` in variable names: ``GATEKEEPER_DRILL__SEED=11``.
+``broker_url`` and ``broker_transport_options`` as the broker's), a ``.env`` file in the
+working directory, the TOML file (``GATEKEEPER_CONFIG_FILE``, else ``config/gatekeeper.toml``
+when it exists), then the defaults below. Nested tables use ``__`` in variable names:
+``GATEKEEPER_DRILL__SEED=11``.
 
 Library objects take a settings object as an argument; only the CLI and ``workers/`` call
 :func:`load_settings`. A bad value raises :class:`~gatekeeper.errors.ConfigError` naming the
@@ -106,6 +107,10 @@ class GatekeeperSettings(BaseSettings):
     broker_url: str | None = None
     """Celery's broker for ``workers/`` and the demo; unset means ``redis_url``. Never a Redis
     Cluster: kombu has no cluster transport."""
+    broker_transport_options: dict[str, Any] = Field(default_factory=dict)
+    """The broker's kombu transport options, the Celery app's ``broker_transport_options``
+    unless set here: a ``sentinel://`` broker URL with no ``?master_name`` takes its master
+    from their ``master_name``, and the Sentinels' password from ``sentinel_kwargs``."""
     key_prefix: QueueName = "gatekeeper"
     namespace: QueueName = "default"
     """Hash tag of every key: ``{key_prefix}:{{{namespace}}}:...`` (one slot in Redis Cluster)."""
@@ -246,6 +251,11 @@ class GatekeeperSettings(BaseSettings):
             return self.redis_url
         note = "(unset, so the broker's URL is used)" if self.broker_url else ""
         return redis_url_of("GATEKEEPER_REDIS_URL", self.broker_url, note)
+
+    def transport_options_for(self, url: str) -> dict[str, Any] | None:
+        """``broker_transport_options`` when ``url`` is the broker's (so is the gate's Redis
+        when it is the broker), None for a URL of its own (its master named in it)."""
+        return dict(self.broker_transport_options) if url == self.effective_broker_url else None
 
     @classmethod
     def settings_customise_sources(

@@ -1,6 +1,8 @@
 """The gate's Redis behind Redis Sentinel: a failover while a thread publishes. Nothing goes to
 free that the gate did not decide on a primary, and the gate decides again after the
-failover without a restart. Real servers: a primary, a replica, a Sentinel."""
+failover without a restart. And a Sentinel broker set up as Celery documents it (the master
+named in ``broker_transport_options``): gated, and replayed. Real servers: a primary, a
+replica, a Sentinel."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from celery import Celery
 from click.testing import CliRunner
 
+import gatekeeper
 from gatekeeper.ops.cli import main
 from gatekeeper.ops.embedded import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 from tests.apps.gated_app import create_app
@@ -120,4 +124,41 @@ def test_a_failover_while_publishing_sends_nothing_undecided_to_free(
     assert after, "the gate did not decide again after the failover"
     monkeypatch.setenv("GATEKEEPER_REDIS_URL", url)
     status = CliRunner().invoke(main, ["status"])
+    assert status.exit_code == 0 and "state=initialised" in status.output, status.output
+
+
+def test_a_sentinel_broker_named_in_celerys_transport_options_is_gated_and_replayed(
+    sentinel_url: tuple[str, redis.Redis, int],
+) -> None:
+    url, watcher, _ = sentinel_url
+    app = Celery("sentinel_broker", broker=url.partition("?")[0])  # no ?master_name
+    app.conf.update(
+        broker_transport_options={"master_name": "gate"},  # where Celery's docs put it
+        task_default_queue="celery",
+        gatekeeper_dwell_gate_enabled=True,
+        gatekeeper_canary_percent=100,
+        gatekeeper_max_queue_age_s=0.3,
+        gatekeeper_queue_age_horizon_s=2.0,
+    )
+    gatekeeper.install(app)
+
+    @gatekeeper.gated(expected_service_s=0.2, tokens_in=10, deadline_s=120)
+    @app.task(name="sentinel.embed", shared=False)
+    def embed(chunk: int) -> int:
+        return chunk
+
+    port = int(watcher.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "gate")[1])
+    primary = redis.Redis(host="127.0.0.1", port=port)
+    embed.delay(1)
+    time.sleep(0.5)  # the first admission is older than the age cap: the next is deferred
+    embed.delay(2)
+    assert [m["headers"]["gatekeeper_reason"] for m in queue_messages(primary, "free")] == ["fits"]
+    assert [m["headers"]["gatekeeper_reason"] for m in queue_messages(primary, "defer")] == [
+        "queue_age_cap"
+    ]
+    time.sleep(2.0)  # past the horizon, the first no longer holds the free queue's age up
+    replayed = CliRunner().invoke(main, ["replay", "--once"], obj={"app": app})  # as with -A
+    assert replayed.exit_code == 0 and "to_free=1" in replayed.output, replayed.output
+    assert len(queue_messages(primary, "free")) == 2 and not queue_messages(primary, "defer")
+    status = CliRunner().invoke(main, ["status"], obj={"app": app})
     assert status.exit_code == 0 and "state=initialised" in status.output, status.output

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from celery import Celery
 
+from gatekeeper.celery.broker import broker_for
+from gatekeeper.celery.parts import gate_client
 from gatekeeper.core.ledger import BudgetMode
 from gatekeeper.errors import ConfigError
 from gatekeeper.settings import GatekeeperSettings, load_settings
@@ -153,6 +156,56 @@ def test_the_workers_need_a_broker_besides_a_cluster(monkeypatch: pytest.MonkeyP
         create_app()
 
 
+def test_the_workers_give_celery_the_brokers_transport_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GATEKEEPER_BROKER_URL", "sentinel://s1:26379/0")
+    monkeypatch.setenv("GATEKEEPER_BROKER_TRANSPORT_OPTIONS", '{"master_name": "mymaster"}')
+    assert create_app().conf.broker_transport_options == {"master_name": "mymaster"}
+
+
 def test_the_service_time_setting_reads_in_any_case(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GATEKEEPER_SERVICE_TIME", "MAX")
     assert load_settings().service_time == "max"
+
+
+SENTINEL_MASTERS = [
+    # (the app's broker_url, its broker_transport_options, the master the gate asks for)
+    ("sentinel://s1:26379/0", {"master_name": "mymaster"}, "mymaster"),
+    ("sentinel://s1:26379;sentinel://s2:26379", {"master_name": "mymaster"}, "mymaster"),
+    ("sentinel://s1:26379/0?master_name=own", {"master_name": "mymaster"}, "own"),  # URL wins
+]
+
+
+def test_a_sentinel_broker_takes_its_master_from_celerys_transport_options() -> None:
+    for broker, options, master in SENTINEL_MASTERS:
+        app = Celery("sentinel", broker=broker)
+        app.conf.broker_transport_options = options
+        settings = load_settings(app=app)  # no redis_url: the gate's Redis is the broker
+        for client in (gate_client(settings), broker_for(settings, app).client):
+            assert client.connection_pool.service_name == master, broker  # nothing connected
+
+
+def test_the_sentinels_password_comes_from_sentinel_kwargs_the_masters_from_the_url() -> None:
+    app = Celery("sentinel", broker="sentinel://:masterpw@s1:26379/2")
+    app.conf.broker_transport_options = {
+        "master_name": "mymaster",
+        "sentinel_kwargs": {"password": "sentinelpw"},
+    }
+    pool = gate_client(load_settings(app=app)).connection_pool
+    assert pool.connection_kwargs["password"] == "masterpw"
+    assert pool.connection_kwargs["db"] == 2
+    assert pool.sentinel_manager.sentinel_kwargs["password"] == "sentinelpw"
+
+
+def test_a_sentinel_url_with_no_master_anywhere_names_where_to_set_it() -> None:
+    app = Celery("sentinel", broker="sentinel://:secret@s1:26379/0")
+    with pytest.raises(ConfigError) as raised:
+        gate_client(load_settings(app=app))
+    message = str(raised.value)  # the broker's: in its URL or in its transport options
+    assert "?master_name=<name>" in message and "broker_transport_options" in message
+    assert "secret" not in message  # the error is logged: no password in it
+    app.conf.broker_transport_options = {"master_name": "mymaster"}
+    app.conf.gatekeeper_redis_url = "sentinel://g1:26379/0"  # a gate Redis of its own
+    with pytest.raises(ConfigError, match=r"^redis_url: a sentinel URL needs .*master_name"):
+        gate_client(load_settings(app=app))  # the broker's options are not its

@@ -38,6 +38,7 @@ def create_app(settings: GatekeeperSettings | None = None) -> Celery:
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
+        broker_transport_options=dict(settings.broker_transport_options),  # a Sentinel's master
     )
     register_tasks(app, settings)
     gatekeeper.install(app, settings)

@@ -69,7 +69,8 @@ def broker_for(
         from gatekeeper.celery.amqp import AmqpBroker
 
         return AmqpBroker(str(url), settings, app)
-    client = client_for(str(url), timeout_s, retry_on_timeout=False)
+    options = settings.broker_transport_options  # a sentinel broker's master, as kombu's
+    client = client_for(str(url), timeout_s, options, retry_on_timeout=False)
     return RedisBroker(client, settings)
 
 

@@ -85,7 +85,9 @@ def gate_client(settings: GatekeeperSettings) -> redis.Redis:
     neither). Short timeouts: an unreachable gate must cost a publish milliseconds, not
     seconds. No automatic retry (redis-py 6+ retries a timeout several times by default): a
     timeout opens the pipeline's breaker and the publish fails closed."""
-    return client_for(settings.gate_redis_url(), settings.redis_timeout_s, **no_retry())
+    url = settings.gate_redis_url()
+    options = settings.transport_options_for(url)  # the broker's, when the gate is the broker
+    return client_for(url, settings.redis_timeout_s, options, **no_retry())
 
 
 class _Unconfigured(redis.Connection):

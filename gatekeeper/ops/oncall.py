@@ -66,7 +66,7 @@ def redis_client(ctx: click.Context) -> redis.Redis:
     # No automatic retry, said explicitly as for the publish path's client: a re-sent flag
     # write could apply twice; the replayer tries again on its own.
     try:
-        return client_for(url, 5.0, **no_retry())
+        return client_for(url, 5.0, settings.transport_options_for(url), **no_retry())
     except ConfigError as exc:  # a sentinel URL without its master, say
         raise click.UsageError(str(exc), ctx=ctx) from exc
 

@@ -11,10 +11,19 @@ found, so the gate decides again with no restart (the breaker, :mod:`gatekeeper.
 breaker`, keeps publishes off the socket meanwhile). What a failover can lose: writes the old
 master acknowledged but had not replicated yet (the last decisions' records and counters, a
 flag change; flag writes and the auto-freeze ``WAIT`` for replicas for that reason).
+
+A broker's URL may leave the master out, as Celery's documented set-up does (kombu reads
+the master only from its transport options, and refuses a one-host broker URL's
+``?master_name=``): the transport options (Celery's ``broker_transport_options``) then name
+it, ``{"master_name": "mymaster"}``, with the Sentinels' own connection options (their
+password) in ``sentinel_kwargs``, as kombu reads them. The URL's ``?master_name`` wins over
+the options'; the password in the URL is the master's.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -30,10 +39,17 @@ __all__ = ["SENTINEL", "client_for"]
 SENTINEL = "sentinel://"
 
 
-def client_for(url: str, timeout_s: float, **options: Any) -> redis.Redis:
-    """A client on ``url`` with connect and read timeouts of ``timeout_s``."""
+def client_for(
+    url: str,
+    timeout_s: float,
+    transport_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> redis.Redis:
+    """A client on ``url`` with connect and read timeouts of ``timeout_s``. When ``url`` is a
+    broker's, ``transport_options`` are its kombu transport options (a sentinel URL's master
+    and the Sentinels' ``sentinel_kwargs``); None for a URL that is no broker's."""
     if url.startswith(SENTINEL):
-        return _sentinel_master(url, timeout_s, options)
+        return _sentinel_master(url, timeout_s, transport_options, options)
     if url.startswith(CLUSTER_URL_SCHEMES):
         return cluster_client(url, timeout_s, options)
     return redis.Redis.from_url(
@@ -41,7 +57,12 @@ def client_for(url: str, timeout_s: float, **options: Any) -> redis.Redis:
     )
 
 
-def _sentinel_master(url: str, timeout_s: float, options: dict[str, Any]) -> redis.Redis:
+def _sentinel_master(
+    url: str,
+    timeout_s: float,
+    transport_options: Mapping[str, Any] | None,
+    options: dict[str, Any],
+) -> redis.Redis:
     hosts: list[tuple[str, int]] = []
     db, master, password = 0, None, None
     for part in filter(None, url.split(";")):
@@ -51,21 +72,58 @@ def _sentinel_master(url: str, timeout_s: float, options: dict[str, Any]) -> red
             try:
                 hosts.append((host or "localhost", int(port or 26379)))
             except ValueError:
-                raise ConfigError(f"redis_url: expected host:port in {url!r}") from None
+                raise ConfigError(f"redis_url: expected host:port in {_shown(url)!r}") from None
         password = parsed.password or password
         if parsed.path.strip("/").isdigit():
             db = int(parsed.path.strip("/"))
         master = parse_qs(parsed.query).get("master_name", [master])[0]
+    master = master or _master_option(transport_options)
     if not master or not hosts:
-        raise ConfigError(
-            f"redis_url: a sentinel URL needs hosts and ?master_name=<name>, got {url!r}"
-        )
+        raise ConfigError(_no_master(url, transport_options is not None))
     timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    # The Sentinels' own options (a password) as kombu takes them; our timeouts win, so that
+    # an unreachable Sentinel costs a publish what an unreachable Redis would.
+    sentinel_kwargs = {**_sentinel_kwargs(transport_options), **timeouts}
     # Untyped before redis-py 8.2, typed since (keyword by keyword): taken as Any, so that
     # mypy passes with either.
     sentinel_class: Any = Sentinel
-    sentinels = sentinel_class(hosts, sentinel_kwargs=dict(timeouts), **timeouts)
+    sentinels = sentinel_class(hosts, sentinel_kwargs=sentinel_kwargs, **timeouts)
     client: redis.Redis = sentinels.master_for(
         master, db=db, password=password, **timeouts, **options
     )
     return client
+
+
+def _master_option(transport_options: Mapping[str, Any] | None) -> str | None:
+    master = (transport_options or {}).get("master_name")
+    if master is not None and not (isinstance(master, str) and master):
+        raise ConfigError(
+            f"broker_transport_options: master_name: expected the master's name, got {master!r}"
+        )
+    return master
+
+
+def _sentinel_kwargs(transport_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    kwargs = (transport_options or {}).get("sentinel_kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise ConfigError(
+            "broker_transport_options: sentinel_kwargs: expected a mapping of the Sentinels' "
+            f"connection options ({{'password': ...}}), got {type(kwargs).__name__}"
+        )
+    return dict(kwargs)
+
+
+def _no_master(url: str, is_broker: bool) -> str:
+    if not is_broker:
+        return f"redis_url: a sentinel URL needs hosts and ?master_name=<name>, got {_shown(url)!r}"
+    return (
+        "broker_url: a sentinel broker needs hosts and its master's name: ?master_name=<name> "
+        "in the URL, or master_name in the broker's transport options (the app's "
+        "broker_transport_options = {'master_name': '<name>'}, or "
+        f"GATEKEEPER_BROKER_TRANSPORT_OPTIONS), got {_shown(url)!r}"
+    )
+
+
+def _shown(url: str) -> str:
+    """``url`` without its passwords (error messages end up in log lines)."""
+    return re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1***@", url)
