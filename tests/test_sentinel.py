@@ -159,6 +159,7 @@ def test_a_sentinel_broker_named_in_celerys_transport_options_is_gated_and_repla
     time.sleep(2.0)  # past the horizon, the first no longer holds the free queue's age up
     replayed = CliRunner().invoke(main, ["replay", "--once"], obj={"app": app})  # as with -A
     assert replayed.exit_code == 0 and "to_free=1" in replayed.output, replayed.output
+    assert "(broker sentinel gate/0, queue defer)" in replayed.output  # whose queues it read
     assert len(queue_messages(primary, "free")) == 2 and not queue_messages(primary, "defer")
     status = CliRunner().invoke(main, ["status"], obj={"app": app})
     assert status.exit_code == 0 and "state=initialised" in status.output, status.output

@@ -79,8 +79,11 @@ def shown_url(client: redis.Redis) -> str:
     say which broker and gate Redis a command read."""
     if is_cluster(client):
         return shown_nodes(client)
-    kwargs = getattr(client, "connection_pool", None)
-    kwargs = getattr(kwargs, "connection_kwargs", {}) or {}
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", {}) or {}
+    master = getattr(pool, "service_name", None)  # behind Sentinel: its name, no lookup
+    if master:
+        return f"sentinel {master}/{kwargs.get('db', 0)}"
     if "path" in kwargs:
         return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
     return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
