@@ -19,7 +19,8 @@ from celery import Celery
 from kombu import Queue
 
 import gatekeeper
-from gatekeeper.errors import DeadlineAbandoned
+from gatekeeper.celery.broker import broker_for
+from gatekeeper.errors import ConfigError, DeadlineAbandoned
 from gatekeeper.redis.keys import Keys
 from tests.apps.conf_app import create_app
 from tests.conftest import REPO_ROOT, queue_messages, wait_until
@@ -251,3 +252,29 @@ def test_the_celery_command_replayer_ends_an_abandoned_task_in_the_backend_and_i
         result.get(timeout=10)
     errbacks = [m["headers"]["task"] for m in queue_messages(redis_client, "celery")]
     assert errbacks == ["conf.plain"]
+
+
+def test_a_redis_broker_with_a_global_keyprefix_refuses_gating_and_says_why(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # kombu then keeps queue "defer" as the list "pfx:defer": a replayer reading "defer" would
+    # find it empty and deferred work would wait for good. Gating is refused instead.
+    app = Celery("prefixed", broker=redis_url)
+    app.conf.update(broker_transport_options={"global_keyprefix": "pfx:"},
+                    gatekeeper_dwell_gate_enabled=True, gatekeeper_canary_percent=100)  # fmt: skip
+    gatekeeper.install(app)
+
+    @gatekeeper.gated(expected_service_s=0.2, tokens_in=10, deadline_s=60)
+    @app.task(name="prefixed.embed", shared=False)
+    def embed(x: int) -> int:
+        return x
+
+    embed.apply_async((1,), headers={"gatekeeper_expected_service_s": 0})  # would be deferred
+    (message,) = queue_messages(redis_client, "pfx:reserved")
+    assert message["headers"]["gatekeeper_reason"] == "gate_unavailable"
+    assert not redis_client.exists("defer", "pfx:defer", "free", "pfx:free")
+    err = capsys.readouterr().err
+    refused = next(line for line in err.splitlines() if "event=broker_unsupported" in line)
+    assert "global_keyprefix='pfx:' is not supported" in refused, refused
+    with pytest.raises(ConfigError, match="global_keyprefix"):
+        broker_for(gatekeeper.install(app).settings, app)

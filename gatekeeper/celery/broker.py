@@ -12,14 +12,15 @@ two ways chosen by the broker's URL (:func:`broker_for`):
   and publisher confirms (:class:`gatekeeper.celery.amqp.AmqpBroker`).
 
 Any other transport is refused (:class:`~gatekeeper.errors.ConfigError` naming
-``broker_url``): deferred work would have nothing able to read it.
+``broker_url``): deferred work would have nothing able to read it. So is a Redis broker with
+kombu's ``global_keyprefix``: its queues are not where gatekeeper reads them.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import redis
@@ -44,9 +45,19 @@ BROKER_ERRORS = (redis.RedisError, OSError, KombuError, AMQPError)
 """What a broker that cannot be reached raises, on either kind."""
 
 
-def check_broker(url: str | None, field: str = "broker_url") -> str:
-    """``redis`` or ``amqp`` for a broker URL gatekeeper can read; ConfigError otherwise."""
+def check_broker(
+    url: str | None, field: str = "broker_url", options: Mapping[str, Any] | None = None
+) -> str:
+    """``redis`` or ``amqp`` for a broker URL gatekeeper can read (with these kombu transport
+    ``options``); ConfigError otherwise."""
     if url and url.startswith(REDIS_URL_SCHEMES):
+        prefix = (options or {}).get("global_keyprefix")
+        if prefix:  # kombu's lists are then "<prefix><queue>": defer would be read empty
+            raise ConfigError(
+                f"broker_transport_options: global_keyprefix={prefix!r} is not supported: "
+                "gatekeeper reads and moves a Redis broker's queues by their names, and "
+                "deferred tasks would have nothing able to read them"
+            )
         return "redis"
     if url and url.startswith(AMQP_URL_SCHEMES):
         return "amqp"
@@ -65,7 +76,7 @@ def broker_for(
     field when gatekeeper cannot read it. ``timeout_s``: a Redis broker's socket timeouts
     (the metrics exporter's are short, so that a hung broker cannot hang a scrape)."""
     url = settings.effective_broker_url
-    if check_broker(url, "GATEKEEPER_BROKER_URL") == "amqp":
+    if check_broker(url, "GATEKEEPER_BROKER_URL", settings.broker_transport_options) == "amqp":
         from gatekeeper.celery.amqp import AmqpBroker
 
         return AmqpBroker(str(url), settings, app)

@@ -125,7 +125,8 @@ def build(
     unconfigured = None
     broker = settings.effective_broker_url
     try:
-        check_broker(broker)
+        options = settings.broker_transport_options or app.conf.get("broker_transport_options")
+        check_broker(broker, options=options if isinstance(options, dict) else None)
     except ConfigError as exc:
         if broker:  # a transport gatekeeper cannot read: gating is refused, said once
             unconfigured = f"gating refused: {exc}"
