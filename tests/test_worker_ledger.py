@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,10 +13,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import celery
 import pytest
 import redis
+from celery.exceptions import Reject
+from celery.states import IGNORED, REJECTED, SUCCESS
 from click.testing import CliRunner
 
+from gatekeeper.celery.postrun import ended_at_postrun
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.keys import Keys
@@ -26,6 +31,9 @@ from tests.moved import BlackHole
 
 pytestmark = pytest.mark.celery
 KEYS = Keys()
+ON_SUCCESS_ERROR_IS_LOGGED = tuple(map(int, celery.__version__.split(".")[:2])) >= (5, 7)
+"""Celery 5.7 logs an ordinary exception from ``on_success`` and sends ``task_success``; older
+ones send ``task_failure`` (the result stored as a success all the same)."""
 
 
 def rows(client: redis.Redis) -> list[dict[str, Any]]:
@@ -137,6 +145,73 @@ def test_a_rejected_and_requeued_run_is_killed_at_once_and_its_copy_is_a_rerun_t
     log = (tmp_path / "w.log").read_text()
     assert re.search(r"reason=reject(\s|$)", log, re.MULTILINE)
     assert "reason=worker_lost_redelivered" not in log
+
+
+def test_a_reject_from_on_success_requeued_is_one_killed_row_and_its_copy_a_rerun_that_rows_ok(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """The body returned, then ``on_success`` raised ``Reject(requeue=True)``: Celery sends
+    ``task_postrun`` (state SUCCESS) but no ``task_success``, and requeues the message. The
+    run ends there as a rejected one does; its copy is a rerun of the attempt."""
+    with running_worker(redis_url, tmp_path / "w.log"):
+        job = app_for(redis_url).tasks["tests.rejects_after"].delay().id
+        found = wait_rows(redis_client, 2)
+    assert [(r["job_id"], r["outcome"]) for r in found] == [(job, "killed"), (job, "ok")]
+    assert redis_client.hget(KEYS.stats, "reruns_after_row") == b"1"
+    assert redis_client.zcard(KEYS.started) == 0 and redis_client.hlen(KEYS.inflight) == 0
+    assert window_totals(redis_client, "exposure") == 0
+    log = (tmp_path / "w.log").read_text()
+    assert re.search(r"reason=reject(\s|$)", log, re.MULTILINE)
+    assert "reason=worker_lost_redelivered" not in log
+
+
+@pytest.mark.parametrize("how", ["drop", "raise"])
+def test_a_run_whose_on_success_raises_is_one_row_and_not_held_by_its_process(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, how: str
+) -> None:
+    """``Reject(requeue=False)`` from ``on_success``: killed, as a rejected run (Celery 5.7's
+    main process also sends ``task_failure``: still one row). An ordinary exception: Celery
+    5.7 logs it and sends ``task_success`` (ok); 5.5 and 5.6 send ``task_failure`` (killed)."""
+    app = app_for(redis_url)
+    with running_worker(redis_url, tmp_path / "w.log"):  # one child: it runs both, in turn
+        job = app.tasks["tests.rejects_after"].delay(how=how).id
+        (row,) = wait_rows(redis_client, 1)
+        app.tasks["tests.held"].apply_async(queue="free")
+        assert wait_until(lambda: redis_client.llen(HELD_KEY) == 1)
+    assert json.loads(redis_client.lindex(HELD_KEY, 0) or "null") == []
+    assert [r["id"] for r in runs(redis_client)] == [job] and row["job_id"] == job
+    assert redis_client.zcard(KEYS.started) == 0 and redis_client.hlen(KEYS.inflight) == 0
+    assert window_totals(redis_client, "exposure") == 0
+    log = (tmp_path / "w.log").read_text()
+    if how == "drop":
+        assert row["outcome"] == "killed"
+        assert re.search(r"reason=reject(\s|$)", log, re.MULTILINE)
+    else:
+        assert row["outcome"] == ("ok" if ON_SUCCESS_ERROR_IS_LOGGED else "killed")
+
+
+POSTRUN_ENDS = [
+    (IGNORED, None, ("ok", "ignored")),
+    (REJECTED, None, ("killed", "reject")),
+    (SUCCESS, Reject("after the body", requeue=True), ("killed", "reject")),
+    (SUCCESS, RuntimeError("on_success, before Celery 5.7"), ("killed", "RuntimeError")),
+    (SUCCESS, None, ("killed", "no_end_signal")),
+]
+"""A run open at its ``task_postrun``: its state, the exception on its way out, its row."""
+
+
+@pytest.mark.parametrize(("state", "raised", "ended"), POSTRUN_ENDS)
+def test_a_run_open_at_postrun_ends_by_its_state_or_the_exception_on_its_way_out(
+    state: str, raised: Exception | None, ended: tuple[str, str]
+) -> None:
+    seen = []
+    with contextlib.suppress(Exception):
+        try:
+            if raised is not None:
+                raise raised
+        finally:  # where Celery's trace sends task_postrun
+            seen.append(ended_at_postrun(state))
+    assert [(outcome.value, reason) for outcome, reason in seen] == [ended]
 
 
 def test_a_soft_time_limit_is_one_killed_row(

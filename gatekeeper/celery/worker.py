@@ -18,7 +18,7 @@ raised (soft time limit included)      task_failure    pool child -> ``killed``
 asked for a retry                      task_retry      pool child -> ``killed``
 raised ``Ignore`` (``Task.replace``)   task_postrun    pool child -> ``ok`` (``ignored``)
 raised ``Reject``, requeued or not     task_postrun    pool child -> ``killed``
-                                                       (``reject``); a requeued copy is
+(or ``on_success`` raised it)                          (``reject``); a requeued copy is
                                                        a new run of the attempt
 hard time limit, child SIGKILLed       task_failure    main process (``sender.request``
                                                        may be empty: headers cached from
@@ -30,10 +30,11 @@ worker gone, no signal at all          none            ``gatekeeper sweep`` -> `
 =====================================  ==============  ===================================
 
 Signals that fire twice (on Celery 5.7: a hard time limit; a ``Reject`` not requeued, whose
-``task_failure`` the main process sends after its row) are harmless: ``finish.lua`` writes one
-row per run and tells only the call that wrote it so (that call sent again after its reply was
-lost too), so the row's line is logged once. Nothing here raises into Celery: a fault is
-logged and the task goes on.
+``task_failure`` the main process sends after its row; before 5.6.3, a ``Reject`` from
+``on_success``, whose ``task_failure`` the child sends after its postrun) are harmless:
+``finish.lua`` writes one row per run and tells only the call that wrote it so (that call sent
+again after its reply was lost too), so the row's line is logged once. Nothing here raises
+into Celery: a fault is logged and the task goes on.
 
 A run's start is sent before its body runs and its reply read when it ends
 (gatekeeper/redis/run_start.py), so the task waits for one round trip of the ledger's, not
@@ -49,12 +50,12 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.states import IGNORED, REJECTED
 
 from gatekeeper.celery import message
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers, unverified
 from gatekeeper.celery.metering import take_metered
+from gatekeeper.celery.postrun import ended_at_postrun
 from gatekeeper.celery.received import Received
 from gatekeeper.celery.running import Running, Starting, Starts
 from gatekeeper.core.ledger import Outcome
@@ -69,8 +70,6 @@ __all__ = ["TIME_LIMIT_REASONS", "WorkerSide", "maybe_freeze"]
 
 TIME_LIMIT_REASONS = frozenset({"TimeLimitExceeded", "SoftTimeLimitExceeded"})
 """The failures that mean a run was cut off by its time limit: it ran at least that long."""
-ENDED_AT_POSTRUN = {IGNORED: (Outcome.OK, "ignored"), REJECTED: (Outcome.KILLED, "reject")}
-"""The states of a run that ends with no signal but ``task_postrun``: its outcome, reason."""
 
 
 class WorkerSide:
@@ -270,14 +269,14 @@ class WorkerSide:
     def on_postrun(
         self, sender: Any = None, task_id: Any = None, state: Any = None, **_: Any
     ) -> None:
-        """A run ``Ignore`` ended (``Task.replace`` raises it): ok. One ``Reject`` ended:
+        """A run no other signal ended ends here (gatekeeper/celery/postrun.py): ``Ignore``
+        (``Task.replace`` raises it): ok. ``Reject``, from the body or ``on_success``:
         killed, at once, requeued or not: no copy may come back to this process, or run at
         all; one that runs is a new run of the attempt (start.lua)."""
-        ended = ENDED_AT_POSTRUN.get(state)  # every other task: one lookup, at once
-        if ended is None or not self._ours(sender):
-            return
-        if task_id in self._running or task_id in self._starts.by_job:
-            self._end_running(task_id, *ended)
+        if task_id not in self._running and task_id not in self._starts.by_job:
+            return  # ended by its own signal (most runs), or not ours: two lookups, at once
+        if self._ours(sender):
+            self._end_running(task_id, *ended_at_postrun(state))
 
     def on_failure(
         self, sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any

@@ -109,6 +109,24 @@ def create_app(
             raise Reject("not now", requeue=requeue)  # no end signal but task_postrun either
         return "ok"
 
+    class RejectsAfterItsBody(app.Task):  # type: ignore[misc]  # Celery is untyped
+        """``on_success`` rejects the message of a run whose body returned (Celery sends no
+        ``task_success`` then): requeued on the first run only (its copy returns ok), or
+        dropped; or raises an ordinary exception (``how="raise"``)."""
+
+        def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+            how = kwargs.get("how", "requeue")
+            if how == "raise":
+                raise RuntimeError("on_success failed")
+            if how == "drop" or runs_of(task_id) == 1:
+                raise Reject("not after all", requeue=how != "drop")
+
+    @app.task(bind=True, name="tests.rejects_after", base=RejectsAfterItsBody, max_retries=0,
+              shared=False, gatekeeper=kill_spec, acks_late=True)  # fmt: skip
+    def rejects_after(self: Any, how: str = "requeue") -> str:
+        record(self)
+        return "ok"
+
     @app.task(
         bind=True, name="tests.soft", max_retries=0, soft_time_limit=0.5, shared=False,
         gatekeeper=kill_spec,
