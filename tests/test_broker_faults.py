@@ -162,4 +162,6 @@ def test_an_expiring_task_waits_in_defer_and_the_apps_queue_arguments_are_kept(
             app.amqp.queues["reserved"](connection.channel()).declare()
         except PreconditionFailed as exc:  # pragma: no cover - the failure this guards
             pytest.fail(f"reserved declared with other arguments than the app's: {exc}")
+        finally:  # the session's later tests declare it plain: leave it as they expect
+            connection.channel().queue_delete("reserved")
     broker.close()
