@@ -213,10 +213,12 @@ def wait_until(check: Callable[[], bool], timeout_s: float = 20.0, every_s: floa
 @contextmanager
 def running_worker(
     redis_url: str, log_path: Path, queues: str = "free", concurrency: int = 1,
-    pool: str = "prefork", hostname: str | None = None, **env_overrides: str,
+    pool: str = "prefork", hostname: str | None = None, session: bool = False,
+    **env_overrides: str,
 ) -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
     """A real Celery worker (tests.apps.gated_app; prefork unless ``pool`` says otherwise)
-    consuming ``queues`` (``hostname``: its ``-n``, a name of its own when None)."""
+    consuming ``queues`` (``hostname``: its ``-n``, a name of its own when None; ``session``:
+    a process group of its own, which a test may SIGKILL whole with ``os.killpg``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
     env.update(
         GATEKEEPER_TEST_WORKER="1",
@@ -236,8 +238,9 @@ def running_worker(
     ]  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
-        )
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+            start_new_session=session,
+        )  # fmt: skip
     try:
         ready = wait_until(lambda: b"ready." in log_path.read_bytes(), timeout_s=60)
         if not ready:

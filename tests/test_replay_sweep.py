@@ -1,0 +1,122 @@
+"""The replayer runs the sweep (README: "It also runs the sweep every minute"): a deployment
+with no ``gatekeeper sweep`` cron still gets its ``killed`` row, and its exposure back, for a
+run whose whole worker was SIGKILLed, once that worker's heartbeat is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from gatekeeper.celery.replay import SWEEP_EVERY_S, Replayer
+from gatekeeper.ops.cli import main
+from gatekeeper.redis.kept import unpack
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.scripts import text_of
+from tests.conftest import gate_settings, running_worker, wait_until
+from tests.test_worker_ledger import app_for, rows, runs, the_killed_row
+
+pytestmark = pytest.mark.celery
+KEYS = Keys()
+STALE_S = 1.0
+"""``stale_attempt_s`` for these tests: a run older than this, its worker gone, is killed."""
+
+
+@contextmanager
+def a_long_run(
+    redis_url: str, client: redis.Redis, log: Path
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A real worker, in a process group of its own with a heartbeat each second (a key of
+    3 s), running a gated ``tests.sleepy`` of 30 s: the worker and its hostname."""
+    with running_worker(redis_url, log, session=True, GATEKEEPER_WORKER_HEARTBEAT_S="1") as worker:
+        job = app_for(redis_url).tasks["tests.sleepy"].delay().id
+        assert wait_until(lambda: len(runs(client)) == 1)
+        assert wait_until(lambda: client.zcard(KEYS.started) == 1)
+        record = {text_of(k): text_of(v) for k, v in client.hgetall(KEYS.run(job, 1)).items()}
+        hostname = unpack(record)["worker"]
+        assert hostname and client.exists(KEYS.worker(hostname))
+        yield worker, hostname
+
+
+def kill_whole(worker: subprocess.Popen[bytes], client: redis.Redis, hostname: str) -> None:
+    """SIGKILL the worker's whole group (main process and pool child: no signal handler,
+    no row, no goodbye), then wait for its heartbeat key to expire."""
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait()
+    assert wait_until(lambda: not client.exists(KEYS.worker(hostname)), timeout_s=10)
+    assert rows(client) == [] and client.zcard(KEYS.started) == 1
+
+
+def test_a_replay_pass_records_a_sigkilled_workers_run_as_killed_once(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``gatekeeper replay --once`` (a cron's replayer, no sweep cron): one ``killed`` row,
+    the window's exposure back to 0, nothing left started; a second pass writes no other."""
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    monkeypatch.setenv("GATEKEEPER_STALE_ATTEMPT_S", str(STALE_S))
+    with a_long_run(redis_url, redis_client, tmp_path / "w.log") as (worker, hostname):
+        time.sleep(STALE_S + 0.2)
+        alive = CliRunner().invoke(main, ["replay", "--once"])
+        assert alive.exit_code == 0, alive.output
+        assert rows(redis_client) == []  # merely long: its worker is alive
+        kill_whole(worker, redis_client, hostname)
+    first = CliRunner().invoke(main, ["replay", "--once"])
+    assert first.exit_code == 0, first.output
+    the_killed_row(redis_client)  # one row, killed, priced; every window's exposure 0
+    assert redis_client.zcard(KEYS.started) == 0 and redis_client.hlen(KEYS.inflight) == 0
+    again = CliRunner().invoke(main, ["replay", "--once"])
+    assert again.exit_code == 0, again.output
+    assert len(rows(redis_client)) == 1
+
+
+def test_a_running_replayer_sweeps_again_once_a_minute_has_passed(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """The long-running replayer sweeps at its first pass, then once every minute (its
+    clock moved on by a minute; the passes between do not sweep)."""
+    ahead = [0.0]
+    settings = gate_settings(redis_url, stale_attempt_s=STALE_S, replay_poll_s=0.1)
+    client = redis.Redis.from_url(redis_url)
+    replayer = Replayer(settings, client, client, clock=lambda: time.time() + ahead[0])
+    stop = threading.Event()
+    thread = threading.Thread(target=replayer.run, args=(stop,), daemon=True)
+
+    def passes(count: int) -> None:
+        """Wait until ``count`` more passes have completed (the sweep runs after the mark of
+        its pass: the mark of the next one says it is over)."""
+        seen = {redis_client.get(KEYS.replayer_last_pass)}
+
+        def another() -> bool:
+            seen.add(redis_client.get(KEYS.replayer_last_pass))
+            return len(seen) > count
+
+        assert wait_until(another, 10)
+
+    try:
+        with a_long_run(redis_url, redis_client, tmp_path / "w.log") as (worker, hostname):
+            time.sleep(STALE_S + 0.2)
+            thread.start()
+            passes(2)  # the first pass swept: the run is stale, but its worker alive
+            assert rows(redis_client) == []
+            kill_whole(worker, redis_client, hostname)
+        passes(3)  # within the minute: no sweep, the dead run still counts
+        assert rows(redis_client) == [] and redis_client.zcard(KEYS.started) == 1
+        ahead[0] = SWEEP_EVERY_S + 1
+        assert wait_until(lambda: len(rows(redis_client)) == 1, timeout_s=10)
+        the_killed_row(redis_client)
+        assert redis_client.zcard(KEYS.started) == 0 and redis_client.hlen(KEYS.inflight) == 0
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(timeout=10)
+        client.close()
+    assert not thread.is_alive()
