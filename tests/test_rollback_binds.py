@@ -10,6 +10,7 @@ import pytest
 import redis
 from celery import Celery
 
+import gatekeeper
 from gatekeeper.redis.flags import in_canary
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages
@@ -65,3 +66,31 @@ def test_with_the_free_path_open_the_canarys_outside_keeps_its_free_route(
     app.tasks["tests.embed"].apply_async((1,), queue="free")
     (message,) = queue_messages(redis_client, "free")
     assert not any(key.startswith("gatekeeper_") for key in message["headers"])
+
+
+def test_the_environments_rollback_beats_an_apps_config_that_opens_the_free_path(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The runbook: "set GATEKEEPER_FREE_PATH_ENABLED=false and restart: either source turns
+    # it off", in a project whose Django settings.py says CELERY_GATEKEEPER_FREE_PATH_ENABLED.
+    monkeypatch.setenv("GATEKEEPER_FREE_PATH_ENABLED", "false")
+    app = Celery("restarted")
+    gatekeeper.install(app)
+
+    @gatekeeper.gated(expected_service_s=0.2, tokens_in=10, deadline_s=120)
+    @app.task(name="restarted.embed", max_retries=0, shared=False)
+    def embed(chunk: Any) -> Any:
+        return chunk
+
+    class DjangoSettings:
+        CELERY_BROKER_URL = redis_url
+        CELERY_GATEKEEPER_FREE_PATH_ENABLED = True
+        CELERY_GATEKEEPER_DWELL_GATE_ENABLED = True
+        CELERY_GATEKEEPER_CANARY_PERCENT = 100
+
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    embed.delay(1)
+    embed.apply_async((2,), queue="free")
+    assert redis_client.llen("free") == 0
+    reasons = [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "reserved")]
+    assert reasons == ["free_path_disabled"] * 2

@@ -84,6 +84,45 @@ def test_environment_beats_dotenv_which_beats_toml(
     )
 
 
+SOURCES = [
+    # setting, environment, the app's CELERY_GATEKEEPER_*, .env, TOML -> in force
+    ("free_path_enabled", "false", True, "true", "true", False),  # the runbook's rollback
+    ("canary_percent", "44", 33, "22", "11", 44.0),
+    ("budget_units", None, 333, "222", "111", 333.0),
+    ("max_queue_age_s", None, None, "22", "11", 22.0),
+    ("window_seconds", None, None, None, "11", 11),
+]
+
+
+def test_environment_beats_the_apps_config_which_beats_dotenv_and_toml(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The README's order, highest first: GATEKEEPER_*, the app's gatekeeper_* keys, .env, TOML.
+    # The runbook's rollback (GATEKEEPER_FREE_PATH_ENABLED=false and restart) rests on the
+    # first row: the environment turns off a free path a Django settings.py leaves on.
+    monkeypatch.chdir(tmp_path)
+    Path("config").mkdir()
+    toml, dotenv = [], []
+    django: dict[str, object] = {}
+    for name, env, app_value, dotenv_value, toml_value, _ in SOURCES:
+        if env is not None:
+            monkeypatch.setenv(f"GATEKEEPER_{name.upper()}", env)
+        if app_value is not None:
+            django[f"CELERY_GATEKEEPER_{name.upper()}"] = app_value
+        if dotenv_value is not None:
+            dotenv.append(f"GATEKEEPER_{name.upper()}={dotenv_value}\n")
+        toml.append(f"{name} = {toml_value}\n")
+    Path("config/gatekeeper.toml").write_text("".join(toml))
+    Path(".env").write_text("".join(dotenv))
+    app = Celery("django_style")
+    app.config_from_object(type("DjangoSettings", (), django), namespace="CELERY")
+    assert app.conf.gatekeeper_free_path_enabled is True  # what Celery itself reads
+    settings = load_settings(app=app)
+    assert {name: getattr(settings, name) for name, *_ in SOURCES} == {
+        name: expected for name, *_, expected in SOURCES
+    }
+
+
 def test_a_bad_toml_value_names_the_key_and_the_file(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
     config.write_text('budget_mode = "maybe"\n')
