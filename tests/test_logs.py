@@ -1,9 +1,16 @@
-"""The key=value renderer: grep-able during a page."""
+"""The key=value renderer: grep-able during a page; ``stdlib`` lines in the app's handlers."""
 
 from __future__ import annotations
 
 import io
+import logging
+import threading
 
+import pytest
+import redis
+from celery import Celery
+
+import gatekeeper
 from gatekeeper.lines import flush
 from gatekeeper.logs import KeyValueRenderer, make_logger
 from gatekeeper.settings import GatekeeperSettings
@@ -47,3 +54,46 @@ def test_debug_lines_are_dropped_at_info_level() -> None:
     flush()
     assert "event=gate_decision" in stream.getvalue()
     assert "gate_skipped" not in stream.getvalue()
+
+
+class Kept(logging.Handler):
+    """An application's handler: keeps each record and the thread that emitted it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[logging.LogRecord, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record, threading.get_ident()))
+
+
+def test_stdlib_lines_reach_the_apps_handlers_in_the_publish_that_logs_them(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # README: "kv and json ...; stdlib goes to your handlers in the call": not queued for
+    # gatekeeper's writer thread, however long log_buffer_s is.
+    app = Celery("routed", broker=redis_url)
+    app.conf.update(gatekeeper_log_format="stdlib", gatekeeper_log_buffer_s=5,
+                    gatekeeper_dwell_gate_enabled=True, gatekeeper_canary_percent=100)  # fmt: skip
+    gatekeeper.install(app)
+
+    @gatekeeper.gated(expected_service_s=1, tokens_in=10, deadline_s=60)
+    @app.task(name="routed.embed", max_retries=0, shared=False)
+    def embed(chunk: int) -> int:
+        return chunk
+
+    handler, logger = Kept(), logging.getLogger("gatekeeper")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # the app routes gatekeeper's info lines
+    try:
+        job_id = embed.delay(1).id
+        seen = list(handler.records)  # as delay() returned: no flush, no wait
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    ((record, thread),) = [(r, t) for r, t in seen if "event=gate_decision" in r.getMessage()]
+    assert record.name == "gatekeeper.decision" and record.levelno == logging.INFO
+    assert f"job_id={job_id}" in record.getMessage() and "reason=fits" in record.getMessage()
+    assert thread == threading.get_ident()  # emitted by the publishing thread itself
+    assert "gate_decision" not in capsys.readouterr().err  # to the handlers, not stderr
