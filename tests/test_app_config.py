@@ -149,6 +149,33 @@ def test_celerys_own_settings_loaded_after_install_are_the_ones_its_publishes_us
         assert message["properties"]["delivery_mode"] == 1
 
 
+def test_a_bad_app_setting_raises_config_error_naming_the_key_at_the_first_gated_publish(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = Celery("misconfigured", broker=redis_url)
+    gatekeeper.install(app)  # reads nothing: no error yet
+    app.conf.gatekeeper_dwell_gate_enabled = True
+    app.conf.gatekeeper_canary_percent = 150
+
+    @gatekeeper.gated(expected_service_s=1, tokens_in=5, deadline_s=60)
+    @app.task(name="misconfigured.embed", shared=False)
+    def embed(x: int) -> int:
+        return x
+
+    @app.task(name="misconfigured.plain", shared=False)
+    def plain(x: int) -> int:
+        return x
+
+    plain.delay(1)  # an ungated task is never touched, nor is the config read for it
+    for _ in range(2):  # the first gated publish, and every one after it: never routed
+        with pytest.raises(ConfigError) as caught:
+            embed.delay(2)
+        assert "app.conf.gatekeeper_canary_percent" in str(caught.value)
+        assert "less than or equal to 100, got 150" in str(caught.value)
+    assert [len(queue_messages(redis_client, q)) for q in ("celery", "free", "reserved")] == [
+        1, 0, 0]  # fmt: skip
+
+
 def test_an_eager_app_with_no_redis_imports_and_runs_its_gated_tasks() -> None:
     app = Celery("eager")  # no broker, no GATEKEEPER_* variable, no gatekeeper_* key
     app.conf.task_always_eager = True
