@@ -79,6 +79,56 @@ def test_a_gate_redis_down_from_the_start_keeps_gated_tasks_off_free(
     assert "event=gate_skipped" in line and "reason=flags_unread" in line
 
 
+@pytest.mark.parametrize(
+    ("in_settings", "in_redis", "reason"),
+    [
+        # the gate on in the settings, off in Redis: untouched, on its own route, Redis or not
+        (True, "false", None),
+        # off in the settings, on in Redis: scored, so reserved while Redis is unreachable
+        (False, "true", "gate_unavailable"),
+    ],
+)
+def test_while_the_gate_redis_is_unreachable_the_last_flags_read_stay_in_force(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str],
+    in_settings: bool, in_redis: str, reason: str | None,
+) -> None:  # fmt: skip
+    with EmbeddedRedis() as gate_server:
+        gate = redis.Redis.from_url(gate_server.url)
+        initialised(gate)
+        gate.hset(Keys().flags, "dwell_gate_enabled", in_redis)
+        settings = gate_settings(gate_server.url, redis_timeout_s=0.2, flag_cache_s=0.2,
+                                 dwell_gate_enabled=in_settings, log_level="debug")  # fmt: skip
+        app = create_app(settings, redis_url)  # the broker stays up on redis_url
+        embed = app.tasks["tests.embed"]
+        read = embed.delay(1).id  # the flags read, Redis's override in force
+        gate_server.kill()
+        # Past flag_cache_s twice: the first read refused (it opens the breaker), the second
+        # made with no socket at all; both keep the flags last read.
+        breaker = gatekeeper.install(app).store.breaker
+        after: list[str] = []
+        for n in (2, 3):
+            time.sleep(0.4)
+            after.append(embed.delay(n).id)
+            assert breaker is not None and breaker.is_open
+    err = capsys.readouterr().err
+    if reason is None:  # untouched: no gatekeeper header, no decision, skipped as Redis said
+        assert [m["headers"]["id"] for m in queue_messages(redis_client, "celery")] == [
+            read, *after]  # fmt: skip
+        assert not any(
+            key.startswith("gatekeeper_")
+            for message in queue_messages(redis_client, "celery")
+            for key in message["headers"]
+        )
+        assert "event=gate_decision" not in err
+        for job_id in (read, *after):
+            (line,) = [ln for ln in err.splitlines() if f"job_id={job_id}" in ln]
+            assert "event=gate_skipped" in line and "reason=gate_disabled" in line
+    else:
+        assert reasons(redis_client, "free") == ["fits"]  # scored while Redis answered
+        assert reasons(redis_client, "reserved") == [reason, reason]
+        assert redis_client.llen("celery") == 0
+
+
 def test_with_the_gate_on_in_the_settings_flags_never_read_fail_closed(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
