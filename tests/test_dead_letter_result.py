@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -14,6 +15,7 @@ from celery import chord
 from celery.exceptions import ChordError
 from click.testing import CliRunner
 
+from gatekeeper.celery.broker import RedisBroker
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.errors import DeadlineAbandoned
 from gatekeeper.ops.cli import main
@@ -112,3 +114,35 @@ def test_a_forged_dead_message_does_not_end_another_jobs_result(
     replayer = Replayer(settings, broker=redis_client, gate=redis_client, app=app)
     assert replayer.run(threading.Event(), once=True)["dead_lettered"] == 1
     assert real.state == "PENDING"  # not marked failed by the forgery
+
+
+def test_an_abandonment_given_back_and_done_again_ends_the_task_once(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first pass stores the failure, then its move to the dead letters is refused (its
+    # tenure over): the message is given back, and the next pass abandons it again. Stored
+    # again, its link_error callback would be published twice (and a chord counted twice).
+    settings = gate_settings(redis_url)
+    app = create_app(settings, redis_url)
+    app.conf.result_backend = redis_url
+    plain = app.tasks["tests.plain"]
+    result = app.tasks["tests.embed"].apply_async((1,), headers=SOON, link_error=plain.si())
+    time.sleep(1.2)
+    hand_on = RedisBroker.hand_on
+
+    def refused(broker: RedisBroker, batch: list[Any]) -> None:
+        assert broker.claims is not None
+        redis_client.delete(broker.claims.heartbeat_of(broker.claims.tenure))
+        hand_on(broker, batch)
+
+    monkeypatch.setattr(RedisBroker, "hand_on", refused)
+    first = Replayer(settings, broker=redis_client, gate=redis_client, app=app)
+    assert first.run(threading.Event(), once=True)["given_back"] == 1
+    monkeypatch.setattr(RedisBroker, "hand_on", hand_on)
+    again = Replayer(settings, broker=redis_client, gate=redis_client, app=app)
+    assert again.run(threading.Event(), once=True)["dead_lettered"] == 1
+    assert len(queue_messages(redis_client, "dead_letter")) == 1
+    with pytest.raises(DeadlineAbandoned):
+        result.get(timeout=10)
+    errbacks = [m["headers"]["task"] for m in queue_messages(redis_client, "celery")]
+    assert errbacks == ["tests.plain"]

@@ -9,7 +9,8 @@ When the replayer abandons a task (its deadline passed in defer) and it knows th
 it: :class:`~gatekeeper.errors.DeadlineAbandoned`, naming the deadline, through the app's
 backend with the request the message carries (its group and chord, its errbacks), as a
 worker would for a task that raised. ``AsyncResult.get()`` then raises it, a chord's error
-callback runs, and ``link_error`` callbacks are called.
+callback runs, and ``link_error`` callbacks are called, once: a task abandoned again (its
+message given back after a pass stored its failure) finds it stored and leaves it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+from celery import states
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
+from celery.backends.rpc import RPCBackend
 
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import nonce_of
@@ -56,6 +59,8 @@ def fail_in_backend(app: Any, message: dict[str, Any], deadline_at: float) -> st
         args, kwargs, embed = _body(message)
     except (ValueError, TypeError, KeyError):
         return "body_unreadable"  # not JSON (a pickle or a compressed body): nothing stored
+    if _failed_before(app.backend, headers.get("id")):
+        return "failed_before"  # stored again, its errbacks and chord would be called twice
     delivery = message.get("properties", {}).get("delivery_info")
     request = Context({**headers, **(embed or {}), "args": args, "kwargs": kwargs,
                        "delivery_info": delivery})  # fmt: skip
@@ -65,6 +70,19 @@ def fail_in_backend(app: Any, message: dict[str, Any], deadline_at: float) -> st
     )
     app.backend.mark_as_failure(headers.get("id"), error, request=request)
     return "failed"
+
+
+def _failed_before(backend: Any, task_id: Any) -> bool:
+    """Whether the task's failure is stored already: a pass abandoned it and then gave the
+    message back (its move refused) or died before the move, and this pass abandons it again.
+    An RPC backend cannot be read without consuming its replies (not asked); a backend that
+    cannot be read is written (a failure stored twice, rather than never)."""
+    if isinstance(backend, RPCBackend):
+        return False
+    try:
+        return bool(backend.get_task_meta(task_id, cache=False).get("status") == states.FAILURE)
+    except Exception:
+        return False
 
 
 def _body(message: dict[str, Any]) -> tuple[Any, Any, Any]:
