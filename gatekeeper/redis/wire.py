@@ -6,8 +6,9 @@ script's request and reply then go straight through its socket, packed and parse
 when it is installed. Through redis-py's per-command machinery a round trip costs several
 times the CPU of the socket calls themselves, and the publish path pays that on every task.
 Without hiredis, or when redis-py's connection lacks the socket attribute this relies on
-(``_sock``, checked by the test suite), the line uses redis-py's own ``send_command``
-and ``read_response``.
+(``_sock``, checked by the test suite), or without ``select.poll`` (an eventlet worker:
+its monkey patching deletes it), the line uses redis-py's own ``send_command`` and
+``read_response``.
 
 A call made while this thread's line awaits a reply (a signal handler that publishes
 mid-decision) goes through redis-py instead (the store's fallback): replies come back in
@@ -105,7 +106,9 @@ class Line(threading.local):
             self.known = set()  # a new connection: no script answered on it yet
         if self.sock is None:
             self.conn.connect()
-            self.sock = getattr(self.conn, "_sock", None) if RAW else None
+            # Eventlet's monkey patching deletes select.poll: redis-py reads and writes then.
+            raw = RAW and hasattr(select, "poll")
+            self.sock = getattr(self.conn, "_sock", None) if raw else None
             if self.sock is not None:
                 self.reader = hiredis.Reader()
                 self.poller = select.poll()
