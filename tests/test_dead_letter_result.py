@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
 
 import pytest
 import redis
@@ -15,12 +14,12 @@ from celery import chord
 from celery.exceptions import ChordError
 from click.testing import CliRunner
 
-from gatekeeper.celery.broker import RedisBroker
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.errors import DeadlineAbandoned
 from gatekeeper.ops.cli import main
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages
+from tests.test_replay_batch import moves_refused
 
 pytestmark = pytest.mark.celery
 SOON = {"gatekeeper_deadline_s": 1, "gatekeeper_expected_service_s": 0}
@@ -128,17 +127,10 @@ def test_an_abandonment_given_back_and_done_again_ends_the_task_once(
     plain = app.tasks["tests.plain"]
     result = app.tasks["tests.embed"].apply_async((1,), headers=SOON, link_error=plain.si())
     time.sleep(1.2)
-    hand_on = RedisBroker.hand_on
-
-    def refused(broker: RedisBroker, batch: list[Any]) -> None:
-        assert broker.claims is not None
-        redis_client.delete(broker.claims.heartbeat_of(broker.claims.tenure))
-        hand_on(broker, batch)
-
-    monkeypatch.setattr(RedisBroker, "hand_on", refused)
+    moves_back = moves_refused(monkeypatch, redis_client)
     first = Replayer(settings, broker=redis_client, gate=redis_client, app=app)
     assert first.run(threading.Event(), once=True)["given_back"] == 1
-    monkeypatch.setattr(RedisBroker, "hand_on", hand_on)
+    moves_back()
     again = Replayer(settings, broker=redis_client, gate=redis_client, app=app)
     assert again.run(threading.Event(), once=True)["dead_lettered"] == 1
     assert len(queue_messages(redis_client, "dead_letter")) == 1

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -301,6 +302,20 @@ def test_messages_whose_move_is_refused_are_counted_given_back_and_handed_on_lat
     assert redis_client.zcard(KEYS.deferred) == 0
 
 
+def moves_refused(monkeypatch: pytest.MonkeyPatch, client: redis.Redis) -> Callable[[], None]:
+    """Every batch's moves refused: the tenure's heartbeat lapses between the lock's last
+    check and the batch's move, as a paused replayer's would. Returns what undoes it."""
+    hand_on = RedisBroker.hand_on
+
+    def paused_before_the_move(broker: RedisBroker, batch: list[Taken]) -> None:
+        assert broker.claims is not None
+        client.delete(broker.claims.heartbeat_of(broker.claims.tenure))
+        hand_on(broker, batch)
+
+    monkeypatch.setattr(RedisBroker, "hand_on", paused_before_the_move)
+    return lambda: monkeypatch.setattr(RedisBroker, "hand_on", hand_on)
+
+
 def test_replay_once_that_gave_messages_back_exits_1_saying_how_many(
     redis_url: str,
     redis_client: redis.Redis,
@@ -311,14 +326,7 @@ def test_replay_once_that_gave_messages_back_exits_1_saying_how_many(
     # all it took from one whose moves were refused (its tenure's heartbeat lapses between
     # the lock's last check and the batch's move, as a paused replayer's would).
     jobs = defer_tasks(redis_url, redis_client, 5)
-    hand_on = RedisBroker.hand_on
-
-    def paused_before_the_move(broker: RedisBroker, batch: list[Taken]) -> None:
-        assert broker.claims is not None
-        redis_client.delete(broker.claims.heartbeat_of(broker.claims.tenure))
-        hand_on(broker, batch)
-
-    monkeypatch.setattr(RedisBroker, "hand_on", paused_before_the_move)
+    moves_back = moves_refused(monkeypatch, redis_client)
     for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
                         ("CANARY_PERCENT", "100"), ("BUDGET_UNITS", "1e9")):  # fmt: skip
         monkeypatch.setenv(f"GATEKEEPER_{name}", value)
@@ -331,7 +339,7 @@ def test_replay_once_that_gave_messages_back_exits_1_saying_how_many(
     assert "given_back=5: 5 messages not handed on" in given_back.output, given_back.output
     assert not placed(redis_client) and claimed(redis_client) == 5
     # The next pass hands them on, and exits 0.
-    monkeypatch.setattr(RedisBroker, "hand_on", hand_on)
+    moves_back()
     handed_on = CliRunner().invoke(main, ["replay", "--once"])
     assert handed_on.exit_code == 0, handed_on.output
     assert placed(redis_client) == Counter(jobs) and claimed(redis_client) == 0
@@ -349,14 +357,7 @@ def test_an_abandon_given_back_is_said_again_by_the_pass_that_hands_it_on_and_ro
     soon = {"headers": {"gatekeeper_deadline_s": 1, "gatekeeper_expected_service_s": 0}}
     (job,) = defer_tasks(redis_url, redis_client, 1, **soon)
     time.sleep(1.2)  # its deadline gone
-    hand_on = RedisBroker.hand_on
-
-    def paused_before_the_move(broker: RedisBroker, batch: list[Taken]) -> None:
-        assert broker.claims is not None
-        redis_client.delete(broker.claims.heartbeat_of(broker.claims.tenure))
-        hand_on(broker, batch)
-
-    monkeypatch.setattr(RedisBroker, "hand_on", paused_before_the_move)
+    moves_back = moves_refused(monkeypatch, redis_client)
     for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
                         ("CANARY_PERCENT", "100")):  # fmt: skip
         monkeypatch.setenv(f"GATEKEEPER_{name}", value)
@@ -365,7 +366,7 @@ def test_an_abandon_given_back_is_said_again_by_the_pass_that_hands_it_on_and_ro
     said = given_back.output + capsys.readouterr().err
     assert f"reason=move_refused messages=1 queue=defer job_ids={job}" in said, said
     assert not redis_client.llen("dead_letter") and claimed(redis_client) == 1
-    monkeypatch.setattr(RedisBroker, "hand_on", hand_on)
+    moves_back()
     handed_on = CliRunner().invoke(main, ["replay", "--once"])
     assert handed_on.exit_code == 0, handed_on.output
     said_again = handed_on.output + capsys.readouterr().err

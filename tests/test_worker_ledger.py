@@ -129,32 +129,18 @@ def test_a_rejected_run_is_not_held_by_the_process_that_ran_it(
     assert json.loads(redis_client.lindex(HELD_KEY, 0) or "null") == []
 
 
+@pytest.mark.parametrize("task", ["tests.rejects", "tests.rejects_after"])
 def test_a_rejected_and_requeued_run_is_killed_at_once_and_its_copy_is_a_rerun_that_rows_ok(
-    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, task: str
 ) -> None:
     """``Reject(requeue=True)`` ends the run at ``task_postrun`` too, on the worker that ran
     it: its copy may run on another worker, or never. The copy is a new run of an attempt
-    that has its row, counted as a rerun like any message delivered again after its row."""
+    that has its row, counted as a rerun like any message delivered again after its row.
+    The same when the body returned and ``on_success`` raised it (``tests.rejects_after``):
+    Celery sends ``task_postrun`` (state SUCCESS) but no ``task_success``, and requeues the
+    message; the run ends there as a rejected one does."""
     with running_worker(redis_url, tmp_path / "w.log"):
-        job = app_for(redis_url).tasks["tests.rejects"].delay().id
-        found = wait_rows(redis_client, 2)
-    assert [(r["job_id"], r["outcome"]) for r in found] == [(job, "killed"), (job, "ok")]
-    assert redis_client.hget(KEYS.stats, "reruns_after_row") == b"1"
-    assert redis_client.zcard(KEYS.started) == 0 and redis_client.hlen(KEYS.inflight) == 0
-    assert window_totals(redis_client, "exposure") == 0
-    log = (tmp_path / "w.log").read_text()
-    assert re.search(r"reason=reject(\s|$)", log, re.MULTILINE)
-    assert "reason=worker_lost_redelivered" not in log
-
-
-def test_a_reject_from_on_success_requeued_is_one_killed_row_and_its_copy_a_rerun_that_rows_ok(
-    redis_url: str, redis_client: redis.Redis, tmp_path: Path
-) -> None:
-    """The body returned, then ``on_success`` raised ``Reject(requeue=True)``: Celery sends
-    ``task_postrun`` (state SUCCESS) but no ``task_success``, and requeues the message. The
-    run ends there as a rejected one does; its copy is a rerun of the attempt."""
-    with running_worker(redis_url, tmp_path / "w.log"):
-        job = app_for(redis_url).tasks["tests.rejects_after"].delay().id
+        job = app_for(redis_url).tasks[task].delay().id
         found = wait_rows(redis_client, 2)
     assert [(r["job_id"], r["outcome"]) for r in found] == [(job, "killed"), (job, "ok")]
     assert redis_client.hget(KEYS.stats, "reruns_after_row") == b"1"
