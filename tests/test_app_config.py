@@ -20,7 +20,7 @@ from kombu import Queue
 
 import gatekeeper
 from gatekeeper.celery.broker import broker_for
-from gatekeeper.errors import ConfigError, DeadlineAbandoned
+from gatekeeper.errors import BadDeclaredInput, ConfigError, DeadlineAbandoned
 from gatekeeper.redis.keys import Keys
 from tests.apps.conf_app import create_app
 from tests.conftest import REPO_ROOT, queue_messages, wait_until
@@ -305,3 +305,36 @@ def test_a_redis_broker_with_a_global_keyprefix_refuses_gating_and_says_why(
     assert "global_keyprefix='pfx:' is not supported" in refused, refused
     with pytest.raises(ConfigError, match="global_keyprefix"):
         broker_for(gatekeeper.install(app).settings, app)
+
+
+def test_a_task_not_made_yet_is_gated_in_every_app_that_makes_it(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # @gated on @app.task of an app not finalized marks the function the task will be made
+    # from, without making it: the copy another app makes of it (Celery's tasks are shared by
+    # default) is gated too, and so is a later task whatever another declaration does.
+    first, second = Celery("first", broker=redis_url), Celery("second", broker=redis_url)
+    for app in (first, second):
+        app.conf.update(gatekeeper_redis_url=redis_url, gatekeeper_dwell_gate_enabled=True,
+                        gatekeeper_canary_percent=100)  # fmt: skip
+        gatekeeper.install(app)
+
+    @gatekeeper.gated(expected_service_s=0.2, tokens_in=10, deadline_s=60)
+    @first.task(name="shared.embed")
+    def embed(x: int) -> int:
+        return x
+
+    with pytest.raises(BadDeclaredInput, match="not both"):  # at import, as for a made task
+
+        @gatekeeper.gated(expected_service_s=0.2, deadline_s=60)
+        @second.task(name="twice.declared", gatekeeper={"expected_service_s": 1, "deadline_s": 9})
+        def twice(x: int) -> int:
+            return x
+
+    assert not first.configured and not second.configured
+    second.tasks["shared.embed"].delay(1)  # the second app's copy, as its worker would retry it
+    second.send_task("shared.embed", (2,))
+    first.tasks["shared.embed"].delay(3)
+    assert [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "free")] == [
+        "fits", "fits", "fits"]  # fmt: skip
+    assert not queue_messages(redis_client, "celery")

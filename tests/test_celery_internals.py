@@ -19,6 +19,7 @@ from gatekeeper.celery.private import (
     bound_for,
     check_celery_shape,
     checked_sender,
+    promised_task,
 )
 from gatekeeper.errors import CeleryShapeError
 
@@ -148,3 +149,19 @@ def test_the_workers_request_still_has_what_the_wait_allowance_check_uses() -> N
     from gatekeeper.celery.private import check_request_shape
 
     check_request_shape()  # raises CeleryShapeError, naming what is gone
+
+
+def test_a_task_promise_gives_its_function_name_and_options_without_being_made() -> None:
+    app = Celery("p", broker="memory://")
+
+    def work(x: int) -> int:
+        return x
+
+    promise = app.task(name="p.work", gatekeeper={"expected_service_s": 1})(work)
+    unnamed = app.task(work)
+    options = {"name": "p.work", "gatekeeper": {"expected_service_s": 1}}
+    assert promised_task(promise) == (work, "p.work", options)
+    assert promised_task(unnamed) == (work, f"{__name__}.work", {})
+    assert not app.configured and not app.finalized  # nothing made, no config read
+    assert promise.name == "p.work"  # made now
+    assert promised_task(promise) is None and promised_task(work) is None

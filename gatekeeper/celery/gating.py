@@ -13,9 +13,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from celery.local import PromiseProxy
-
-from gatekeeper.celery.private import current_task, task_functions
+from gatekeeper.celery.private import current_task, promised_task, task_functions
 from gatekeeper.core.spec import GatedSpec, declared_number, whole_tokens
 from gatekeeper.errors import BadDeclaredInput
 
@@ -60,12 +58,12 @@ def gated(
     )
 
     def mark(task: T) -> T:
-        if isinstance(task, PromiseProxy) and not task.__evaluated__():
-            # @app.task on an app not yet finalized gives a promise, made into the task (and
-            # bound to the app's configuration: serializer, acks_late...) when first used.
-            # Made here (even ``isinstance`` would), it would be bound to a configuration
-            # perhaps not loaded yet.
-            task.__then__(mark_task, task)
+        promised = promised_task(task)  # before any other look at it: that would make it
+        if promised is not None:
+            function, name, options = promised
+            refuse_second(options.get(GATED_ATTRIBUTE))
+            refuse_second(function.__dict__.get(_BY_TASK_NAME, {}).get(name))
+            function.__dict__.setdefault(_BY_TASK_NAME, {})[name] = spec  # every app's copy
             return task
         if inspect.isfunction(task) or inspect.ismethod(task):
             raise TypeError(
@@ -73,22 +71,20 @@ def gated(
                 f"{getattr(task, '__qualname__', task)!r}; place @gatekeeper.gated above "
                 "@app.task, not below it"
             )
-        mark_task(task)
+        current = current_task(task)
+        refuse_second(getattr(current, GATED_ATTRIBUTE, None))
+        setattr(current, GATED_ATTRIBUTE, spec)
+        for function in task_functions(current):  # a shared task is made again per app
+            function.__dict__.setdefault(_BY_TASK_NAME, {})[getattr(current, "name", None)] = spec
         return task
 
-    def mark_task(task: object) -> None:
-        current = current_task(task)
-        existing = getattr(current, GATED_ATTRIBUTE, None)
+    def refuse_second(existing: object) -> None:
         if existing is not None and existing != spec:
             raise BadDeclaredInput(
                 "gatekeeper",
                 "one declaration (@gatekeeper.gated or the gatekeeper= task option, not both)",
                 existing,
             )
-        setattr(current, GATED_ATTRIBUTE, spec)
-        name = getattr(current, "name", None)
-        for function in task_functions(current):  # a shared task is made again per app
-            function.__dict__.setdefault(_BY_TASK_NAME, {})[name] = spec
 
     return mark
 

@@ -10,6 +10,10 @@ What is touched, and why (``docs/design.md`` has the longer story):
   for that app alone. :func:`check_celery_shape` checks it is there at install; Celery's
   own sender is made at the first publish (:class:`CelerySender`, which checks its
   parameters), from the configuration as it then stands, as Celery itself makes it.
+- What a task promise holds (``@app.task`` on an app not finalized: a ``PromiseProxy`` of
+  ``app._task_from_fun`` with the function and the options): ``@gated`` reads them
+  (:func:`promised_task`) rather than make the task, which would bind it to the app's
+  configuration before it may be loaded.
 - Where Celery keeps a task's function (``_decorated_fun`` on 5.7, ``__wrapped__`` before):
   ``@shared_task`` makes its task again for every app, so ``@gated`` marks that function too
   (:func:`task_functions`).
@@ -37,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
+from celery.local import PromiseProxy
 
 from gatekeeper.errors import CeleryShapeError
 
@@ -52,6 +57,7 @@ __all__ = [
     "checked_sender",
     "current_task",
     "outstanding",
+    "promised_task",
     "replace_sender",
     "task_functions",
     "use_request_check",
@@ -195,6 +201,26 @@ def current_task(task: object) -> object:
     """The task itself: a ``@shared_task`` proxy evaluated (as setting an attribute would)."""
     current = getattr(task, "_get_current_object", None)
     return current() if callable(current) else task
+
+
+def promised_task(task: object) -> tuple[Any, str, dict[str, Any]] | None:
+    """For ``@app.task`` on an app not yet finalized, a promise that Celery makes into the task
+    at its first use (binding it to the app's configuration as it then stands): the function,
+    the task's name and its options, read without making it. None for anything else. What a
+    promise holds (``_Proxy__local``, ``_Proxy__args``, ``_Proxy__kwargs``) is private."""
+    if not isinstance(task, PromiseProxy) or task.__evaluated__():
+        return None
+    try:
+        make = object.__getattribute__(task, "_Proxy__local")
+        (function,) = object.__getattribute__(task, "_Proxy__args")
+        options = dict(object.__getattribute__(task, "_Proxy__kwargs"))
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise CeleryShapeError(f"celery's task promise changed shape: {exc!r}") from exc
+    app = getattr(make, "__self__", None)
+    if getattr(make, "__name__", None) != "_task_from_fun" or not isinstance(app, Celery):
+        return None  # a promise of something else: made as any object would be
+    name = options.get("name") or app.gen_task_name(function.__name__, function.__module__)
+    return function, str(name), options
 
 
 def task_functions(task: object) -> list[Any]:
