@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, ClassVar
 
 import celery
 import pytest
 import redis
 from celery import Celery
+from celery.app.amqp import AMQP
 from kombu import Exchange, Queue
 from kombu.utils.objects import cached_property
 
+import gatekeeper
 from gatekeeper.celery.private import (
     CHANNEL_API,
     SENDER_PARAMETERS,
@@ -22,6 +24,7 @@ from gatekeeper.celery.private import (
     promised_task,
 )
 from gatekeeper.errors import CeleryShapeError
+from tests.conftest import queue_messages
 
 
 def test_celery_is_in_the_supported_range() -> None:
@@ -165,3 +168,38 @@ def test_a_task_promise_gives_its_function_name_and_options_without_being_made()
     assert not app.configured and not app.finalized  # nothing made, no config read
     assert promise.name == "p.work"  # made now
     assert promised_task(promise) is None and promised_task(work) is None
+
+
+class TracingAMQP(AMQP):  # an extension that wraps Celery's sender the subclass way
+    seen: ClassVar[list[str]] = []
+
+    @cached_property
+    def send_task_message(self) -> Any:
+        inner = self._create_task_sender()
+
+        def send(producer: Any, name: str, message: Any, exchange: Any = None,
+                 routing_key: Any = None, queue: Any = None, headers: Any = None,
+                 **options: Any) -> Any:  # fmt: skip
+            TracingAMQP.seen.append(name)
+            headers = {**(headers or {}), "traced": "yes"}
+            return inner(producer, name, message, exchange=exchange, routing_key=routing_key,
+                         queue=queue, headers=headers, **options)  # fmt: skip
+
+        return send
+
+
+def test_an_amqp_subclasss_own_sender_is_the_one_wrapped(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = Celery("traced", broker=redis_url, amqp=TracingAMQP)
+    app.conf.gatekeeper_redis_url = redis_url
+    gatekeeper.install(app)
+
+    @app.task(name="traced.plain", shared=False)
+    def plain(x: int) -> int:
+        return x
+
+    plain.delay(1)
+    assert TracingAMQP.seen == ["traced.plain"]
+    (message,) = queue_messages(redis_client, "celery")
+    assert message["headers"]["traced"] == "yes"

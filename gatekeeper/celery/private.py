@@ -97,8 +97,18 @@ class CelerySender:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         sender = self.sender
         if sender is None:  # made twice at worst, by two first publishes: the same sender
-            sender = self.sender = checked_sender(self.app.amqp._create_task_sender())
+            sender = self.sender = checked_sender(made_by_class(self.app.amqp))
         return sender(*args, **kwargs)
+
+
+def made_by_class(amqp: Any) -> Callable[..., Any]:
+    """The sender the app's ``amqp`` class makes (Celery's cached property, or the property
+    of an ``AMQP`` subclass that wraps it: ``Celery(amqp=...)``), made now: the instance's
+    attribute is gatekeeper's wrapper."""
+    made = inspect.getattr_static(type(amqp), "send_task_message")
+    func = getattr(made, "func", None) or getattr(made, "fget", None)
+    sender: Callable[..., Any] = func(amqp) if callable(func) else made.__get__(amqp, type(amqp))
+    return sender
 
 
 def checked_sender(sender: Callable[..., Any]) -> Callable[..., Any]:
