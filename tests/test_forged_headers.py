@@ -213,6 +213,11 @@ def test_a_failed_closed_retry_is_its_retries_plus_one() -> None:
     assert attempt_of({**failed_closed, "retries": 2}) == 3
     assert attempt_of({**failed_closed, "retries": "x", "gatekeeper_attempt": 4}) == 4
     assert not claims({**failed_closed, "gatekeeper_attempt": "x"})  # forged, not this
+    # A count no publish makes is a caller's: no claim (a signal handler must not take int()
+    # of infinity, nor write a row for attempt 10**300).
+    for retries in (float("inf"), 1e300, 10**300, -1, "x", "1" * 12, True, [1]):
+        assert not claims({**failed_closed, "retries": retries}), retries
+    assert not claims({**failed_closed, "gatekeeper_attempt": 10**12})
 
 
 def test_a_second_publish_of_a_live_attempt_cannot_orphan_its_record(

@@ -52,7 +52,10 @@ def claims(headers: Mapping[str, Any]) -> bool:
     alone, and its run is owed an unverified row as much as any decision made without
     Redis (with no nonce, ``start.lua`` answers ``unverified``)."""
     attempt = headers.get(H_ATTEMPT)
-    return headers.get(H_DECISION) is not None and (attempt is None or _the_gates(attempt))
+    if attempt is None:  # its attempt is then its retries plus one: bounded as an attempt is
+        retries = headers.get("retries")
+        return headers.get(H_DECISION) is not None and (retries is None or _the_gates(retries))
+    return headers.get(H_DECISION) is not None and _the_gates(attempt)
 
 
 def attempt_of(headers: Mapping[str, Any]) -> int:
@@ -74,9 +77,13 @@ def forged_attempt(headers: Mapping[str, Any]) -> bool:
 
 
 def _the_gates(attempt: Any) -> bool:
-    """An attempt as the gate writes one: a whole number of a few digits."""
-    digits = isinstance(attempt, str) and attempt.isdecimal() and len(attempt) < 10
-    return (isinstance(attempt, int) or digits) and not isinstance(attempt, bool)
+    """An attempt as the gate writes one: a whole number of a few digits (as an ``int``, or
+    as text)."""
+    if isinstance(attempt, bool):
+        return False
+    if isinstance(attempt, int):
+        return 0 <= attempt < 10**9
+    return isinstance(attempt, str) and attempt.isdecimal() and len(attempt) < 10
 
 
 def nonce_of(headers: Mapping[str, Any]) -> str:
