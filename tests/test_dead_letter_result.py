@@ -138,3 +138,25 @@ def test_an_abandonment_given_back_and_done_again_ends_the_task_once(
         result.get(timeout=10)
     errbacks = [m["headers"]["task"] for m in queue_messages(redis_client, "celery")]
     assert errbacks == ["tests.plain"]
+
+
+def test_an_abandoned_task_whose_id_failed_before_still_ends_abandoned(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A caller's own stable id (a nightly job's), whose earlier run failed: today's run,
+    # abandoned, is stored as abandoned and its errback called; only this very abandonment
+    # stored already is left alone.
+    settings = gate_settings(redis_url)
+    app = create_app(settings, redis_url)
+    app.conf.result_backend = redis_url
+    app.backend.mark_as_failure("nightly-report", RuntimeError("yesterday's run failed"))
+    plain = app.tasks["tests.plain"]
+    result = app.tasks["tests.embed"].apply_async((1,), headers=SOON, task_id="nightly-report",
+                                                  link_error=plain.si())  # fmt: skip
+    time.sleep(1.2)
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client, app=app)
+    assert replayer.run(threading.Event(), once=True)["dead_lettered"] == 1
+    with pytest.raises(DeadlineAbandoned):
+        result.get(timeout=10)
+    errbacks = [m["headers"]["task"] for m in queue_messages(redis_client, "celery")]
+    assert errbacks == ["tests.plain"]

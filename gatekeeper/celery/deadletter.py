@@ -59,30 +59,35 @@ def fail_in_backend(app: Any, message: dict[str, Any], deadline_at: float) -> st
         args, kwargs, embed = _body(message)
     except (ValueError, TypeError, KeyError):
         return "body_unreadable"  # not JSON (a pickle or a compressed body): nothing stored
-    if _failed_before(app.backend, headers.get("id")):
-        return "failed_before"  # stored again, its errbacks and chord would be called twice
-    delivery = message.get("properties", {}).get("delivery_info")
-    request = Context({**headers, **(embed or {}), "args": args, "kwargs": kwargs,
-                       "delivery_info": delivery})  # fmt: skip
     when = datetime.fromtimestamp(deadline_at, tz=timezone.utc).isoformat(timespec="seconds")
     error = DeadlineAbandoned(
         f"task {headers.get('id')} abandoned: its deadline {when} passed before it could run"
     )
+    if _failed_before(app.backend, headers.get("id"), error):
+        return "failed_before"  # stored again, its errbacks and chord would be called twice
+    delivery = message.get("properties", {}).get("delivery_info")
+    request = Context({**headers, **(embed or {}), "args": args, "kwargs": kwargs,
+                       "delivery_info": delivery})  # fmt: skip
     app.backend.mark_as_failure(headers.get("id"), error, request=request)
     return "failed"
 
 
-def _failed_before(backend: Any, task_id: Any) -> bool:
-    """Whether the task's failure is stored already: a pass abandoned it and then gave the
-    message back (its move refused) or died before the move, and this pass abandons it again.
-    An RPC backend cannot be read without consuming its replies (not asked); a backend that
-    cannot be read is written (a failure stored twice, rather than never)."""
+def _failed_before(backend: Any, task_id: Any, error: DeadlineAbandoned) -> bool:
+    """Whether this very failure is stored already (the task id, the deadline): a pass
+    abandoned the task and then gave the message back (its move refused) or died before the
+    move, and this pass abandons it again. Any other result under the id (a caller's own id
+    reused, an earlier run's failure) is overwritten, as a worker would. An RPC backend cannot
+    be read without consuming its replies (not asked); a backend that cannot be read is
+    written (a failure stored twice, rather than never)."""
     if isinstance(backend, RPCBackend):
         return False
     try:
-        return bool(backend.get_task_meta(task_id, cache=False).get("status") == states.FAILURE)
+        meta = backend.get_task_meta(task_id, cache=False)
     except Exception:
         return False
+    stored = meta.get("result")
+    return (meta.get("status") == states.FAILURE and type(stored).__name__ == "DeadlineAbandoned"
+            and str(stored) == str(error))  # fmt: skip
 
 
 def _body(message: dict[str, Any]) -> tuple[Any, Any, Any]:
