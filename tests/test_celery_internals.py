@@ -163,8 +163,8 @@ def test_a_task_promise_gives_its_function_name_and_options_without_being_made()
     promise = app.task(name="p.work", gatekeeper={"expected_service_s": 1})(work)
     unnamed = app.task(work)
     options = {"name": "p.work", "gatekeeper": {"expected_service_s": 1}}
-    assert promised_task(promise) == (work, "p.work", options)
-    assert promised_task(unnamed) == (work, f"{__name__}.work", {})
+    assert promised_task(promise) == (work, "p.work", options, app.Task)
+    assert promised_task(unnamed) == (work, f"{__name__}.work", {}, app.Task)
     assert not app.configured and not app.finalized  # nothing made, no config read
     assert promise.name == "p.work"  # made now
     assert promised_task(promise) is None and promised_task(work) is None
@@ -176,7 +176,10 @@ class TracingAMQP(AMQP):  # an extension that wraps Celery's sender the subclass
     @cached_property
     def send_task_message(self) -> Any:
         inner = self._create_task_sender()
+        return self.traced(inner)
 
+    @staticmethod
+    def traced(inner: Any) -> Any:
         def send(producer: Any, name: str, message: Any, exchange: Any = None,
                  routing_key: Any = None, queue: Any = None, headers: Any = None,
                  **options: Any) -> Any:  # fmt: skip
@@ -188,10 +191,18 @@ class TracingAMQP(AMQP):  # an extension that wraps Celery's sender the subclass
         return send
 
 
+class ParentTracingAMQP(TracingAMQP):  # wraps what its parent's property makes: super()
+    @cached_property
+    def send_task_message(self) -> Any:
+        return super().send_task_message
+
+
+@pytest.mark.parametrize("amqp", [TracingAMQP, ParentTracingAMQP])
 def test_an_amqp_subclasss_own_sender_is_the_one_wrapped(
-    redis_url: str, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis, amqp: type[AMQP]
 ) -> None:
-    app = Celery("traced", broker=redis_url, amqp=TracingAMQP)
+    TracingAMQP.seen.clear()
+    app = Celery("traced", broker=redis_url, amqp=amqp)
     app.conf.gatekeeper_redis_url = redis_url
     gatekeeper.install(app)
 

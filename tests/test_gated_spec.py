@@ -231,6 +231,17 @@ def test_the_decorator_and_the_task_option_together_are_refused() -> None:
     with pytest.raises(BadDeclaredInput, match="not both"):
         gatekeeper.gated(expected_service_s=5, deadline_s=60)(both)
 
+    class Declared(app.Task):  # type: ignore[name-defined,misc]
+        gatekeeper = option  # a base class's declaration is one too
+
+    @app.task(name="t.based", shared=False, base=Declared)
+    def based() -> None:
+        return None
+
+    with pytest.raises(BadDeclaredInput, match="not both"):
+        gatekeeper.gated(expected_service_s=5, deadline_s=60)(based)
+    assert not app.configured  # neither task made to find out
+
     @app.task(name="t.once", shared=False)
     def once() -> None:
         return None

@@ -60,8 +60,9 @@ def gated(
     def mark(task: T) -> T:
         promised = promised_task(task)  # before any other look at it: that would make it
         if promised is not None:
-            function, name, options = promised
+            function, name, options, base = promised
             refuse_second(options.get(GATED_ATTRIBUTE))
+            refuse_second(getattr(base, GATED_ATTRIBUTE, None))  # a base class's declaration
             refuse_second(function.__dict__.get(_BY_TASK_NAME, {}).get(name))
             function.__dict__.setdefault(_BY_TASK_NAME, {})[name] = spec  # every app's copy
             return task

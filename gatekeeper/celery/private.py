@@ -106,8 +106,17 @@ def made_by_class(amqp: Any) -> Callable[..., Any]:
     of an ``AMQP`` subclass that wraps it: ``Celery(amqp=...)``), made now: the instance's
     attribute is gatekeeper's wrapper."""
     made = inspect.getattr_static(type(amqp), "send_task_message")
-    func = getattr(made, "func", None) or getattr(made, "fget", None)
-    sender: Callable[..., Any] = func(amqp) if callable(func) else made.__get__(amqp, type(amqp))
+    func = getattr(made, "func", None)
+    # Out of the way while the class makes it: a subclass's ``super().send_task_message``
+    # would find the wrapper cached and wrap it (each then calling the other forever).
+    held = vars(amqp).pop("send_task_message", None)
+    try:
+        sender: Callable[..., Any] = (
+            func(amqp) if callable(func) else made.__get__(amqp, type(amqp))
+        )
+    finally:
+        if held is not None:
+            vars(amqp)["send_task_message"] = held
     return sender
 
 
@@ -213,11 +222,12 @@ def current_task(task: object) -> object:
     return current() if callable(current) else task
 
 
-def promised_task(task: object) -> tuple[Any, str, dict[str, Any]] | None:
+def promised_task(task: object) -> tuple[Any, str, dict[str, Any], type] | None:
     """For ``@app.task`` on an app not yet finalized, a promise that Celery makes into the task
     at its first use (binding it to the app's configuration as it then stands): the function,
-    the task's name and its options, read without making it. None for anything else. What a
-    promise holds (``_Proxy__local``, ``_Proxy__args``, ``_Proxy__kwargs``) is private."""
+    the task's name, its options and the class it will be made from (``base=``, else the
+    app's ``Task``), read without making it. None for anything else. What a promise holds
+    (``_Proxy__local``, ``_Proxy__args``, ``_Proxy__kwargs``) is private."""
     if not isinstance(task, PromiseProxy) or task.__evaluated__():
         return None
     try:
@@ -230,7 +240,7 @@ def promised_task(task: object) -> tuple[Any, str, dict[str, Any]] | None:
     if getattr(make, "__name__", None) != "_task_from_fun" or not isinstance(app, Celery):
         return None  # a promise of something else: made as any object would be
     name = options.get("name") or app.gen_task_name(function.__name__, function.__module__)
-    return function, str(name), options
+    return function, str(name), options, options.get("base") or app.Task
 
 
 def task_functions(task: object) -> list[Any]:
