@@ -153,6 +153,29 @@ def test_after_the_server_goes_on_the_probe_closes_the_breaker_and_the_script_de
     assert set(reasons(redis_client, "reserved")) == {"gate_unavailable"}
 
 
+def test_breaker_open_s_0_turns_the_breaker_off(
+    redis_url: str, redis_client: redis.Redis, gate_server: EmbeddedRedis
+) -> None:
+    # The README: 0 turns the breaker off. Every publish then asks the hung server and waits
+    # out its own timeout (nothing keeps it off the socket), and the first publish after the
+    # server goes on is decided by the script, with no probe to wait for.
+    settings = gate_settings(gate_server.url, breaker_open_s=0, redis_timeout_s=0.3)
+    app = create_app(settings, redis_url)
+    embed = app.tasks["tests.embed"]
+    assert gatekeeper.install(app).store.breaker is None
+    embed.delay(0)
+    with stopped(gate_server.process):
+        waits = []
+        for n in (1, 2):
+            start = time.monotonic()
+            embed.delay(n)
+            waits.append(time.monotonic() - start)
+    assert min(waits) >= 0.3, waits  # each publish waited for the server: no breaker
+    embed.delay(3)
+    assert reasons(redis_client, "reserved") == ["gate_unavailable", "gate_unavailable"]
+    assert reasons(redis_client, "free") == ["fits", "fits"]
+
+
 def test_with_the_broker_on_the_hung_server_a_publish_fails_and_lands_at_most_once(
     gate_server: EmbeddedRedis,
 ) -> None:

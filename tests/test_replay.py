@@ -305,3 +305,20 @@ def test_a_message_put_in_defer_by_a_caller_runs_on_reserved_unscored(
     assert replay_once(redis_url, redis_client) == {"unverified": 1}
     assert ids_in(redis_client, "reserved") == ["intruder"] and redis_client.llen("free") == 0
     assert not redis_client.exists(KEYS.run("intruder", 1))
+
+
+@pytest.mark.parametrize("stop_with", [signal.SIGINT, signal.SIGTERM])
+def test_a_running_replayer_stops_on_sigint_or_sigterm_and_gives_up_its_lock(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, stop_with: signal.Signals
+) -> None:
+    # The README: without --once the replayer runs until SIGINT or SIGTERM; it exits 0 and
+    # lets go of the lock, so that a successor need not wait out its TTL.
+    log = tmp_path / "replay.log"
+    replayer = start_replayer(redis_url, log, GATEKEEPER_REPLAY_LOCK_TTL_S="30")
+    try:
+        assert wait_until(lambda: redis_client.exists(KEYS.replayer_lock), timeout_s=30)
+        replayer.send_signal(stop_with)
+        assert replayer.wait(timeout=15) == 0, log.read_text()
+    finally:
+        replayer.kill()
+    assert not redis_client.exists(KEYS.replayer_lock), log.read_text()
