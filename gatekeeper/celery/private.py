@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
+from celery.app.amqp import AMQP
 from celery.local import PromiseProxy
 
 from gatekeeper.errors import CeleryShapeError
@@ -107,8 +108,12 @@ def made_by_class(amqp: Any) -> Callable[..., Any]:
     attribute is gatekeeper's wrapper."""
     made = inspect.getattr_static(type(amqp), "send_task_message")
     func = getattr(made, "func", None)
-    # Out of the way while the class makes it: a subclass's ``super().send_task_message``
-    # would find the wrapper cached and wrap it (each then calling the other forever).
+    if made is inspect.getattr_static(AMQP, "send_task_message"):
+        return amqp._create_task_sender()  # type: ignore[no-any-return]  # Celery's own
+    # A subclass's: the wrapper out of the way while it makes it, or its
+    # ``super().send_task_message`` would find the wrapper cached and wrap it (each then
+    # calling the other forever). Another thread's first publish in these few microseconds
+    # would make and use the subclass's sender unwrapped: once, at start.
     held = vars(amqp).pop("send_task_message", None)
     try:
         sender: Callable[..., Any] = (
