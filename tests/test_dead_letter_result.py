@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 
 import pytest
 import redis
-from celery import chord
+from celery import Celery, chord
 from celery.exceptions import ChordError
 from click.testing import CliRunner
 
@@ -26,12 +27,18 @@ SOON = {"gatekeeper_deadline_s": 1, "gatekeeper_expected_service_s": 0}
 """Deferred (a service time of 0 cannot be scored), and its deadline gone a second later."""
 
 
-def test_an_abandoned_task_and_its_chord_end_in_the_backend(
-    redis_url: str, redis_client: redis.Redis
-) -> None:
+def with_results(redis_url: str) -> tuple[Any, Celery]:
+    """The test's settings and a gated app that keeps results in the test's Redis."""
     settings = gate_settings(redis_url)
     app = create_app(settings, redis_url)
     app.conf.result_backend = redis_url
+    return settings, app
+
+
+def test_an_abandoned_task_and_its_chord_end_in_the_backend(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    settings, app = with_results(redis_url)
     embed, plain = app.tasks["tests.embed"], app.tasks["tests.plain"]
     alone = embed.apply_async((1,), headers=SOON)
     body = plain.si().on_error(plain.si())
@@ -102,9 +109,7 @@ def test_a_forged_dead_message_does_not_end_another_jobs_result(
 ) -> None:
     """A caller puts a message in defer that names a real job's id, with a passed deadline:
     it goes to the dead letters, but the real job's result is left alone."""
-    settings = gate_settings(redis_url)
-    app = create_app(settings, redis_url)
-    app.conf.result_backend = redis_url
+    settings, app = with_results(redis_url)
     real = app.tasks["tests.embed"].apply_async((1,))  # admitted to free, still waiting
     forged = dict(queue_messages(redis_client, "free")[0])
     forged["headers"] = {**forged["headers"], "gatekeeper_deadline_at": time.time() - 5,
@@ -121,9 +126,7 @@ def test_an_abandonment_given_back_and_done_again_ends_the_task_once(
     # The first pass stores the failure, then its move to the dead letters is refused (its
     # tenure over): the message is given back, and the next pass abandons it again. Stored
     # again, its link_error callback would be published twice (and a chord counted twice).
-    settings = gate_settings(redis_url)
-    app = create_app(settings, redis_url)
-    app.conf.result_backend = redis_url
+    settings, app = with_results(redis_url)
     plain = app.tasks["tests.plain"]
     result = app.tasks["tests.embed"].apply_async((1,), headers=SOON, link_error=plain.si())
     time.sleep(1.2)
@@ -146,9 +149,7 @@ def test_an_abandoned_task_whose_id_failed_before_still_ends_abandoned(
     # A caller's own stable id (a nightly job's), whose earlier run failed: today's run,
     # abandoned, is stored as abandoned and its errback called; only this very abandonment
     # stored already is left alone.
-    settings = gate_settings(redis_url)
-    app = create_app(settings, redis_url)
-    app.conf.result_backend = redis_url
+    settings, app = with_results(redis_url)
     app.backend.mark_as_failure("nightly-report", RuntimeError("yesterday's run failed"))
     plain = app.tasks["tests.plain"]
     result = app.tasks["tests.embed"].apply_async((1,), headers=SOON, task_id="nightly-report",
