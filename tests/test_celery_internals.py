@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, ClassVar
 
 import celery
@@ -214,3 +215,29 @@ def test_an_amqp_subclasss_own_sender_is_the_one_wrapped(
     assert TracingAMQP.seen == ["traced.plain"]
     (message,) = queue_messages(redis_client, "celery")
     assert message["headers"]["traced"] == "yes"
+
+
+def first_publish(ready: threading.Barrier, task: Any) -> None:
+    ready.wait()
+    task.delay(1)
+
+
+def test_first_publishes_from_many_threads_keep_the_wrapper_on_an_amqp_subclass() -> None:
+    # Eight threads' first publishes at once, on a fresh app each round: a thread that looked
+    # the sender up while the subclass made it would cache the subclass's unwrapped sender
+    # over gatekeeper's, for good (seen in 2-8 rounds of 300 before the property's lock).
+    for round_ in range(300):
+        app = Celery(f"threads{round_}", broker="memory://", amqp=TracingAMQP)
+        gate = gatekeeper.install(app)
+
+        @app.task(name=f"threads{round_}.plain", shared=False)
+        def plain(x: int) -> int:
+            return x
+
+        ready = threading.Barrier(8)
+        threads = [threading.Thread(target=first_publish, args=(ready, plain)) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert vars(app.amqp)["send_task_message"] == gate.send_task_message, round_

@@ -36,6 +36,7 @@ What is touched, and why (``docs/design.md`` has the longer story):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -112,16 +113,19 @@ def made_by_class(amqp: Any) -> Callable[..., Any]:
         return amqp._create_task_sender()  # type: ignore[no-any-return]  # Celery's own
     # A subclass's: the wrapper out of the way while it makes it, or its
     # ``super().send_task_message`` would find the wrapper cached and wrap it (each then
-    # calling the other forever). Another thread's first publish in these few microseconds
-    # would make and use the subclass's sender unwrapped: once, at start.
-    held = vars(amqp).pop("send_task_message", None)
-    try:
-        sender: Callable[..., Any] = (
-            func(amqp) if callable(func) else made.__get__(amqp, type(amqp))
-        )
-    finally:
-        if held is not None:
-            vars(amqp)["send_task_message"] = held
+    # calling the other forever). Under the property's own lock (kombu's, re-entrant), which
+    # another thread's lookup takes: it would otherwise make the subclass's sender, publish
+    # unwrapped, and cache that over the wrapper for good.
+    lock = getattr(made, "lock", None)
+    with lock if lock is not None else contextlib.nullcontext():
+        held = vars(amqp).pop("send_task_message", None)
+        try:
+            sender: Callable[..., Any] = (
+                func(amqp) if callable(func) else made.__get__(amqp, type(amqp))
+            )
+        finally:
+            if held is not None:
+                vars(amqp)["send_task_message"] = held
     return sender
 
 
