@@ -76,11 +76,11 @@ def broker_for(
     field when gatekeeper cannot read it. ``timeout_s``: a Redis broker's socket timeouts
     (the metrics exporter's are short, so that a hung broker cannot hang a scrape)."""
     url = settings.effective_broker_url
-    if check_broker(url, "GATEKEEPER_BROKER_URL", settings.broker_transport_options) == "amqp":
+    options = settings.broker_transport_options  # a sentinel broker's master, as kombu's
+    if check_broker(url, "GATEKEEPER_BROKER_URL", options) == "amqp":
         from gatekeeper.celery.amqp import AmqpBroker
 
         return AmqpBroker(str(url), settings, app)
-    options = settings.broker_transport_options  # a sentinel broker's master, as kombu's
     client = client_for(str(url), timeout_s, options, retry_on_timeout=False)
     return RedisBroker(client, settings)
 

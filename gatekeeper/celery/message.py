@@ -51,11 +51,13 @@ def claims(headers: Mapping[str, Any]) -> bool:
     attempt at all: a publish the gate failed closed (``gate_error``) carries its decision
     alone, and its run is owed an unverified row as much as any decision made without
     Redis (with no nonce, ``start.lua`` answers ``unverified``)."""
+    if headers.get(H_DECISION) is None:
+        return False
     attempt = headers.get(H_ATTEMPT)
     if attempt is None:  # its attempt is then its retries plus one: bounded as an attempt is
         retries = headers.get("retries")
-        return headers.get(H_DECISION) is not None and (retries is None or _the_gates(retries))
-    return headers.get(H_DECISION) is not None and _the_gates(attempt)
+        return retries is None or _the_gates(retries)
+    return _the_gates(attempt)
 
 
 def attempt_of(headers: Mapping[str, Any]) -> int:

@@ -108,9 +108,9 @@ def made_by_class(amqp: Any) -> Callable[..., Any]:
     of an ``AMQP`` subclass that wraps it: ``Celery(amqp=...)``), made now: the instance's
     attribute is gatekeeper's wrapper."""
     made = inspect.getattr_static(type(amqp), "send_task_message")
-    func = getattr(made, "func", None)
     if made is inspect.getattr_static(AMQP, "send_task_message"):
         return amqp._create_task_sender()  # type: ignore[no-any-return]  # Celery's own
+    func = getattr(made, "func", None)
     # A subclass's: the wrapper out of the way while it makes it, or its
     # ``super().send_task_message`` would find the wrapper cached and wrap it (each then
     # calling the other forever). Under the property's own lock (kombu's, re-entrant), which
