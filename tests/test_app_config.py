@@ -36,8 +36,8 @@ def env_for(redis_url: str) -> dict[str, str]:
     return env
 
 
-def run(redis_url: str, *command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *command], env=env_for(redis_url),
+def run(redis_url: str, *command: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *command], env={**env_for(redis_url), **env},
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
@@ -233,10 +233,8 @@ def purged(redis_url: str, client: redis.Redis, declared: bool, *extra: str) -> 
     """What is left in each queue after ``celery purge -f`` (and ``extra``) of conf_app."""
     for queue in QUEUES:
         client.lpush(queue, b"{}")
-    env = {**env_for(redis_url), **({"CONF_APP_DECLARED_QUEUES": "1"} if declared else {})}
-    done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.conf_app", "purge",
-                           "-f", *extra], env=env, cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    env = {"CONF_APP_DECLARED_QUEUES": "1"} if declared else {}
+    done = run(redis_url, "celery", "-A", "tests.apps.conf_app", "purge", "-f", *extra, **env)
     assert done.returncode == 0, done.stderr
     left = {queue: client.llen(queue) for queue in QUEUES}
     client.delete(*QUEUES)
@@ -269,10 +267,8 @@ def test_the_celery_command_replayer_ends_an_abandoned_task_in_the_backend_and_i
     )
     assert len(queue_messages(redis_client, "defer")) == 1
     time.sleep(1.2)  # its deadline gone
-    env = {**env_for(redis_url), "CONF_APP_RESULTS": "1"}
-    done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.conf_app",
-                           "gatekeeper", "replay", "--once"], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = run(redis_url, "celery", "-A", "tests.apps.conf_app", "gatekeeper", "replay",
+               "--once", CONF_APP_RESULTS="1")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "event=task_abandoned" in done.stderr and "result=no_app" not in done.stderr
     with pytest.raises(DeadlineAbandoned, match="abandoned: its deadline"):
