@@ -188,9 +188,9 @@ def test_after_a_failover_whose_first_script_was_another_the_next_start_is_appli
     warm(runs, redis_client)
     redis_client.script_flush()  # a replica promoted, or a restart: no scripts, no clients
     redis_client.client_kill_filter(_type="normal", skipme=True)
-    assert runs._line is not None
+    assert runs.line is not None
     other = redis_client.register_script("return {1}")  # as finish.lua, first on the new one
-    assert call_script(runs._line, redis_client, other, [], []) == [1]
+    assert call_script(runs.line, redis_client, other, [], []) == [1]
     decided(redis_client, "job")
     call = runs.send_start("job", 1, "n-job", {}, T0_MS)
     assert applied(redis_client, "job")

@@ -292,7 +292,7 @@ def test_runs_start_and_finish_after_the_server_forgot_the_scripts(
     redis_client: redis.Redis,
 ) -> None:
     runs = ledger(redis_client)
-    assert runs._line is not None  # the worker's own line, as the gate script's
+    assert runs.line is not None  # the worker's own line, as the gate script's
     start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
     redis_client.script_flush()
     started = start_run(runs, redis_client, "job", 2, record(), T0_MS + 100)
@@ -307,7 +307,7 @@ def test_a_client_of_one_connection_starts_and_finishes_runs_through_redis_py(
 ) -> None:
     client = redis.Redis.from_url(redis_url, single_connection_client=True)
     runs = ledger(client)
-    assert runs._line is None
+    assert runs.line is None
     started = start_run(runs, client, "job", 1, record(), T0_MS + 100)
     assert started.record is not None
     row = runs.row_for("job", 1, started.record, Outcome.OK, T0_MS + 200)

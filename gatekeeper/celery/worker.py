@@ -53,15 +53,17 @@ from celery import Celery
 
 from gatekeeper.celery import message
 from gatekeeper.celery.freeze import maybe_freeze
-from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers, unverified
+from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers
 from gatekeeper.celery.metering import take_metered
 from gatekeeper.celery.postrun import ended_at_postrun
 from gatekeeper.celery.received import Received
 from gatekeeper.celery.running import Running, Starting, Starts
+from gatekeeper.celery.unverified import UnverifiedSide
 from gatekeeper.core.ledger import Outcome
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.run_start import Started
 from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
@@ -91,6 +93,7 @@ class WorkerSide:
         self.runs = RunLedger.from_settings(client, settings)
         self.store = GateStore(client, Keys(settings.key_prefix, settings.namespace))
         self.log = make_logger(settings, "worker")
+        self.unverified = UnverifiedSide(self.runs, self.log, self._now_ms)
         self.alerts = make_logger(settings, "alert")
         self._running: dict[str, Running] = {}
         self._starts = Starts()
@@ -159,9 +162,12 @@ class WorkerSide:
         if not claims(headers):
             return
         attempt = message.attempt_of(headers)
+        if not nonce_of(headers):  # unverified: its latest run, unless it has its row
+            self.unverified.end_latest(task, job_id, attempt, headers, reason)
+            return
         stored = self.runs.record(job_id, attempt)
         if stored is None or stored[1].nonce != nonce_of(headers):
-            return  # never started, or not the gate's message (an unverified run: no row)
+            return  # never started, or not the gate's message (a forged one: no row)
         run, record = stored
         self._end(job_id, attempt, run, record, Outcome.KILLED, reason, current=True)
 
@@ -183,9 +189,12 @@ class WorkerSide:
         delivery = getattr(sender.request, "delivery_info", None) or {}
 
         def start() -> None:
-            now = self._now_ms()
-            call = self.runs.send_start(task_id, attempt, nonce_of(headers),
-                                        own_fields(sender, headers), now)  # fmt: skip
+            now, nonce = self._now_ms(), nonce_of(headers)
+            if nonce:
+                call = self.runs.send_start(task_id, attempt, nonce, own_fields(sender, headers),
+                                            now)  # fmt: skip
+            else:  # no nonce: an unverified run (gatekeeper/celery/unverified.py)
+                call = self.unverified.send_start(task_id, attempt, now)
             self._starts.by_job[task_id] = Starting(call, sender, attempt, headers, now)
             if delivery.get("redelivered") or headers.get("redelivered"):  # its dead run's row
                 # now, not after this run (kombu's Redis transport marks both)
@@ -204,8 +213,7 @@ class WorkerSide:
             started = starting.call.started()
             task, attempt = starting.task, starting.attempt
             if started.record is None:
-                self._refused(task, job_id, attempt, starting.headers, started.refused,
-                              starting.now)  # fmt: skip
+                self._refused(task, job_id, attempt, starting.headers, started, starting.now)
                 return
             self._running[job_id] = Running(attempt, started.run, started.record, True)
             if started.dead is not None:
@@ -217,14 +225,16 @@ class WorkerSide:
         self._guarded("start", job_id, read)
 
     def _refused(
-        self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], kind: str, now: int
-    ) -> None:
-        """A message the gate has no record of: logged once; unverified runs get a row."""
+        self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], started: Started,
+        now: int,
+    ) -> None:  # fmt: skip
+        """A message the gate has no record of: logged once; unverified runs get a row
+        (gatekeeper/celery/unverified.py)."""
         self.log.warning("ledger_unverified_message", task=task.name, job_id=job_id,
-                         attempt=attempt, kind=kind)  # fmt: skip
-        if kind == "unverified":
-            record = unverified(task, headers, now)
-            self._running[job_id] = Running(attempt, 1, record, False)
+                         attempt=attempt, kind=started.refused)  # fmt: skip
+        running = self.unverified.started(task, job_id, attempt, headers, started, now)
+        if running is not None:
+            self._running[job_id] = running
 
     def _forged(self, task: Any, job_id: str) -> None:
         """A message that claims the gate's decision with an attempt the gate never writes:
@@ -244,7 +254,7 @@ class WorkerSide:
         running = self._running.pop(job_id)
         tokens_in, tokens_out = take_metered(job_id)
         if not running.verified:
-            self._guarded("finish", job_id, lambda: self._end_unverified(
+            self._guarded("finish", job_id, lambda: self.unverified.end(
                 job_id, running, outcome, reason, tokens_in, tokens_out))  # fmt: skip
             return True
         self._guarded(
@@ -299,18 +309,6 @@ class WorkerSide:
         if outcome is not Outcome.OK and reason not in TIME_LIMIT_REASONS:
             return False
         return task in self.app.tasks
-
-    def _end_unverified(
-        self, job_id: str, running: Running, outcome: Outcome, reason: str,
-        tokens_in: int | None, tokens_out: int | None,
-    ) -> None:  # fmt: skip
-        now = self._now_ms()
-        row = self.runs.row_for(job_id, running.attempt, running.record, outcome, now,
-                                tokens_in, tokens_out)  # fmt: skip
-        self.runs.unverified(row, now)
-        self.log.info("ledger_row", task=running.record.task, job_id=job_id,
-                      attempt=running.attempt, path=row.path.value, outcome=row.outcome.value,
-                      reason=reason, verified=False, retry_tax=0.0)  # fmt: skip
 
     def _end(
         self,

@@ -85,6 +85,12 @@ namespace's slot):
     queue and the header changes, gatekeeper/redis/handoff.py), kept outside the record so
     that its length leaves the record a compact hash. The record's ``handoff_nonce`` names
     the message it belongs to; its TTL is the record's, set when the handoff is kept.
+``gatekeeper:{default}:unverified:<job_id>:<attempt>`` - hash, TTL = 2 days
+    The runs of an attempt whose message has no nonce (its rows are unverified):
+    ``runs``, ``rowed`` (the last run with its row), ``started_ms`` of the latest run, and
+    ``start_token``/``start_reply`` (a start re-sent after a lost reply). Written only for
+    such runs (``unverified.lua``), so that a run killed with its pool child, or found dead by
+    its redelivered copy, gets its row, and a signal that fires twice writes one.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
     Marks an attempt whose ``abandoned`` row is written (the replayer writes it once).
 ``gatekeeper:{default}:stats`` - hash, no TTL
@@ -246,6 +252,9 @@ class Keys:
 
     def handoff(self, job_id: str, attempt: int) -> str:
         return f"{self.base}:handoff:{job_id}:{attempt}"
+
+    def unverified(self, job_id: str, attempt: int) -> str:
+        return f"{self.base}:unverified:{job_id}:{attempt}"
 
     def abandoned(self, job_id: str, attempt: int) -> str:
         return f"{self.base}:abandoned:{job_id}:{attempt}"

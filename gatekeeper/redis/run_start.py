@@ -56,6 +56,8 @@ class Started:
     """The run's record; None when the message is not the gate's (``refused`` says why)."""
     refused: str = ""
     """``unverified`` (no nonce: an old publisher, or decided without Redis) or ``forged``."""
+    dead_started_ms: int = 0
+    """An unverified run's dead run's start (it has no record for ``dead``)."""
 
 
 class StartCall:

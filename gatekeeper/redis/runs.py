@@ -32,9 +32,9 @@ from gatekeeper.redis.scripts import evalsha, load_lua, text_of
 from gatekeeper.redis.wire import Line, call_script, has_lines
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["Finished", "RunLedger", "RunRecord", "Started"]
+__all__ = ["TOTALLED", "Finished", "RunLedger", "RunRecord", "Started"]
 
-_TOTALLED = {Outcome.KILLED: "killed_rows", Outcome.ABANDONED: "abandoned"}
+TOTALLED = {Outcome.KILLED: "killed_rows", Outcome.ABANDONED: "abandoned"}
 """Outcomes counted in the lifetime ``totals`` (keys.py), by their field there."""
 
 
@@ -138,7 +138,7 @@ class RunLedger:
         self._start = client.register_script(load_lua("start.lua"))
         self._finish = client.register_script(load_lua("finish.lua"))
         self._abandon = client.register_script(load_lua("abandon.lua"))
-        self._line = Line() if has_lines(client) else None  # start and finish, per thread
+        self.line = Line() if has_lines(client) else None  # start and finish, per thread
 
     @classmethod
     def from_settings(cls, client: redis.Redis, settings: GatekeeperSettings) -> RunLedger:
@@ -172,19 +172,19 @@ class RunLedger:
                 self.keys.stats]  # fmt: skip
         # start.lua sends back the gate's fields of the record alone: these are the caller's
         mine = {**own, "started_ms": str(now_ms), "nonce": nonce}
-        return StartCall.send(member, self._line, self.client, self._start, keys, args,
-                              self._call, partial(_started_of, mine=mine))  # fmt: skip
+        return StartCall.send(member, self.line, self.client, self._start, keys, args,
+                              self.call, partial(_started_of, mine=mine))  # fmt: skip
 
-    def _call(self, script: Script, keys: list[str], args: list[str]) -> Any:
+    def call(self, script: Script, keys: list[str], args: list[str]) -> Any:
         """A run's script through this thread's line (redis-py's way where there is none)."""
-        if self._line is None:
+        if self.line is None:
             return evalsha(self.client, script, keys, args)
-        return call_script(self._line, self.client, script, keys, args)
+        return call_script(self.line, self.client, script, keys, args)
 
     def send_all(self, commands: Sequence[Sequence[str]]) -> list[Any]:
         """The commands in one round trip, on this thread's line where there is one: each
         reply or its error (:func:`gatekeeper.redis.wire.send_all`)."""
-        return send_all(self._line, self.client, commands)
+        return send_all(self.line, self.client, commands)
 
     def fields(self, job_id: str, attempt: int) -> dict[str, str]:
         """The attempt's record as stored (empty when there is none)."""
@@ -248,8 +248,8 @@ class RunLedger:
             pipe.expire(self.keys.window_rows(window), self.retention_s)
             pipe.hincrby(self.keys.window(window), f"unverified:{row.outcome.value}", 1)
             pipe.expire(self.keys.window(window), self.retention_s)
-            if row.outcome in _TOTALLED:  # a ledger row all the same: in the lifetime totals
-                pipe.hincrby(self.keys.totals, _TOTALLED[row.outcome], 1)
+            if row.outcome in TOTALLED:  # a ledger row all the same: in the lifetime totals
+                pipe.hincrby(self.keys.totals, TOTALLED[row.outcome], 1)
             pipe.execute()
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot write an unverified row: {exc}") from exc
@@ -306,9 +306,9 @@ class RunLedger:
         ]
         try:
             try:
-                reply = self._call(self._finish, keys, args)
+                reply = self.call(self._finish, keys, args)
             except (redis.ConnectionError, redis.TimeoutError):  # no answer: it may have run
-                reply = self._call(self._finish, keys, args)  # then its reply again (token)
+                reply = self.call(self._finish, keys, args)  # then its reply again (token)
             written, misses, admitted, tax, *missed = reply
             return Finished(bool(written), int(misses), int(admitted), float(text_of(tax)),
                             missed == [1])  # fmt: skip
