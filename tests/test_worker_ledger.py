@@ -444,3 +444,24 @@ def test_a_whole_worker_killed_under_acks_late_loses_nothing_and_rows_each_run_o
     assert (second["outcome"], second["attempt"]) == ("ok", 1)
     assert window_totals(redis_client, "exposure") == 0 and redis_client.hlen(KEYS.inflight) == 0
     assert redis_client.zcard(KEYS.started) == 0
+
+
+RETRIES_ON_WORKER_LOST = hasattr(celery.Task, "retry_on_worker_lost")
+"""Celery 5.7's ``retry_on_worker_lost``: the main process publishes a retry of a task whose
+child died, and sends ``task_retry`` (not ``task_failure``)."""
+
+
+def test_a_child_killed_under_retry_on_worker_lost_is_one_killed_row_then_its_retry(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    app = app_for(redis_url)
+    log = tmp_path / "w.log"
+    with running_worker(redis_url, log, queues="free,reserved"):
+        job = app.tasks["tests.lost_retry"].delay().id
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
+        found = wait_rows(redis_client, 2 if RETRIES_ON_WORKER_LOST else 1)
+    shown = [(row["job_id"], row["attempt"], row["outcome"]) for row in found]
+    expected = [(job, 1, "killed")] + [(job, 2, "ok")] * RETRIES_ON_WORKER_LOST
+    assert shown == expected, log.read_text()
+    assert "reason=WorkerLostError" in log.read_text()

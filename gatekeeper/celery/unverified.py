@@ -1,10 +1,12 @@
 """The worker side of unverified runs: a message with no nonce, whose runs each get an
-unverified row however they end (gatekeeper/redis/unverified.py keeps their count).
+unverified row however they end (gatekeeper/redis/unverified.py keeps their count, and what a
+row needs).
 
 A run ends in its pool child as a gated run does; one whose child was killed (a hard time
-limit, a SIGKILL) is ended by the main process, which finds the attempt's latest run without
-its row; one that died unseen (``acks_late`` and ``reject_on_worker_lost``: no signal) is
-found by the start of its redelivered copy. Unpriced rows: no tax, no exposure, never counted
+limit, a SIGKILL, a revoke that terminates it) is ended by the main process, which finds the
+attempt's latest run without its row; one that died unseen (``acks_late`` and
+``reject_on_worker_lost``: no signal) is found by the start of its redelivered copy, and one
+whose whole worker vanished by the sweep. Unpriced rows: no tax, no exposure, never counted
 toward a freeze or against a clean hour (SPEC section 2).
 """
 
@@ -18,9 +20,12 @@ from gatekeeper.celery.running import Running
 from gatekeeper.core.ledger import Outcome
 from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.runs import RunLedger
-from gatekeeper.redis.unverified import UnverifiedRuns
+from gatekeeper.redis.unverified import ROW_FIELDS, UnverifiedRuns
 
 __all__ = ["UnverifiedSide"]
+
+OWN = ("worker", "time_limit_s")
+"""The fields of :data:`ROW_FIELDS` the worker knows itself (``own_fields``), not the message."""
 
 
 class UnverifiedSide:
@@ -32,31 +37,39 @@ class UnverifiedSide:
         self.log = log
         self.now_ms = now_ms
 
-    def send_start(self, job_id: str, attempt: int, now_ms: int) -> StartCall:
-        return self.store.send_start(job_id, attempt, now_ms)
+    def send_start(
+        self, task: Any, job_id: str, attempt: int, headers: dict[str, Any],
+        own: dict[str, str], now_ms: int,
+    ) -> StartCall:  # fmt: skip
+        """Count this run, with what its row needs (``own``: the worker's own fields)."""
+        record = unverified(task, headers, now_ms)
+        fields = {name: own[name] if name in OWN else str(getattr(record, name))
+                  for name in ROW_FIELDS}  # fmt: skip
+        return self.store.send_start(job_id, attempt, now_ms, fields)
 
-    def started(
-        self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], started: Started,
-        now_ms: int,
-    ) -> Running | None:  # fmt: skip
-        """The run to end when it ends (None: not an unverified one); the run before it, dead
-        with its worker and never rowed, gets its row now."""
-        if started.dead_run:
-            dead = unverified(task, headers, started.dead_started_ms)
-            self.end(job_id, Running(attempt, started.dead_run, dead, False), Outcome.KILLED,
-                     "worker_lost_redelivered")  # fmt: skip
+    @staticmethod
+    def running(
+        task: Any, attempt: int, headers: dict[str, Any], started: Started, now_ms: int
+    ) -> Running | None:
+        """The run to end when it ends; None when the start was refused otherwise."""
         if started.refused != "unverified":
             return None
         return Running(attempt, started.run, unverified(task, headers, now_ms), False)
 
-    def end_latest(
-        self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], reason: str
+    def end_dead(
+        self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], started: Started
     ) -> None:
+        """The row of the run before this one, dead with its worker and never rowed."""
+        if started.dead_run:
+            dead = unverified(task, headers, started.dead_started_ms)
+            self.end(job_id, Running(attempt, started.dead_run, dead, False), Outcome.KILLED,
+                     "worker_lost_redelivered")  # fmt: skip
+
+    def end_latest(self, job_id: str, attempt: int, reason: str) -> None:
         """From the main process: the attempt's latest run, killed, unless it has its row."""
         latest = self.store.latest(job_id, attempt)
         if latest is not None:
-            run, started_ms = latest
-            record = unverified(task, headers, started_ms)
+            run, record = latest
             self.end(job_id, Running(attempt, run, record, False), Outcome.KILLED, reason)
 
     def end(

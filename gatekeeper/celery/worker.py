@@ -163,7 +163,7 @@ class WorkerSide:
             return
         attempt = message.attempt_of(headers)
         if not nonce_of(headers):  # unverified: its latest run, unless it has its row
-            self.unverified.end_latest(task, job_id, attempt, headers, reason)
+            self.unverified.end_latest(job_id, attempt, reason)
             return
         stored = self.runs.record(job_id, attempt)
         if stored is None or stored[1].nonce != nonce_of(headers):
@@ -190,11 +190,11 @@ class WorkerSide:
 
         def start() -> None:
             now, nonce = self._now_ms(), nonce_of(headers)
+            own = own_fields(sender, headers)
             if nonce:
-                call = self.runs.send_start(task_id, attempt, nonce, own_fields(sender, headers),
-                                            now)  # fmt: skip
+                call = self.runs.send_start(task_id, attempt, nonce, own, now)
             else:  # no nonce: an unverified run (gatekeeper/celery/unverified.py)
-                call = self.unverified.send_start(task_id, attempt, now)
+                call = self.unverified.send_start(sender, task_id, attempt, headers, own, now)
             self._starts.by_job[task_id] = Starting(call, sender, attempt, headers, now)
             if delivery.get("redelivered") or headers.get("redelivered"):  # its dead run's row
                 # now, not after this run (kombu's Redis transport marks both)
@@ -232,9 +232,10 @@ class WorkerSide:
         (gatekeeper/celery/unverified.py)."""
         self.log.warning("ledger_unverified_message", task=task.name, job_id=job_id,
                          attempt=attempt, kind=started.refused)  # fmt: skip
-        running = self.unverified.started(task, job_id, attempt, headers, started, now)
-        if running is not None:
+        running = self.unverified.running(task, attempt, headers, started, now)
+        if running is not None:  # this run first: the dead run's row may fail
             self._running[job_id] = running
+        self.unverified.end_dead(task, job_id, attempt, headers, started)
 
     def _forged(self, task: Any, job_id: str) -> None:
         """A message that claims the gate's decision with an attempt the gate never writes:
@@ -271,10 +272,16 @@ class WorkerSide:
         if self._ours(sender):
             self._end_running(sender.request.id, Outcome.OK, "ok")
 
-    def on_retry(self, sender: Any = None, request: Any = None, **_: Any) -> None:
+    def on_retry(self, sender: Any = None, request: Any = None, **kw: Any) -> None:
+        """In the child: a retry asked for. In the main process (5.7's ``retry_on_worker_lost``):
+        its child died, and Celery published the retry."""
         if self._ours(sender):
             job_id = getattr(request, "id", None) or sender.request.id
-            self._end_running(job_id, Outcome.KILLED, "retry")
+            if not self._end_running(job_id, Outcome.KILLED, "retry"):
+                why = type(getattr(kw.get("reason"), "exc", None) or kw.get("reason")).__name__
+                self._guarded(
+                    "failure", job_id, lambda: self._finish_elsewhere(sender, job_id, why)
+                )
 
     def on_postrun(
         self, sender: Any = None, task_id: Any = None, state: Any = None, **_: Any

@@ -87,10 +87,16 @@ namespace's slot):
     the message it belongs to; its TTL is the record's, set when the handoff is kept.
 ``gatekeeper:{default}:unverified:<job_id>:<attempt>`` - hash, TTL = 2 days
     The runs of an attempt whose message has no nonce (its rows are unverified):
-    ``runs``, ``rowed`` (the last run with its row), ``started_ms`` of the latest run, and
-    ``start_token``/``start_reply`` (a start re-sent after a lost reply). Written only for
-    such runs (``unverified.lua``), so that a run killed with its pool child, or found dead by
-    its redelivered copy, gets its row, and a signal that fires twice writes one.
+    ``runs``, ``rowed`` (the last run with its row) and ``rowed_by`` (the token of the call
+    that wrote it), ``started_ms`` of the latest run, ``start_token``/``start_reply`` (a start
+    re-sent after a lost reply), and what a row needs as the worker read it from the message
+    (``task``, ``worker``, ``decision``, times, tokens, ``retries``, ``time_limit_s``).
+    Written only for such runs (``unverified.lua``), so that a run killed with its pool child,
+    found dead by its redelivered copy or swept gets its row, and a signal that fires twice
+    writes one.
+``gatekeeper:{default}:unverified:started`` - sorted set, no TTL
+    ``<job_id>:<attempt>`` -> start time (ms) of an unverified attempt whose latest run has no
+    row yet; the sweep rows those whose worker is gone, as it does ``started``.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
     Marks an attempt whose ``abandoned`` row is written (the replayer writes it once).
 ``gatekeeper:{default}:stats`` - hash, no TTL
@@ -252,6 +258,10 @@ class Keys:
 
     def handoff(self, job_id: str, attempt: int) -> str:
         return f"{self.base}:handoff:{job_id}:{attempt}"
+
+    @property
+    def unverified_started(self) -> str:
+        return f"{self.base}:unverified:started"
 
     def unverified(self, job_id: str, attempt: int) -> str:
         return f"{self.base}:unverified:{job_id}:{attempt}"

@@ -7,9 +7,10 @@ exposure of admissions that never started (a purged or lost message) given back.
 from __future__ import annotations
 
 from gatekeeper.core.ledger import LedgerRow, Outcome
-from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.scripts import text_of
 from gatekeeper.redis.store import GateStore
+from gatekeeper.redis.unverified import UnverifiedRuns
 
 __all__ = ["PURGE_GRACE_S", "forget_purged", "sweep"]
 
@@ -34,13 +35,20 @@ def sweep(
             ledger.client.zrem(ledger.keys.started, f"{job_id}:{attempt}")
             continue
         run, record = stored
-        if record.worker and ledger.client.exists(ledger.keys.worker(record.worker)):
-            continue  # merely long: its worker is alive (its heartbeat, gatekeeper/celery)
-        if record.time_limit_s and now_ms - record.started_ms < (record.time_limit_s + 60) * 1000:
+        if _alive(ledger, record, now_ms):
             continue
         row = ledger.row_for(job_id, attempt, record, Outcome.KILLED, now_ms)
         if ledger.finish(row, run, record, now_ms).written:
             rows.append(row)
+    unverified = UnverifiedRuns(ledger)  # runs of messages with no nonce: unverified rows
+    for job_id, attempt in unverified.stale(now_ms, older_than_s):
+        latest = unverified.latest(job_id, attempt)
+        if latest is None:  # expired, or rowed meanwhile
+            unverified.forget(job_id, attempt)
+        elif not _alive(ledger, latest[1], now_ms):
+            row = ledger.row_for(job_id, attempt, latest[1], Outcome.KILLED, now_ms)
+            if unverified.write(row, latest[0], now_ms):
+                rows.append(row)
     if store is not None:
         for member, held in ledger.client.hgetall(ledger.keys.inflight).items():
             job_id, _, number = text_of(member).rpartition(":")
@@ -50,6 +58,16 @@ def sweep(
             if ledger.record(job_id, int(number)) is None:  # admitted, never started
                 store.release(job_id, int(number), int(window))
     return rows
+
+
+def _alive(ledger: RunLedger, record: RunRecord, now_ms: int) -> bool:
+    """Whether a run may still be going: its worker is alive (its heartbeat,
+    gatekeeper/celery), or its hard time limit (plus a minute) has not passed."""
+    if record.worker and ledger.client.exists(ledger.keys.worker(record.worker)):
+        return True
+    return bool(record.time_limit_s) and (
+        now_ms - record.started_ms < (record.time_limit_s + 60) * 1000
+    )
 
 
 def forget_purged(

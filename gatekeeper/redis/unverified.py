@@ -2,11 +2,12 @@
 
 A message with no nonce (a publisher that predates records, or a decision made without Redis)
 gets an unverified row for each run, as a gated run does: its runs are counted in a small hash
-of their own, ``unverified:<job_id>:<attempt>`` (keys.py, kept ``RECORD_RETENTION_S``), so
-the main process can give a run whose pool child was killed its row, the next run of a
-redelivered message finds the run that died before it, and a signal that fires twice writes
-one row. Such messages are rare (the gate's Redis was down when they were published), so a
-worker pays for this only then.
+of their own, ``unverified:<job_id>:<attempt>`` (keys.py, kept ``RECORD_RETENTION_S``), with
+what a row needs as the worker read it from the message. So the main process can give a run
+whose pool child was killed its row, the sweep one whose whole worker vanished
+(``unverified:started``), the next run of a redelivered message finds the run that died before
+it, and a signal that fires twice writes one row. Such messages are rare (the gate's Redis was
+down when they were published, or the gate failed closed), so a worker pays for this only then.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from gatekeeper.core.ledger import LedgerRow, window_id
 from gatekeeper.defaults import RECORD_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.run_start import StartCall, Started
-from gatekeeper.redis.runs import TOTALLED, RunLedger
+from gatekeeper.redis.runs import TOTALLED, RunLedger, RunRecord
 from gatekeeper.redis.scripts import load_lua, text_of
 
-__all__ = ["UnverifiedRuns"]
+__all__ = ["ROW_FIELDS", "UnverifiedRuns"]
+
+ROW_FIELDS = ("task", "worker", "decision", "published_ms", "admitted_ms", "deadline_ms",
+              "tokens_in", "tokens_out", "retries", "time_limit_s")  # fmt: skip
+"""What an unverified run's hash keeps of its message for the row (:class:`RunRecord`'s names)."""
 
 
 class UnverifiedRuns:
@@ -35,43 +40,68 @@ class UnverifiedRuns:
         self.ttl_s = str(ttl_s)
         self._script = runs.client.register_script(load_lua("unverified.lua"))
 
-    def send_start(self, job_id: str, attempt: int, now_ms: int) -> StartCall:
-        """Count a run of the attempt, sent as a gated run's start is (read when it ends,
-        gatekeeper/redis/run_start.py); its :class:`Started` says ``unverified``, the run's
-        number and the run before it that never got its row, if any."""
-        keys = [self.runs.keys.unverified(job_id, attempt), self.runs.keys.stats]
-        args = ["start", str(now_ms), self.ttl_s, secrets.token_hex(8)]
-        return StartCall.send(f"{job_id}:{attempt}", self.runs.line, self.runs.client,
-                              self._script, keys, args, self.runs.call, _started)  # fmt: skip
+    def send_start(
+        self, job_id: str, attempt: int, now_ms: int, fields: dict[str, str]
+    ) -> StartCall:
+        """Count a run of the attempt, with ``fields`` (:data:`ROW_FIELDS`), sent as a gated
+        run's start is (read when it ends, gatekeeper/redis/run_start.py); its
+        :class:`Started` says ``unverified``, the run's number and the run before it that
+        never got its row, if any."""
+        member = f"{job_id}:{attempt}"
+        keys = [self.runs.keys.unverified(job_id, attempt), self.runs.keys.stats,
+                self.runs.keys.unverified_started]  # fmt: skip
+        args = ["start", member, str(now_ms), self.ttl_s, secrets.token_hex(8)]
+        for name in ROW_FIELDS:
+            args += [name, fields.get(name, "")]
+        return StartCall.send(member, self.runs.line, self.runs.client, self._script, keys,
+                              args, self.runs.call, _started)  # fmt: skip
 
-    def latest(self, job_id: str, attempt: int) -> tuple[int, int] | None:
-        """The attempt's latest run and its start time (ms), when it has no row yet."""
+    def latest(self, job_id: str, attempt: int) -> tuple[int, RunRecord] | None:
+        """The attempt's latest run and its record, when that run has no row yet."""
         try:
-            runs, rowed, started = self.runs.client.hmget(
-                self.runs.keys.unverified(job_id, attempt), "runs", "rowed", "started_ms"
-            )
+            raw = self.runs.client.hgetall(self.runs.keys.unverified(job_id, attempt))
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read run {job_id}:{attempt}: {exc}") from exc
-        if runs is None or int(rowed or 0) >= int(runs):
+        fields = {text_of(k): text_of(v) for k, v in raw.items()}
+        if "runs" not in fields or int(fields.get("rowed", 0)) >= int(fields["runs"]):
             return None
-        return int(runs), int(started or 0)
+        return int(fields["runs"]), RunRecord.from_fields(fields)
+
+    def stale(self, now_ms: int, older_than_s: float) -> list[tuple[str, int]]:
+        """Attempts whose latest run started more than ``older_than_s`` ago with no row."""
+        key = self.runs.keys.unverified_started
+        try:
+            members = self.runs.client.zrangebyscore(key, "-inf", now_ms - older_than_s * 1000)
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot read started runs: {exc}") from exc
+        split = (text_of(member).rpartition(":") for member in members)  # type: ignore[arg-type]
+        return [(job_id, int(attempt)) for job_id, _, attempt in split]
+
+    def forget(self, job_id: str, attempt: int) -> None:
+        """Drop an attempt from ``unverified:started`` (its hash expired: nothing to row)."""
+        self.runs.client.zrem(self.runs.keys.unverified_started, f"{job_id}:{attempt}")
 
     def write(self, row: LedgerRow, run: int, now_ms: int) -> bool:
         """Write the row of the attempt's run ``run`` (unpriced: no tax, no exposure, never
-        counted toward a freeze or against a clean hour); False when it had one already."""
+        counted toward a freeze or against a clean hour); False when it had one already. A
+        connection lost on the way sends it once more: the run's row is written once, and
+        the call that wrote it is told so."""
         window = window_id(now_ms / 1000, self.runs.window_seconds)
         keys = self.runs.keys
         entry = {**row.to_json(), "retry_tax": 0.0, "verified": False}
-        args = ["row", str(run), json.dumps(entry), row.outcome.value, str(self.runs.retention_s),
-                TOTALLED.get(row.outcome, "")]  # fmt: skip
+        args = ["row", f"{row.job_id}:{row.attempt}", str(run), json.dumps(entry),
+                row.outcome.value, str(self.runs.retention_s), TOTALLED.get(row.outcome, ""),
+                self.ttl_s, secrets.token_hex(8)]  # fmt: skip
+        written = [keys.unverified(row.job_id, row.attempt), keys.window_rows(window),
+                   keys.window(window), keys.totals, keys.unverified_started]  # fmt: skip
         try:
-            (written,) = self.runs.call(self._script, [
-                keys.unverified(row.job_id, row.attempt), keys.window_rows(window),
-                keys.window(window), keys.totals,
-            ], args)  # fmt: skip
+            try:
+                (done,) = self.runs.call(self._script, written, args)
+            except (redis.ConnectionError, redis.TimeoutError):
+                (done,) = self.runs.call(self._script, written, args)  # safe: the token
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot write an unverified row: {exc}") from exc
-        return bool(written)
+        return bool(done)
 
 
 def _started(reply: Any) -> Started:

@@ -159,6 +159,17 @@ def create_app(
             time.sleep(30)  # the test kills this run's process (``deaths`` runs in turn)
         return "last run"
 
+    @app.task(
+        bind=True, name="tests.lost_retry", max_retries=1, retry_on_worker_lost=True,
+        default_retry_delay=0, shared=False, gatekeeper=kill_spec,
+    )  # fmt: skip
+    def lost_retry(self: Any) -> str:
+        """Its first run is killed by the test; Celery 5.7 retries it (``retry_on_worker_lost``)."""
+        record(self)
+        if self.request.retries == 0:
+            time.sleep(30)
+        return "retried"
+
     @app.task(bind=True, name="tests.metered", max_retries=0, shared=False, gatekeeper=kill_spec)
     def metered(self: Any, fail: bool = False) -> None:
         record(self)
