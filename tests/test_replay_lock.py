@@ -240,3 +240,30 @@ def test_a_dead_replayers_claims_are_taken_back_once_its_heartbeat_expires(
     assert sorted(ids_in(redis_client, "free")) == sorted(jobs)  # none lost, none doubled
     assert claimed(redis_client) == 0
     assert dead.broker.claims.tenure.encode() not in redis_client.smembers(REGISTRY)
+
+
+@pytest.mark.celery
+def test_replay_once_whose_lock_is_lost_mid_pass_exits_1_saying_so_and_loses_nothing(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # README: `replay --once` exits 1 when the lock was lost mid-pass (`lock_lost`). Stopped
+    # mid-pass past its lock's TTL while another replayer takes the lock, then let go on.
+    jobs = defer_tasks(redis_url, redis_client, 1500)
+    log = tmp_path / "r.log"
+    replayer = start_replayer(redis_url, log, "-m", "gatekeeper", "replay", "--once",
+                              GATEKEEPER_REPLAY_BATCH_SIZE="5")  # fmt: skip
+    try:
+        assert wait_until(lambda: redis_client.llen("defer") < 1400, 30), log.read_text()
+        os.kill(replayer.pid, signal.SIGSTOP)
+        assert redis_client.llen("defer") > 0, "the pass ended before it could be stopped"
+        time.sleep(1.5)  # past the lock's TTL (1 s): it expires
+        assert redis_client.set(KEYS.replayer_lock, "another-host:1234", px=60_000, nx=True)
+    finally:
+        os.kill(replayer.pid, signal.SIGCONT)
+    assert replayer.wait(timeout=60) == 1, log.read_text()
+    text = log.read_text()
+    assert "event=replay_lock_lost" in text and "the lock was lost mid-pass" in text, text
+    assert redis_client.get(KEYS.replayer_lock) == b"another-host:1234"  # not taken back
+    kept = [*ids_in(redis_client, "defer"), *ids_in(redis_client, "free"),
+            *ids_in(redis_client, "reserved")]  # fmt: skip
+    assert len(kept) + claimed(redis_client) == len(jobs)  # nothing lost (claims wait)
