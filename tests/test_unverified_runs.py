@@ -77,7 +77,7 @@ def test_a_sigkilled_unverified_run_is_one_killed_row(
     assert shown(row) == (job, 1, "killed", "reserved", False)
     assert row["retry_tax"] == 0.0 and 0 <= row["queue_wait_ms"] < 60_000
     assert "reason=WorkerLostError" in log.read_text()
-    assert redis_client.hget(KEYS.totals, "unverified:killed") is None  # not a priced total
+    assert redis_client.hget(KEYS.totals, "killed_rows") == b"1"  # a ledger row all the same
     assert redis_client.hget(KEYS.stats, "unverified_runs") == b"1"
 
 
@@ -160,7 +160,7 @@ def worker_side(redis_url: str, redis_client: redis.Redis) -> tuple[WorkerSide, 
     return side, app.tasks["tests.sleepy"]
 
 
-def test_a_dead_runs_row_that_fails_costs_the_running_run_nothing(
+def test_a_dead_runs_row_that_fails_costs_the_running_run_nothing_and_is_swept_later(
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     side, task = worker_side(redis_url, redis_client)
@@ -169,45 +169,140 @@ def test_a_dead_runs_row_that_fails_costs_the_running_run_nothing(
 
     def flaky(self: UnverifiedRuns, row: Any, run: int, now_ms: int) -> bool:
         written.append(run)
-        if run == 1:  # the dead run's row: Redis fails it
+        if len(written) == 1:  # the dead run's row: Redis fails it, once
             raise LedgerUnavailable("cannot write an unverified row: connection reset")
         return real(self, row, run, now_ms)
 
     monkeypatch.setattr(UnverifiedRuns, "write", flaky)
     task.push_request(id="J", gatekeeper_decision="reserved", gatekeeper_attempt=1, retries=0,
-                      delivery_info={"redelivered": True})  # fmt: skip
+                      delivery_info={"redelivered": True}, hostname="gone@nowhere")  # fmt: skip
     try:
-        side.on_prerun(sender=task, task_id="J")  # run 1 died unseen: it starts run 2
-        side.on_prerun(sender=task, task_id="J")
+        side.on_prerun(sender=task, task_id="J")  # run 1: its worker dies unseen
+        side.on_prerun(sender=task, task_id="J")  # run 2, redelivered: run 1's row fails
         side.on_success(sender=task)
     finally:
         task.pop_request()
-    assert written[-2:] == [1, 2]
+    assert written == [1, 2]
     assert [(r["attempt"], r["outcome"]) for r in rows(redis_client)] == [(1, "ok")]
+    ledger = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+    assert redis_client.zcard(KEYS.unverified_started) == 1  # run 1 is still owed its row
+    assert len(sweep(ledger, round(time.time() * 1000) + 3_600_000, 0)) == 1  # worker gone
+    assert [(r["attempt"], r["outcome"]) for r in rows(redis_client)] == [(1, "ok"), (1, "killed")]
+    assert redis_client.zcard(KEYS.unverified_started) == 0
 
 
-def test_a_row_kept_past_its_hash_expiry_leaves_nothing_for_good(
+def test_a_run_rowed_after_its_hash_expired_leaves_nothing_for_good(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     side, task = worker_side(redis_url, redis_client)
     record = unverified(task, {"gatekeeper_decision": "reserved"}, 1000)
+    assert not redis_client.exists(KEYS.unverified("J", 1))  # never started here, or expired
     side.unverified.end("J", Running(1, 1, record, False), Outcome.OK, "ok")
     side.unverified.end("J", Running(1, 1, record, False), Outcome.KILLED, "twice")
     assert [r["outcome"] for r in rows(redis_client)] == ["ok"]
     assert redis_client.ttl(KEYS.unverified("J", 1)) > 0
 
 
+def script(redis_url: str, redis_client: redis.Redis) -> Any:
+    return UnverifiedRuns(RunLedger.from_settings(redis_client, gate_settings(redis_url)))._script
+
+
+def start(run_script: Any, now_ms: int, token: str, redelivered: str = "0") -> list[Any]:
+    keys = [KEYS.unverified("J", 1), KEYS.stats, KEYS.unverified_started]
+    return list(run_script(keys=keys, args=["start", "J:1", str(now_ms), "100", token,
+                                            redelivered, "4242"]))  # fmt: skip
+
+
+def row(run_script: Any, run: int, token: str) -> int:
+    keys = [KEYS.unverified("J", 1), KEYS.window_rows(1), KEYS.window(1), KEYS.totals,
+            KEYS.unverified_started]  # fmt: skip
+    args = ["row", "J:1", str(run), json.dumps({"run": run}), "ok", "100", "", "100", token]
+    (written,) = run_script(keys=keys, args=args)
+    return int(written)
+
+
 def test_a_start_sent_again_with_its_token_counts_one_run(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
-    store = UnverifiedRuns(RunLedger.from_settings(redis_client, gate_settings(redis_url)))
-    keys = [KEYS.unverified("J", 1), KEYS.stats, KEYS.unverified_started]
-    first = store._script(keys=keys, args=["start", "J:1", "1000", "100", "t1"])
-    again = store._script(keys=keys, args=["start", "J:1", "2000", "100", "t1"])
-    second = store._script(keys=keys, args=["start", "J:1", "3000", "100", "t2"])
-    assert first == again == [1, 0, b"0"]
-    assert second == [2, 1, b"1000"]  # run 1 never got its row: dead, with its start
-    assert redis_client.hget(KEYS.stats, "unverified_runs") == b"2"
+    run_script = script(redis_url, redis_client)
+    assert start(run_script, 1000, "t1") == start(run_script, 2000, "t1") == [1, 0, b"0"]
+    # A second copy of the id, not redelivered: run 1 may be live (a caller's copy), not dead.
+    assert start(run_script, 3000, "t2") == [2, 0, b"0"]
+    # Redelivered: the run before it has no row, so it died with its worker.
+    assert start(run_script, 4000, "t3", redelivered="1") == [3, 2, b"3000"]
+    assert redis_client.hget(KEYS.stats, "unverified_runs") == b"3"
+
+
+def test_a_row_sent_again_with_its_token_is_written_once_and_told_so(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    run_script = script(redis_url, redis_client)
+    start(run_script, 1000, "t1")
+    start(run_script, 2000, "t2")  # two runs without a row: the sweep's set holds the attempt
+    assert row(run_script, 2, "a") == 1
+    assert row(run_script, 2, "a") == 1  # the same call again (its reply was lost): told so
+    assert row(run_script, 2, "b") == 0  # another call for the run (a second signal): not
+    assert redis_client.llen(KEYS.window_rows(1)) == 1
+    assert redis_client.zscore(KEYS.unverified_started, "J:1") == 2000  # run 1 still owed
+    assert row(run_script, 1, "c") == 1  # rowed after a later run: each run on its own
+    assert redis_client.zscore(KEYS.unverified_started, "J:1") is None
+    assert redis_client.llen(KEYS.window_rows(1)) == 2
+
+
+def test_a_row_sent_again_after_a_lost_connection_is_logged_once(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    side, task = worker_side(redis_url, redis_client)
+    record = unverified(task, {"gatekeeper_decision": "reserved"}, 1000)
+    calls: list[list[str]] = []
+    call = side.runs.call
+
+    def lost(script_: Any, keys: list[str], args: list[str]) -> Any:
+        calls.append(args)
+        reply = call(script_, keys, args)
+        if len(calls) == 1:  # applied, and its reply lost with the connection
+            raise redis.ConnectionError("connection reset by peer")
+        return reply
+
+    monkeypatch.setattr(side.runs, "call", lost)
+    lines: list[dict[str, Any]] = []
+    monkeypatch.setattr(side.unverified.log, "info", lambda event, **kw: lines.append(kw))
+    side.unverified.end("J", Running(1, 1, record, False), Outcome.OK, "ok")
+    assert len(calls) == 2 and calls[0] == calls[1]  # sent again, with its token
+    assert len(rows(redis_client)) == 1 and len(lines) == 1
+
+
+def test_two_copies_of_one_id_that_both_run_get_two_ok_rows(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # A caller's second copy of an unverified job's id, run while the first runs: neither is
+    # taken for dead (nothing was redelivered), each run gets its own row.
+    down = f"redis://127.0.0.1:{unused_port()}/0"
+    task = create_app(gate_settings(down, redis_timeout_s=0.2), redis_url).tasks["tests.sleepy"]
+    log = tmp_path / "w.log"
+    with running_worker(redis_url, log, queues="reserved", concurrency=2):
+        task.apply_async(kwargs={"sleep_s": 3.0}, task_id="J")
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        task.apply_async(kwargs={"sleep_s": 0.5}, task_id="J")
+        found = wait_rows(redis_client, 2, log)
+    assert sorted(shown(r) for r in found) == [("J", 1, "ok", "reserved", False)] * 2, log
+
+
+def test_killing_one_of_two_copies_of_an_id_rows_the_killed_one_only(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # The main process ends the run its dead child ran (by its pid), not the latest run.
+    down = f"redis://127.0.0.1:{unused_port()}/0"
+    task = create_app(gate_settings(down, redis_timeout_s=0.2), redis_url).tasks["tests.sleepy"]
+    log = tmp_path / "w.log"
+    with running_worker(redis_url, log, queues="reserved", concurrency=2):
+        task.apply_async(kwargs={"sleep_s": 30.0}, task_id="J")
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        task.apply_async(kwargs={"sleep_s": 3.0}, task_id="J")
+        assert wait_until(lambda: len(runs(redis_client)) == 2)
+        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)  # the 30 s copy: run 1
+        found = wait_rows(redis_client, 2, log)
+    assert sorted(r["outcome"] for r in found) == ["killed", "ok"], log.read_text()
 
 
 def test_an_unverified_child_killed_under_retry_on_worker_lost_is_one_killed_row(

@@ -10,6 +10,7 @@ it no longer holds.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -39,13 +40,14 @@ class Received:
         while len(self._by_id) > RECEIVED_CACHE_SIZE:
             self._by_id.popitem(last=False)
 
-    def ended(self, job_id: str) -> dict[str, Any] | None:
+    def ended(self, job_id: str) -> tuple[dict[str, Any] | None, int]:
         """The gatekeeper headers of the request with this id that just ended; ``{}`` when
         none of ours claims any; None when the ended ones disagree (two messages with one
-        id, both ended since the last prune): nothing may be attributed then."""
+        id, both ended since the last prune): nothing may be attributed then. And the pid of
+        the pool child that ran it, when one request ended (0: unknown)."""
         held = self._by_id.get(job_id)
         if not held:
-            return {}
+            return {}, 0
         try:
             ended = [entry for entry in held if not outstanding(entry[0])]
         except Exception:  # a changed Celery: only a lone request can be told
@@ -56,11 +58,12 @@ class Received:
         else:
             del self._by_id[job_id]
         headers = [h for _, h in ended]
+        pid = _pid_of(ended) or _pid_of([e for e in held if not _alive(e[0])])
         if not any(claims(h) for h in headers):
-            return {}
+            return {}, pid
         if len({nonce_of(h) for h in headers}) != 1 or not all(claims(h) for h in headers):
-            return None
-        return headers[0]
+            return None, 0
+        return headers[0], pid
 
     def _prune(self) -> None:
         """Forget the requests the worker no longer holds."""
@@ -71,3 +74,25 @@ class Received:
             return
         for job_id in gone:
             del self._by_id[job_id]
+
+
+def _pid_of(entries: list[tuple[Any, dict[str, Any]]]) -> int:
+    """The pool child's pid of the one request in ``entries`` (0: not exactly one, or none)."""
+    pid = getattr(entries[0][0], "worker_pid", None) if len(entries) == 1 else None
+    return pid if isinstance(pid, int) else 0
+
+
+def _alive(request: Any) -> bool:
+    """Whether the pool child that ran ``request`` still lives. Two requests with one id
+    (a caller's copy) are both held, by Celery's reckoning, until both end (it tells requests
+    apart by id): the one whose child died is the one that ended."""
+    pid = getattr(request, "worker_pid", None)
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return True  # not a pool child of its own (threads, gevent): unknown, so alive
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True

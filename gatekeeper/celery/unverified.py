@@ -1,10 +1,10 @@
-"""The worker side of unverified runs: a message with no nonce, whose runs each get an
-unverified row however they end (gatekeeper/redis/unverified.py keeps their count, and what a
-row needs).
+"""The worker side of runs the gate has no record of: forged ones (counted, never rowed), and
+unverified ones, a message with no nonce, whose runs each get an unverified row however they
+end (gatekeeper/redis/unverified.py keeps their count, and what a row needs).
 
 A run ends in its pool child as a gated run does; one whose child was killed (a hard time
 limit, a SIGKILL, a revoke that terminates it) is ended by the main process, which finds the
-attempt's latest run without its row; one that died unseen (``acks_late`` and
+attempt's run without its row that the dead child ran; one that died unseen (``acks_late`` and
 ``reject_on_worker_lost``: no signal) is found by the start of its redelivered copy, and one
 whose whole worker vanished by the sweep. Unpriced rows: no tax, no exposure, never counted
 toward a freeze or against a clean hour (SPEC section 2).
@@ -12,6 +12,7 @@ toward a freeze or against a clean hour (SPEC section 2).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -39,37 +40,45 @@ class UnverifiedSide:
 
     def send_start(
         self, task: Any, job_id: str, attempt: int, headers: dict[str, Any],
-        own: dict[str, str], now_ms: int,
+        own: dict[str, str], now_ms: int, redelivered: bool,
     ) -> StartCall:  # fmt: skip
-        """Count this run, with what its row needs (``own``: the worker's own fields)."""
+        """Count this run, with what its row needs (``own``: the worker's own fields), in
+        this process (the pool child the main process may have to end it for)."""
         record = unverified(task, headers, now_ms)
         fields = {name: own[name] if name in OWN else str(getattr(record, name))
                   for name in ROW_FIELDS}  # fmt: skip
-        return self.store.send_start(job_id, attempt, now_ms, fields)
+        return self.store.send_start(job_id, attempt, now_ms, fields, redelivered, os.getpid())
 
-    @staticmethod
-    def running(
-        task: Any, attempt: int, headers: dict[str, Any], started: Started, now_ms: int
-    ) -> Running | None:
-        """The run to end when it ends; None when the start was refused otherwise."""
-        if started.refused != "unverified":
-            return None
-        return Running(attempt, started.run, unverified(task, headers, now_ms), False)
-
-    def end_dead(
-        self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], started: Started
-    ) -> None:
-        """The row of the run before this one, dead with its worker and never rowed."""
+    def refused(
+        self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], started: Started,
+        now_ms: int, running: dict[str, Running],
+    ) -> None:  # fmt: skip
+        """A message the gate has no record of (``started.refused``): logged once; an
+        unverified run is added to ``running``, to be rowed when it ends, and the run before
+        it, dead with its worker and never rowed, gets its row now (after: it may fail)."""
+        self.log.warning("ledger_unverified_message", task=task.name, job_id=job_id,
+                         attempt=attempt, kind=started.refused)  # fmt: skip
+        if started.refused == "unverified":
+            record = unverified(task, headers, now_ms)
+            running[job_id] = Running(attempt, started.run, record, False)
         if started.dead_run:
             dead = unverified(task, headers, started.dead_started_ms)
             self.end(job_id, Running(attempt, started.dead_run, dead, False), Outcome.KILLED,
                      "worker_lost_redelivered")  # fmt: skip
 
-    def end_latest(self, job_id: str, attempt: int, reason: str) -> None:
-        """From the main process: the attempt's latest run, killed, unless it has its row."""
-        latest = self.store.latest(job_id, attempt)
-        if latest is not None:
-            run, record = latest
+    def forged(self, task: Any, job_id: str) -> None:
+        """A message that claims the gate's decision with an attempt the gate never writes:
+        logged once and counted as forged, as ``start.lua`` counts the others."""
+        self.log.warning("ledger_unverified_message", task=task.name, job_id=job_id,
+                         kind="forged", reason="attempt_not_the_gates")  # fmt: skip
+        self.runs.client.hincrby(self.runs.keys.stats, "forged_runs", 1)
+
+    def end_latest(self, job_id: str, attempt: int, reason: str, pid: int) -> None:
+        """From the main process: the run pool child ``pid`` ran (0: unknown, the latest
+        run), killed, unless it has its row."""
+        ended = self.store.ended_in(job_id, attempt, pid)
+        if ended is not None:
+            run, record = ended
             self.end(job_id, Running(attempt, run, record, False), Outcome.KILLED, reason)
 
     def end(

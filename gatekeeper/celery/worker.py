@@ -24,6 +24,8 @@ hard time limit, child SIGKILLed       task_failure    main process (``sender.re
                                                        may be empty: headers cached from
                                                        ``task_received``) -> ``killed``
 revoked with ``terminate=True``        task_revoked    main process -> ``killed``
+child killed, and Celery 5.7's         task_retry      main process -> ``killed`` (the
+``retry_on_worker_lost`` retries it                    retry is a new attempt)
 child killed with ``acks_late`` and    none            the redelivered copy's start finds
 ``reject_on_worker_lost``                              the dead run -> ``killed``
 worker gone, no signal at all          none            ``gatekeeper sweep`` -> ``killed``
@@ -63,7 +65,6 @@ from gatekeeper.core.ledger import Outcome
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.run_start import Started
 from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
@@ -98,6 +99,8 @@ class WorkerSide:
         self._running: dict[str, Running] = {}
         self._starts = Starts()
         self._received = Received()
+        self._ended_pid = 0
+        """The pool child that ran the request :meth:`_headers_of` last found ended."""
 
     def _ours(self, task: Any) -> bool:
         return task is not None and getattr(task, "app", None) is self.app
@@ -138,7 +141,7 @@ class WorkerSide:
 
     def _headers_of(self, job_id: str, request: Any) -> dict[str, Any]:
         """The headers of the request that just ended (see :class:`Received`)."""
-        ended = self._received.ended(job_id)
+        ended, self._ended_pid = self._received.ended(job_id)
         if ended is None:
             self.log.warning("ledger_ambiguous_end", job_id=job_id)
             return {}
@@ -163,7 +166,7 @@ class WorkerSide:
             return
         attempt = message.attempt_of(headers)
         if not nonce_of(headers):  # unverified: its latest run, unless it has its row
-            self.unverified.end_latest(job_id, attempt, reason)
+            self.unverified.end_latest(job_id, attempt, reason, self._ended_pid)
             return
         stored = self.runs.record(job_id, attempt)
         if stored is None or stored[1].nonce != nonce_of(headers):
@@ -181,12 +184,14 @@ class WorkerSide:
         headers = request_headers(sender.request)
         if not claims(headers):
             if message.forged_attempt(headers):  # no record can be its: start.lua is not asked
-                self._guarded("start", task_id, lambda: self._forged(sender, task_id))
+                self._guarded("start", task_id, lambda: self.unverified.forged(sender, task_id))
             return
         attempt = message.attempt_of(headers)
         for earlier in list(self._starts.by_job):  # a run inside a run, or one with no end signal
             self._read_start(earlier)
         delivery = getattr(sender.request, "delivery_info", None) or {}
+        # Redelivered (kombu's Redis transport marks both): a dead earlier run may be owed a row.
+        again = bool(delivery.get("redelivered") or headers.get("redelivered"))
 
         def start() -> None:
             now, nonce = self._now_ms(), nonce_of(headers)
@@ -194,10 +199,10 @@ class WorkerSide:
             if nonce:
                 call = self.runs.send_start(task_id, attempt, nonce, own, now)
             else:  # no nonce: an unverified run (gatekeeper/celery/unverified.py)
-                call = self.unverified.send_start(sender, task_id, attempt, headers, own, now)
+                call = self.unverified.send_start(sender, task_id, attempt, headers, own, now,
+                                                  again)  # fmt: skip
             self._starts.by_job[task_id] = Starting(call, sender, attempt, headers, now)
-            if delivery.get("redelivered") or headers.get("redelivered"):  # its dead run's row
-                # now, not after this run (kombu's Redis transport marks both)
+            if again:  # its dead run's row now, not after this run
                 self._read_start(task_id)
 
         self._guarded("start", task_id, start)
@@ -213,7 +218,8 @@ class WorkerSide:
             started = starting.call.started()
             task, attempt = starting.task, starting.attempt
             if started.record is None:
-                self._refused(task, job_id, attempt, starting.headers, started, starting.now)
+                self.unverified.refused(task, job_id, attempt, starting.headers, started,
+                                        starting.now, self._running)  # fmt: skip
                 return
             self._running[job_id] = Running(attempt, started.run, started.record, True)
             if started.dead is not None:
@@ -223,26 +229,6 @@ class WorkerSide:
                 )  # fmt: skip
 
         self._guarded("start", job_id, read)
-
-    def _refused(
-        self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], started: Started,
-        now: int,
-    ) -> None:  # fmt: skip
-        """A message the gate has no record of: logged once; unverified runs get a row
-        (gatekeeper/celery/unverified.py)."""
-        self.log.warning("ledger_unverified_message", task=task.name, job_id=job_id,
-                         attempt=attempt, kind=started.refused)  # fmt: skip
-        running = self.unverified.running(task, attempt, headers, started, now)
-        if running is not None:  # this run first: the dead run's row may fail
-            self._running[job_id] = running
-        self.unverified.end_dead(task, job_id, attempt, headers, started)
-
-    def _forged(self, task: Any, job_id: str) -> None:
-        """A message that claims the gate's decision with an attempt the gate never writes:
-        logged once and counted as forged, as ``start.lua`` counts the others."""
-        self.log.warning("ledger_unverified_message", task=task.name, job_id=job_id,
-                         kind="forged", reason="attempt_not_the_gates")  # fmt: skip
-        self.runs.client.hincrby(self.runs.keys.stats, "forged_runs", 1)  # as start.lua counts
 
     def _end_running(self, job_id: str | None, outcome: Outcome, reason: str) -> bool:
         """End the run this process is executing; False when it is not one of ours."""

@@ -42,12 +42,14 @@ def sweep(
             rows.append(row)
     unverified = UnverifiedRuns(ledger)  # runs of messages with no nonce: unverified rows
     for job_id, attempt in unverified.stale(now_ms, older_than_s):
-        latest = unverified.latest(job_id, attempt)
-        if latest is None:  # expired, or rowed meanwhile
+        runs = unverified.open_runs(job_id, attempt)
+        if not runs:  # expired, or rowed meanwhile
             unverified.forget(job_id, attempt)
-        elif not _alive(ledger, latest[1], now_ms):
-            row = ledger.row_for(job_id, attempt, latest[1], Outcome.KILLED, now_ms)
-            if unverified.write(row, latest[0], now_ms):
+        for run, _, record in runs or []:
+            if record.started_ms > now_ms - older_than_s * 1000 or _alive(ledger, record, now_ms):
+                continue
+            row = ledger.row_for(job_id, attempt, record, Outcome.KILLED, now_ms)
+            if unverified.write(row, run, now_ms):
                 rows.append(row)
     if store is not None:
         for member, held in ledger.client.hgetall(ledger.keys.inflight).items():

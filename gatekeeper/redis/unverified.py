@@ -41,34 +41,52 @@ class UnverifiedRuns:
         self._script = runs.client.register_script(load_lua("unverified.lua"))
 
     def send_start(
-        self, job_id: str, attempt: int, now_ms: int, fields: dict[str, str]
-    ) -> StartCall:
-        """Count a run of the attempt, with ``fields`` (:data:`ROW_FIELDS`), sent as a gated
-        run's start is (read when it ends, gatekeeper/redis/run_start.py); its
-        :class:`Started` says ``unverified``, the run's number and the run before it that
-        never got its row, if any."""
+        self, job_id: str, attempt: int, now_ms: int, fields: dict[str, str],
+        redelivered: bool, pid: int,
+    ) -> StartCall:  # fmt: skip
+        """Count a run of the attempt (in pool child ``pid``), with ``fields``
+        (:data:`ROW_FIELDS`), sent as a gated run's start is (read when it ends,
+        gatekeeper/redis/run_start.py); its :class:`Started` says ``unverified``, the run's
+        number and, for a ``redelivered`` message, the run before it if that has no row."""
         member = f"{job_id}:{attempt}"
         keys = [self.runs.keys.unverified(job_id, attempt), self.runs.keys.stats,
                 self.runs.keys.unverified_started]  # fmt: skip
-        args = ["start", member, str(now_ms), self.ttl_s, secrets.token_hex(8)]
+        args = ["start", member, str(now_ms), self.ttl_s, secrets.token_hex(8),
+                "1" if redelivered else "0", str(pid)]  # fmt: skip
         for name in ROW_FIELDS:
             args += [name, fields.get(name, "")]
         return StartCall.send(member, self.runs.line, self.runs.client, self._script, keys,
                               args, self.runs.call, _started)  # fmt: skip
 
-    def latest(self, job_id: str, attempt: int) -> tuple[int, RunRecord] | None:
-        """The attempt's latest run and its record, when that run has no row yet."""
+    def open_runs(self, job_id: str, attempt: int) -> list[tuple[int, int, RunRecord]] | None:
+        """The attempt's runs without a row: ``(run, pid, record)``, oldest first; None when
+        its hash is gone (expired)."""
         try:
             raw = self.runs.client.hgetall(self.runs.keys.unverified(job_id, attempt))
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read run {job_id}:{attempt}: {exc}") from exc
-        fields = {text_of(k): text_of(v) for k, v in raw.items()}
-        if "runs" not in fields or int(fields.get("rowed", 0)) >= int(fields["runs"]):
+        if not raw:
             return None
-        return int(fields["runs"]), RunRecord.from_fields(fields)
+        fields = {text_of(k): text_of(v) for k, v in raw.items()}
+        found = []
+        for name, value in fields.items():
+            if name.startswith("o:"):
+                started, _, pid = value.partition("|")
+                record = RunRecord.from_fields({**fields, "started_ms": started})
+                found.append((int(name[2:]), int(pid or 0), record))
+        return sorted(found, key=lambda run: run[0])
+
+    def ended_in(self, job_id: str, attempt: int, pid: int) -> tuple[int, RunRecord] | None:
+        """The run without a row that pool child ``pid`` ran (0: unknown, the latest)."""
+        runs = self.open_runs(job_id, attempt) or []
+        for run, ran_in, record in runs:
+            if pid and ran_in == pid:
+                return run, record
+        return (runs[-1][0], runs[-1][2]) if runs else None
 
     def stale(self, now_ms: int, older_than_s: float) -> list[tuple[str, int]]:
-        """Attempts whose latest run started more than ``older_than_s`` ago with no row."""
+        """Attempts whose latest start was more than ``older_than_s`` ago, with a run that
+        has no row."""
         key = self.runs.keys.unverified_started
         try:
             members = self.runs.client.zrangebyscore(key, "-inf", now_ms - older_than_s * 1000)
