@@ -127,7 +127,9 @@ class BlackHole:
                 data = src.recv(65536)
             except OSError:
                 return
-            if not data:
+            if not data:  # shut down first: close() alone leaves the peer's pump's recv
+                with suppress(OSError):  # holding the socket, and no FIN goes out
+                    dst.shutdown(socket.SHUT_RDWR)
                 dst.close()
                 return
             if flow in self._forgotten:

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -26,6 +27,7 @@ from celery import Celery
 from click.testing import CliRunner
 
 import gatekeeper
+from gatekeeper.celery import amqp
 from gatekeeper.celery.amqp import delay_ladder
 from gatekeeper.celery.broker import broker_for
 from gatekeeper.celery.replay import Replayer
@@ -35,6 +37,7 @@ from gatekeeper.ops.cli import main
 from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import REPO_ROOT, gate_settings, running_worker, wait_until
+from tests.moved import BlackHole
 
 pytestmark = [pytest.mark.celery, pytest.mark.servers]
 SOON = {"gatekeeper_deadline_s": 1.5, "gatekeeper_expected_service_s": 0}
@@ -210,4 +213,59 @@ def test_not_due_work_waits_off_the_head_of_defer_and_a_dead_letter_is_requeued(
     after = sum(broker.length(q) for q in ("free", "defer", "reserved", *delays))
     assert after == 3, after  # the first (never consumed), the waiting one, the requeued one
     assert redis_client.hget(Keys().run(waiting.id, 1), "decision") == b"defer"
+    broker.close()
+
+
+def test_a_rabbitmq_confirm_that_never_comes_fails_the_publish_in_time_and_loses_nothing(
+    rabbitmq_url: str, redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # README: a publish waits at most 30 s for its confirm (a broker under an alarm blocks
+    # publishers). The replayer's connection goes through a proxy that swallows every byte,
+    # both ways, from its second publish on (its publishing channel open): no confirm comes.
+    assert amqp.CONFIRM_TIMEOUT_S == 30.0
+    monkeypatch.setattr(amqp, "CONFIRM_TIMEOUT_S", 2.0)  # the same wait, shorter
+    settings = gate_settings(redis_url, broker_url=rabbitmq_url, max_queue_age_s=0.2)
+    app = create_app(settings, rabbitmq_url)
+    embed = app.tasks["tests.embed"]
+    embed.delay(0)
+    time.sleep(0.3)  # free is older than the cap, and nothing consumes it
+    jobs = [embed.delay(1).id, embed.delay(2).id]
+    broker = broker_for(settings, app)
+    assert wait_until(lambda: broker.length("defer") == 2, timeout_s=5)
+    target = urlsplit(rabbitmq_url)
+    hole = BlackHole((target.hostname or "127.0.0.1", target.port or 5672))
+    through = target._replace(netloc=f"{target.username}:{target.password}@127.0.0.1:{hole.port}")
+    held = settings.model_copy(update={"broker_url": urlunsplit(through)})
+    replayer = Replayer(held, broker_for(held, app), redis_client, app=app)
+    publish = amqp.AmqpBroker._publish
+
+    published: list[str] = []
+
+    def swallowed(self: amqp.AmqpBroker, queue: str, message: dict[str, Any]) -> None:
+        published.append(queue)
+        if len(published) == 2:
+            hole.forget()  # the connection open now: taken from, publishing on
+        publish(self, queue, message)
+
+    monkeypatch.setattr(amqp.AmqpBroker, "_publish", swallowed)
+    started, counts = time.monotonic(), Counter[str]()
+    passing = threading.Thread(
+        target=lambda: counts.update(replayer.run(threading.Event(), once=True)), daemon=True
+    )
+    passing.start()
+    passing.join(timeout=20)
+    assert not passing.is_alive(), "the replayer hung after the confirm did not come"
+    took = time.monotonic() - started
+    assert 2.0 <= took < 15.0, took  # it waited for the confirm, and no longer
+    assert len(published) == 2 and counts["given_back"] == 1, counts  # one was not confirmed
+    hole.close()
+    # The connection dropped after the fault: RabbitMQ gives that original back to defer; the
+    # other's confirmed copy waits in its backoff's delay queue (then in defer). None lost,
+    # none doubled: the first task in free and these two, wherever they wait.
+    delays = [f"defer.delay.{ms}" for ms in delay_ladder(1.0, settings.replay_backoff_max_s)]
+    total = lambda: sum(broker.length(q) for q in ("free", "defer", "reserved", *delays))  # noqa: E731
+    assert wait_until(lambda: total() == 3 and broker.length("defer") >= 1, timeout_s=10)
+    time.sleep(1.5)
+    assert total() == 3
+    assert all(redis_client.hget(KEYS.run(job, 1), "decision") == b"defer" for job in jobs)
     broker.close()

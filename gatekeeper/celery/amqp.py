@@ -147,16 +147,22 @@ class AmqpBroker:
                 raise
         return self._taking
 
-    def _faulted(self) -> None:
-        """Drop the connection after a fault: RabbitMQ gives back what it had delivered."""
+    def _faulted(self, graceful: bool = False) -> None:
+        """Drop the connection after a fault: RabbitMQ gives back what it had delivered. Its
+        socket is closed without AMQP's closing handshake (``collect``): a broker that stopped
+        answering (a memory or disk alarm blocks a publishing connection; a black-holed flow)
+        would never answer it, and the replayer would wait for good."""
         if self._connection is not None:
             with suppress(Exception):  # already gone
-                self._connection.release()
+                if graceful:
+                    self._connection.release()
+                else:
+                    self._connection.collect()
         self._connection, self._taking, self._publishing, self._producer = None, None, None, None
         self._declared.clear()
 
     def close(self) -> None:
-        self._faulted()
+        self._faulted(graceful=True)
 
     def abort(self) -> None:
         """After a failed pass: drop the connection, so nothing stays taken and unacked."""
