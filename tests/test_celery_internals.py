@@ -22,6 +22,7 @@ from gatekeeper.celery.private import (
     bound_for,
     check_celery_shape,
     checked_sender,
+    outstanding,
     promised_task,
 )
 from gatekeeper.errors import CeleryShapeError
@@ -241,3 +242,23 @@ def test_first_publishes_from_many_threads_keep_the_wrapper_on_an_amqp_subclass(
         for thread in threads:
             thread.join()
         assert vars(app.amqp)["send_task_message"] == gate.send_task_message, round_
+
+
+def test_the_workers_held_requests_are_told_apart_by_identity() -> None:
+    # Celery keeps the requests it holds in weak sets; outstanding() must read them (it raised
+    # on every Celery when it expected a set, so Received could tell no ended request apart).
+    from celery.worker import state
+
+    class Request:  # two requests with one task id: Celery's have no __eq__
+        id = "J"
+
+    first, second = Request(), Request()
+    state.active_requests.add(first)
+    state.reserved_requests.add(second)
+    try:
+        assert outstanding(first) and outstanding(second)
+        state.active_requests.discard(first)
+        assert not outstanding(first) and outstanding(second)
+    finally:
+        state.active_requests.discard(first)
+        state.reserved_requests.discard(second)

@@ -44,17 +44,27 @@ def runs(client: redis.Redis) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in client.lrange(RUNS_KEY, 0, -1)]
 
 
+def kill_run(client: redis.Redis, index: int, started: int = 1) -> None:
+    """SIGKILL the pool child of the ``index``-th run, once ``started`` runs have begun."""
+    assert wait_until(lambda: len(runs(client)) >= started)
+    os.kill(runs(client)[index]["pid"], signal.SIGKILL)
+
+
 def wait_rows(client: redis.Redis, count: int, log: Path) -> list[dict[str, Any]]:
     assert wait_until(lambda: len(rows(client)) >= count, 30), log.read_text()
     time.sleep(1.0)  # a duplicate signal, if any, would land now
     return rows(client)
 
 
+def gate_down(redis_url: str) -> Any:
+    """An app whose gate's Redis is unreachable: its publishes go to reserved, unrecorded."""
+    down = f"redis://127.0.0.1:{unused_port()}/0"
+    return create_app(gate_settings(down, redis_timeout_s=0.2), redis_url)
+
+
 def unverified_publish(redis_url: str, redis_client: redis.Redis, task: str, **kw: Any) -> str:
     """Publish ``task`` with the gate's Redis unreachable: reserved, no record, no nonce."""
-    down = f"redis://127.0.0.1:{unused_port()}/0"
-    app = create_app(gate_settings(down, redis_timeout_s=0.2), redis_url)
-    job = str(app.tasks[task].apply_async(kwargs=kw).id)
+    job = str(gate_down(redis_url).tasks[task].apply_async(kwargs=kw).id)
     (message,) = queue_messages(redis_client, "reserved")
     assert message["headers"]["gatekeeper_reason"] == "gate_unavailable"
     assert "gatekeeper_nonce" not in message["headers"]
@@ -71,8 +81,7 @@ def test_a_sigkilled_unverified_run_is_one_killed_row(
     job = unverified_publish(redis_url, redis_client, "tests.sleepy")
     log = tmp_path / "w.log"
     with running_worker(redis_url, log, queues="reserved"):
-        assert wait_until(lambda: len(runs(redis_client)) == 1)
-        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
+        kill_run(redis_client, 0)
         (row,) = wait_rows(redis_client, 1, log)
     assert shown(row) == (job, 1, "killed", "reserved", False)
     assert row["retry_tax"] == 0.0 and 0 <= row["queue_wait_ms"] < 60_000
@@ -103,8 +112,7 @@ def test_an_unverified_run_that_died_unseen_is_rowed_by_its_redelivered_copy(
     job = unverified_publish(redis_url, redis_client, "tests.lost_late")
     log = tmp_path / "w.log"
     with running_worker(redis_url, log, queues="reserved"):
-        assert wait_until(lambda: len(runs(redis_client)) == 1)
-        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
+        kill_run(redis_client, 0)
         first, second = wait_rows(redis_client, 2, log)
     assert [r["id"] for r in runs(redis_client)] == [job, job]
     assert shown(first) == (job, 1, "killed", "reserved", False)
@@ -207,10 +215,13 @@ def script(redis_url: str, redis_client: redis.Redis) -> Any:
     return UnverifiedRuns(RunLedger.from_settings(redis_client, gate_settings(redis_url)))._script
 
 
-def start(run_script: Any, now_ms: int, token: str, redelivered: str = "0") -> list[Any]:
+def start(
+    run_script: Any, now_ms: int, token: str, redelivered: str = "0", worker: str = "w@host"
+) -> list[Any]:
     keys = [KEYS.unverified("J", 1), KEYS.stats, KEYS.unverified_started]
-    return list(run_script(keys=keys, args=["start", "J:1", str(now_ms), "100", token,
-                                            redelivered, "4242"]))  # fmt: skip
+    args = ["start", "J:1", str(now_ms), "100", token, redelivered, "4242", worker,
+            "task", "tests.sleepy", "decision", "reserved"]  # fmt: skip
+    return list(run_script(keys=keys, args=args))
 
 
 def row(run_script: Any, run: int, token: str) -> int:
@@ -230,7 +241,10 @@ def test_a_start_sent_again_with_its_token_counts_one_run(
     assert start(run_script, 3000, "t2") == [2, 0, b"0"]
     # Redelivered: the run before it has no row, so it died with its worker.
     assert start(run_script, 4000, "t3", redelivered="1") == [3, 2, b"3000"]
+    # The first start sent again after the others (its reply lost, read at its run's end).
+    assert start(run_script, 5000, "t1") == [1, 0, b"0"]
     assert redis_client.hget(KEYS.stats, "unverified_runs") == b"3"
+    assert redis_client.hget(KEYS.unverified("J", 1), "open") == b"3"
 
 
 def test_a_row_sent_again_with_its_token_is_written_once_and_told_so(
@@ -247,6 +261,24 @@ def test_a_row_sent_again_with_its_token_is_written_once_and_told_so(
     assert row(run_script, 1, "c") == 1  # rowed after a later run: each run on its own
     assert redis_client.zscore(KEYS.unverified_started, "J:1") is None
     assert redis_client.llen(KEYS.window_rows(1)) == 2
+
+
+def test_each_run_is_judged_by_its_own_worker_and_pool_child(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    run_script = script(redis_url, redis_client)
+    store = UnverifiedRuns(RunLedger.from_settings(redis_client, gate_settings(redis_url)))
+    start(run_script, 1000, "t1", worker="gone@nowhere")
+    start(run_script, 2000, "t2", worker="alive@host")  # a second copy, on a live worker
+    redis_client.set(KEYS.worker("alive@host"), "1")
+    ledger = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+    assert len(sweep(ledger, 10**13, 0)) == 1  # run 1 only: its worker is gone, not run 2's
+    assert [run for run, _, _ in store.open_runs("J", 1) or []] == [2]
+    # The main process names the run its child ran: by pid and worker, never another's.
+    assert store.ended_in("J", 1, (4242, "alive@host")) is not None
+    assert store.ended_in("J", 1, (4242, "other@host")) is None  # same pid, another host
+    assert store.ended_in("J", 1, (9999, "alive@host")) is None  # rowed already, or not its
+    assert store.ended_in("J", 1, (0, ""))[0] == 2  # type: ignore[index]  # the one left
 
 
 def test_a_row_sent_again_after_a_lost_connection_is_logged_once(
@@ -272,37 +304,25 @@ def test_a_row_sent_again_after_a_lost_connection_is_logged_once(
     assert len(rows(redis_client)) == 1 and len(lines) == 1
 
 
-def test_two_copies_of_one_id_that_both_run_get_two_ok_rows(
-    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+@pytest.mark.parametrize("kill_first", [False, True])
+def test_two_copies_of_one_id_run_at_once_each_get_their_own_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, kill_first: bool
 ) -> None:
     # A caller's second copy of an unverified job's id, run while the first runs: neither is
-    # taken for dead (nothing was redelivered), each run gets its own row.
-    down = f"redis://127.0.0.1:{unused_port()}/0"
-    task = create_app(gate_settings(down, redis_timeout_s=0.2), redis_url).tasks["tests.sleepy"]
-    log = tmp_path / "w.log"
+    # taken for dead (nothing was redelivered), each run gets its own row; and when the first
+    # copy's child is killed, the main process rows the run that child ran (by its pid), not
+    # the latest run.
+    task, log = gate_down(redis_url).tasks["tests.sleepy"], tmp_path / "w.log"
     with running_worker(redis_url, log, queues="reserved", concurrency=2):
-        task.apply_async(kwargs={"sleep_s": 3.0}, task_id="J")
+        task.apply_async(kwargs={"sleep_s": 30.0 if kill_first else 3.0}, task_id="J")
         assert wait_until(lambda: len(runs(redis_client)) == 1)
         task.apply_async(kwargs={"sleep_s": 0.5}, task_id="J")
+        if kill_first:
+            kill_run(redis_client, 0, started=2)
         found = wait_rows(redis_client, 2, log)
-    assert sorted(shown(r) for r in found) == [("J", 1, "ok", "reserved", False)] * 2, log
-
-
-def test_killing_one_of_two_copies_of_an_id_rows_the_killed_one_only(
-    redis_url: str, redis_client: redis.Redis, tmp_path: Path
-) -> None:
-    # The main process ends the run its dead child ran (by its pid), not the latest run.
-    down = f"redis://127.0.0.1:{unused_port()}/0"
-    task = create_app(gate_settings(down, redis_timeout_s=0.2), redis_url).tasks["tests.sleepy"]
-    log = tmp_path / "w.log"
-    with running_worker(redis_url, log, queues="reserved", concurrency=2):
-        task.apply_async(kwargs={"sleep_s": 30.0}, task_id="J")
-        assert wait_until(lambda: len(runs(redis_client)) == 1)
-        task.apply_async(kwargs={"sleep_s": 3.0}, task_id="J")
-        assert wait_until(lambda: len(runs(redis_client)) == 2)
-        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)  # the 30 s copy: run 1
-        found = wait_rows(redis_client, 2, log)
-    assert sorted(r["outcome"] for r in found) == ["killed", "ok"], log.read_text()
+    expected = ["killed", "ok"] if kill_first else ["ok", "ok"]
+    assert sorted(r["outcome"] for r in found) == expected, log.read_text()
+    assert all(shown(r)[:2] == ("J", 1) and not r["verified"] for r in found)
 
 
 def test_an_unverified_child_killed_under_retry_on_worker_lost_is_one_killed_row(
@@ -312,8 +332,7 @@ def test_an_unverified_child_killed_under_retry_on_worker_lost_is_one_killed_row
     job = unverified_publish(redis_url, redis_client, "tests.lost_retry")
     log = tmp_path / "w.log"
     with running_worker(redis_url, log, queues="free,reserved"):
-        assert wait_until(lambda: len(runs(redis_client)) == 1)
-        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
+        kill_run(redis_client, 0)
         retried = hasattr(celery.Task, "retry_on_worker_lost")
         assert wait_until(lambda: len(runs(redis_client)) == 1 + retried, 30), log.read_text()
         killed = wait_rows(redis_client, 1, log)[0]

@@ -220,7 +220,7 @@ class AmqpBroker:
         """Nothing to set up: RabbitMQ holds what a replayer took until it is acked."""
 
     def end(self) -> None:
-        self._faulted()  # anything taken and not acked goes back to its queue
+        self._faulted(graceful=True)  # anything taken and not acked goes back to its queue
 
     def beat(self) -> None:
         """Nothing to prove: a dead replayer's connection drops and its messages come back."""

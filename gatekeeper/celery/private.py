@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from celery import Celery
@@ -345,10 +346,11 @@ def capture_message(
 
 def outstanding(request: Any) -> bool:
     """Whether the worker still holds this request (reserved or running): a request that has
-    just ended is no longer held when its signal fires."""
+    just ended is no longer held when its signal fires. Celery keeps them in weak sets, by
+    identity: of two requests with one task id, the one that ended is told apart."""
     from celery.worker import state
 
     active, reserved = state.active_requests, state.reserved_requests
-    if not isinstance(active, (set, frozenset)) or not hasattr(reserved, "__contains__"):
+    if not isinstance(active, AbstractSet) or not isinstance(reserved, AbstractSet):
         raise CeleryShapeError("celery.worker.state's active/reserved requests changed shape")
     return request in active or request in reserved

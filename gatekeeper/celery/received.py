@@ -10,14 +10,17 @@ it no longer holds.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from typing import Any
 
 from gatekeeper.celery.message import claims, nonce_of
 from gatekeeper.celery.private import outstanding
 
-__all__ = ["RECEIVED_CACHE_SIZE", "Received"]
+__all__ = ["NOWHERE", "RECEIVED_CACHE_SIZE", "RanIn", "Received"]
+
+RanIn = tuple[int, str]
+"""Where a request ran: its pool child's pid (Celery's ``worker_pid``) and the worker's name."""
+NOWHERE: RanIn = (0, "")
 
 RECEIVED_CACHE_SIZE = 10_000
 """Task ids kept at most (the oldest are forgotten first)."""
@@ -40,14 +43,14 @@ class Received:
         while len(self._by_id) > RECEIVED_CACHE_SIZE:
             self._by_id.popitem(last=False)
 
-    def ended(self, job_id: str) -> tuple[dict[str, Any] | None, int]:
+    def ended(self, job_id: str) -> tuple[dict[str, Any] | None, RanIn]:
         """The gatekeeper headers of the request with this id that just ended; ``{}`` when
         none of ours claims any; None when the ended ones disagree (two messages with one
-        id, both ended since the last prune): nothing may be attributed then. And the pid of
-        the pool child that ran it, when one request ended (0: unknown)."""
+        id, both ended since the last prune): nothing may be attributed then. And where it
+        ran, when one request ended (:data:`NOWHERE`: unknown)."""
         held = self._by_id.get(job_id)
         if not held:
-            return {}, 0
+            return {}, NOWHERE
         try:
             ended = [entry for entry in held if not outstanding(entry[0])]
         except Exception:  # a changed Celery: only a lone request can be told
@@ -58,12 +61,12 @@ class Received:
         else:
             del self._by_id[job_id]
         headers = [h for _, h in ended]
-        pid = _pid_of(ended) or _pid_of([e for e in held if not _alive(e[0])])
+        ran_in = _ran_in(ended[0][0]) if len(ended) == 1 else NOWHERE
         if not any(claims(h) for h in headers):
-            return {}, pid
+            return {}, ran_in
         if len({nonce_of(h) for h in headers}) != 1 or not all(claims(h) for h in headers):
-            return None, 0
-        return headers[0], pid
+            return None, NOWHERE
+        return headers[0], ran_in
 
     def _prune(self) -> None:
         """Forget the requests the worker no longer holds."""
@@ -76,23 +79,6 @@ class Received:
             del self._by_id[job_id]
 
 
-def _pid_of(entries: list[tuple[Any, dict[str, Any]]]) -> int:
-    """The pool child's pid of the one request in ``entries`` (0: not exactly one, or none)."""
-    pid = getattr(entries[0][0], "worker_pid", None) if len(entries) == 1 else None
-    return pid if isinstance(pid, int) else 0
-
-
-def _alive(request: Any) -> bool:
-    """Whether the pool child that ran ``request`` still lives. Two requests with one id
-    (a caller's copy) are both held, by Celery's reckoning, until both end (it tells requests
-    apart by id): the one whose child died is the one that ended."""
-    pid = getattr(request, "worker_pid", None)
-    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
-        return True  # not a pool child of its own (threads, gevent): unknown, so alive
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
+def _ran_in(request: Any) -> RanIn:
+    pid, hostname = getattr(request, "worker_pid", None), getattr(request, "hostname", None)
+    return (pid if isinstance(pid, int) else 0, hostname if isinstance(hostname, str) else "")

@@ -25,7 +25,7 @@ from gatekeeper.redis.unverified import ROW_FIELDS, UnverifiedRuns
 
 __all__ = ["UnverifiedSide"]
 
-OWN = ("worker", "time_limit_s")
+OWN = ("time_limit_s",)
 """The fields of :data:`ROW_FIELDS` the worker knows itself (``own_fields``), not the message."""
 
 
@@ -47,7 +47,8 @@ class UnverifiedSide:
         record = unverified(task, headers, now_ms)
         fields = {name: own[name] if name in OWN else str(getattr(record, name))
                   for name in ROW_FIELDS}  # fmt: skip
-        return self.store.send_start(job_id, attempt, now_ms, fields, redelivered, os.getpid())
+        ran_in = (os.getpid(), own.get("worker", ""))
+        return self.store.send_start(job_id, attempt, now_ms, fields, redelivered, ran_in)
 
     def refused(
         self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], started: Started,
@@ -73,10 +74,10 @@ class UnverifiedSide:
                          kind="forged", reason="attempt_not_the_gates")  # fmt: skip
         self.runs.client.hincrby(self.runs.keys.stats, "forged_runs", 1)
 
-    def end_latest(self, job_id: str, attempt: int, reason: str, pid: int) -> None:
-        """From the main process: the run pool child ``pid`` ran (0: unknown, the latest
-        run), killed, unless it has its row."""
-        ended = self.store.ended_in(job_id, attempt, pid)
+    def end_latest(self, job_id: str, attempt: int, reason: str, ran_in: tuple[int, str]) -> None:
+        """From the main process: the run its pool child ran (``ran_in``: its pid and the
+        worker's name, gatekeeper/celery/received.py), killed, unless it has its row."""
+        ended = self.store.ended_in(job_id, attempt, ran_in)
         if ended is not None:
             run, record = ended
             self.end(job_id, Running(attempt, run, record, False), Outcome.KILLED, reason)

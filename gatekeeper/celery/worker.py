@@ -58,7 +58,7 @@ from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers
 from gatekeeper.celery.metering import take_metered
 from gatekeeper.celery.postrun import ended_at_postrun
-from gatekeeper.celery.received import Received
+from gatekeeper.celery.received import NOWHERE, RanIn, Received
 from gatekeeper.celery.running import Running, Starting, Starts
 from gatekeeper.celery.unverified import UnverifiedSide
 from gatekeeper.core.ledger import Outcome
@@ -99,8 +99,6 @@ class WorkerSide:
         self._running: dict[str, Running] = {}
         self._starts = Starts()
         self._received = Received()
-        self._ended_pid = 0
-        """The pool child that ran the request :meth:`_headers_of` last found ended."""
 
     def _ours(self, task: Any) -> bool:
         return task is not None and getattr(task, "app", None) is self.app
@@ -139,16 +137,16 @@ class WorkerSide:
             return
         self._guarded("revoked", request.id, lambda: self._release(request))
 
-    def _headers_of(self, job_id: str, request: Any) -> dict[str, Any]:
-        """The headers of the request that just ended (see :class:`Received`)."""
-        ended, self._ended_pid = self._received.ended(job_id)
+    def _headers_of(self, job_id: str, request: Any) -> tuple[dict[str, Any], RanIn]:
+        """The headers of the request that just ended, and where it ran (:class:`Received`)."""
+        ended, ran_in = self._received.ended(job_id)
         if ended is None:
             self.log.warning("ledger_ambiguous_end", job_id=job_id)
-            return {}
-        return ended or request_headers(request)
+            return {}, NOWHERE
+        return ended or request_headers(request), ran_in
 
     def _release(self, request: Any) -> None:
-        headers = self._headers_of(request.id, request)
+        headers, _ = self._headers_of(request.id, request)
         if not claims(headers):
             return
         attempt = message.attempt_of(headers)
@@ -161,12 +159,12 @@ class WorkerSide:
 
     def _finish_elsewhere(self, task: Any, job_id: str, reason: str) -> None:
         """End the latest run of an attempt from the main process, where no run is in memory."""
-        headers = self._headers_of(job_id, getattr(task, "request", None))
+        headers, ran_in = self._headers_of(job_id, getattr(task, "request", None))
         if not claims(headers):
             return
         attempt = message.attempt_of(headers)
         if not nonce_of(headers):  # unverified: its latest run, unless it has its row
-            self.unverified.end_latest(job_id, attempt, reason, self._ended_pid)
+            self.unverified.end_latest(job_id, attempt, reason, ran_in)
             return
         stored = self.runs.record(job_id, attempt)
         if stored is None or stored[1].nonce != nonce_of(headers):

@@ -9,10 +9,10 @@
 -- rowed on its own (`r:<run>`), never as "every run up to n": two copies of one task id (a
 -- caller's) may run at once and end in any order.
 --
--- KEYS[1] unverified:<job_id>:<attempt>  hash: runs; o:<run> = '<started_ms>|<pid>' while the
---                                        run has no row; r:<run> = the token of the call that
---                                        wrote its row; open (runs without a row);
---                                        start_token, start_reply; the row's fields (below)
+-- KEYS[1] unverified:<job_id>:<attempt>  hash: runs; o:<run> = '<started_ms>|<pid>|<worker>'
+--                                        while the run has no row; r:<run> = the token of the
+--                                        call that wrote its row; open (runs without a row);
+--                                        t:<token> = a start's reply; the row's fields (below)
 --
 -- ARGV[1] is what to do:
 --
@@ -24,8 +24,8 @@
 --   ARGV[5] token (the same again: a start re-sent after a lost reply, answered as before)
 --   ARGV[6] redelivered ('1': the broker delivered this message again: the run before it, if
 --           it has no row, died with its worker)  ARGV[7] the pool child's pid
---   ARGV[8..] field, value pairs: what the run's row needs (task, worker, decision, times,
---   tokens, retries, time_limit_s), as the worker read them from the message
+--   ARGV[8] the worker's name  ARGV[9..] field, value pairs: what the run's row needs (task,
+--   decision, times, tokens, retries, time_limit_s), as the worker read them from the message
 --   Returns {run, dead_run, dead_started_ms} (dead_run 0: none).
 --
 -- 'row': write the row of run ARGV[3] unless it has one.
@@ -38,13 +38,13 @@
 --   every script on the worker's line answers: gatekeeper/redis/wire.py).
 
 if ARGV[1] == 'start' then
-  local held = redis.call('HMGET', KEYS[1], 'start_token', 'start_reply', 'runs')
-  if ARGV[5] ~= '' and held[1] == ARGV[5] then
-    local run, dead, dead_ms = string.match(held[2], '^(%d+)|(%d+)|(%d+)$')
+  local held = redis.call('HMGET', KEYS[1], 't:' .. ARGV[5], 'runs')
+  if ARGV[5] ~= '' and held[1] then  -- this start was applied already: its reply again
+    local run, dead, dead_ms = string.match(held[1], '^(%d+)|(%d+)|(%d+)$')
     return {tonumber(run), tonumber(dead), dead_ms}
   end
   redis.call('HINCRBY', KEYS[2], 'unverified_runs', '1')
-  local run = tonumber(held[3] or '0') + 1
+  local run = tonumber(held[2] or '0') + 1
   local dead, dead_ms = 0, '0'
   if ARGV[6] == '1' and run > 1 then
     local open = redis.call('HGET', KEYS[1], 'o:' .. (run - 1))
@@ -52,9 +52,9 @@ if ARGV[1] == 'start' then
       dead, dead_ms = run - 1, string.match(open, '^(%d+)')
     end
   end
-  local fields = {'runs', run, 'o:' .. run, ARGV[3] .. '|' .. ARGV[7], 'start_token', ARGV[5],
-    'start_reply', run .. '|' .. dead .. '|' .. dead_ms}
-  for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+  local fields = {'runs', run, 'o:' .. run, ARGV[3] .. '|' .. ARGV[7] .. '|' .. ARGV[8],
+    't:' .. ARGV[5], run .. '|' .. dead .. '|' .. dead_ms}
+  for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
   redis.call('HSET', KEYS[1], unpack(fields))
   redis.call('HINCRBY', KEYS[1], 'open', '1')
   redis.call('EXPIRE', KEYS[1], ARGV[4])

@@ -27,9 +27,10 @@ from gatekeeper.redis.scripts import load_lua, text_of
 
 __all__ = ["ROW_FIELDS", "UnverifiedRuns"]
 
-ROW_FIELDS = ("task", "worker", "decision", "published_ms", "admitted_ms", "deadline_ms",
-              "tokens_in", "tokens_out", "retries", "time_limit_s")  # fmt: skip
-"""What an unverified run's hash keeps of its message for the row (:class:`RunRecord`'s names)."""
+ROW_FIELDS = ("task", "decision", "published_ms", "admitted_ms", "deadline_ms", "tokens_in",
+              "tokens_out", "retries", "time_limit_s")  # fmt: skip
+"""What an unverified run's hash keeps of its message for the row (:class:`RunRecord`'s names);
+each run's start time, pool child and worker are kept apart (``o:<run>``)."""
 
 
 class UnverifiedRuns:
@@ -42,9 +43,10 @@ class UnverifiedRuns:
 
     def send_start(
         self, job_id: str, attempt: int, now_ms: int, fields: dict[str, str],
-        redelivered: bool, pid: int,
+        redelivered: bool, ran_in: tuple[int, str],
     ) -> StartCall:  # fmt: skip
-        """Count a run of the attempt (in pool child ``pid``), with ``fields``
+        """Count a run of the attempt (in pool child ``pid`` of ``worker``: ``ran_in``), with
+        ``fields``
         (:data:`ROW_FIELDS`), sent as a gated run's start is (read when it ends,
         gatekeeper/redis/run_start.py); its :class:`Started` says ``unverified``, the run's
         number and, for a ``redelivered`` message, the run before it if that has no row."""
@@ -52,7 +54,7 @@ class UnverifiedRuns:
         keys = [self.runs.keys.unverified(job_id, attempt), self.runs.keys.stats,
                 self.runs.keys.unverified_started]  # fmt: skip
         args = ["start", member, str(now_ms), self.ttl_s, secrets.token_hex(8),
-                "1" if redelivered else "0", str(pid)]  # fmt: skip
+                "1" if redelivered else "0", str(ran_in[0]), ran_in[1]]  # fmt: skip
         for name in ROW_FIELDS:
             args += [name, fields.get(name, "")]
         return StartCall.send(member, self.runs.line, self.runs.client, self._script, keys,
@@ -71,18 +73,23 @@ class UnverifiedRuns:
         found = []
         for name, value in fields.items():
             if name.startswith("o:"):
-                started, _, pid = value.partition("|")
-                record = RunRecord.from_fields({**fields, "started_ms": started})
+                started, pid, worker = [*value.split("|", 2), "", ""][:3]
+                record = RunRecord.from_fields({**fields, "started_ms": started, "worker": worker})
                 found.append((int(name[2:]), int(pid or 0), record))
         return sorted(found, key=lambda run: run[0])
 
-    def ended_in(self, job_id: str, attempt: int, pid: int) -> tuple[int, RunRecord] | None:
-        """The run without a row that pool child ``pid`` ran (0: unknown, the latest)."""
+    def ended_in(
+        self, job_id: str, attempt: int, ran_in: tuple[int, str]
+    ) -> tuple[int, RunRecord] | None:
+        """The latest run without a row that pool child ``pid`` of ``worker`` ran
+        (``ran_in``); with no pid known, the one run without a row. None when there is no
+        such run (it has its row: a signal that fired twice), or no telling which."""
         runs = self.open_runs(job_id, attempt) or []
-        for run, ran_in, record in runs:
-            if pid and ran_in == pid:
-                return run, record
-        return (runs[-1][0], runs[-1][2]) if runs else None
+        pid, worker = ran_in
+        if pid:
+            mine = [(run, rec) for run, ran, rec in runs if ran == pid and rec.worker == worker]
+            return mine[-1] if mine else None
+        return (runs[0][0], runs[0][2]) if len(runs) == 1 else None
 
     def stale(self, now_ms: int, older_than_s: float) -> list[tuple[str, int]]:
         """Attempts whose latest start was more than ``older_than_s`` ago, with a run that
