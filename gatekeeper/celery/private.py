@@ -345,12 +345,15 @@ def capture_message(
 
 
 def outstanding(request: Any) -> bool:
-    """Whether the worker still holds this request (reserved or running): a request that has
-    just ended is no longer held when its signal fires. Celery keeps them in weak sets, by
+    """Whether the worker still holds this request (reserved, running or, where Celery keeps
+    them apart, waiting on its ETA): a request that has just ended is no longer held when its
+    signal fires. Celery keeps them in weak sets, by
     identity: of two requests with one task id, the one that ended is told apart."""
     from celery.worker import state
 
     active, reserved = state.active_requests, state.reserved_requests
     if not isinstance(active, AbstractSet) or not isinstance(reserved, AbstractSet):
         raise CeleryShapeError("celery.worker.state's active/reserved requests changed shape")
-    return request in active or request in reserved
+    scheduled = getattr(state, "scheduled_requests", None)  # ETA and countdown (5.6+)
+    waiting = isinstance(scheduled, AbstractSet) and request in scheduled
+    return request in active or request in reserved or waiting

@@ -11,6 +11,7 @@ it no longer holds.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import suppress
 from typing import Any
 
 from gatekeeper.celery.message import claims, nonce_of
@@ -39,7 +40,12 @@ class Received:
         self._arrivals += 1
         if self._arrivals % PRUNE_EVERY == 0:
             self._prune()
-        self._by_id.setdefault(request.id, []).append((request, headers))
+        held = self._by_id.setdefault(request.id, [])
+        # A retry's request: the run before it ended (in its pool child): forget that one. (A
+        # changed Celery: keep them; the cache is bounded anyway.)
+        with suppress(Exception):
+            held[:] = [entry for entry in held if not _ran_out(entry[0])]
+        held.append((request, headers))
         while len(self._by_id) > RECEIVED_CACHE_SIZE:
             self._by_id.popitem(last=False)
 
@@ -72,7 +78,7 @@ class Received:
         """Forget the requests the worker no longer holds."""
         try:
             gone = [job_id for job_id, held in self._by_id.items()
-                    if not any(outstanding(request) for request, _ in held)]  # fmt: skip
+                    if all(_ran_out(request) for request, _ in held)]  # fmt: skip
         except Exception:  # a changed Celery: keep them; the cache is bounded anyway
             return
         for job_id in gone:
@@ -82,3 +88,10 @@ class Received:
 def _ran_in(request: Any) -> RanIn:
     pid, hostname = getattr(request, "worker_pid", None), getattr(request, "hostname", None)
     return (pid if isinstance(pid, int) else 0, hostname if isinstance(hostname, str) else "")
+
+
+def _ran_out(request: Any) -> bool:
+    """Whether a request started and the worker no longer holds it: it ended. One that never
+    started is kept (it may be waiting on its ETA, a countdown or a rate limit, where Celery
+    5.5 holds it in no set of its own)."""
+    return getattr(request, "time_start", None) is not None and not outstanding(request)

@@ -74,6 +74,7 @@ class UnverifiedRuns:
         for name, value in fields.items():
             if name.startswith("o:"):
                 started, pid, worker = [*value.split("|", 2), "", ""][:3]
+                worker = worker or fields.get("worker", "")  # a hash an earlier build wrote
                 record = RunRecord.from_fields({**fields, "started_ms": started, "worker": worker})
                 found.append((int(name[2:]), int(pid or 0), record))
         return sorted(found, key=lambda run: run[0])
