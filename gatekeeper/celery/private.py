@@ -347,8 +347,8 @@ def capture_message(
 def outstanding(request: Any) -> bool:
     """Whether the worker still holds this request (reserved, running or, where Celery keeps
     them apart, waiting on its ETA): a request that has just ended is no longer held when its
-    signal fires. Celery keeps them in weak sets, by
-    identity: of two requests with one task id, the one that ended is told apart."""
+    signal fires. Celery keeps them in weak sets, by identity: of two requests with one task
+    id, the one that ended is told apart."""
     from celery.worker import state
 
     active, reserved = state.active_requests, state.reserved_requests

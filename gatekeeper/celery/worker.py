@@ -163,7 +163,7 @@ class WorkerSide:
         if not claims(headers):
             return
         attempt = message.attempt_of(headers)
-        if not nonce_of(headers):  # unverified: its latest run, unless it has its row
+        if not nonce_of(headers):  # unverified: the run its pool child ran, unless rowed
             self.unverified.end_latest(job_id, attempt, reason, ran_in)
             return
         stored = self.runs.record(job_id, attempt)

@@ -5,7 +5,7 @@ gets an unverified row for each run, as a gated run does: its runs are counted i
 of their own, ``unverified:<job_id>:<attempt>`` (keys.py, kept ``RECORD_RETENTION_S``), with
 what a row needs as the worker read it from the message. So the main process can give a run
 whose pool child was killed its row, the sweep one whose whole worker vanished
-(``unverified:started``), the next run of a redelivered message finds the run that died before
+(``unverified:started``), the redelivered copy of a message finds the run that died before
 it, and a signal that fires twice writes one row. Such messages are rare (the gate's Redis was
 down when they were published, or the gate failed closed), so a worker pays for this only then.
 """
@@ -45,9 +45,8 @@ class UnverifiedRuns:
         self, job_id: str, attempt: int, now_ms: int, fields: dict[str, str],
         redelivered: bool, ran_in: tuple[int, str],
     ) -> StartCall:  # fmt: skip
-        """Count a run of the attempt (in pool child ``pid`` of ``worker``: ``ran_in``), with
-        ``fields``
-        (:data:`ROW_FIELDS`), sent as a gated run's start is (read when it ends,
+        """Count a run of the attempt (in the pool child and worker ``ran_in`` names), with
+        ``fields`` (:data:`ROW_FIELDS`), sent as a gated run's start is (read when it ends,
         gatekeeper/redis/run_start.py); its :class:`Started` says ``unverified``, the run's
         number and, for a ``redelivered`` message, the run before it if that has no row."""
         member = f"{job_id}:{attempt}"
