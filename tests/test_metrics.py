@@ -29,6 +29,7 @@ from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.store import GateStore
+from gatekeeper.redis.unverified import UnverifiedRuns
 from tests.apps.gated_app import create_app
 from tests.calls import gate_call
 from tests.conftest import gate_settings, initialised, missing_server
@@ -175,7 +176,7 @@ def test_rows_count_killed_abandoned_and_slack_misses_where_they_are_written(
     assert not ledger.abandon(abandoned, now, slack_miss=True).written  # once per attempt
     killed = make_row(job_id="k", attempt=1, path=RowPath.FREE, outcome=Outcome.KILLED,
                       queue_wait_ms=10, tokens_in=5, tokens_out=0, deadline_slack_ms=5)  # fmt: skip
-    ledger.unverified(killed, now)  # an unverified row is a ledger row too
+    UnverifiedRuns(ledger).write(killed, 1, now)  # an unverified row is a ledger row too
     with serving(collector_for(gate_settings(redis_url))) as url:
         samples = scrape(url)
     assert value(samples, "gatekeeper_abandoned_total") == 1

@@ -19,7 +19,8 @@ import redis
 from gatekeeper.celery.message import unverified
 from gatekeeper.celery.running import Running
 from gatekeeper.celery.worker import WorkerSide
-from gatekeeper.core.ledger import Outcome
+from gatekeeper.core.ledger import Outcome, make_row
+from gatekeeper.core.ledger import Path as RowPath
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
@@ -279,6 +280,19 @@ def test_each_run_is_judged_by_its_own_worker_and_pool_child(
     assert store.ended_in("J", 1, (4242, "other@host")) is None  # same pid, another host
     assert store.ended_in("J", 1, (9999, "alive@host")) is None  # rowed already, or not its
     assert store.ended_in("J", 1, (0, ""))[0] == 2  # type: ignore[index]  # the one left
+
+
+def test_an_unverified_abandonment_given_back_and_abandoned_again_is_rowed_once(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # The replayer's abandonment of a message with no nonce (run 0: no run of its own), its
+    # move refused and the message abandoned again by the next pass.
+    store = UnverifiedRuns(RunLedger.from_settings(redis_client, gate_settings(redis_url)))
+    row = make_row(job_id="J", attempt=1, path=RowPath.FREE, outcome=Outcome.ABANDONED,
+                   queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=-5)  # fmt: skip
+    assert store.write(row, 0, 1000) and not store.write(row, 0, 2000)
+    assert [(r["outcome"], r["verified"]) for r in rows(redis_client)] == [("abandoned", False)]
+    assert redis_client.hget(KEYS.totals, "abandoned") == b"1"
 
 
 def test_a_row_sent_again_after_a_lost_connection_is_logged_once(

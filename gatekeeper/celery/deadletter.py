@@ -120,7 +120,9 @@ def abandon(
     if trusted:
         done = self.runs.abandon(row, round(now * 1000), slack_miss=was_free)
     else:
-        self.runs.unverified(row, round(now * 1000))
+        # Run 0: the attempt's abandonment, rowed once (a message given back and abandoned
+        # again by a later pass is rowed as the first time).
+        self.unverified.write(row, 0, round(now * 1000))
         done = Finished(False, 0, 0)
     headers.update({H_DECISION: "abandoned", H_REASON: "deadline_passed"})
     self._send(taken, message, self.settings.dead_letter_queue, "deadline_passed")

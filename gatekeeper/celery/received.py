@@ -43,8 +43,9 @@ class Received:
         held = self._by_id.setdefault(request.id, [])
         # A retry's request: the run before it ended (in its pool child): forget that one. (A
         # changed Celery: keep them; the cache is bounded anyway.)
-        with suppress(Exception):
-            held[:] = [entry for entry in held if not _ran_out(entry[0])]
+        if held:  # (most ids arrive once: nothing to look at)
+            with suppress(Exception):
+                held[:] = [entry for entry in held if not _ran_out(entry[0])]
         held.append((request, headers))
         while len(self._by_id) > RECEIVED_CACHE_SIZE:
             self._by_id.popitem(last=False)

@@ -65,6 +65,7 @@ from gatekeeper.redis.lock import OneHolder
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.snapshot import forget_deferred, pass_completed
 from gatekeeper.redis.sweep import forget_purged, sweep
+from gatekeeper.redis.unverified import UnverifiedRuns
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["PRIORITY_SEP", "PRIORITY_STEPS", "Replayer", "queue_list"]
@@ -92,6 +93,7 @@ class Replayer:
         self.gate_client, self.clock = gate, clock
         self.pipeline = Pipeline.create(settings, gate, clock)
         self.runs = RunLedger.from_settings(gate, settings)
+        self.unverified = UnverifiedRuns(self.runs)  # an abandoned message's without a nonce
         self.log = make_logger(settings, "replay")
         self.alerts = make_logger(settings, "alert")
         self.defer = settings.defer_queue

@@ -23,7 +23,6 @@ from gatekeeper.core.ledger import LedgerRow, Outcome, Path, make_row, window_id
 from gatekeeper.core.service import bucket_of
 from gatekeeper.defaults import DECISION_RECORD_CAP, FREE_WAIT_ALLOWANCE_S, WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
-from gatekeeper.redis.cluster import home
 from gatekeeper.redis.kept import pack_own, too_long, unpack
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.queued import send_all
@@ -32,10 +31,7 @@ from gatekeeper.redis.scripts import evalsha, load_lua, text_of
 from gatekeeper.redis.wire import Line, call_script, has_lines
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["TOTALLED", "Finished", "RunLedger", "RunRecord", "Started"]
-
-TOTALLED = {Outcome.KILLED: "killed_rows", Outcome.ABANDONED: "abandoned"}
-"""Outcomes counted in the lifetime ``totals`` (keys.py), by their field there."""
+__all__ = ["Finished", "RunLedger", "RunRecord", "Started"]
 
 
 @dataclass(frozen=True)
@@ -236,23 +232,6 @@ class RunLedger:
             else None,
             charged_tokens_in=min(used, record.tokens_in) if free else None,
         )
-
-    def unverified(self, row: LedgerRow, now_ms: int) -> None:
-        """Write the row of a run the gate has no record of (unpriced: no tax, no exposure,
-        never counted toward a freeze or against a clean hour)."""
-        window = window_id(now_ms / 1000, self.window_seconds)
-        entry = {**row.to_json(), "retry_tax": 0.0, "verified": False}
-        try:
-            pipe = home(self.client, self.keys.window(window)).pipeline(transaction=True)
-            pipe.rpush(self.keys.window_rows(window), json.dumps(entry))
-            pipe.expire(self.keys.window_rows(window), self.retention_s)
-            pipe.hincrby(self.keys.window(window), f"unverified:{row.outcome.value}", 1)
-            pipe.expire(self.keys.window(window), self.retention_s)
-            if row.outcome in TOTALLED:  # a ledger row all the same: in the lifetime totals
-                pipe.hincrby(self.keys.totals, TOTALLED[row.outcome], 1)
-            pipe.execute()
-        except redis.RedisError as exc:
-            raise LedgerUnavailable(f"cannot write an unverified row: {exc}") from exc
 
     def finish(
         self,

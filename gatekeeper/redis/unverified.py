@@ -18,11 +18,11 @@ from typing import Any
 
 import redis
 
-from gatekeeper.core.ledger import LedgerRow, window_id
+from gatekeeper.core.ledger import LedgerRow, Outcome, window_id
 from gatekeeper.defaults import RECORD_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.run_start import StartCall, Started
-from gatekeeper.redis.runs import TOTALLED, RunLedger, RunRecord
+from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.scripts import load_lua, text_of
 
 __all__ = ["ROW_FIELDS", "UnverifiedRuns"]
@@ -31,6 +31,11 @@ ROW_FIELDS = ("task", "decision", "published_ms", "admitted_ms", "deadline_ms", 
               "tokens_out", "retries", "time_limit_s")  # fmt: skip
 """What an unverified run's hash keeps of its message for the row (:class:`RunRecord`'s names);
 each run's start time, pool child and worker are kept apart (``o:<run>``)."""
+
+
+TOTALLED = {Outcome.KILLED: "killed_rows", Outcome.ABANDONED: "abandoned"}
+"""Outcomes of unverified rows counted in the lifetime ``totals`` (keys.py), by their field
+there: ledger rows all the same."""
 
 
 class UnverifiedRuns:
@@ -108,7 +113,8 @@ class UnverifiedRuns:
 
     def write(self, row: LedgerRow, run: int, now_ms: int) -> bool:
         """Write the row of the attempt's run ``run`` (unpriced: no tax, no exposure, never
-        counted toward a freeze or against a clean hour); False when it had one already. A
+        counted toward a freeze or against a clean hour); False when it had one already. Run
+        0 is no run: the attempt's abandonment by the replayer (gatekeeper/celery/deadletter.py). A
         connection lost on the way sends it once more: the run's row is written once, and
         the call that wrote it is told so."""
         window = window_id(now_ms / 1000, self.runs.window_seconds)
