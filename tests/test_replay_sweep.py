@@ -21,7 +21,9 @@ from gatekeeper.celery.replay import SWEEP_EVERY_S, Replayer
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.scripts import text_of
+from gatekeeper.redis.sweep import RESTART_MARGIN_MS, _alive
 from tests.conftest import gate_settings, running_worker, wait_until
 from tests.test_worker_ledger import app_for, rows, runs, the_killed_row
 
@@ -33,14 +35,16 @@ STALE_S = 1.0
 
 @contextmanager
 def a_long_run(
-    redis_url: str, client: redis.Redis, log: Path
+    redis_url: str, client: redis.Redis, log: Path, hostname: str | None = None, started: int = 1
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A real worker, in a process group of its own with a heartbeat each second (a key of
-    3 s), running a gated ``tests.sleepy`` of 30 s: the worker and its hostname."""
-    with running_worker(redis_url, log, session=True, GATEKEEPER_WORKER_HEARTBEAT_S="1") as worker:
+    3 s), running a gated ``tests.sleepy`` of 30 s: the worker and its hostname (``started``:
+    how many runs are started in all once this one is)."""
+    with running_worker(redis_url, log, hostname=hostname, session=True,
+                        GATEKEEPER_WORKER_HEARTBEAT_S="1") as worker:  # fmt: skip
         job = app_for(redis_url).tasks["tests.sleepy"].delay().id
-        assert wait_until(lambda: len(runs(client)) == 1)
-        assert wait_until(lambda: client.zcard(KEYS.started) == 1)
+        assert wait_until(lambda: len(runs(client)) == started)
+        assert wait_until(lambda: client.zcard(KEYS.started) == started)
         record = {text_of(k): text_of(v) for k, v in client.hgetall(KEYS.run(job, 1)).items()}
         hostname = unpack(record)["worker"]
         assert hostname and client.exists(KEYS.worker(hostname))
@@ -76,6 +80,49 @@ def test_a_replay_pass_records_a_sigkilled_workers_run_as_killed_once(
     again = CliRunner().invoke(main, ["replay", "--once"])
     assert again.exit_code == 0, again.output
     assert len(rows(redis_client)) == 1
+
+
+def test_a_worker_restarted_under_its_name_does_not_hide_the_run_its_predecessor_left(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker SIGKILLed whole and started again under the same ``-n`` (a pod's name, ``celery
+    multi restart``) beats on the same key at once: the run the dead process left is still
+    swept as killed, and the new process's own long run is left alone."""
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    monkeypatch.setenv("GATEKEEPER_STALE_ATTEMPT_S", str(STALE_S))
+    name = f"same-{os.getpid()}@%h"
+    with a_long_run(redis_url, redis_client, tmp_path / "w1.log", name) as (worker, hostname):
+        time.sleep(RESTART_MARGIN_MS / 1000 + 0.2)  # begun well before its successor
+        (dead,) = [text_of(m).rpartition(":")[0] for m in redis_client.zrange(KEYS.started, 0, -1)]
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+    with a_long_run(redis_url, redis_client, tmp_path / "w2.log", name, started=2) as (_, again):
+        assert again == hostname and redis_client.exists(KEYS.worker(hostname))
+        time.sleep(STALE_S + 0.2)  # both runs are stale now; one worker of that name is alive
+        swept = CliRunner().invoke(main, ["sweep"])
+        assert swept.exit_code == 0, swept.output
+        found = rows(redis_client)  # the sweep wrote its rows before it returned
+        assert [(row["job_id"], row["outcome"], row["path"]) for row in found] == [
+            (dead, "killed", "free")
+        ]
+        assert redis_client.zcard(KEYS.started) == 1  # the live run still counts
+
+
+def test_a_heartbeat_an_earlier_build_wrote_keeps_every_run_of_its_worker_alive(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """``1``, the value before heartbeats said when their process began, and anything that is
+    not a finite number, read as a process begun at the epoch: its runs are alive, as before;
+    a process begun after the run says it is dead."""
+    ledger = RunLedger(redis_client, KEYS, window_seconds=900, queue_wait_unit_per_second=1.0)
+    record = RunRecord.from_fields({"started_ms": str(int(time.time() * 1000) - 60_000),
+                                    "worker": "old@host"})  # fmt: skip
+    for value in ("1", "not a number", "nan", "inf"):
+        redis_client.set(KEYS.worker("old@host"), value)
+        assert _alive(ledger, record, int(time.time() * 1000)), value
+    redis_client.set(KEYS.worker("old@host"), str(int(time.time() * 1000)))
+    assert not _alive(ledger, record, int(time.time() * 1000))
+    redis_client.delete(KEYS.worker("old@host"))
 
 
 def test_a_running_replayer_sweeps_again_once_a_minute_has_passed(

@@ -58,6 +58,7 @@ SIGNALS = (
     (task_postrun, "worker", "on_postrun"),  # before the lines' flush (hook.connect)
     (task_revoked, "worker", "on_revoked"),
     (worker_init, "expiry", "on_worker_init"),
+    (worker_init, "heartbeat", "on_init"),
     (worker_ready, "heartbeat", "on_ready"),
     (worker_shutdown, "heartbeat", "on_shutdown"),
 )

@@ -152,8 +152,9 @@ namespace's slot):
     ``service_drift_factor`` times its declared value in that window: one
     ``service_time_drift`` line per window per task, whatever the number of processes.
 ``gatekeeper:{default}:worker:<hostname>`` - string, TTL = 3 x ``worker_heartbeat_s``
-    A live worker of a gated app (its main process refreshes it): the sweep writes ``killed``
-    for a stale run only once the heartbeat of the worker it started on is gone.
+    A live worker of a gated app (its main process refreshes it; the value: when that process
+    began, ms): the sweep writes ``killed`` for a stale run only once the heartbeat of the
+    worker it started on is gone, or comes from a process of that name begun after the run.
 ``gatekeeper:{default}:replayer:lock`` - string, TTL ``replay_lock_ttl_s`` (30 s)
     Only one replayer works a namespace at a time: redis-py's ``Lock`` (value: the holder's
     random token). The holder checks it before every claim, between a batch's steps and before

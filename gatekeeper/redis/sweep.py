@@ -6,6 +6,8 @@ exposure of admissions that never started (a purged or lost message) given back.
 
 from __future__ import annotations
 
+import math
+
 from gatekeeper.core.ledger import LedgerRow, Outcome
 from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.scripts import text_of
@@ -17,6 +19,11 @@ __all__ = ["PURGE_GRACE_S", "forget_purged", "sweep"]
 PURGE_GRACE_S = 5.0
 """An admission younger than this is never taken for purged: its message may still be on
 its way to the broker (the ordinary path decides, then publishes)."""
+
+RESTART_MARGIN_MS = 1000
+"""How much earlier than a worker process began a run must have started to be taken for its
+predecessor's (under the same name): a small step of the host's clock back must not make a
+live run look dead; a worker restarted that fast after its run began is not."""
 
 
 def sweep(
@@ -63,9 +70,13 @@ def sweep(
 
 
 def _alive(ledger: RunLedger, record: RunRecord, now_ms: int) -> bool:
-    """Whether a run may still be going: its worker is alive (its heartbeat,
-    gatekeeper/celery), or its hard time limit (plus a minute) has not passed."""
-    if record.worker and ledger.client.exists(ledger.keys.worker(record.worker)):
+    """Whether a run may still be going: the worker process it started in is alive (a
+    heartbeat under its name, from a process begun before the run: gatekeeper/celery/
+    heartbeat.py), or its hard time limit (plus a minute) has not passed."""
+    beat = ledger.client.get(ledger.keys.worker(record.worker)) if record.worker else None
+    if beat is not None and (
+        not record.started_ms or record.started_ms >= _since_ms(text_of(beat)) - RESTART_MARGIN_MS
+    ):
         return True
     return bool(record.time_limit_s) and (
         now_ms - record.started_ms < (record.time_limit_s + 60) * 1000
@@ -92,3 +103,13 @@ def forget_purged(
         store.release(job_id, int(number), window)
         forgotten += 1
     return forgotten
+
+
+def _since_ms(beat: str) -> float:
+    """When the beating worker process began; 0 (every run its own) for a value that is not
+    a finite number (an earlier build wrote ``1``, which reads as 1 ms: the same)."""
+    try:
+        since = float(beat)
+    except ValueError:
+        return 0.0
+    return since if math.isfinite(since) else 0.0
