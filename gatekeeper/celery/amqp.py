@@ -93,6 +93,13 @@ CONFIRM_TIMEOUT_S = 30.0
 blocks publishers): past it the publish fails, the connection is dropped and the original,
 never acked, goes back to defer."""
 
+SOCKET_TIMEOUT_S = 30.0
+"""How long any other wait on RabbitMQ's socket may last (py-amqp's ``read_timeout`` and
+``write_timeout``, unless the app's ``broker_transport_options`` set them): opening a channel,
+a ``basic_get``, a passive declare. A flow that stops answering (a NAT or firewall that forgot
+it, a broker host gone without a reset) fails the call then, instead of blocking the replayer
+until TCP gives up (about 15 minutes); the connection is then dropped."""
+
 
 class Unroutable(Exception):
     """A publish RabbitMQ confirmed but returned: no queue was bound to take it."""
@@ -127,6 +134,8 @@ class AmqpBroker:
                 options.update(self.app.conf.broker_transport_options or {})
                 ssl = self.app.conf.broker_use_ssl
             options["confirm_publish"] = True
+            options.setdefault("read_timeout", SOCKET_TIMEOUT_S)
+            options.setdefault("write_timeout", SOCKET_TIMEOUT_S)
             connection = Connection(self.url, ssl=ssl, transport_options=options,
                                     connect_timeout=5)  # fmt: skip
             try:
