@@ -126,7 +126,9 @@ def test_sweep_records_only_stale_runs(redis_client: redis.Redis) -> None:
     start_run(runs, redis_client, "old", 1, record(), T0_MS)
     start_run(runs, redis_client, "new", 1, record(), T0_MS + 50_000)
     swept = sweep(runs, T0_MS + 60_000, older_than_s=30)
-    assert [(row.job_id, row.outcome) for row in swept] == [("old", Outcome.KILLED)]
+    assert [(row.job_id, row.outcome, verified) for row, verified in swept] == [
+        ("old", Outcome.KILLED, True)
+    ]
     assert sweep(runs, T0_MS + 60_000, older_than_s=30) == []
 
 

@@ -153,9 +153,9 @@ def test_an_unverified_run_whose_whole_worker_vanished_is_swept(
         worker.wait()
     assert rows(redis_client) == []
     assert wait_until(lambda: not list(redis_client.scan_iter(match=KEYS.worker("*"))), 10)
-    (swept,) = sweep(ledger, round(time.time() * 1000), 0)
+    ((swept, verified),) = sweep(ledger, round(time.time() * 1000), 0)
     (row,) = rows(redis_client)
-    assert (swept.job_id, swept.outcome.value) == (job, "killed")
+    assert (swept.job_id, swept.outcome.value, verified) == (job, "killed", False)
     assert shown(row) == (job, 1, "killed", "reserved", False)
     assert row["tokens_in"] == 1200 and row["retry_tax"] == 0.0
     assert sweep(ledger, round(time.time() * 1000), 0) == []  # once

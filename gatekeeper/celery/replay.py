@@ -160,9 +160,10 @@ class Replayer:
 
     def _sweep(self, now: float) -> None:
         stale = self.settings.stale_attempt_s
-        for row in sweep(self.runs, round(now * 1000), stale, self.pipeline.store):
+        for row, verified in sweep(self.runs, round(now * 1000), stale, self.pipeline.store):
             self.log.warning("ledger_row", job_id=row.job_id, attempt=row.attempt,
-                             outcome=row.outcome.value, reason="vanished")  # fmt: skip
+                             outcome=row.outcome.value, reason="vanished",
+                             **({} if verified else {"verified": False}))  # fmt: skip
         present = self.broker.waiting(self.settings.free_queue)  # None: RabbitMQ cannot list
         if present is not None and forget_purged(self.pipeline.store, present, round(now * 1000)):
             self.log.warning("free_admissions_forgotten", queue=self.settings.free_queue)

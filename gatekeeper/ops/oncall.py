@@ -169,10 +169,11 @@ def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
     except (LedgerUnavailable, *BROKER_ERRORS) as exc:
         raise click.ClickException(str(exc)) from exc
     log = make_logger(settings, "worker")
-    for row in rows:
+    for row, verified in rows:
         log.warning(
             "ledger_row", job_id=row.job_id, attempt=row.attempt, path=row.path.value,
             outcome=row.outcome.value, reason="vanished", retry_tax=row.retry_tax,
+            **({} if verified else {"verified": False}),
         )  # fmt: skip
     if forgotten:
         log.warning("free_admissions_forgotten", count=forgotten, queue=settings.free_queue,

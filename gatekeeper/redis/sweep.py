@@ -7,6 +7,7 @@ exposure of admissions that never started (a purged or lost message) given back.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from gatekeeper.core.ledger import LedgerRow, Outcome
 from gatekeeper.redis.runs import RunLedger, RunRecord
@@ -14,7 +15,7 @@ from gatekeeper.redis.scripts import text_of
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.unverified import UnverifiedRuns
 
-__all__ = ["PURGE_GRACE_S", "forget_purged", "sweep"]
+__all__ = ["PURGE_GRACE_S", "Swept", "forget_purged", "sweep"]
 
 PURGE_GRACE_S = 5.0
 """An admission younger than this is never taken for purged: its message may still be on
@@ -26,9 +27,17 @@ predecessor's (under the same name): a small step of the host's clock back must 
 live run look dead; a worker restarted that fast after its run began is not."""
 
 
+class Swept(NamedTuple):
+    """A row the sweep wrote; ``verified`` false for an unverified run's (its message had no
+    nonce: unpriced), which its ``ledger_row`` line says as the worker's lines do."""
+
+    row: LedgerRow
+    verified: bool
+
+
 def sweep(
     ledger: RunLedger, now_ms: int, older_than_s: float, store: GateStore | None = None
-) -> list[LedgerRow]:
+) -> list[Swept]:
     """Record runs started more than ``older_than_s`` ago with no row as killed.
 
     A run of a task with a hard time limit is given at least that limit (plus a minute)
@@ -46,7 +55,7 @@ def sweep(
             continue
         row = ledger.row_for(job_id, attempt, record, Outcome.KILLED, now_ms)
         if ledger.finish(row, run, record, now_ms).written:
-            rows.append(row)
+            rows.append(Swept(row, True))
     unverified = UnverifiedRuns(ledger)  # runs of messages with no nonce: unverified rows
     for job_id, attempt in unverified.stale(now_ms, older_than_s):
         runs = unverified.open_runs(job_id, attempt)
@@ -57,7 +66,7 @@ def sweep(
                 continue
             row = ledger.row_for(job_id, attempt, record, Outcome.KILLED, now_ms)
             if unverified.write(row, run, now_ms):
-                rows.append(row)
+                rows.append(Swept(row, False))
     if store is not None:
         for member, held in ledger.client.hgetall(ledger.keys.inflight).items():
             job_id, _, number = text_of(member).rpartition(":")
