@@ -23,7 +23,7 @@ from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.scripts import text_of
-from gatekeeper.redis.sweep import RESTART_MARGIN_MS, _alive
+from gatekeeper.redis.sweep import _alive
 from tests.conftest import gate_settings, running_worker, wait_until
 from tests.test_worker_ledger import app_for, rows, runs, the_killed_row
 
@@ -82,47 +82,57 @@ def test_a_replay_pass_records_a_sigkilled_workers_run_as_killed_once(
     assert len(rows(redis_client)) == 1
 
 
-def test_a_worker_restarted_under_its_name_does_not_hide_the_run_its_predecessor_left(
+def test_workers_sharing_a_name_keep_each_others_runs_neither_alive_nor_dead(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A worker SIGKILLed whole and started again under the same ``-n`` (a pod's name, ``celery
-    multi restart``) beats on the same key at once: the run the dead process left is still
-    swept as killed, and the new process's own long run is left alone."""
+    """Two live workers of one ``-n`` (two units on one host, each ``celery@%h``; a worker
+    restarted under its name while the dead one's runs are open): a run of the one alive is
+    left alone whichever began or beat last, and the run of the one SIGKILLed whole is swept
+    as killed while the other still beats under that name."""
     monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
     monkeypatch.setenv("GATEKEEPER_STALE_ATTEMPT_S", str(STALE_S))
     name = f"same-{os.getpid()}@%h"
-    with a_long_run(redis_url, redis_client, tmp_path / "w1.log", name) as (worker, hostname):
-        time.sleep(RESTART_MARGIN_MS / 1000 + 0.2)  # begun well before its successor
+    with a_long_run(redis_url, redis_client, tmp_path / "a.log", name) as (first, was):
         (dead,) = [text_of(m).rpartition(":")[0] for m in redis_client.zrange(KEYS.started, 0, -1)]
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait()
-    with a_long_run(redis_url, redis_client, tmp_path / "w2.log", name, started=2) as (_, again):
-        assert again == hostname and redis_client.exists(KEYS.worker(hostname))
-        time.sleep(STALE_S + 0.2)  # both runs are stale now; one worker of that name is alive
-        swept = CliRunner().invoke(main, ["sweep"])
-        assert swept.exit_code == 0, swept.output
-        found = rows(redis_client)  # the sweep wrote its rows before it returned
-        assert [(row["job_id"], row["outcome"], row["path"]) for row in found] == [
-            (dead, "killed", "free")
-        ]
-        assert redis_client.zcard(KEYS.started) == 1  # the live run still counts
+        node = was.partition("#")[0]
+        beating = lambda: set(redis_client.scan_iter(match=KEYS.worker(node) + "#*"))  # noqa: E731
+        with running_worker(redis_url, tmp_path / "b.log", queues="reserved", hostname=name,
+                            GATEKEEPER_WORKER_HEARTBEAT_S="1"):  # fmt: skip
+            assert wait_until(lambda: len(beating()) == 2)  # one name, two processes
+            time.sleep(STALE_S + 0.2)  # the run is stale now, its worker alive
+            alive = CliRunner().invoke(main, ["sweep"])
+            assert alive.exit_code == 0, alive.output
+            assert rows(redis_client) == []
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+            assert wait_until(lambda: not redis_client.exists(KEYS.worker(was)), timeout_s=10)
+            assert len(beating()) == 1 and redis_client.exists(KEYS.worker(node))
+            swept = CliRunner().invoke(main, ["sweep"])
+            assert swept.exit_code == 0, swept.output
+            found = rows(redis_client)  # the sweep wrote its rows before it returned
+            assert [(row["job_id"], row["outcome"], row["path"]) for row in found] == [
+                (dead, "killed", "free")
+            ]
+            assert redis_client.zcard(KEYS.started) == 0
 
 
-def test_a_heartbeat_an_earlier_build_wrote_keeps_every_run_of_its_worker_alive(
+def test_a_run_an_earlier_build_recorded_is_alive_while_its_node_beats(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
-    """``1``, the value before heartbeats said when their process began, and anything that is
-    not a finite number, read as a process begun at the epoch: its runs are alive, as before;
-    a process begun after the run says it is dead."""
+    """A run whose worker is the node's name alone (recorded before the process id) is
+    alive while any worker of that name beats ``worker:<hostname>``, as before; one that
+    names a process is alive only while that process beats."""
     ledger = RunLedger(redis_client, KEYS, window_seconds=900, queue_wait_unit_per_second=1.0)
-    record = RunRecord.from_fields({"started_ms": str(int(time.time() * 1000) - 60_000),
-                                    "worker": "old@host"})  # fmt: skip
-    for value in ("1", "not a number", "nan", "inf"):
-        redis_client.set(KEYS.worker("old@host"), value)
-        assert _alive(ledger, record, int(time.time() * 1000)), value
-    redis_client.set(KEYS.worker("old@host"), str(int(time.time() * 1000)))
-    assert not _alive(ledger, record, int(time.time() * 1000))
-    redis_client.delete(KEYS.worker("old@host"))
+    started = str(int(time.time() * 1000) - 60_000)
+    earlier = RunRecord.from_fields({"started_ms": started, "worker": "old@host"})
+    current = RunRecord.from_fields({"started_ms": started, "worker": "old@host#0a1b2c3d"})
+    now_ms = int(time.time() * 1000)
+    assert not _alive(ledger, earlier, now_ms) and not _alive(ledger, current, now_ms)
+    redis_client.set(KEYS.worker("old@host"), "1")  # a worker of that name beats
+    assert _alive(ledger, earlier, now_ms) and not _alive(ledger, current, now_ms)
+    redis_client.set(KEYS.worker("old@host#0a1b2c3d"), "1")
+    assert _alive(ledger, current, now_ms)
+    redis_client.delete(KEYS.worker("old@host"), KEYS.worker("old@host#0a1b2c3d"))
 
 
 def test_a_running_replayer_sweeps_again_once_a_minute_has_passed(

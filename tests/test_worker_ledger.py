@@ -24,7 +24,7 @@ from gatekeeper.celery.postrun import ended_at_postrun
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.scripts import load_lua
+from gatekeeper.redis.scripts import load_lua, text_of
 from tests.apps.gated_app import HELD_KEY, RUNS_KEY, create_app
 from tests.conftest import gate_settings, running_worker, wait_until
 from tests.moved import BlackHole
@@ -414,12 +414,18 @@ def test_a_task_revoked_before_it_starts_gives_back_its_exposure_and_has_no_row(
 def test_a_workers_heartbeat_lives_while_it_runs_and_goes_at_shutdown(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
+    """Two keys: the worker process's (``<name>#<process id>``, which its runs name) and its
+    name's (which runs an earlier build recorded name); a clean shutdown deletes the first
+    (the name may be another live worker's too: it expires)."""
     pattern = KEYS.worker("*")
     with running_worker(redis_url, tmp_path / "w.log"):
-        assert wait_until(lambda: len(list(redis_client.scan_iter(match=pattern))) == 1)
-        (key,) = redis_client.scan_iter(match=pattern)
-        assert 0 < redis_client.pttl(key) <= 30_000  # three intervals of the default 10 s
-    assert list(redis_client.scan_iter(match=pattern)) == []  # a clean shutdown deletes it
+        assert wait_until(lambda: len(list(redis_client.scan_iter(match=pattern))) == 2)
+        keys = sorted(text_of(key) for key in redis_client.scan_iter(match=pattern))
+        name, process = keys
+        assert process.startswith(name + "#") and len(process) == len(name) + 9
+        for key in keys:
+            assert 0 < redis_client.pttl(key) <= 30_000  # three intervals of the default 10 s
+    assert [text_of(key) for key in redis_client.scan_iter(match=pattern)] == [name]
 
 
 def test_a_whole_worker_killed_under_acks_late_loses_nothing_and_rows_each_run_once(

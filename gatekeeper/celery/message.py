@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gatekeeper.celery.gating import spec_of
+from gatekeeper.celery.heartbeat import worker_name
 from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_ATTEMPT_PUBLISHED_AT,
@@ -129,7 +130,7 @@ def own_fields(task: Any, headers: Mapping[str, Any]) -> dict[str, str]:
         "max_retries": str(-1 if max_retries is None else int(max_retries)),
         "time_limit_s": str(float(limit or 0)),
         "tokens_out": str(_declared_out(task)),
-        "worker": str(getattr(getattr(task, "request", None), "hostname", None) or ""),
+        "worker": worker_name(str(getattr(getattr(task, "request", None), "hostname", None) or "")),
     }
 
 

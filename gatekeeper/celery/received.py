@@ -14,6 +14,7 @@ from collections import OrderedDict
 from contextlib import suppress
 from typing import Any
 
+from gatekeeper.celery.heartbeat import worker_name
 from gatekeeper.celery.message import claims, nonce_of
 from gatekeeper.celery.private import outstanding
 
@@ -88,7 +89,10 @@ class Received:
 
 def _ran_in(request: Any) -> RanIn:
     pid, hostname = getattr(request, "worker_pid", None), getattr(request, "hostname", None)
-    return (pid if isinstance(pid, int) else 0, hostname if isinstance(hostname, str) else "")
+    return (
+        pid if isinstance(pid, int) else 0,
+        worker_name(hostname) if isinstance(hostname, str) else "",
+    )
 
 
 def _ran_out(request: Any) -> bool:

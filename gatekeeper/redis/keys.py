@@ -151,10 +151,11 @@ namespace's slot):
     Set (``SET NX``) by the first publisher to see the task's p95 over
     ``service_drift_factor`` times its declared value in that window: one
     ``service_time_drift`` line per window per task, whatever the number of processes.
-``gatekeeper:{default}:worker:<hostname>`` - string, TTL = 3 x ``worker_heartbeat_s``
-    A live worker of a gated app (its main process refreshes it; the value: when that process
-    began, ms): the sweep writes ``killed`` for a stale run only once the heartbeat of the
-    worker it started on is gone, or comes from a process of that name begun after the run.
+``gatekeeper:{default}:worker:<hostname>#<process id>`` - string, TTL = 3 x ``worker_heartbeat_s``
+    A live worker process of a gated app (its main process refreshes it; the id is drawn at
+    ``worker_init`` and inherited by its pool children): the sweep writes ``killed`` for a
+    stale run only once the heartbeat of the worker process it started in is gone. Each
+    worker also refreshes ``worker:<hostname>``, which runs recorded by an earlier build name.
 ``gatekeeper:{default}:replayer:lock`` - string, TTL ``replay_lock_ttl_s`` (30 s)
     Only one replayer works a namespace at a time: redis-py's ``Lock`` (value: the holder's
     random token). The holder checks it before every claim, between a batch's steps and before

@@ -6,7 +6,6 @@ exposure of admissions that never started (a purged or lost message) given back.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 from gatekeeper.core.ledger import LedgerRow, Outcome
@@ -20,11 +19,6 @@ __all__ = ["PURGE_GRACE_S", "Swept", "forget_purged", "sweep"]
 PURGE_GRACE_S = 5.0
 """An admission younger than this is never taken for purged: its message may still be on
 its way to the broker (the ordinary path decides, then publishes)."""
-
-RESTART_MARGIN_MS = 1000
-"""How much earlier than a worker process began a run must have started to be taken for its
-predecessor's (under the same name): a small step of the host's clock back must not make a
-live run look dead; a worker restarted that fast after its run began is not."""
 
 
 class Swept(NamedTuple):
@@ -79,13 +73,11 @@ def sweep(
 
 
 def _alive(ledger: RunLedger, record: RunRecord, now_ms: int) -> bool:
-    """Whether a run may still be going: the worker process it started in is alive (a
-    heartbeat under its name, from a process begun before the run: gatekeeper/celery/
-    heartbeat.py), or its hard time limit (plus a minute) has not passed."""
-    beat = ledger.client.get(ledger.keys.worker(record.worker)) if record.worker else None
-    if beat is not None and (
-        not record.started_ms or record.started_ms >= _since_ms(text_of(beat)) - RESTART_MARGIN_MS
-    ):
+    """Whether a run may still be going: the worker process it started in is alive (the
+    heartbeat of ``<hostname>#<process id>``: gatekeeper/celery/heartbeat.py; a run an earlier
+    build recorded names the node alone), or its hard time limit (plus a minute) has not
+    passed."""
+    if record.worker and ledger.client.exists(ledger.keys.worker(record.worker)):
         return True
     return bool(record.time_limit_s) and (
         now_ms - record.started_ms < (record.time_limit_s + 60) * 1000
@@ -113,12 +105,3 @@ def forget_purged(
         forgotten += 1
     return forgotten
 
-
-def _since_ms(beat: str) -> float:
-    """When the beating worker process began; 0 (every run its own) for a value that is not
-    a finite number (an earlier build wrote ``1``, which reads as 1 ms: the same)."""
-    try:
-        since = float(beat)
-    except ValueError:
-        return 0.0
-    return since if math.isfinite(since) else 0.0
