@@ -93,12 +93,18 @@ class BlackHole:
         self._ids = 0
         self._marker: bytes | None = None
         self._losing: set[int] = set()
+        self._budget: dict[int, int] = {}
         self.lost = 0
         """How many replies :meth:`lose_reply` has lost."""
         threading.Thread(target=self._accept, daemon=True).start()
 
     def forget(self) -> None:
         self._forgotten.update(self._open)
+
+    def forget_after(self, replies: int) -> None:
+        """Let ``replies`` more bytes of the open connections' replies through, then drop
+        every byte both ways (a reply stops in the middle of a frame)."""
+        self._budget = {flow: replies for flow in self._open}
 
     def lose_reply(self, marker: bytes) -> None:
         """The next request that carries ``marker`` reaches the server; its reply does not
@@ -134,6 +140,13 @@ class BlackHole:
                 return
             if flow in self._forgotten:
                 continue
+            if not up and flow in self._budget:
+                left = self._budget[flow]
+                if len(data) >= left:
+                    data = data[:left]
+                    self._forgotten.add(flow)
+                else:
+                    self._budget[flow] = left - len(data)
             if not up and flow in self._losing:  # the reply: both ends go, it never arrives
                 self.lost += 1
                 for end in (src, dst):

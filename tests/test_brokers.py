@@ -274,30 +274,39 @@ def test_a_rabbitmq_confirm_that_never_comes_fails_the_publish_in_time_and_loses
 def test_a_rabbitmq_flow_that_stops_answering_fails_the_replayers_call_in_time(
     rabbitmq_url: str, redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A flow a NAT or firewall forgot answers nothing and resets nothing: opening a channel,
-    # a passive declare, a basic_get wait at most SOCKET_TIMEOUT_S (30 s), not until TCP gives
-    # up; the connection is dropped, and the next call opens a new one.
+    # A peer that takes the bytes and answers nothing (a hung broker, a proxy whose backend is
+    # gone): opening a channel, a passive declare, a basic_get wait at most SOCKET_TIMEOUT_S
+    # (30 s), a reply that stops in the middle of a frame too; the connection is dropped,
+    # RabbitMQ gives back what it had delivered, and the next call opens a new one.
     assert amqp.SOCKET_TIMEOUT_S == 30.0
     monkeypatch.setattr(amqp, "SOCKET_TIMEOUT_S", 2.0)  # the same wait, shorter
     settings = gate_settings(redis_url, broker_url=rabbitmq_url)
     app = create_app(settings, rabbitmq_url)
-    app.tasks["tests.embed"].delay(0)  # free declared, one message in it
+    app.tasks["tests.embed"].delay("x" * 200_000)  # free declared; a message of frames
     target = urlsplit(rabbitmq_url)
     hole = BlackHole((target.hostname or "127.0.0.1", target.port or 5672))
     through = target._replace(netloc=f"{target.username}:{target.password}@127.0.0.1:{hole.port}")
     broker = broker_for(settings.model_copy(update={"broker_url": urlunsplit(through)}), app)
+    calls = (
+        (lambda: broker.length("free"), None),  # silent from the channel's open on
+        (lambda: list(broker.take("free")), None),
+        (lambda: list(broker.take("free")), 20_000),  # the message's reply cut mid-frame
+    )
     try:
         assert wait_until(lambda: broker.length("free") == 1, timeout_s=5)  # connected
-        for call in (lambda: broker.length("free"), lambda: list(broker.take("free"))):
-            hole.forget()  # the connection open now answers nothing from here on
+        for call, cut in calls:
+            if cut is None:
+                hole.forget()  # the connection open now answers nothing from here on
+            else:
+                hole.forget_after(cut)
             failed: list[BaseException] = []
             thread = threading.Thread(target=_failure_of, args=(call, failed), daemon=True)
             started = time.monotonic()
             thread.start()
             thread.join(timeout=20)
-            assert not thread.is_alive(), "a call on a silent RabbitMQ flow hung"
+            assert not thread.is_alive(), f"a call on a silent RabbitMQ flow hung (cut={cut})"
             assert 2.0 <= time.monotonic() - started < 15.0 and len(failed) == 1, failed
-            assert broker.length("free") == 1  # a new connection; nothing was taken for good
+            assert wait_until(lambda: broker.length("free") == 1, timeout_s=10)  # given back
     finally:
         broker.abort()  # no closing handshake: a silent flow would never answer it
         hole.close()

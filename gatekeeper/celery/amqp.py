@@ -95,10 +95,23 @@ never acked, goes back to defer."""
 
 SOCKET_TIMEOUT_S = 30.0
 """How long any other wait on RabbitMQ's socket may last (py-amqp's ``read_timeout`` and
-``write_timeout``, unless the app's ``broker_transport_options`` set them): opening a channel,
-a ``basic_get``, a passive declare. A flow that stops answering (a NAT or firewall that forgot
-it, a broker host gone without a reset) fails the call then, instead of blocking the replayer
-until TCP gives up (about 15 minutes); the connection is then dropped."""
+``write_timeout``, unless the app's ``broker_transport_options`` set them; the open socket's
+own timeout too, so that a reply stopped mid-frame, or over TLS, ends as well): opening a
+channel, a ``basic_get``, a passive declare. A peer that takes the bytes and answers nothing
+(a hung broker, a proxy or load balancer whose backend is gone) fails the call then instead of
+blocking the replayer for good; the connection is then dropped."""
+
+
+def _bound(connection: Connection, *timeouts: float | None) -> None:
+    """Give the open connection's socket a timeout of its own (the longest of ``timeouts``;
+    none when one is None: the app asked for none). py-amqp's ``read_timeout`` ends a wait only
+    at the start of a frame; in the middle of one it retries for good, and over TLS its
+    socket keeps the connect timeout instead. py-amqp's ``transport.sock``: where it is not
+    there (another transport), the connection keeps the timeouts it has."""
+    if any(timeout is None for timeout in timeouts):
+        return
+    with suppress(AttributeError):
+        connection.connection.transport.sock.settimeout(max(float(t or 0) for t in timeouts))
 
 
 class Unroutable(Exception):
@@ -143,6 +156,7 @@ class AmqpBroker:
             except Exception:
                 connection.release()
                 raise
+            _bound(connection, options.get("write_timeout"), options.get("read_timeout"))
             self._connection = connection
         return self._connection
 
