@@ -64,16 +64,19 @@ class Heartbeat:
         hostname = getattr(sender, "hostname", None)
         if getattr(sender, "app", None) is not self.app or not hostname:
             return
-        _drawn()  # no worker_init seen: still before any run (the consumer loop starts after)
-        self._keys = (self.keys.worker(worker_name(str(hostname))), self.keys.worker(str(hostname)))
+        # No id drawn (gatekeeper installed after worker_init): none now either, since the
+        # pool has forked; runs, requests and beats all use the name alone, as before.
+        named = {self.keys.worker(worker_name(str(hostname))), self.keys.worker(str(hostname))}
+        self._keys = tuple(sorted(named, key=len, reverse=True))
         self._beat()
         threading.Thread(target=self._run, name="gatekeeper-heartbeat", daemon=True).start()
 
     def on_shutdown(self, **_: Any) -> None:
         self._stop.set()
         if self._keys:
-            with contextlib.suppress(redis.RedisError):
-                self.client.delete(self._keys[0])  # the name alone may be another live worker's
+            with contextlib.suppress(redis.RedisError):  # the name alone may be another live
+                if len(self._keys) == 2:  # worker's: it expires
+                    self.client.delete(self._keys[0])
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

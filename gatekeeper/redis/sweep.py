@@ -104,4 +104,3 @@ def forget_purged(
         store.release(job_id, int(number), window)
         forgotten += 1
     return forgotten
-
