@@ -16,9 +16,12 @@ variable and what was expected.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
@@ -224,6 +227,8 @@ class GatekeeperSettings(BaseSettings):
                 "expected a Redis URL (redis://, rediss://, unix://, sentinel:// or "
                 "redis+cluster://)"
             )
+        if value and (problem := url_problem(value)):
+            raise ValueError(problem)
         return value
 
     @field_validator("broker_url", mode="after")
@@ -234,6 +239,8 @@ class GatekeeperSettings(BaseSettings):
                 "a Redis Cluster cannot be Celery's broker (kombu has no cluster transport): "
                 "set redis_url to the cluster and broker_url to a plain Redis"
             )
+        if value and (problem := url_problem(value)):
+            raise ValueError(problem)
         return value
 
     @property
@@ -286,6 +293,31 @@ GATE_URL_SCHEMES = (*REDIS_URL_SCHEMES, *CLUSTER_URL_SCHEMES)
 """What ``redis_url`` may be."""
 
 
+def without_passwords(url: str) -> str:
+    """``url`` with each password as ``***`` (error messages end up in log lines)."""
+    return re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1***@", url)
+
+
+def url_problem(url: str) -> str | None:
+    """What keeps ``url`` from being opened (a port out of range, a broken IPv6 host, a query
+    value redis-py cannot read), said without its password; None when it parses."""
+    from redis import connection  # redis-py's own reading of a redis:// URL
+
+    parse_url: Callable[[str], object] = connection.parse_url
+
+    try:
+        for part in filter(None, url.split(";")):  # sentinel:// lists several, ';'-separated
+            parts = urlsplit(part)
+            for spot in parts.netloc.rpartition("@")[2].split(","):  # host:port,host:port
+                if spot:
+                    urlsplit(f"//{spot}").port  # noqa: B018 - raises for a bad port or host
+            if part.startswith(("redis://", "rediss://", "unix://")):
+                parse_url(part)
+    except ValueError as exc:
+        return f"expected a URL that can be opened: {exc}"
+    return None
+
+
 def redis_url_of(name: str, url: str | None, note: str = "") -> str:
     """``url`` when redis-py can open it; else :class:`ConfigError` naming ``name``."""
     where = f"{name} {note}".strip()
@@ -294,8 +326,10 @@ def redis_url_of(name: str, url: str | None, note: str = "") -> str:
     if not url.startswith(REDIS_URL_SCHEMES):
         raise ConfigError(
             f"{where}: expected a Redis URL (redis://, rediss://, unix:// or sentinel://), "
-            f"got {url!r}"
+            f"got {without_passwords(url)!r}"
         )
+    if problem := url_problem(url):
+        raise ConfigError(f"{where}: {problem}, got {without_passwords(url)!r}")
     return url
 
 
@@ -320,6 +354,8 @@ def _describe(error: dict[str, Any], config_file: Path | None, app: bool = False
     if config_file is not None:
         where += f" (or {'.'.join(loc)} in {config_file})"
     value = error.get("input")
+    if isinstance(value, str) and "://" in value:
+        value = without_passwords(value)
     shown = "" if isinstance(value, dict) else f", got {value!r}"
     message = str(error["msg"])
     if message.startswith("Value error, "):  # a validator's own words

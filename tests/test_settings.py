@@ -50,6 +50,12 @@ def test_defaults_match_the_spec() -> None:
         ("GATEKEEPER_DRILL__SEED", "x", "valid integer"),
         ("GATEKEEPER_FREE_QUEUE", "fr ee", "pattern '^[A-Za-z0-9_.:\\-]+$'"),  # case kept
         ("GATEKEEPER_REDIS_URL", "localhost:6379", "expected a Redis URL (redis://"),
+        ("GATEKEEPER_REDIS_URL", "redis://127.0.0.1:99999/0", "Port out of range"),
+        ("GATEKEEPER_REDIS_URL", "redis://[::1", "Invalid IPv6 URL"),
+        ("GATEKEEPER_REDIS_URL", "redis://h:6379/0?socket_timeout=abc", "'socket_timeout'"),
+        ("GATEKEEPER_REDIS_URL", "sentinel://h1:26379;sentinel://h2:263790", "Port out of"),
+        ("GATEKEEPER_REDIS_URL", "redis+cluster://h:700000", "Port out of range"),
+        ("GATEKEEPER_BROKER_URL", "amqp://guest:guest@h:99999//", "Port out of range"),
         ("GATEKEEPER_SERVICE_TIME", "p95", "'declared', 'learned' or 'max'"),
         ("GATEKEEPER_SERVICE_TIME_MIN_SAMPLES", "0", "greater than or equal to 1"),
         ("GATEKEEPER_SERVICE_DRIFT_FACTOR", "0.5", "greater than or equal to 1"),
@@ -248,3 +254,30 @@ def test_a_sentinel_url_with_no_master_anywhere_names_where_to_set_it() -> None:
     app.conf.gatekeeper_redis_url = "sentinel://g1:26379/0"  # a gate Redis of its own
     with pytest.raises(ConfigError, match=r"^redis_url: a sentinel URL needs .*master_name"):
         gate_client(load_settings(app=app))  # the broker's options are not its
+
+
+def test_a_bad_url_is_shown_without_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable, url in (("GATEKEEPER_REDIS_URL", "redis://:s3cret@h:99999/0"),
+                          ("GATEKEEPER_BROKER_URL", "amqp://u:s3cret@h:99999//"),
+                          ("GATEKEEPER_REDIS_URL", "foo://u:s3cret@h")):  # fmt: skip
+        monkeypatch.setenv(variable, url)
+        with pytest.raises(ConfigError) as caught:
+            load_settings()
+        assert variable in str(caught.value) and "s3cret" not in str(caught.value)
+        assert ":***@h" in str(caught.value)
+        monkeypatch.delenv(variable)
+
+
+def test_a_broker_url_the_gate_reads_is_checked_when_it_is_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker's URL, read as the gate's Redis (no redis_url): a bad port is a
+    ConfigError naming it, not redis-py's bare ValueError at the first publish."""
+    settings = load_settings(broker_url=None)
+    broken = settings.model_copy(
+        update={"redis_url": None, "broker_url": "redis://:pw@127.0.0.1:99999/0"}
+    )
+    with pytest.raises(ConfigError) as caught:
+        broken.gate_redis_url()
+    assert "GATEKEEPER_REDIS_URL" in str(caught.value) and "Port out of range" in str(caught.value)
+    assert ":pw@" not in str(caught.value)

@@ -22,7 +22,6 @@ the options'; the password in the URL is the master's.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -32,7 +31,7 @@ from redis.sentinel import Sentinel
 
 from gatekeeper.errors import ConfigError
 from gatekeeper.redis.cluster import cluster_client
-from gatekeeper.settings import CLUSTER_URL_SCHEMES
+from gatekeeper.settings import CLUSTER_URL_SCHEMES, without_passwords
 
 __all__ = ["SENTINEL", "client_for"]
 
@@ -126,4 +125,4 @@ def _no_master(url: str, is_broker: bool) -> str:
 
 def _shown(url: str) -> str:
     """``url`` without its passwords (error messages end up in log lines)."""
-    return re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1***@", url)
+    return without_passwords(url)
