@@ -161,15 +161,17 @@ def test_ledger_command_names_a_bad_window(redis_url: str, monkeypatch: pytest.M
 def test_sweep_gives_back_the_exposure_of_an_admission_that_never_started(
     redis_client: redis.Redis,
 ) -> None:
+    """Past ``older_than_s`` and past the gate's horizon (when gate.lua stops counting it,
+    300 s here): an admission still within the horizon may be waiting in the queue, and
+    keeps what it reserved whatever ``--older-than-s`` says (0 included)."""
     window = window_id(T0_MS / 1000, 900)
     redis_client.hset(KEYS.inflight, "lost:1", f"1200|{window}|{T0_MS}")
-    redis_client.hset(KEYS.window(window), "exposure", 1200)
-    redis_client.hset(KEYS.inflight, "fresh:1", f"500|{window}|{T0_MS + 50_000}")
-    sweep(
-        ledger(redis_client), T0_MS + 60_000, older_than_s=30, store=GateStore(redis_client, KEYS)
-    )
-    assert redis_client.hkeys(KEYS.inflight) == [b"fresh:1"]
-    assert float(redis_client.hget(KEYS.window(window), "exposure") or 0) == 0
+    redis_client.hset(KEYS.window(window), "exposure", 1700)
+    redis_client.hset(KEYS.inflight, "waiting:1", f"500|{window}|{T0_MS + 200_000}")
+    store = GateStore(redis_client, KEYS, horizon_s=300)
+    sweep(ledger(redis_client), T0_MS + 400_000, older_than_s=0, store=store)
+    assert redis_client.hkeys(KEYS.inflight) == [b"waiting:1"]
+    assert float(redis_client.hget(KEYS.window(window), "exposure") or 0) == 500
 
 
 def test_a_run_after_the_attempt_has_its_row_is_counted_as_a_rerun(
@@ -345,3 +347,12 @@ def test_a_start_reads_back_the_record_as_stored_before_and_after_its_row(
     assert math.isnan(again.record.dwell_s) and math.isnan(stored[1].dwell_s)
     assert replace(again.record, dwell_s=0) == replace(stored[1], dwell_s=0)
     assert again.record.published_ms == T0_MS + 3 and again.record.worker == "v@host"
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "abc"])
+def test_sweep_names_a_bad_older_than_s(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    result = CliRunner().invoke(main, ["sweep", "--older-than-s", value])
+    assert result.exit_code == 2 and "--older-than-s" in result.output, result.output

@@ -11,6 +11,7 @@ replayer, the broker (``GATEKEEPER_BROKER_URL``, else the same Redis).
 from __future__ import annotations
 
 import json
+import math
 import signal
 import tempfile
 import threading
@@ -145,12 +146,20 @@ def ledger(ctx: click.Context, window: str, json_path: Path | None) -> None:  # 
     click.echo(f"wrote {out}")
 
 
+def _finite(value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"expected a number of seconds, 0 or more; got {value!r}")
+    return value
+
+
 @click.command()
 @click.option(
     "--older-than-s",
-    type=float,
+    type=click.FloatRange(min=0, max=1e12),
     default=None,
-    help="Runs started longer ago with no row (default: stale_attempt_s).",
+    callback=lambda _ctx, _param, value: _finite(value),
+    help="Runs started longer ago with no row (default: stale_attempt_s; seconds, 0 or "
+    "more). Admissions never started are given back only past queue_age_horizon_s too.",
 )
 @click.pass_context
 def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
@@ -161,7 +170,7 @@ def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
     limit = settings.stale_attempt_s if older_than_s is None else older_than_s
     now_ms = round(time.time() * 1000)
     try:
-        gate_store = GateStore(store.client, store.keys)
+        gate_store = GateStore(store.client, store.keys, horizon_s=settings.queue_age_horizon_s)
         rows = sweep_runs(store, now_ms, limit, gate_store)
         broker = broker_of(ctx)
         present = broker.waiting(settings.free_queue)  # None: RabbitMQ cannot list a queue

@@ -36,7 +36,8 @@ def sweep(
 
     A run of a task with a hard time limit is given at least that limit (plus a minute)
     before it counts as vanished. With ``store``, also give back the exposure of attempts
-    admitted more than ``older_than_s`` ago that never started (a purged or lost message).
+    admitted more than ``older_than_s`` ago, and longer than the store's horizon (when the
+    gate script stops counting them), that never started (a purged or lost message).
     """
     rows = []
     for job_id, attempt in ledger.stale(now_ms, older_than_s):
@@ -61,11 +62,12 @@ def sweep(
             row = ledger.row_for(job_id, attempt, record, Outcome.KILLED, now_ms)
             if unverified.write(row, run, now_ms):
                 rows.append(Swept(row, False))
-    if store is not None:
+    if store is not None:  # never before the gate itself would (its horizon)
+        given_back_s = max(older_than_s, store.horizon_s)
         for member, held in ledger.client.hgetall(ledger.keys.inflight).items():
             job_id, _, number = text_of(member).rpartition(":")
             _, window, admitted_ms = [*text_of(held).split("|"), "0", "0"][:3]
-            if now_ms - float(admitted_ms) < older_than_s * 1000:
+            if now_ms - float(admitted_ms) < given_back_s * 1000:
                 continue
             if ledger.record(job_id, int(number)) is None:  # admitted, never started
                 store.release(job_id, int(number), int(window))
