@@ -62,3 +62,27 @@ def test_status_counts_every_replayers_claims(
     assert "defer=1" in queues and "defer:replaying=2" in queues
     port = redis_client.connection_pool.connection_kwargs["port"]
     assert queues.endswith(f"(broker 127.0.0.1:{port}/0)")  # which broker it read, named
+
+
+def test_status_names_every_source_that_closes_the_free_path(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis holds true, the settings say false: the settings close it, and Redis's last
+    change (a re-open) is not shown as its cause; both false: both named."""
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    runner = CliRunner()
+    opened = ["flags", "set", "free_path_enabled", "true", "--force", "--reason", "reopen"]
+    assert runner.invoke(main, opened).exit_code == 0
+    monkeypatch.setenv("GATEKEEPER_FREE_PATH_ENABLED", "false")
+    lines = runner.invoke(main, ["status"]).stdout.splitlines()
+    assert "flag free_path_enabled=false (settings)" in lines
+    closed = ["flags", "set", "free_path_enabled", "false", "--reason", "page 4411"]
+    assert runner.invoke(main, closed).exit_code == 0
+    lines = runner.invoke(main, ["status"]).stdout.splitlines()
+    (line,) = [line for line in lines if line.startswith("flag free_path_enabled=")]
+    assert line.startswith("flag free_path_enabled=false (settings, redis) changed ")
+    assert line.endswith(": page 4411")
+    monkeypatch.delenv("GATEKEEPER_FREE_PATH_ENABLED")
+    lines = runner.invoke(main, ["status"]).stdout.splitlines()
+    (line,) = [line for line in lines if line.startswith("flag free_path_enabled=")]
+    assert line.startswith("flag free_path_enabled=false (redis) changed ")

@@ -36,7 +36,15 @@ from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.cluster import home
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.decisions import stream_state
-from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
+from gatekeeper.redis.flags import (
+    FLAG_NAMES,
+    STATE_FIELD,
+    STATE_MISSING,
+    Flags,
+    FlagStore,
+    combine,
+    parse_flag,
+)
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import read_rows, read_windows, text_of
@@ -45,6 +53,7 @@ from gatekeeper.redis.snapshot import read_waiting, waiting_of
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import forget_purged
 from gatekeeper.redis.sweep import sweep as sweep_runs
+from gatekeeper.settings import GatekeeperSettings
 
 __all__ = [
     "broker_of",
@@ -146,6 +155,24 @@ def ledger(ctx: click.Context, window: str, json_path: Path | None) -> None:  # 
     click.echo(f"wrote {out}")
 
 
+def _closing(settings: GatekeeperSettings, stored: dict[str, str], effective: Flags) -> list[str]:
+    """Every source that closes the free path (SPEC: false in the settings or in Redis; the
+    state marker missing and an eviction policy close it too)."""
+    closing = [] if settings.free_path_enabled else ["settings"]
+    if "free_path_enabled" in stored:
+        try:
+            opened = parse_flag("free_path_enabled", stored["free_path_enabled"])
+        except ConfigError:
+            opened = False  # a corrupt value closes it (combine)
+        if not opened:
+            closing.append("redis")
+    if effective.state_missing:
+        closing.append("state missing")
+    if effective.eviction is not None:
+        closing.append(f"maxmemory-policy {effective.eviction}")
+    return closing
+
+
 def _finite(value: float | None) -> float | None:
     if value is not None and not math.isfinite(value):
         raise click.BadParameter(f"expected a number of seconds, 0 or more; got {value!r}")
@@ -226,10 +253,13 @@ def status(ctx: click.Context) -> None:
         click.echo(f"state=initialised {STATE_FIELD}={stored[STATE_FIELD]}")
     for name in FLAG_NAMES:
         source = "redis" if name in stored else "settings"
-        if name == "free_path_enabled" and effective.state_missing:
-            source += ", state missing"
+        says_off = name == "free_path_enabled" and not effective.free_path_enabled
+        if says_off:  # every source that closes it: the one a page must change is among them
+            source = ", ".join(_closing(settings, stored, effective))
         line = f"flag {name}={show_value(getattr(effective, name))} ({source})"
         last = next((c for c in history if c.name == name), None)
+        if says_off and "redis" not in source:
+            last = None  # Redis's last change did not set this value: it does not explain it
         if last is not None:
             when = datetime.fromtimestamp(last.at, tz=timezone.utc).isoformat(timespec="seconds")
             line += f" changed {when} by {last.actor}: {last.reason}"
