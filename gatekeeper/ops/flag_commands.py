@@ -24,8 +24,32 @@ from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagS
 __all__ = ["flags", "init"]
 
 
+DISK_WAIT_S = 30.0
+"""How long a flag command waits for the snapshot that puts its change on disk."""
+
+
 def _flag_store(ctx: click.Context) -> FlagStore:
-    return FlagStore(redis_client(ctx), settings_of(ctx))
+    store = FlagStore(redis_client(ctx), settings_of(ctx))
+    store.disk_wait_s = DISK_WAIT_S
+    return store
+
+
+def _said_on_disk(store: FlagStore) -> None:
+    """How the change reached the server's disk, and what a restart of it would do."""
+    how = store.persisted
+    if how in ("aof", "rdb"):
+        click.echo(f"on_disk={how}")
+    elif how == "aof_everysec":
+        click.echo("on_disk=aof_everysec (Redis before 7.2 has no WAITAOF: on disk within "
+                   "about a second with appendfsync everysec)")  # fmt: skip
+    elif how == "none":
+        click.echo("on_disk=none: this Redis keeps nothing on disk; a restart loses every "
+                   "flag and the state marker (nothing then goes to free until gatekeeper "
+                   "init)")  # fmt: skip
+    else:
+        click.echo(f"on_disk={how}: a restart of this Redis before its next snapshot may undo "
+                   "this change; for a rollback that must hold, set it in the settings too "
+                   "(GATEKEEPER_FREE_PATH_ENABLED=false)")  # fmt: skip
 
 
 def _actor() -> str:
@@ -92,9 +116,11 @@ def flags_set(ctx: click.Context, name: str, value: str, reason: str, force: boo
         )
         raise click.ClickException(str(exc)) from exc
     make_logger(store.settings, "flags").info(
-        "flag_changed", name=name, value=change.value, reason=change.reason, actor=change.actor
-    )
+        "flag_changed", name=name, value=change.value, reason=change.reason, actor=change.actor,
+        on_disk=store.persisted,
+    )  # fmt: skip
     click.echo(f"{name}={change.value} (reason: {change.reason})")
+    _said_on_disk(store)
 
 
 @flags.command(name="unset")
@@ -114,9 +140,11 @@ def flags_unset(ctx: click.Context, name: str, reason: str, force: bool) -> None
         )
         raise click.ClickException(str(exc)) from exc
     make_logger(store.settings, "flags").info(
-        "flag_changed", name=name, value=None, reason=change.reason, actor=change.actor
-    )
+        "flag_changed", name=name, value=None, reason=change.reason, actor=change.actor,
+        on_disk=store.persisted,
+    )  # fmt: skip
     click.echo(f"{name} unset (reason: {change.reason})")
+    _said_on_disk(store)
 
 
 @click.command()
@@ -151,6 +179,7 @@ def init(ctx: click.Context, reason: str, open_path: bool) -> None:
         "state_initialised", namespace=store.settings.namespace, reason=why, actor=change.actor
     )
     click.echo(f"state: initialised ({STATE_FIELD}={change.value}, reason: {why})")
+    _said_on_disk(store)
     if not open_path:
         click.echo("free_path_enabled=false: re-open with `gatekeeper flags set "
                    "free_path_enabled true` after a clean hour (or --force)")  # fmt: skip

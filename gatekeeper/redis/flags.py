@@ -29,6 +29,7 @@ from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.cluster import home
+from gatekeeper.redis.durable import on_disk, replicated
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import read_windows, text_of
 from gatekeeper.settings import GatekeeperSettings
@@ -169,6 +170,10 @@ class FlagStore:
         self._lock = threading.Lock()
         self._cached: Flags | None = None
         self._read_at = -math.inf
+        self.disk_wait_s = 0.0
+        """How long a write waits for its snapshot (``gatekeeper flags``: 30 s; 0: not at all)."""
+        self.persisted = ""
+        """How the last write reached the disk (:func:`gatekeeper.redis.durable.on_disk`)."""
 
     def stored(self) -> dict[str, str]:
         """The overrides in Redis, as text; :class:`LedgerUnavailable` at once while the
@@ -320,6 +325,7 @@ class FlagStore:
             raise LedgerUnavailable(f"cannot write flag {name}: {exc}") from exc
         self.invalidate()
         replicated(server, self.settings.redis_timeout_s)
+        self.persisted = on_disk(server, self.disk_wait_s, wait=self.disk_wait_s > 0)
         return change
 
     def history(self, limit: int = 20) -> list[FlagChange]:
@@ -329,27 +335,6 @@ class FlagStore:
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read the flag log: {exc}") from exc
         return [FlagChange(**json.loads(text_of(item))) for item in raw]
-
-
-def replicated(client: redis.Redis, timeout_s: float) -> int | None:
-    """Wait (``WAIT``) until every connected replica has the writes made so far, so that a
-    failover cannot drop the last rollback; returns how many acknowledged (None: no
-    replicas, or the server cannot say). A replica that does not answer in ``timeout_s``
-    is left behind: the write stands on the primary, and the caller is not failed.
-
-    ``client`` is the server written to (on a Redis Cluster, :func:`~gatekeeper.redis.
-    cluster.home`'s node client: ``WAIT`` counts that primary's replicas, for the writes of
-    the connection it is sent on, the one the writes just gave back to the pool)."""
-    try:
-        replicas = int(client.info("replication").get("connected_slaves", 0))
-        if not replicas:
-            return None
-        acked = client.execute_command(  # type: ignore[no-untyped-call]
-            "WAIT", replicas, max(1, round(timeout_s * 1000))
-        )
-        return int(acked)
-    except (redis.RedisError, TypeError, ValueError, AttributeError):
-        return None
 
 
 def _float(text: str) -> float:

@@ -1,0 +1,99 @@
+"""A flag write that outlives the server it was written to: its replicas (``WAIT``) and its
+disk (``WAITAOF``, or a snapshot taken after it).
+
+SPEC: a Redis that loses its data must not silently undo a rollback or an auto-freeze. A
+total loss removes the state marker too, and the gate then sends nothing to free. A partial
+one does not: a server that snapshots its data (RDB, Redis's default) and restarts comes back
+with the snapshot's marker and the flags as they were then, the rollbacks written after it
+gone. So after a flag write, :func:`on_disk` asks the server to put it on disk: an AOF server
+fsyncs it (``WAITAOF``, Redis 7.2 and later; earlier ones fsync within about a second with
+``appendfsync everysec``), a snapshotting one takes a snapshot (``BGSAVE``), and ``gatekeeper
+flags`` waits until it is written and says so. A server with no persistence at all loses
+the marker with everything else (state missing: closed).
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+__all__ = ["on_disk", "replicated"]
+
+
+def replicated(client: redis.Redis, timeout_s: float) -> int | None:
+    """Wait (``WAIT``) until every connected replica has the writes made so far, so that a
+    failover cannot drop the last rollback; returns how many acknowledged (None: no
+    replicas, or the server cannot say). A replica that does not answer in ``timeout_s``
+    is left behind: the write stands on the primary, and the caller is not failed.
+
+    ``client`` is the server written to (on a Redis Cluster, :func:`~gatekeeper.redis.
+    cluster.home`'s node client: ``WAIT`` counts that primary's replicas, for the writes of
+    the connection it is sent on, the one the writes just gave back to the pool)."""
+    try:
+        replicas = int(client.info("replication").get("connected_slaves", 0))
+        if not replicas:
+            return None
+        acked = client.execute_command(  # type: ignore[no-untyped-call]
+            "WAIT", replicas, max(1, round(timeout_s * 1000))
+        )
+        return int(acked)
+    except (redis.RedisError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def on_disk(client: redis.Redis, timeout_s: float, wait: bool = True) -> str:
+    """Put the writes made so far on the server's disk where it keeps one, and say how:
+
+    - ``aof``: fsynced (``WAITAOF``);
+    - ``aof_everysec``: an AOF server without ``WAITAOF`` (before Redis 7.2): on disk within
+      about a second with ``appendfsync everysec`` (Redis's default for AOF);
+    - ``rdb``: in a snapshot taken after them (``BGSAVE``, waited for up to ``timeout_s``);
+      ``rdb_started`` when ``wait`` is false (the auto-freeze: a worker does not wait for a
+      dump) or the snapshot was still being written at ``timeout_s``;
+    - ``none``: the server keeps nothing on disk (a restart loses everything, the state
+      marker included: the gate then sends nothing to free);
+    - ``unknown: <why>``: the server would not say or do it (a managed Redis that renames
+      ``CONFIG`` or ``BGSAVE``, an ACL): a restart may undo the write."""
+    try:
+        info = client.info("persistence")
+        if int(info.get("aof_enabled", 0)):
+            return _aof(client, timeout_s)
+        save = client.config_get("save").get("save")
+        if save == "":
+            return "none"
+        return _snapshot(client, timeout_s, wait)
+    except (redis.RedisError, TypeError, ValueError, AttributeError) as exc:
+        return f"unknown: {exc}"
+
+
+def _aof(client: redis.Redis, timeout_s: float) -> str:
+    try:
+        local, _ = client.execute_command(  # type: ignore[no-untyped-call]
+            "WAITAOF", 1, 0, max(1, round(timeout_s * 1000))
+        )
+    except redis.ResponseError as exc:
+        if "unknown command" in str(exc).lower():
+            return "aof_everysec"
+        raise
+    return "aof" if int(local) >= 1 else "unknown: WAITAOF timed out"
+
+
+def _snapshot(client: redis.Redis, timeout_s: float, wait: bool) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:  # one already being written may hold none of these writes: wait it out
+        try:
+            client.bgsave()
+            break
+        except redis.ResponseError as exc:
+            if "in progress" not in str(exc).lower() or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    if not wait:
+        return "rdb_started"
+    while int(client.info("persistence").get("rdb_bgsave_in_progress", 0)):
+        if time.monotonic() > deadline:
+            return "rdb_started"
+        time.sleep(0.05)
+    status = client.info("persistence").get("rdb_last_bgsave_status")
+    return "rdb" if status == "ok" else f"unknown: the snapshot failed ({status})"

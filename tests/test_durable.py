@@ -1,0 +1,72 @@
+"""A rollback outlives a restart of the gate's Redis that loses only its latest writes
+(SPEC: state loss must not silently undo a rollback): a snapshotting server (RDB, Redis's
+default) came back with the marker of its last snapshot and the flags as they were then."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from gatekeeper.ops.cli import main
+from gatekeeper.ops.embedded import EmbeddedRedis
+
+
+@pytest.fixture()
+def snapshotting() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(args=("--save", "900", "1")) as server:  # RDB: a snapshot every 15 min
+        yield server
+
+
+def cli(url: str, monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", url)
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def the_flag(url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    (line,) = [
+        line
+        for line in cli(url, monkeypatch, "status").splitlines()
+        if line.startswith("flag free_path_enabled=")
+    ]
+    return line
+
+
+def test_a_rollback_outlives_a_restart_that_loses_the_writes_since_the_last_snapshot(
+    snapshotting: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = snapshotting.url
+    assert "on_disk=rdb" in cli(url, monkeypatch, "init", "--open")
+    redis.Redis.from_url(url).save()  # the server's own snapshot, as a save point takes it
+    rollback = ["flags", "set", "free_path_enabled", "false", "--reason", "page 4411"]
+    assert "on_disk=rdb" in cli(url, monkeypatch, *rollback)
+    snapshotting.kill()  # SIGKILL: no snapshot at shutdown
+    snapshotting.start(port=snapshotting.port)
+    assert "state=initialised" in cli(url, monkeypatch, "status")
+    assert the_flag(url, monkeypatch).startswith("flag free_path_enabled=false (redis) changed ")
+
+
+def test_an_aof_server_says_how_its_write_reached_the_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    with EmbeddedRedis(args=("--appendonly", "yes")) as server:
+        out = cli(server.url, monkeypatch, "init", "--open")
+        # WAITAOF from Redis 7.2 on; before it, appendfsync everysec
+        assert "on_disk=aof\n" in out or "on_disk=aof_everysec " in out, out
+
+
+def test_a_server_with_no_disk_or_one_that_will_not_say_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with EmbeddedRedis() as bare:  # --save '' --appendonly no
+        out = cli(bare.url, monkeypatch, "init", "--open")
+        assert "on_disk=none: " in out and "nothing then goes to free until gatekeeper init" in out
+        bare.kill()
+        bare.start(port=bare.port)  # no snapshot was taken for it: the marker is gone
+        assert "state=MISSING" in cli(bare.url, monkeypatch, "status")
+    with EmbeddedRedis(args=("--rename-command", "CONFIG", "")) as managed:  # as some clouds do
+        out = cli(managed.url, monkeypatch, "init", "--open")
+        assert "on_disk=unknown (" not in out and "on_disk=unknown: " in out, out
+        assert "GATEKEEPER_FREE_PATH_ENABLED=false" in out
