@@ -161,3 +161,18 @@ def test_an_abandoned_task_whose_id_failed_before_still_ends_abandoned(
         result.get(timeout=10)
     errbacks = [m["headers"]["task"] for m in queue_messages(redis_client, "celery")]
     assert errbacks == ["tests.plain"]
+
+
+def test_a_requeue_says_the_deadline_it_moved_whatever_the_gate_decided(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one place a deadline is ever moved logs it (job, old and new deadline, who), even
+    where the gate is off and no decision line is written."""
+    deferred = dead_lettered(redis_url, redis_client, monkeypatch)
+    monkeypatch.setenv("GATEKEEPER_DWELL_GATE_ENABLED", "false")  # gate_disabled: no line
+    done = CliRunner().invoke(main, ["dead-letter", "requeue", deferred, "--deadline-s", "600"])
+    assert done.exit_code == 0, done.output
+    assert "reason gate_disabled" in done.output
+    (line,) = [line for line in done.output.splitlines() if "event=deadline_moved" in line]
+    assert f"job_id={deferred}" in line and "level=warning" in line
+    assert "deadline_at=" in line and " was=" in line and " actor=" in line

@@ -2,8 +2,8 @@
 
 A task whose deadline passed in defer waits in the dead-letter queue, on the broker (Redis
 or RabbitMQ: :mod:`gatekeeper.celery.broker`). ``requeue`` gives it a new deadline, given
-explicitly (an operator's decision: it is the one place a deadline is ever moved, and the
-decision line says so), scores it again through the same pipeline as a publish, and hands it
+explicitly (an operator's decision: it is the one place a deadline is ever moved, and a
+``deadline_moved`` line says so, whatever the gate decided), scores it again through the same pipeline as a publish, and hands it
 to the queue decided: on Redis in one atomic step (``move.lua``), on RabbitMQ acked only once
 its new copy is confirmed. A requeue cut short between the two leaves the task listed; a
 second requeue of it hands it on exactly as the first did (the handoff is kept beside the
@@ -21,7 +21,9 @@ import click
 from gatekeeper.celery.broker import BROKER_ERRORS, Taken
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import H_ATTEMPT, H_COPY, H_DEADLINE_AT, H_NONCE
+from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import settings_of
+from gatekeeper.ops.flag_commands import actor
 from gatekeeper.ops.oncall import broker_of, redis_client
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline
@@ -91,8 +93,10 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
     if type(attempt) is int and handed_on(record, nonce) == "key":
         in_key = read(gate, runs.keys, job_id, attempt)
     handoff = recalled(record, nonce, in_key)
+    was = headers.get(H_DEADLINE_AT)
+    moved_to: float | None = None
     if handoff is None:  # the first requeue of it: scored again, with its new deadline
-        headers[H_DEADLINE_AT] = time.time() + deadline_s
+        headers[H_DEADLINE_AT] = moved_to = time.time() + deadline_s
         publish = carried_publish(headers, "requeue", record.get("label", ""))
         routing = Pipeline.create(settings, gate, time.time).route(publish)
         handoff = Handoff(routing.queue or settings.reserved_queue, dict(routing.headers),
@@ -113,5 +117,10 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
         broker.close()
     if not moved:
         raise click.ClickException(f"{job_id} left {settings.dead_letter_queue} meanwhile")
+    if moved_to is not None:  # the one place a deadline moves: said whatever the gate decided
+        make_logger(settings, "dead_letter").warning(
+            "deadline_moved", job_id=job_id, attempt=attempt, deadline_at=moved_to, was=was,
+            queue=handoff.queue, reason=why, actor=actor(),
+        )  # fmt: skip
     click.echo(f"requeued {job_id} to {handoff.queue} (reason {why}, "
                f"deadline in {deadline_s:g} s)")  # fmt: skip

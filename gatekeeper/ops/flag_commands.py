@@ -52,7 +52,7 @@ def _said_on_disk(store: FlagStore) -> None:
                    "(GATEKEEPER_FREE_PATH_ENABLED=false)")  # fmt: skip
 
 
-def _actor() -> str:
+def actor() -> str:
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
@@ -107,7 +107,7 @@ def flags_set(ctx: click.Context, name: str, value: str, reason: str, force: boo
     store = _flag_store(ctx)
     why = reason or "(no reason given)"
     try:
-        change = store.set(name, value, why, _actor(), time.time(), force=force)
+        change = store.set(name, value, why, actor(), time.time(), force=force)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="VALUE") from exc
     except (LedgerUnavailable, FreePathLocked) as exc:
@@ -133,7 +133,7 @@ def flags_unset(ctx: click.Context, name: str, reason: str, force: bool) -> None
     store = _flag_store(ctx)
     why = reason or "(no reason given)"
     try:
-        change = store.unset(name, why, _actor(), time.time(), force=force)
+        change = store.unset(name, why, actor(), time.time(), force=force)
     except (LedgerUnavailable, FreePathLocked) as exc:
         make_logger(store.settings, "flags").warning(
             "flag_change_refused", name=name, value=None, reason=why, refusal=str(exc)
@@ -168,7 +168,7 @@ def init(ctx: click.Context, reason: str, open_path: bool) -> None:
     store = _flag_store(ctx)
     why = reason or "(no reason given)"
     try:
-        change = store.initialise(why, _actor(), time.time(), open_path=open_path)
+        change = store.initialise(why, actor(), time.time(), open_path=open_path)
         since = store.stored().get(STATE_FIELD)
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
