@@ -16,12 +16,9 @@ variable and what was expected.
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
@@ -36,6 +33,13 @@ from gatekeeper.app_conf import APP_CONF_PREFIX, AppConfSource
 from gatekeeper.core.ledger import BudgetMode
 from gatekeeper.errors import ConfigError
 from gatekeeper.night import NightSettings
+from gatekeeper.urls import (
+    CLUSTER_URL_SCHEMES,
+    GATE_URL_SCHEMES,
+    redis_url_of,
+    url_problem,
+    without_passwords,
+)
 
 __all__ = [
     "CONFIG_FILE_ENV",
@@ -282,55 +286,6 @@ class GatekeeperSettings(BaseSettings):
         if toml_file is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
         return tuple(sources)
-
-
-REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
-"""The URLs of one Redis server the gate's clients open (:mod:`gatekeeper.redis.connect`;
-kombu's ``redis+socket://`` is not among them): the broker's, when the gate reads it."""
-CLUSTER_URL_SCHEMES = ("redis+cluster://", "rediss+cluster://")
-"""A Redis Cluster, for the gate's Redis only (:mod:`gatekeeper.redis.cluster`)."""
-GATE_URL_SCHEMES = (*REDIS_URL_SCHEMES, *CLUSTER_URL_SCHEMES)
-"""What ``redis_url`` may be."""
-
-
-def without_passwords(url: str) -> str:
-    """``url`` with each password as ``***`` (error messages end up in log lines)."""
-    return re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1***@", url)
-
-
-def url_problem(url: str) -> str | None:
-    """What keeps ``url`` from being opened (a port out of range, a broken IPv6 host, a query
-    value redis-py cannot read), said without its password; None when it parses."""
-    from redis import connection  # redis-py's own reading of a redis:// URL
-
-    parse_url: Callable[[str], object] = connection.parse_url
-
-    try:
-        for part in filter(None, url.split(";")):  # sentinel:// lists several, ';'-separated
-            parts = urlsplit(part)
-            for spot in parts.netloc.rpartition("@")[2].split(","):  # host:port,host:port
-                if spot:
-                    urlsplit(f"//{spot}").port  # noqa: B018 - raises for a bad port or host
-            if part.startswith(("redis://", "rediss://", "unix://")):
-                parse_url(part)
-    except ValueError as exc:
-        return f"expected a URL that can be opened: {exc}"
-    return None
-
-
-def redis_url_of(name: str, url: str | None, note: str = "") -> str:
-    """``url`` when redis-py can open it; else :class:`ConfigError` naming ``name``."""
-    where = f"{name} {note}".strip()
-    if not url:
-        raise ConfigError(f"{where}: expected a Redis URL (redis://host:port/db), got none")
-    if not url.startswith(REDIS_URL_SCHEMES):
-        raise ConfigError(
-            f"{where}: expected a Redis URL (redis://, rediss://, unix:// or sentinel://), "
-            f"got {without_passwords(url)!r}"
-        )
-    if problem := url_problem(url):
-        raise ConfigError(f"{where}: {problem}, got {without_passwords(url)!r}")
-    return url
 
 
 def _resolve_config_file(config_file: str | os.PathLike[str] | None) -> Path | None:

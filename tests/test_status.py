@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from gatekeeper.core.ledger import window_id
 from gatekeeper.ops.cli import main
+from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.lock import Claims
 from tests.apps.gated_app import create_app
 from tests.conftest import clear_of_a_window_edge, gate_settings
@@ -86,3 +87,30 @@ def test_status_names_every_source_that_closes_the_free_path(
     lines = runner.invoke(main, ["status"]).stdout.splitlines()
     (line,) = [line for line in lines if line.startswith("flag free_path_enabled=")]
     assert line.startswith("flag free_path_enabled=false (redis) changed ")
+
+
+def test_data_gatekeeper_did_not_write_is_a_clear_error_or_left_out_never_a_traceback(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row that is not JSON or not a ledger row, a counter that is not a number, a flag
+    log entry that is not a change: ``ledger`` and ``status`` say where (exit 1), a re-open
+    is refused (nothing proves the hour clean), the flag history leaves the entry out."""
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    runner = CliRunner()
+    keys = Keys()
+    window = window_id(time.time(), 900)
+    redis_client.lpush(keys.flags_log, "junk")
+    assert runner.invoke(main, ["flags"]).exit_code == 0
+    assert runner.invoke(main, ["status"]).exit_code == 0
+    for row, said in (("not json", "not JSON"), ('{"job_id": "a"}', "not a ledger row")):
+        redis_client.delete(keys.window_rows(window))
+        redis_client.rpush(keys.window_rows(window), row)
+        result = runner.invoke(main, ["ledger"])
+        assert result.exit_code == 1 and said in result.output, result.output
+        assert not isinstance(result.exception, (ValueError, KeyError))
+    redis_client.hset(keys.window(window), "tax_units", "abc")
+    result = runner.invoke(main, ["status"])
+    assert result.exit_code == 1 and "not a number" in result.output, result.output
+    reopen = ["flags", "set", "free_path_enabled", "true", "--reason", "reopen"]
+    result = runner.invoke(main, reopen)
+    assert result.exit_code == 1 and "not a number" in result.output, result.output

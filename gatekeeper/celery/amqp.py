@@ -94,20 +94,16 @@ blocks publishers): past it the publish fails, the connection is dropped and the
 never acked, goes back to defer."""
 
 SOCKET_TIMEOUT_S = 30.0
-"""How long any other wait on RabbitMQ's socket may last (py-amqp's ``read_timeout`` and
-``write_timeout``, unless the app's ``broker_transport_options`` set them; the open socket's
-own timeout too, so that a reply stopped mid-frame, or over TLS, ends as well): opening a
-channel, a ``basic_get``, a passive declare. A peer that takes the bytes and answers nothing
-(a hung broker, a proxy or load balancer whose backend is gone) fails the call then instead of
-blocking the replayer for good; the connection is then dropped."""
+"""How long any other wait on RabbitMQ's socket may last (opening a channel, a ``basic_get``, a
+passive declare), unless the app's ``broker_transport_options`` set ``read_timeout``: a peer
+that takes the bytes and answers nothing (a hung broker, a proxy whose backend is gone) fails
+the call then, and the connection is dropped, instead of blocking the replayer for good."""
 
 
 def _bound(connection: Connection, *timeouts: float | None) -> None:
-    """Give the open connection's socket a timeout of its own (the longest of ``timeouts``;
-    none when one is None: the app asked for none). py-amqp's ``read_timeout`` ends a wait only
-    at the start of a frame; in the middle of one it retries for good, and over TLS its
-    socket keeps the connect timeout instead. py-amqp's ``transport.sock``: where it is not
-    there (another transport), the connection keeps the timeouts it has."""
+    """Give the open socket (py-amqp's ``transport.sock``) the longest of ``timeouts`` (none
+    when one is None): py-amqp's ``read_timeout`` ends a wait only at a frame's start (mid-frame
+    it retries for good), and over TLS the socket keeps its connect timeout instead."""
     if any(timeout is None for timeout in timeouts):
         return
     with suppress(AttributeError):

@@ -34,7 +34,8 @@ from gatekeeper.redis.cluster import is_cluster, shown_nodes
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.lock import Claims
 from gatekeeper.redis.scripts import evalsha, load_lua
-from gatekeeper.settings import REDIS_URL_SCHEMES, GatekeeperSettings
+from gatekeeper.settings import GatekeeperSettings
+from gatekeeper.urls import REDIS_URL_SCHEMES
 
 __all__ = ["AMQP_URL_SCHEMES", "BROKER_ERRORS", "Broker", "RedisBroker", "Taken", "broker_for",
            "check_broker", "gone_for_good", "shown_url"]  # fmt: skip

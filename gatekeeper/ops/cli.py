@@ -21,9 +21,10 @@ from gatekeeper.ops.demo import demo
 from gatekeeper.ops.drill import dwell_table_lines, run_ledger_drill, write_ledger
 from gatekeeper.ops.flag_commands import flags, init
 from gatekeeper.ops.metrics import metrics
-from gatekeeper.ops.oncall import ledger, replay, status, sweep
+from gatekeeper.ops.oncall import ledger, replay, sweep
 from gatekeeper.ops.report import report
 from gatekeeper.ops.simulate import simulate
+from gatekeeper.ops.status import status
 from gatekeeper.ops.tune import tune
 
 __all__ = ["CONFIG_OPTION", "main"]

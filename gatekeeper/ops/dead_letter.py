@@ -1,13 +1,14 @@
 """``gatekeeper dead-letter list`` and ``... requeue``: see and re-drive abandoned tasks.
 
-A task whose deadline passed in defer waits in the dead-letter queue, on the broker (Redis
-or RabbitMQ: :mod:`gatekeeper.celery.broker`). ``requeue`` gives it a new deadline, given
+A task whose deadline passed in defer waits in the dead-letter queue, on the broker (Redis or
+RabbitMQ: :mod:`gatekeeper.celery.broker`). ``requeue`` gives it a new deadline, given
 explicitly (an operator's decision: it is the one place a deadline is ever moved, and a
-``deadline_moved`` line says so, whatever the gate decided), scores it again through the same pipeline as a publish, and hands it
-to the queue decided: on Redis in one atomic step (``move.lua``), on RabbitMQ acked only once
-its new copy is confirmed. A requeue cut short between the two leaves the task listed; a
-second requeue of it hands it on exactly as the first did (the handoff is kept beside the
-record: :mod:`gatekeeper.redis.handoff`), and a worker runs one of the copies.
+``deadline_moved`` line says so, whatever the gate decided), scores it again through the same
+pipeline as a publish, and hands it to the queue decided: on Redis in one atomic step
+(``move.lua``), on RabbitMQ acked only once its new copy is confirmed. A requeue cut short
+between the two leaves the task listed; a second requeue of it hands it on exactly as the first
+did (the handoff is kept beside the record: :mod:`gatekeeper.redis.handoff`), and a worker runs
+one of the copies.
 """
 
 from __future__ import annotations

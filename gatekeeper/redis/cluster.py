@@ -42,7 +42,7 @@ from redis.connection import parse_url
 from redis.exceptions import RedisClusterException
 
 from gatekeeper.errors import ConfigError
-from gatekeeper.settings import CLUSTER_URL_SCHEMES
+from gatekeeper.urls import CLUSTER_URL_SCHEMES
 
 __all__ = ["CLUSTER_URL_SCHEMES", "GateCluster", "cluster_client", "home", "is_cluster", "probe_of",
            "shown_nodes"]  # fmt: skip

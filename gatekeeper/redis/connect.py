@@ -31,7 +31,7 @@ from redis.sentinel import Sentinel
 
 from gatekeeper.errors import ConfigError
 from gatekeeper.redis.cluster import cluster_client
-from gatekeeper.settings import CLUSTER_URL_SCHEMES, without_passwords
+from gatekeeper.urls import CLUSTER_URL_SCHEMES, without_passwords
 
 __all__ = ["SENTINEL", "client_for"]
 

@@ -63,7 +63,10 @@ def read_rows(client: redis.Redis, keys: Keys, window_id: int) -> list[dict[str,
         raw = client.lrange(keys.window_rows(window_id), 0, -1)
     except (redis.RedisError, RedisClusterException) as exc:
         raise LedgerUnavailable(f"cannot read window {window_id}: {exc}") from exc
-    return [json.loads(text_of(item)) for item in raw]
+    try:
+        return [json.loads(text_of(item)) for item in raw]
+    except ValueError as exc:  # not gatekeeper's writing
+        raise LedgerUnavailable(f"window {window_id} holds a row that is not JSON: {exc}") from exc
 
 
 def text_of(value: bytes | str | int | float) -> str:
