@@ -28,9 +28,41 @@ GATE_URL_SCHEMES = (*REDIS_URL_SCHEMES, *CLUSTER_URL_SCHEMES)
 """What ``redis_url`` may be."""
 
 
+def _parts(url: str) -> list[str]:
+    """One URL, or a ``sentinel://`` list's (``;``-separated: kombu's form); a password of any
+    other URL may hold a ``;``."""
+    return url.split(";") if url.startswith("sentinel://") else [url]
+
+
+def _masked(part: str) -> str:
+    scheme, sep, rest = part.partition("://")
+    if sep and "@" in rest:  # the userinfo up to the last '@' (a password may hold '@', '/')
+        userinfo, _, host = rest.rpartition("@")
+        if ":" in userinfo:
+            rest = f"{userinfo.partition(':')[0]}:***@{host}"
+    return scheme + sep + re.sub(r"(?i)(password=)[^&#]*", r"\1***", rest)
+
+
 def without_passwords(url: str) -> str:
-    """``url`` with each password as ``***`` (error messages end up in log lines)."""
-    return re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1***@", url)
+    """``url`` with its password as ``***``, and any ``password=`` value (error messages end
+    up in log lines)."""
+    return ";".join(_masked(part) for part in _parts(url))
+
+
+def _said(exc: ValueError) -> str:
+    """What redis-py or urllib found, in words of its own (their messages may quote a piece
+    of the password, read as a port)."""
+    text = str(exc)
+    if named := re.search(r"Invalid value for '(\w+)'", text):
+        return f"the query's {named.group(1)} has a value redis-py cannot read"
+    if "IPv6" in text:
+        return "a broken IPv6 host"
+    if "port" in text.lower():
+        return (
+            "a port that is not a number from 0 to 65535 (a password with '/', '@', '?' "
+            "or '#' must be percent-encoded)"
+        )
+    return "a URL redis-py cannot read"
 
 
 def url_problem(url: str) -> str | None:
@@ -41,7 +73,7 @@ def url_problem(url: str) -> str | None:
     parse_url: Callable[[str], object] = connection.parse_url
 
     try:
-        for part in filter(None, url.split(";")):  # sentinel:// lists several, ';'-separated
+        for part in filter(None, _parts(url)):
             parts = urlsplit(part)
             for spot in parts.netloc.rpartition("@")[2].split(","):  # host:port,host:port
                 if spot:
@@ -49,7 +81,7 @@ def url_problem(url: str) -> str | None:
             if part.startswith(("redis://", "rediss://", "unix://")):
                 parse_url(part)
     except ValueError as exc:
-        return f"expected a URL that can be opened: {exc}"
+        return f"expected a URL that can be opened: {_said(exc)}"
     return None
 
 

@@ -28,10 +28,11 @@ KEYS = Keys()
 
 @pytest.fixture()
 def gate_admin() -> Iterator[tuple[redis.Redis, str]]:
-    """A gate Redis of its own with the README's user: its default user's client, and the
-    gate user's URL."""
+    """A gate Redis of its own with the README's user, that snapshots (a flag write takes a
+    snapshot: ``CONFIG GET save``, ``BGSAVE``): its default user's client, and the gate
+    user's URL."""
     try:
-        server = EmbeddedRedis().start()
+        server = EmbeddedRedis(args=("--save", "900", "1")).start()
     except EmbeddedRedisError as exc:
         missing_server(str(exc))
     admin = redis.Redis.from_url(server.url)

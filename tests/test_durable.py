@@ -4,6 +4,7 @@ default) came back with the marker of its last snapshot and the flags as they we
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +13,8 @@ from click.testing import CliRunner
 
 from gatekeeper.ops.cli import main
 from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis.flags import FlagStore
+from tests.conftest import gate_settings, wait_until
 
 
 @pytest.fixture()
@@ -70,3 +73,30 @@ def test_a_server_with_no_disk_or_one_that_will_not_say_is_named(
         out = cli(managed.url, monkeypatch, "init", "--open")
         assert "on_disk=unknown (" not in out and "on_disk=unknown: " in out, out
         assert "GATEKEEPER_FREE_PATH_ENABLED=false" in out
+
+
+def test_a_snapshot_for_a_flag_write_begins_after_the_fork_running_then(
+    snapshotting: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork already running neither makes the command say ``rdb`` for a snapshot that was
+    never begun (an AOF rewrite: ``BGSAVE SCHEDULE`` only schedules one), nor leaves the
+    auto-freeze's write off the disk (a slow snapshot begun before the write holds none of
+    it): the command waits and begins its own, the freeze has one begun once it ends."""
+    url = snapshotting.url
+    server = redis.Redis.from_url(url)
+    cli(url, monkeypatch, "init", "--open")
+    server.mset({f"filler:{n}": "x" * 100 for n in range(20)})
+    server.config_set("rdb-key-save-delay", 50_000)  # 50 ms a key: about a second a fork
+    server.execute_command("BGREWRITEAOF")  # a fork that is no snapshot (BGSAVE SCHEDULE waits)
+    rollback = ["flags", "set", "free_path_enabled", "false", "--reason", "page 4411"]
+    assert "on_disk=rdb" in cli(url, monkeypatch, *rollback)
+    assert int(server.info("persistence")["rdb_changes_since_last_save"]) == 0
+    server.execute_command("BGSAVE")  # another slow one, begun before the freeze's write
+    store = FlagStore(server, gate_settings(url))  # a worker's: it does not wait
+    store.set("canary_percent", "7", "the auto-freeze's kind of write", "test", time.time())
+    assert store.persisted == "rdb_started"
+    server.config_set("rdb-key-save-delay", 0)
+    assert wait_until(lambda: int(server.info("persistence")["rdb_changes_since_last_save"]) == 0)
+    snapshotting.kill()
+    snapshotting.start(port=snapshotting.port)
+    assert "flag canary_percent=7.0 (redis)" in cli(url, monkeypatch, "status")

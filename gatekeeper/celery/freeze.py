@@ -34,6 +34,6 @@ def maybe_freeze(
               counted="freezes")  # fmt: skip
     alerts.error(
         "free_path_frozen", window=window, slack_misses=misses, admitted_free=admitted,
-        miss_error_budget=budget, reason=reason,
+        miss_error_budget=budget, reason=reason, on_disk=flags.persisted,
     )  # fmt: skip
     return True

@@ -14,6 +14,8 @@ the marker with everything else (state missing: closed).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import redis
@@ -48,9 +50,10 @@ def on_disk(client: redis.Redis, timeout_s: float, wait: bool = True) -> str:
     - ``aof``: fsynced (``WAITAOF``);
     - ``aof_everysec``: an AOF server without ``WAITAOF`` (before Redis 7.2): on disk within
       about a second with ``appendfsync everysec`` (Redis's default for AOF);
-    - ``rdb``: in a snapshot taken after them (``BGSAVE``, waited for up to ``timeout_s``);
+    - ``rdb``: in a snapshot begun after them (``BGSAVE``, waited for up to ``timeout_s``);
       ``rdb_started`` when ``wait`` is false (the auto-freeze: a worker does not wait for a
-      dump) or the snapshot was still being written at ``timeout_s``;
+      dump; begun now, or once the fork running now ends) or the snapshot was still being
+      written at ``timeout_s``;
     - ``none``: the server keeps nothing on disk (a restart loses everything, the state
       marker included: the gate then sends nothing to free);
     - ``unknown: <why>``: the server would not say or do it (a managed Redis that renames
@@ -79,18 +82,36 @@ def _aof(client: redis.Redis, timeout_s: float) -> str:
     return "aof" if int(local) >= 1 else "unknown: WAITAOF timed out"
 
 
+def _later(client: redis.Redis, timeout_s: float) -> None:
+    with contextlib.suppress(redis.RedisError):  # the write stands; only its disk is late
+        _snapshot(client, timeout_s, wait=True)
+
+
 def _snapshot(client: redis.Redis, timeout_s: float, wait: bool) -> str:
-    deadline = time.monotonic() + timeout_s
-    while True:  # one already being written may hold none of these writes: wait it out
+    """A snapshot begun after the writes. Not waited for (``wait`` false), ``BGSAVE
+    SCHEDULE``: one is begun at once, or as soon as the fork running now (an AOF rewrite)
+    ends; a snapshot running now may hold none of the writes, so a thread begins one once it
+    ends. Waited for, a plain ``BGSAVE``: refused while another fork runs, so tried again
+    until one is begun by it, then waited out."""
+    if not wait:
         try:
-            client.bgsave()
+            client.execute_command("BGSAVE", "SCHEDULE")  # type: ignore[no-untyped-call]
+        except redis.ResponseError as exc:  # a snapshot runs now: begin one once it ends
+            if "in progress" not in str(exc).lower():
+                raise
+            threading.Thread(target=_later, args=(client, timeout_s or 30.0), daemon=True,
+                             name="gatekeeper-snapshot").start()  # fmt: skip
+        return "rdb_started"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.execute_command("BGSAVE")  # type: ignore[no-untyped-call]
             break
         except redis.ResponseError as exc:
-            if "in progress" not in str(exc).lower() or time.monotonic() > deadline:
+            busy = any(word in str(exc).lower() for word in ("in progress", "another child"))
+            if not busy or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-    if not wait:
-        return "rdb_started"
     while int(client.info("persistence").get("rdb_bgsave_in_progress", 0)):
         if time.monotonic() > deadline:
             return "rdb_started"
