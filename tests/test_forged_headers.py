@@ -276,3 +276,26 @@ def test_a_copys_meter_never_prices_the_real_jobs_row(
         time.sleep(0.5)
     (row,) = rows(redis_client)
     assert (row["job_id"], row["outcome"], row["tokens_in"]) == ("victim", "killed", 1200)
+
+
+def test_a_callers_attempt_headers_neither_move_its_wait_nor_pass_for_a_replay(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """``gatekeeper_attempt_published_at`` (a day ago, or a day ahead: a wait of 0, a wait
+    tax of 0) and another publish's nonce, set by a caller on a fresh publish: the gate's
+    record, which prices the row, takes the publish's own time, and the live record of the
+    same attempt is not taken over (a replay alone presents its nonce)."""
+    app = create_app(gate_settings(redis_url), redis_url)
+    now = time.time()
+    for job, shift in (("past", -86_400), ("ahead", 86_400)):
+        forged_time = {"gatekeeper_attempt": 1, "gatekeeper_attempt_published_at": now + shift}
+        app.tasks["tests.embed"].apply_async((1,), task_id=job, headers=forged_time)
+        published = float(redis_client.hget(KEYS.run(job, 1), "published_ms") or 0) / 1000
+        assert abs(published - now) < 60, (job, published - now)
+    app.tasks["tests.embed"].apply_async((1,), task_id="live")
+    nonce = (redis_client.hget(KEYS.run("live", 1), "nonce") or b"").decode()
+    taken = {"gatekeeper_attempt": 1, "gatekeeper_nonce": nonce}
+    app.tasks["tests.embed"].apply_async((1,), task_id="live", headers=taken)
+    assert (redis_client.hget(KEYS.run("live", 1), "nonce") or b"").decode() == nonce
+    reasons = [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "reserved")]
+    assert reasons == ["duplicate_publish"]

@@ -74,9 +74,8 @@ class Heartbeat:
     def on_shutdown(self, **_: Any) -> None:
         self._stop.set()
         if self._keys:
-            with contextlib.suppress(redis.RedisError):  # the name alone may be another live
-                if len(self._keys) == 2:  # worker's: it expires
-                    self.client.delete(self._keys[0])
+            with contextlib.suppress(redis.RedisError):  # both, as before the process id (the
+                self.client.delete(*self._keys)  # name's, read only for an earlier build's runs)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

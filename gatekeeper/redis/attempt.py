@@ -171,7 +171,10 @@ def resolve(
         fields["delay_s"] = delay
     fields.update(expected_service_s=service_s, **chosen, retry_tax_s=tax_s,
                   deadline_slack_s=slack, tokens=inputs.tokens_in)  # fmt: skip
-    same_attempt = publish.headers.get(H_ATTEMPT) == publish.attempt
+    # Only a message the gate decided before (a replay, a requeue) carries its attempt's
+    # first publish and nonce on: a caller's publish that sets them (not among the headers a
+    # caller may set) would move its wait, and its row's price, where it likes.
+    same_attempt = publish.origin != "publish" and publish.headers.get(H_ATTEMPT) == publish.attempt
     carried = publish.headers.get(H_ATTEMPT_PUBLISHED_AT) if same_attempt else None
     prev = publish.headers.get(H_NONCE) if same_attempt else None
     if carried is not None:
