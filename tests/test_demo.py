@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from gatekeeper.core.review import RATIO_MEANINGS
-from tests.conftest import REPO_ROOT
+from gatekeeper.ops.cli import main
+from tests.conftest import REPO_ROOT, unused_port
 
 pytestmark = pytest.mark.celery
 
@@ -105,3 +107,12 @@ def test_the_demos_output_explains_its_numbers_to_a_newcomer(demo_run: DemoRun) 
     shown = {kind: sum(w[kind] for w in data["windows"]) for kind in counts}
     assert shown == counts
     assert not re.search(r"""(?:src|href)\s*=\s*["']?[a-z]*:?//""", text)
+
+
+def test_the_demo_names_a_redis_it_cannot_reach_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", f"redis://:s3cret@127.0.0.1:{unused_port()}/0")
+    result = CliRunner().invoke(main, ["demo"])
+    assert result.exit_code == 1 and "the demo's Redis (redis://:***@127.0.0.1:" in result.output
+    assert "s3cret" not in result.output and "Traceback" not in result.output

@@ -256,3 +256,19 @@ def test_a_gate_script_sent_twice_counts_its_decision_once(redis_client: redis.R
     for _ in range(2):  # a retrying client sends the very request again
         store._gate_reply(store._reply_now(keys, args))
     assert counters(redis_client) == {b"decided:admit_free:fits:tests.embed": b"1"}
+
+
+def test_a_value_gatekeeper_did_not_write_is_left_out_not_a_failed_scrape(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """A decision total that is not a whole number, a replayer pass that is not a time: the
+    scrape still answers (redis up), without them; the other totals are served."""
+    keys = Keys()
+    redis_client.hset(keys.totals, "decided:defer:queue_age_cap:t1", "3.0x")
+    redis_client.hset(keys.totals, "decided:admit_free:fits:t2", "4")
+    redis_client.set(keys.replayer_last_pass, "abc")
+    with serving(collector_for(gate_settings(redis_url))) as url:
+        samples = scrape(url)
+    assert value(samples, "gatekeeper_redis_up") == 1
+    decided = by_label(samples, "gatekeeper_decisions_total", "task", "decision", "reason")
+    assert decided == {("t2", "admit_free", "fits"): 4.0}, decided

@@ -105,6 +105,10 @@ def test_report_past_the_windows_retention_says_so(
     within, past = (CliRunner().invoke(main, ["report", "--since", s]) for s in ("8d", "30d"))
     assert within.exit_code == past.exit_code == 0, past.output
     assert "kept 8 days" not in within.output and "kept 8 days" in past.output
+    assert "windows=769 " in past.output  # 8 days of 15-minute windows, no more
+    # A typo of centuries reads the same 8 days, not a window per 15 minutes since 1970.
+    ages = CliRunner().invoke(main, ["report", "--since", "1000000000w"])
+    assert ages.exit_code == 0 and "windows=769 " in ages.output, ages.output
 
 
 @settings(
@@ -172,3 +176,19 @@ def test_report_html_to_a_path_it_cannot_write_names_the_option(
     blocker.write_text("")
     result = CliRunner().invoke(main, ["report", "--html", str(blocker / "review.html")])
     assert result.exit_code == 2 and "--html" in result.output
+
+
+def test_a_window_field_gatekeeper_did_not_write_is_a_clear_error(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    redis_client.hset(Keys().window(window_id(time.time(), 900)), "free_age_max_ms", "x")
+    page = ["report", "--since", "1h", "--html", str(tmp_path / "r.html")]
+    result = CliRunner().invoke(main, page)
+    assert result.exit_code == 1 and "not a number" in result.output, result.output
+    assert CliRunner().invoke(main, ["report", "--since", "1h"]).exit_code == 0  # unread there
+    redis_client.hset(Keys().window(window_id(time.time(), 900)), "admitted_free", "x")
+    for args in (["report", "--since", "1h"], ["report", "--since", "1h", "--html",
+                                              str(tmp_path / "r.html")]):  # fmt: skip
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and "not a number" in result.output, result.output

