@@ -31,22 +31,31 @@ GATE_URL_SCHEMES = (*REDIS_URL_SCHEMES, *CLUSTER_URL_SCHEMES)
 def _parts(url: str) -> list[str]:
     """One URL, or a ``sentinel://`` list's (``;``-separated: kombu's form); a password of any
     other URL may hold a ``;``."""
-    return url.split(";") if url.startswith("sentinel://") else [url]
+    parts = url.split(";") if url.startswith("sentinel://") else [url]
+    return parts if all("://" in part for part in filter(None, parts)) else [url]
 
 
 def _masked(part: str) -> str:
     scheme, sep, rest = part.partition("://")
-    if sep and "@" in rest:  # the userinfo up to the last '@' (a password may hold '@', '/')
-        userinfo, _, host = rest.rpartition("@")
+    if not sep:
+        return part
+    cut = re.search(r"[?#]", rest)  # the query: a password there is percent-encoded
+    head, tail = (rest[: cut.start()], rest[cut.start() :]) if cut else (rest, "")
+    if "@" in head:  # the userinfo up to the last '@' before it (a password may hold '@')
+        userinfo, _, host = head.rpartition("@")
         if ":" in userinfo:
-            rest = f"{userinfo.partition(':')[0]}:***@{host}"
-    return scheme + sep + re.sub(r"(?i)(password=)[^&#]*", r"\1***", rest)
+            head = f"{userinfo.partition(':')[0]}:***@{host}"
+    return scheme + sep + head + re.sub(r"(?i)(password=)[^&#]*", r"\1***", tail)
 
 
 def without_passwords(url: str) -> str:
     """``url`` with its password as ``***``, and any ``password=`` value (error messages end
-    up in log lines)."""
-    return ";".join(_masked(part) for part in _parts(url))
+    up in log lines); a ``sentinel://`` list that cannot be split (a ``;`` in a password) is
+    shown as its scheme alone."""
+    parts = _parts(url)
+    if url.startswith("sentinel://") and len(parts) == 1 and ";" in url:
+        return "sentinel://***"
+    return ";".join(_masked(part) for part in parts)
 
 
 def _said(exc: ValueError) -> str:

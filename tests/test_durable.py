@@ -94,7 +94,7 @@ def test_a_snapshot_for_a_flag_write_begins_after_the_fork_running_then(
     server.execute_command("BGSAVE")  # another slow one, begun before the freeze's write
     store = FlagStore(server, gate_settings(url))  # a worker's: it does not wait
     store.set("canary_percent", "7", "the auto-freeze's kind of write", "test", time.time())
-    assert store.persisted == "rdb_started"
+    assert store.persisted == "rdb_pending"
     server.config_set("rdb-key-save-delay", 0)
     assert wait_until(lambda: int(server.info("persistence")["rdb_changes_since_last_save"]) == 0)
     snapshotting.kill()

@@ -152,7 +152,8 @@ def test_a_forged_attempt_the_gate_never_writes_is_counted_and_logged_once_as_fo
     forged_lines = [line for line in log.splitlines() if "event=ledger_unverified_message" in line]
     assert len(forged_lines) == ran + 1 and all("kind=forged" in line for line in forged_lines)
     assert not [key for key in redis_client.scan_iter(match=f"{KEYS.base}:*")
-                if key not in (KEYS.stats.encode(), KEYS.flags.encode())]  # fmt: skip
+                if key not in (KEYS.stats.encode(), KEYS.flags.encode())
+                and not key.startswith(KEYS.worker("").encode())]  # heartbeats expire  # fmt: skip
 
 
 def test_a_decision_made_without_redis_gets_an_unverified_unpriced_row(
@@ -299,3 +300,29 @@ def test_a_callers_attempt_headers_neither_move_its_wait_nor_pass_for_a_replay(
     assert (redis_client.hget(KEYS.run("live", 1), "nonce") or b"").decode() == nonce
     reasons = [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "reserved")]
     assert reasons == ["duplicate_publish"]
+
+
+def test_a_retry_decided_without_a_record_goes_out_without_the_earlier_attempts_claims(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Celery copies the running message's headers into its retry: attempt 1's nonce, its
+    number and its publish times. A retry the gate sends to reserved unrecorded (bad input;
+    its Redis unreachable) goes out with its own attempt and times and no nonce, so its run
+    gets its own unverified row (not counted as forged, nor as attempt 1 run again)."""
+    app = create_app(gate_settings(redis_url), redis_url)
+    app.tasks["tests.embed"].apply_async((1,), task_id="first")  # attempt 1, recorded
+    nonce = (redis_client.hget(KEYS.run("first", 1), "nonce") or b"").decode()
+    copied = {"gatekeeper_nonce": nonce, "gatekeeper_attempt": 1,
+              "gatekeeper_attempt_published_at": 1.0, "gatekeeper_published_at": 1.0}  # fmt: skip
+    bad = {**copied, "gatekeeper_expected_service_s": "abc"}
+    app.tasks["tests.embed"].apply_async((1,), task_id="first", retries=1, headers=bad)
+    down = create_app(gate_settings(f"redis://127.0.0.1:{unused_port()}/0",
+                                    redis_timeout_s=0.2), redis_url)  # fmt: skip
+    down.tasks["tests.embed"].apply_async((1,), task_id="first", retries=1, headers=copied)
+    sent = queue_messages(redis_client, "reserved")
+    assert [m["headers"]["gatekeeper_reason"] for m in sent] == ["bad_input", "gate_unavailable"]
+    for message in sent:
+        headers = message["headers"]
+        assert "gatekeeper_nonce" not in headers and headers["gatekeeper_attempt"] == 2
+        assert headers["gatekeeper_attempt_published_at"] > time.time() - 60
+        assert headers["gatekeeper_published_at"] > time.time() - 60

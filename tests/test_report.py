@@ -187,7 +187,10 @@ def test_a_window_field_gatekeeper_did_not_write_is_a_clear_error(
     result = CliRunner().invoke(main, page)
     assert result.exit_code == 1 and "not a number" in result.output, result.output
     assert CliRunner().invoke(main, ["report", "--since", "1h"]).exit_code == 0  # unread there
-    redis_client.hset(Keys().window(window_id(time.time(), 900)), "admitted_free", "x")
+    for bad in ("x", "inf"):  # int(float("inf")) is an OverflowError, not a ValueError
+        redis_client.hset(Keys().window(window_id(time.time(), 900)), "admitted_free", bad)
+        result = CliRunner().invoke(main, ["report", "--since", "1h"])
+        assert result.exit_code == 1 and "not a number" in result.output, result.output
     for args in (["report", "--since", "1h"], ["report", "--since", "1h", "--html",
                                               str(tmp_path / "r.html")]):  # fmt: skip
         result = CliRunner().invoke(main, args)

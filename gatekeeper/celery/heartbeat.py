@@ -74,8 +74,9 @@ class Heartbeat:
     def on_shutdown(self, **_: Any) -> None:
         self._stop.set()
         if self._keys:
-            with contextlib.suppress(redis.RedisError):  # both, as before the process id (the
-                self.client.delete(*self._keys)  # name's, read only for an earlier build's runs)
+            with contextlib.suppress(redis.RedisError):  # its own; the name's may be another
+                if len(self._keys) == 2:  # live worker's too (two of one -n): it expires
+                    self.client.delete(self._keys[0])
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -43,7 +43,7 @@ from gatekeeper.celery.parts import SIGNALS, Parts, build
 from gatekeeper.celery.private import CelerySender, bound_for, replace_sender
 from gatekeeper.celery.worker import WorkerSide
 from gatekeeper.core.dwell import Decision, Reason
-from gatekeeper.core.headers import H_WINDOW
+from gatekeeper.core.headers import CLAIMS, H_WINDOW
 from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput, GatekeeperError, PublishFailed
 from gatekeeper.lines import flush_after_task
@@ -298,7 +298,11 @@ class Installed:
             # ``expires`` header and stores the task's state.
             options.pop("expiration", None)
         headers = {**(options.get("headers") or {}), **routing.headers}
-        for name in routing.drop:
+        # What claims an attempt's record goes out only as this decision wrote it: a retry
+        # copies the running message's headers (Celery), a caller may set any, and a decision
+        # left unrecorded (fail-closed, bad input) must not go out with an earlier nonce.
+        stale = [name for name in CLAIMS if name not in routing.headers]
+        for name in (*routing.drop, *stale):
             headers.pop(name, None)
             message.headers.pop(name, None)
         options["headers"] = headers

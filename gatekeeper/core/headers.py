@@ -9,6 +9,7 @@ by the worker side: the gate's own record in Redis is (see ``docs/design.md``), 
 from __future__ import annotations
 
 __all__ = [
+    "CLAIMS",
     "H_ATTEMPT",
     "H_ATTEMPT_PUBLISHED_AT",
     "H_BAD_INPUT",
@@ -57,6 +58,10 @@ H_COPY = "gatekeeper_copy"
 """A random value per copy the replayer (or a requeue, or the expiry) publishes: one decision
 handed on twice (a crash between publish and ack) is two copies, and a worker runs one."""
 """The random per-publish value of the gate's record of this attempt (``rec:<job>:<attempt>``)."""
+
+CLAIMS = (H_NONCE, H_ATTEMPT, H_ATTEMPT_PUBLISHED_AT, H_PUBLISHED_AT)
+"""The headers that claim an attempt and its record: a routed publish carries them only as
+its own decision wrote them (never as a caller, or the retried message, left them)."""
 
 OVERRIDES = frozenset({"gatekeeper_deadline_s", H_DEADLINE_AT, H_EXPECTED_SERVICE_S, H_TOKENS_IN})
 """The headers a caller may set: per-call overrides of the declared inputs."""

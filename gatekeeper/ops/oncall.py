@@ -120,7 +120,7 @@ def ledger(ctx: click.Context, window: str, json_path: Path | None) -> None:  # 
         raise click.ClickException(str(exc)) from exc
     try:
         parsed = [LedgerRow.from_json(row) for row in rows]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise click.ClickException(
             f"window {ident} holds a row that is not a ledger row ({exc!r}): written by "
             "something other than gatekeeper?"

@@ -60,7 +60,7 @@ def report(ctx: click.Context, since: str, html_path: Path | None) -> None:  # f
             if html_path is not None
             else ""
         )
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:
         raise click.ClickException(
             f"a window holds a field that is not a number ({exc}): "
             "written by something other than gatekeeper?"

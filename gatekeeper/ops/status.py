@@ -108,7 +108,7 @@ def status(ctx: click.Context) -> None:
         exposure = float(window.get("exposure", 0))
         admitted = int(window.get("admitted_free", 0))
         misses = int(window.get("slack_misses", 0))
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:
         raise click.ClickException(
             f"window {window_id(now, settings.window_seconds)} holds a counter that is not a "
             f"number ({exc}): written by something other than gatekeeper?"

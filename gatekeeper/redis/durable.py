@@ -53,7 +53,9 @@ def on_disk(client: redis.Redis, timeout_s: float, wait: bool = True) -> str:
     - ``rdb``: in a snapshot begun after them (``BGSAVE``, waited for up to ``timeout_s``);
       ``rdb_started`` when ``wait`` is false (the auto-freeze: a worker does not wait for a
       dump; begun now, or once the fork running now ends) or the snapshot was still being
-      written at ``timeout_s``;
+      written at ``timeout_s``; ``rdb_pending`` when a snapshot was being written then (it
+      may hold none of them): a thread of this process begins one once it ends, which a
+      pool child that exits first never does;
     - ``none``: the server keeps nothing on disk (a restart loses everything, the state
       marker included: the gate then sends nothing to free);
     - ``unknown: <why>``: the server would not say or do it (a managed Redis that renames
@@ -101,6 +103,7 @@ def _snapshot(client: redis.Redis, timeout_s: float, wait: bool) -> str:
                 raise
             threading.Thread(target=_later, args=(client, timeout_s or 30.0), daemon=True,
                              name="gatekeeper-snapshot").start()  # fmt: skip
+            return "rdb_pending"
         return "rdb_started"
     deadline = time.monotonic() + timeout_s
     while True:

@@ -272,7 +272,7 @@ class FlagStore:
         try:
             windows = [WindowHealth.from_hash(ident, fields)
                        for ident, fields in zip(ids, found, strict=True)]  # fmt: skip
-        except ValueError as exc:  # not gatekeeper's writing: nothing proves the hour clean
+        except (ValueError, OverflowError) as exc:  # not gatekeeper's writing: not clean
             return CleanHour(False, f"a window of the hour holds a field that is not a number "
                                     f"({exc})")  # fmt: skip
         return clean_hour(windows, self.settings.budget_units)
