@@ -9,25 +9,17 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from click.testing import CliRunner
 
-from gatekeeper.ops.cli import main
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.flags import FlagStore
 from tests.conftest import gate_settings, wait_until
+from tests.test_state_loss import cli
 
 
 @pytest.fixture()
 def snapshotting() -> Iterator[EmbeddedRedis]:
     with EmbeddedRedis(args=("--save", "900", "1")) as server:  # RDB: a snapshot every 15 min
         yield server
-
-
-def cli(url: str, monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
-    monkeypatch.setenv("GATEKEEPER_REDIS_URL", url)
-    result = CliRunner().invoke(main, list(args))
-    assert result.exit_code == 0, result.output
-    return result.output
 
 
 def the_flag(url: str, monkeypatch: pytest.MonkeyPatch) -> str:
