@@ -62,7 +62,7 @@ def _said(exc: ValueError) -> str:
     """What redis-py or urllib found, in words of its own (their messages may quote a piece
     of the password, read as a port)."""
     text = str(exc)
-    if named := re.search(r"Invalid value for '(\w+)'", text):
+    if named := re.search(r"Invalid value for [`'](\w+)[`']", text):  # 5.0: backquotes
         return f"the query's {named.group(1)} has a value redis-py cannot read"
     if "IPv6" in text:
         return "a broken IPv6 host"
