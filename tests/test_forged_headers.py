@@ -326,3 +326,26 @@ def test_a_retry_decided_without_a_record_goes_out_without_the_earlier_attempts_
         assert "gatekeeper_nonce" not in headers and headers["gatekeeper_attempt"] == 2
         assert headers["gatekeeper_attempt_published_at"] > time.time() - 60
         assert headers["gatekeeper_published_at"] > time.time() - 60
+
+
+def test_a_retry_left_on_its_own_route_goes_without_its_earlier_attempts_claims(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """The gate turned off between attempt 1 and its retry: the retry keeps its own route,
+    without attempt 1's nonce and number that Celery copied into it (else its run would pass
+    for attempt 1 run again, and attempt 2 get no row). A publish that claims no earlier
+    attempt keeps its headers as they are (a caller's forgeries are the worker's to count)."""
+    app = create_app(gate_settings(redis_url), redis_url)
+    app.tasks["tests.embed"].apply_async((1,), task_id="first")  # attempt 1, recorded
+    nonce = (redis_client.hget(KEYS.run("first", 1), "nonce") or b"").decode()
+    copied = {"gatekeeper_nonce": nonce, "gatekeeper_attempt": 1,
+              "gatekeeper_attempt_published_at": 1.0}  # fmt: skip
+    off = create_app(gate_settings(redis_url, dwell_gate_enabled=False), redis_url)
+    off.tasks["tests.embed"].apply_async((1,), task_id="first", retries=1, headers=copied,
+                                         queue="celery")  # fmt: skip
+    off.tasks["tests.embed"].apply_async((1,), task_id="other", headers=copied, queue="celery")
+    retry, other = queue_messages(redis_client, "celery")
+    assert retry["headers"]["id"] == "first" and other["headers"]["id"] == "other"
+    for name in ("gatekeeper_nonce", "gatekeeper_attempt", "gatekeeper_attempt_published_at"):
+        assert name not in retry["headers"], name
+        assert name in other["headers"], name  # attempt 1 claimed by attempt 1: left alone

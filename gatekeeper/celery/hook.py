@@ -43,7 +43,7 @@ from gatekeeper.celery.parts import SIGNALS, Parts, build
 from gatekeeper.celery.private import CelerySender, bound_for, replace_sender
 from gatekeeper.celery.worker import WorkerSide
 from gatekeeper.core.dwell import Decision, Reason
-from gatekeeper.core.headers import CLAIMS, H_WINDOW
+from gatekeeper.core.headers import CLAIMS, H_WINDOW, earlier_claims
 from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput, GatekeeperError, PublishFailed
 from gatekeeper.lines import flush_after_task
@@ -168,7 +168,7 @@ class Installed:
         publish, routing = self._decide(found, producer, name, message, options)
         if routing.published:
             return None  # gate.lua (or fallback.lua) pushed it with its decision
-        self._address(message, options, routing)
+        self._address(message, options, routing, publish.attempt if publish else None)
         return self._send(producer, name, message, options, publish, routing)
 
     # -- the steps, in the order a publish takes them ---------------------------------------
@@ -283,26 +283,28 @@ class Installed:
         return routing
 
     @staticmethod
-    def _address(message: Any, options: dict[str, Any], routing: Routing) -> None:
-        """Point the publish at the chosen queue by name, whatever else asked for another;
-        headers that were bad inputs are not forwarded (from the caller's or Celery's)."""
-        if routing.queue is None:
-            return  # untouched: its normal route
-        options["queue"] = routing.queue
-        options["exchange"] = None
-        options["routing_key"] = None
-        options.pop("exchange_type", None)
-        if routing.decision is Decision.DEFER:
-            # Celery turns ``expires`` into the message's TTL too; in defer (no dead-letter
-            # exchange of its own) that would drop the task unseen. The worker enforces the
-            # ``expires`` header and stores the task's state.
-            options.pop("expiration", None)
+    def _address(
+        message: Any, options: dict[str, Any], routing: Routing, attempt: int | None = None
+    ) -> None:
+        """Point the publish at the chosen queue by name; bad inputs are not forwarded. What
+        claims an attempt's record (:data:`CLAIMS`) goes only as this decision wrote it (a
+        retry copies its message's headers; a caller may set any; an unrecorded decision has
+        no nonce); a retry on its own route (the gate off) goes without its earlier claims."""
         headers = {**(options.get("headers") or {}), **routing.headers}
-        # What claims an attempt's record goes out only as this decision wrote it: a retry
-        # copies the running message's headers (Celery), a caller may set any, and a decision
-        # left unrecorded (fail-closed, bad input) must not go out with an earlier nonce.
-        stale = [name for name in CLAIMS if name not in routing.headers]
-        for name in (*routing.drop, *stale):
+        if routing.queue is None:  # untouched: its normal route
+            drop: tuple[str, ...] = earlier_claims({**message.headers, **headers}, attempt)
+            if not drop:
+                return
+        else:
+            options.update(queue=routing.queue, exchange=None, routing_key=None)
+            options.pop("exchange_type", None)
+            if routing.decision is Decision.DEFER:
+                # Celery turns ``expires`` into the message's TTL too; in defer (no dead-letter
+                # exchange of its own) that would drop the task unseen. The worker enforces
+                # the ``expires`` header and stores the task's state.
+                options.pop("expiration", None)
+            drop = (*routing.drop, *(name for name in CLAIMS if name not in routing.headers))
+        for name in drop:
             headers.pop(name, None)
             message.headers.pop(name, None)
         options["headers"] = headers

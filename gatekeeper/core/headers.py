@@ -8,6 +8,9 @@ by the worker side: the gate's own record in Redis is (see ``docs/design.md``), 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 __all__ = [
     "CLAIMS",
     "H_ATTEMPT",
@@ -32,6 +35,7 @@ __all__ = [
     "H_WINDOW",
     "NUMERIC",
     "OVERRIDES",
+    "earlier_claims",
 ]
 
 H_DEADLINE_AT = "gatekeeper_deadline_at"
@@ -62,6 +66,15 @@ handed on twice (a crash between publish and ack) is two copies, and a worker ru
 CLAIMS = (H_NONCE, H_ATTEMPT, H_ATTEMPT_PUBLISHED_AT, H_PUBLISHED_AT)
 """The headers that claim an attempt and its record: a routed publish carries them only as
 its own decision wrote them (never as a caller, or the retried message, left them)."""
+
+
+def earlier_claims(headers: Mapping[str, Any], attempt: int | None) -> tuple[str, ...]:
+    """:data:`CLAIMS` when ``headers`` claim an earlier attempt than ``attempt`` (a retry's,
+    copied from the message it retries), else none."""
+    earlier = headers.get(H_ATTEMPT)
+    stale = attempt is not None and type(earlier) is int and 1 <= earlier < attempt
+    return CLAIMS if stale else ()
+
 
 OVERRIDES = frozenset({"gatekeeper_deadline_s", H_DEADLINE_AT, H_EXPECTED_SERVICE_S, H_TOKENS_IN})
 """The headers a caller may set: per-call overrides of the declared inputs."""

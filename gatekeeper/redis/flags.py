@@ -329,7 +329,10 @@ class FlagStore:
             raise LedgerUnavailable(f"cannot write flag {name}: {exc}") from exc
         self.invalidate()
         replicated(server, self.settings.redis_timeout_s)
-        self.persisted = on_disk(server, self.disk_wait_s, wait=self.disk_wait_s > 0)
+        try:  # best effort: never fails a write that was made
+            self.persisted = on_disk(server, self.disk_wait_s, wait=self.disk_wait_s > 0)
+        except Exception as exc:  # a thread that cannot start, say
+            self.persisted = f"unknown: {exc}"
         return change
 
     def history(self, limit: int = 20) -> list[FlagChange]:
