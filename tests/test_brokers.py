@@ -35,6 +35,7 @@ from gatekeeper.defaults import RECORD_RETENTION_S
 from gatekeeper.errors import DeadlineAbandoned
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.keys import Keys
+from gatekeeper.settings import GatekeeperSettings
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import REPO_ROOT, gate_settings, running_worker, wait_until
 from tests.moved import BlackHole
@@ -232,10 +233,7 @@ def test_a_rabbitmq_confirm_that_never_comes_fails_the_publish_in_time_and_loses
     jobs = [embed.delay(1).id, embed.delay(2).id]
     broker = broker_for(settings, app)
     assert wait_until(lambda: broker.length("defer") == 2, timeout_s=5)
-    target = urlsplit(rabbitmq_url)
-    hole = BlackHole((target.hostname or "127.0.0.1", target.port or 5672))
-    through = target._replace(netloc=f"{target.username}:{target.password}@127.0.0.1:{hole.port}")
-    held = settings.model_copy(update={"broker_url": urlunsplit(through)})
+    hole, held = _through_a_black_hole(settings, rabbitmq_url)
     replayer = Replayer(held, broker_for(held, app), redis_client, app=app)
     publish = amqp.AmqpBroker._publish
 
@@ -283,10 +281,8 @@ def test_a_rabbitmq_flow_that_stops_answering_fails_the_replayers_call_in_time(
     settings = gate_settings(redis_url, broker_url=rabbitmq_url)
     app = create_app(settings, rabbitmq_url)
     app.tasks["tests.embed"].delay("x" * 200_000)  # free declared; a message of frames
-    target = urlsplit(rabbitmq_url)
-    hole = BlackHole((target.hostname or "127.0.0.1", target.port or 5672))
-    through = target._replace(netloc=f"{target.username}:{target.password}@127.0.0.1:{hole.port}")
-    broker = broker_for(settings.model_copy(update={"broker_url": urlunsplit(through)}), app)
+    hole, held = _through_a_black_hole(settings, rabbitmq_url)
+    broker = broker_for(held, app)
     calls = (
         (lambda: broker.length("free"), None),  # silent from the channel's open on
         (lambda: list(broker.take("free")), None),
@@ -310,6 +306,16 @@ def test_a_rabbitmq_flow_that_stops_answering_fails_the_replayers_call_in_time(
     finally:
         broker.abort()  # no closing handshake: a silent flow would never answer it
         hole.close()
+
+
+def _through_a_black_hole(
+    settings: GatekeeperSettings, rabbitmq_url: str
+) -> tuple[BlackHole, GatekeeperSettings]:
+    """A proxy to RabbitMQ (tests.moved.BlackHole) and ``settings`` with the broker behind it."""
+    target = urlsplit(rabbitmq_url)
+    hole = BlackHole((target.hostname or "127.0.0.1", target.port or 5672))
+    through = target._replace(netloc=f"{target.username}:{target.password}@127.0.0.1:{hole.port}")
+    return hole, settings.model_copy(update={"broker_url": urlunsplit(through)})
 
 
 def _failure_of(call: Any, failed: list[BaseException]) -> None:
