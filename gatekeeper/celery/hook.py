@@ -43,7 +43,7 @@ from gatekeeper.celery.parts import SIGNALS, Parts, build
 from gatekeeper.celery.private import CelerySender, bound_for, replace_sender
 from gatekeeper.celery.worker import WorkerSide
 from gatekeeper.core.dwell import Decision, Reason
-from gatekeeper.core.headers import CLAIMS, H_WINDOW, earlier_claims
+from gatekeeper.core.headers import CLAIMS, H_ATTEMPT, H_WINDOW, earlier_claims
 from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput, GatekeeperError, PublishFailed
 from gatekeeper.lines import flush_after_task
@@ -286,13 +286,12 @@ class Installed:
     def _address(
         message: Any, options: dict[str, Any], routing: Routing, attempt: int | None = None
     ) -> None:
-        """Point the publish at the chosen queue by name; bad inputs are not forwarded. What
-        claims an attempt's record (:data:`CLAIMS`) goes only as this decision wrote it (a
-        retry copies its message's headers; a caller may set any; an unrecorded decision has
-        no nonce); a retry on its own route (the gate off) goes without its earlier claims."""
-        headers = {**(options.get("headers") or {}), **routing.headers}
-        if routing.queue is None:  # untouched: its normal route
-            drop: tuple[str, ...] = earlier_claims({**message.headers, **headers}, attempt)
+        """Point the publish at the chosen queue; bad inputs are not forwarded; :data:`CLAIMS`
+        go only as this decision wrote them (a retry copies its message's headers, a caller may
+        set any), and a retry on its own route (the gate off) goes without its earlier ones."""
+        if routing.queue is None:  # untouched: its normal route (mostly: nothing to look at)
+            given = (options.get("headers") or {}).get(H_ATTEMPT, message.headers.get(H_ATTEMPT))
+            drop: tuple[str, ...] = earlier_claims(given, attempt)
             if not drop:
                 return
         else:
@@ -304,6 +303,7 @@ class Installed:
                 # the ``expires`` header and stores the task's state.
                 options.pop("expiration", None)
             drop = (*routing.drop, *(name for name in CLAIMS if name not in routing.headers))
+        headers = {**(options.get("headers") or {}), **routing.headers}
         for name in drop:
             headers.pop(name, None)
             message.headers.pop(name, None)

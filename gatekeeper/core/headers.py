@@ -8,7 +8,6 @@ by the worker side: the gate's own record in Redis is (see ``docs/design.md``), 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
@@ -68,10 +67,9 @@ CLAIMS = (H_NONCE, H_ATTEMPT, H_ATTEMPT_PUBLISHED_AT, H_PUBLISHED_AT)
 its own decision wrote them (never as a caller, or the retried message, left them)."""
 
 
-def earlier_claims(headers: Mapping[str, Any], attempt: int | None) -> tuple[str, ...]:
-    """:data:`CLAIMS` when ``headers`` claim an earlier attempt than ``attempt`` (a retry's,
-    copied from the message it retries), else none."""
-    earlier = headers.get(H_ATTEMPT)
+def earlier_claims(earlier: Any, attempt: int | None) -> tuple[str, ...]:
+    """:data:`CLAIMS` when a message's :data:`H_ATTEMPT` (``earlier``) is an earlier attempt
+    than ``attempt`` (a retry's, copied from the message it retries), else none."""
     stale = attempt is not None and type(earlier) is int and 1 <= earlier < attempt
     return CLAIMS if stale else ()
 
