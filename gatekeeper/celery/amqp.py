@@ -100,14 +100,13 @@ that takes the bytes and answers nothing (a hung broker, a proxy whose backend i
 the call then, and the connection is dropped, instead of blocking the replayer for good."""
 
 
-def _bound(connection: Connection, *timeouts: float | None) -> None:
-    """Give the open socket (py-amqp's ``transport.sock``) the longest of ``timeouts`` (none
-    when one is None): py-amqp's ``read_timeout`` ends a wait only at a frame's start (mid-frame
-    it retries for good), and over TLS the socket keeps its connect timeout instead."""
-    if any(timeout is None for timeout in timeouts):
-        return
-    with suppress(AttributeError):
-        connection.connection.transport.sock.settimeout(max(float(t or 0) for t in timeouts))
+def _bound(connection: Connection, timeout_s: float | None) -> None:
+    """Give the open socket (py-amqp's ``transport.sock``) ``timeout_s`` (None: the app asked
+    for none): py-amqp's ``read_timeout`` ends a wait only at a frame's start (mid-frame it
+    retries for good), and over TLS the socket keeps its connect timeout instead."""
+    if timeout_s is not None:
+        with suppress(AttributeError):
+            connection.connection.transport.sock.settimeout(float(timeout_s))
 
 
 class Unroutable(Exception):
@@ -152,7 +151,7 @@ class AmqpBroker:
             except Exception:
                 connection.release()
                 raise
-            _bound(connection, options.get("write_timeout"), options.get("read_timeout"))
+            _bound(connection, options.get("read_timeout"))
             self._connection = connection
         return self._connection
 
