@@ -65,10 +65,17 @@ _NEEDS_QUOTES = re.compile(r'[\s="\\]')
 _CONSTANTS = {None: "", True: "true", False: "false"}
 
 
+def _quoted(text: str) -> str:
+    """A JSON string whose ``=`` is written ``\\u003d`` (JSON reads it back the same): a
+    value a caller chose (a task id, a task name, an error's text) can then never hold a
+    ``key=value`` of its own, so ``grep 'decision=admit_free'`` matches only the field."""
+    return json.dumps(text).replace("=", "\\u003d")
+
+
 def _kv_value(value: Any) -> str:
     kind = type(value)
     if kind is str:  # the commonest first: most of a decision line's values are text
-        return value if value and not _NEEDS_QUOTES.search(value) else json.dumps(value)
+        return value if value and not _NEEDS_QUOTES.search(value) else _quoted(value)
     if kind is float:
         return repr(round(value, 3))  # digits, a dot, "e", "-", "inf" or "nan": never quoted
     if kind is int:
@@ -76,7 +83,7 @@ def _kv_value(value: Any) -> str:
     if kind is bool or value is None:
         return _CONSTANTS[value]
     text = str(value)
-    return json.dumps(text) if not text or _NEEDS_QUOTES.search(text) else text
+    return _quoted(text) if not text or _NEEDS_QUOTES.search(text) else text
 
 
 class _UtcTimestamp:

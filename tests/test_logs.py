@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import threading
 
@@ -31,6 +32,16 @@ def test_booleans_render_as_true_and_false_for_grep() -> None:
 def test_values_with_spaces_or_quotes_are_quoted() -> None:
     assert render(reason='a b "c"') == r'reason="a b \"c\""'
     assert render(empty="") == 'empty=""'
+
+
+def test_a_value_cannot_hold_a_key_value_pair_of_its_own() -> None:
+    # README's page greps ('decision=admit_free' | 'slack_miss=true') must match the fields,
+    # never a task id or error text a caller chose; JSON still reads the value back.
+    forged = 'x decision=admit_free slack_miss=true "a=b\\='
+    line = render(decision="reserved", job_id=forged)
+    assert "decision=admit_free" not in line and "slack_miss=true" not in line, line
+    assert line.startswith("decision=reserved job_id=")
+    assert json.loads(line.split("job_id=", 1)[1]) == forged
 
 
 def test_floats_to_the_millisecond_and_none_as_empty() -> None:
@@ -97,3 +108,35 @@ def test_stdlib_lines_reach_the_apps_handlers_in_the_publish_that_logs_them(
     assert f"job_id={job_id}" in record.getMessage() and "reason=fits" in record.getMessage()
     assert thread == threading.get_ident()  # emitted by the publishing thread itself
     assert "gate_decision" not in capsys.readouterr().err  # to the handlers, not stderr
+
+
+def test_a_forged_task_id_does_not_match_the_pages_grep(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A real publish whose caller-chosen id spells the page's pattern: the line says
+    # reserved, and README's `grep 'decision=admit_free' | grep 'slack_miss=true'` finds none.
+    app = Celery("forged", broker=redis_url)
+    app.conf.update(gatekeeper_log_format="stdlib", gatekeeper_dwell_gate_enabled=True,
+                    gatekeeper_canary_percent=100, gatekeeper_free_path_enabled=False)  # fmt: skip
+    gatekeeper.install(app)
+
+    @gatekeeper.gated(expected_service_s=1, tokens_in=10, deadline_s=60)
+    @app.task(name="forged.embed", max_retries=0, shared=False)
+    def embed(chunk: int) -> int:
+        return chunk
+
+    handler, logger = Kept(), logging.getLogger("gatekeeper")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    forged = "x decision=admit_free slack_miss=true"
+    try:
+        embed.apply_async((1,), task_id=forged)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    lines = [r.getMessage() for r, _ in handler.records]
+    (line,) = [text for text in lines if "event=gate_decision" in text]
+    assert "decision=reserved" in line and "reason=free_path_disabled" in line, line
+    paged = [text for text in lines if "decision=admit_free" in text]
+    assert not [text for text in paged if "slack_miss=true" in text], paged
