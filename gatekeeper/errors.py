@@ -43,6 +43,11 @@ class LedgerUnavailable(GatekeeperError):
     """The gate's Redis could not be reached or a script failed (wraps the redis-py error)."""
 
 
+class GateUnreachable(LedgerUnavailable):
+    """The gate's Redis gave no answer at all (refused, timed out, failing over): nothing is
+    wrong with what was asked, so the replayer stops its pass and strikes no message."""
+
+
 class PublishFailed(GatekeeperError):
     """A fast publish's message could not be pushed at all: the broker, the gate's own Redis,
     could not be reached (the hook raises kombu's ``OperationalError`` for it)."""

@@ -6,6 +6,8 @@ replay hands it on; and a batch reads a record as the ledger reads it."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections import Counter
 from typing import Any
@@ -16,15 +18,19 @@ import redis
 from gatekeeper.celery.batch import ReadRecord, _records
 from gatekeeper.celery.deadletter import H_REPLAY_ERRORS
 from gatekeeper.celery.replay import Replayer
+from gatekeeper.core.headers import H_REPLAY_AFTER
 from gatekeeper.defaults import RECORD_RETENTION_S
+from gatekeeper.errors import GateUnreachable
+from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis import wire
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.decisions import read_records
 from gatekeeper.redis.handoff import HANDOFF_NONCE, Handoff, remember_all
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
-from tests.conftest import gate_settings, queue_messages
-from tests.test_replay import defer_tasks, ids_in, replay_once
+from tests.apps.gated_app import create_app
+from tests.conftest import gate_settings, initialised, queue_messages
+from tests.test_replay import claimed, defer_tasks, ids_in, replay_once
 
 KEYS = Keys()
 
@@ -39,6 +45,59 @@ def test_one_unreadable_record_fails_its_own_message_not_its_batch(
     assert counts == {"to_free": 19, "replay_error": 1}
     assert sorted(ids_in(redis_client, "free")) == sorted(jobs[:7] + jobs[8:])
     assert ids_in(redis_client, "defer") == [jobs[7]]
+
+
+def test_a_gate_redis_that_stops_answering_mid_pass_strikes_no_message(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A failover or a restart of the gate's Redis is no fault of the messages: the pass
+    # stops there and strikes none. Struck instead, every message in defer was held for
+    # replay_backoff_max_s whatever its deadline, and five blips dead-lettered the queue (an
+    # audit: a 2 s failover abandoned 1,300 tasks with 20 s of slack left).
+    with EmbeddedRedis() as gate_server:
+        gate = redis.Redis.from_url(gate_server.url)
+        initialised(gate)
+        settings = gate_settings(gate_server.url, max_queue_age_s=1.0, redis_timeout_s=0.3,
+                                 replay_batch_size=4, breaker_open_s=0,
+                                 budget_units=1e9)  # fmt: skip
+        app = create_app(settings, redis_url)  # the broker stays up on redis_url
+        gate.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # free is old
+        jobs = [app.tasks["tests.embed"].apply_async((n,)).id for n in range(10)]
+        gate.zrem(KEYS.free_waiting, "stale:1")
+        assert redis_client.llen("defer") == 10
+        replayer = Replayer(settings, broker=redis_client, gate=gate)
+        take_batches = replayer.broker.take_batches
+        assert gate_server.process is not None
+        pid = gate_server.process.pid
+
+        def the_gate_hangs_after_the_first_claim(queue: str, size: int) -> Any:
+            for batch in take_batches(queue, size):
+                os.kill(pid, signal.SIGSTOP)  # its records not read yet: no answer comes
+                yield batch
+
+        replayer.broker.take_batches = the_gate_hangs_after_the_first_claim  # type: ignore[method-assign]
+        assert replayer.acquire()
+        try:
+            with pytest.raises(GateUnreachable):  # run() logs replay_pass_failed, waits, goes on
+                replayer.pass_once()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # The batch stays claimed by the tenure (nothing written to the queues while the
+        # gate is silent), taken back by the next pass; the rest were never taken.
+        assert claimed(redis_client) == 4
+        lists = ["defer", *redis_client.scan_iter(match="defer:replaying*", _type="list")]
+        messages = [m for name in lists for m in queue_messages(redis_client, name)]
+        assert sorted(m["headers"]["id"] for m in messages) == sorted(jobs)  # none moved
+        for message in messages:
+            assert H_REPLAY_ERRORS not in message["headers"]  # no strike
+            assert H_REPLAY_AFTER not in message["headers"]  # no backoff: due next pass
+        assert not redis_client.exists("dead_letter", "free", "reserved")
+        replayer.broker.take_batches = take_batches  # type: ignore[method-assign]
+        assert replayer.acquire()  # the gate answers again
+        second = replayer.pass_once()
+    assert second == {"to_free": 10}, second
+    assert sorted(ids_in(redis_client, "free")) == sorted(jobs)
+    assert claimed(redis_client) == 0 and redis_client.llen("defer") == 0
 
 
 def test_one_handoff_that_cannot_be_kept_fails_its_own_only(

@@ -29,7 +29,7 @@ from typing import Any
 
 import redis
 
-from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.errors import GateUnreachable, LedgerUnavailable
 from gatekeeper.redis.attempt import Publish
 from gatekeeper.redis.gate import Pipeline
 from gatekeeper.redis.gate_batch import route_all
@@ -79,6 +79,9 @@ Request = ReadRecord | ReadHandoff | Decide | KeepHandoff
 Step = Generator[Request, Any, str]
 """One message's replay: yields what it needs of the gate's Redis, returns its label."""
 ORDER: tuple[type[Request], ...] = (ReadRecord, ReadHandoff, Decide, KeepHandoff)
+NO_ANSWER = (redis.ConnectionError, redis.TimeoutError)
+"""A round trip the gate's Redis did not answer (refused, timed out, no master found,
+loading its data): :class:`GateUnreachable`, thrown into every message that asked."""
 
 
 def run_batch(
@@ -191,6 +194,12 @@ def _each(
         raw = runs.send_all([ask((request.job_id, request.attempt)) for request in requests])
     except redis.RedisError as exc:
         raw = [exc] * len(requests)
-    return [LedgerUnavailable(f"cannot read {what} {r.job_id}:{r.attempt}: {answer}")
-            if isinstance(answer, Exception) else read(answer)
+    return [_unread(what, r, answer) if isinstance(answer, Exception) else read(answer)
             for r, answer in zip(requests, raw, strict=True)]  # fmt: skip
+
+
+def _unread(what: str, request: ReadRecord | ReadHandoff, error: Exception) -> LedgerUnavailable:
+    """Why a read failed: :class:`GateUnreachable` when no answer came (no message is at
+    fault: a failover, a restart, a blip), else the key's own error."""
+    kind = GateUnreachable if isinstance(error, NO_ANSWER) else LedgerUnavailable
+    return kind(f"cannot read {what} {request.job_id}:{request.attempt}: {error}")

@@ -37,7 +37,7 @@ from gatekeeper.core.headers import (
     H_REPLAY_AFTER,
 )
 from gatekeeper.core.ledger import Outcome, Path, make_row, window_id
-from gatekeeper.errors import DeadlineAbandoned
+from gatekeeper.errors import DeadlineAbandoned, GateUnreachable
 from gatekeeper.redis.runs import Finished
 
 __all__ = ["H_REPLAY_ERRORS", "MAX_REPLAY_ERRORS", "abandon", "fail_in_backend", "set_aside"]
@@ -154,7 +154,14 @@ def abandon(
 def set_aside(self: Any, taken: Taken, exc: Exception) -> str:
     """A message that failed to replay (``self``: the :class:`~gatekeeper.celery.replay.Replayer`):
     back to defer with a backoff, or, after ``MAX_REPLAY_ERRORS`` failures, to the dead letters
-    with an alert. Never lost."""
+    with an alert. Never lost.
+
+    Raises :class:`~gatekeeper.errors.GateUnreachable` again: the gate's Redis gave no
+    answer, which is no fault of the message. The pass stops there, its batch given back as
+    it was (no strike, no backoff), and the next pass tries again: a failover or a restart
+    of a few seconds must not strike, hold past its deadline or dead-letter the whole queue."""
+    if isinstance(exc, GateUnreachable) and not taken.done:
+        raise exc
     self.log.warning("replay_failed", queue=self.defer, error=repr(exc))
     if taken.done:  # handed on already (a fault after): nothing more to move
         return "replay_error_after_handoff"
