@@ -16,7 +16,9 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from gatekeeper.celery.broker import RedisBroker, check_broker
 from gatekeeper.celery.replay import Replayer
+from gatekeeper.errors import ConfigError
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import RUNS_KEY, create_app
@@ -322,3 +324,47 @@ def test_a_running_replayer_stops_on_sigint_or_sigterm_and_gives_up_its_lock(
     finally:
         replayer.kill()
     assert not redis_client.exists(KEYS.replayer_lock), log.read_text()
+
+
+CELERY_PRIORITIES = {
+    "priority_steps": list(range(10)),
+    "sep": ":",
+    "queue_order_strategy": "priority",
+}
+"""Celery's documented broker options for Redis message priorities (a list per priority)."""
+
+
+def test_deferred_tasks_of_every_priority_are_found_where_kombu_put_them(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # The app names its priority lists `defer:5` (Celery's documented Redis priority options):
+    # read in kombu's default `defer\x06\x163`, a deferred priority-5 task was never replayed,
+    # never abandoned, and the sweep forgot its free admission as gone from the broker.
+    settings = gate_settings(redis_url, max_queue_age_s=1.0,
+                             broker_transport_options=CELERY_PRIORITIES)  # fmt: skip
+    app = create_app(settings, redis_url)
+    app.conf.broker_transport_options = CELERY_PRIORITIES
+    redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
+    jobs = {p: app.tasks["tests.embed"].apply_async((p,), priority=p).id for p in (0, 5, 9)}
+    redis_client.zrem(KEYS.free_waiting, "stale:1")
+    assert {p: redis_client.llen("defer" if p == 0 else f"defer:{p}") for p in jobs} == {
+        0: 1, 5: 1, 9: 1
+    }  # fmt: skip
+    broker = RedisBroker(redis_client, settings)
+    assert broker.length("defer") == 3
+    replayer = Replayer(settings, broker=broker, gate=redis_client)
+    assert dict(replayer.run(threading.Event(), once=True)) == {"to_free": 3}
+    assert broker.length("defer") == 0 and broker.length("free") == 3
+    for priority, job in jobs.items():  # each at its own priority, where a worker pops it
+        (sent,) = queue_messages(redis_client, "free" if priority == 0 else f"free:{priority}")
+        assert sent["headers"]["id"] == job
+    assert broker.waiting("free") == {f"{job}:1" for job in jobs.values()}  # the sweep sees them
+
+
+def test_transport_options_kombu_could_not_use_are_refused_by_name() -> None:
+    for options, named in (({"priority_steps": [9, 0]}, "priority_steps"),
+                           ({"priority_steps": "0369"}, "priority_steps"),
+                           ({"sep": 7}, "sep"), ({"unacked_key": ""}, "unacked_key")):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"broker_transport_options: {named}: expected"):
+            check_broker("redis://127.0.0.1:6379/0", options=options)
+    assert check_broker("redis://127.0.0.1:6379/0", options=CELERY_PRIORITIES) == "redis"

@@ -27,7 +27,7 @@ import redis
 from amqp.exceptions import AMQPError
 from kombu.exceptions import KombuError
 
-from gatekeeper.celery.lists import PRIORITY_STEPS, queue_list, waiting_attempts
+from gatekeeper.celery.lists import Layout, waiting_attempts
 from gatekeeper.celery.taken import Broker, Taken
 from gatekeeper.errors import ConfigError
 from gatekeeper.redis.cluster import is_cluster, shown_nodes
@@ -59,6 +59,7 @@ def check_broker(
                 "gatekeeper reads and moves a Redis broker's queues by their names, and "
                 "deferred tasks would have nothing able to read them"
             )
+        Layout.of(options)  # its lists' names: read as kombu reads them, or refused here
         return "redis"
     if url and url.startswith(AMQP_URL_SCHEMES):
         return "amqp"
@@ -101,6 +102,14 @@ def shown_url(client: redis.Redis) -> str:
     return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
 
 
+def _priority(properties: Mapping[str, Any]) -> int:
+    """A message's priority as kombu reads it (``_get_message_priority``: 0 when unreadable)."""
+    try:
+        return int(properties.get("priority") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
 def _document(raw: bytes | str) -> dict[str, Any] | None:
     try:
         message = json.loads(raw)
@@ -119,6 +128,7 @@ class RedisBroker:
         self.client = client
         self.settings = settings
         self.claims: Claims | None = None
+        self.layout = Layout.of(settings.broker_transport_options)  # the lists kombu uses
         self._move = client.register_script(load_lua("move.lua"))
         self.shown = shown_url(client)
 
@@ -140,7 +150,7 @@ class RedisBroker:
         return self.claims.take_back() if self.claims is not None else 0
 
     def take(self, queue: str, claim: bool = True) -> Iterator[Taken]:
-        for source in (queue_list(queue, step) for step in PRIORITY_STEPS):
+        for source in self.layout.lists(queue):
             if not claim:
                 for raw in reversed(self.client.lrange(source, 0, -1)):
                     data = raw if isinstance(raw, bytes) else raw.encode()
@@ -150,7 +160,7 @@ class RedisBroker:
                 yield from batch
 
     def take_batches(self, queue: str, size: int) -> Iterator[list[Taken]]:
-        for source in (queue_list(queue, step) for step in PRIORITY_STEPS):
+        for source in self.layout.lists(queue):
             yield from self._claimed(source, size)
 
     def _claimed(self, source: str, size: int, batched: bool = True) -> Iterator[list[Taken]]:
@@ -167,12 +177,12 @@ class RedisBroker:
             yield [Taken(source, raw, _document(raw), at=at, batched=batched) for raw in claimed]
 
     def send(self, taken: Taken, queue: str, message: dict[str, Any] | None) -> bool:
-        target = queue_list(queue, 0)
+        target = self.layout.queue_list(queue, 0)
         if message is not None:
             properties = message["properties"]
             properties["delivery_info"] = {"exchange": "", "routing_key": queue}
             properties["delivery_tag"] = str(uuid.uuid4())
-            target = queue_list(queue, int(properties.get("priority") or 0))
+            target = self.layout.queue_list(queue, _priority(properties))
         return self._moved(taken, target, message)
 
     def hold(self, taken: Taken, message: dict[str, Any] | None, wait_s: float) -> bool:
@@ -221,13 +231,13 @@ class RedisBroker:
         """A claimed message stays in the tenure's list; the lock's holder takes it back."""
 
     def length(self, queue: str) -> int:
-        return sum(int(self.client.llen(queue_list(queue, step))) for step in PRIORITY_STEPS)
+        return sum(int(self.client.llen(name)) for name in self.layout.lists(queue))
 
     def claimed(self) -> int | None:
         return Claims.held(self.client, self.settings.defer_queue)
 
     def waiting(self, queue: str) -> set[str] | None:
-        return waiting_attempts(self.client, queue)
+        return waiting_attempts(self.client, queue, self.layout)
 
     def delayed(self, queue: str) -> int | None:
         return None  # a not-due message waits in the queue's own list
