@@ -176,6 +176,25 @@ def test_a_bad_app_setting_raises_config_error_naming_the_key_at_the_first_gated
         1, 0, 0]  # fmt: skip
 
 
+def test_a_worker_with_a_bad_setting_does_not_start_and_takes_no_task(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # README: "A bad value stops start-up with the variable's name and what was expected".
+    # Read at the first task's signal instead, a worker ran with every signal logging a
+    # traceback, and a gated task's retry raised in it: Celery rejected the message, lost.
+    create_app(redis_url).tasks["conf.embed"].delay(1)  # a good publisher's task, in free
+    assert redis_client.llen("free") == 1
+    name = f"bad-{time.monotonic_ns()}@%h"
+    done = run(redis_url, "celery", "-A", "tests.apps.conf_app", "worker", "-Q", "free", "-P",
+               "solo", "-l", "INFO", "--without-heartbeat", "--without-gossip",
+               "--without-mingle", "-n", name, GATEKEEPER_CANARY_PERCENT="150")  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    said = done.stdout + done.stderr
+    assert "Error: gatekeeper: invalid settings: GATEKEEPER_CANARY_PERCENT" in said, said
+    assert "less than or equal to 100, got '150'" in said and "Traceback" not in said, said
+    assert redis_client.llen("free") == 1  # not taken: it waits for a worker that starts
+
+
 def test_an_eager_app_with_no_redis_imports_and_runs_its_gated_tasks() -> None:
     app = Celery("eager")  # no broker, no GATEKEEPER_* variable, no gatekeeper_* key
     app.conf.task_always_eager = True
@@ -298,7 +317,7 @@ def test_a_redis_broker_with_a_global_keyprefix_refuses_gating_and_says_why(
     assert not redis_client.exists("defer", "pfx:defer", "free", "pfx:free")
     err = capsys.readouterr().err
     refused = next(line for line in err.splitlines() if "event=broker_unsupported" in line)
-    assert "global_keyprefix='pfx:' is not supported" in refused, refused
+    assert "global_keyprefix\\u003d'pfx:' is not supported" in refused, refused  # = escaped
     with pytest.raises(ConfigError, match="global_keyprefix"):
         broker_for(gatekeeper.install(app).settings, app)
 

@@ -21,7 +21,7 @@ from gatekeeper.celery.replay import Replayer
 from gatekeeper.errors import ConfigError
 from gatekeeper.logs import make_logger
 
-__all__ = ["OPTION", "ReplayStep", "add_to_worker"]
+__all__ = ["OPTION", "ReplayStep", "SettingsStep", "add_to_worker"]
 
 OPTION = "gatekeeper_replay"
 
@@ -34,6 +34,23 @@ def add_to_worker(app: Celery, installed: Any) -> None:
     ))  # fmt: skip
     step = type("GatekeeperReplay", (ReplayStep,), {"installed": installed})
     app.steps["worker"].add(step)
+    app.steps["worker"].add(type("GatekeeperSettings", (SettingsStep,), {"installed": installed}))
+
+
+class SettingsStep(bootsteps.Step):  # type: ignore[misc]
+    """Reads gatekeeper's settings as the worker is made, before it takes any task: a bad
+    value stops it there, the :class:`~gatekeeper.errors.ConfigError` naming the key. Read
+    later, at the first task's signal, it left a worker running whose every signal logged a
+    traceback and whose retries raised, a retried task rejected and lost."""
+
+    installed: Any = None
+
+    def __init__(self, parent: Any, **options: Any) -> None:
+        try:
+            self.installed.parts()  # settings, clients (not connected): ConfigError when bad
+        except ConfigError as exc:  # `celery worker` says "Error: ..." and exits 1
+            raise click.ClickException(f"gatekeeper: {exc}") from exc
+        super().__init__(parent, **options)
 
 
 class ReplayStep(bootsteps.StartStopStep):  # type: ignore[misc]
