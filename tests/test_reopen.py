@@ -8,7 +8,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from gatekeeper.core.health import WindowHealth, clean_hour, hour_windows, should_freeze
+from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_windows, should_freeze
 from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import FreePathLocked
 from gatekeeper.ops.cli import main
@@ -86,6 +86,47 @@ def test_reopening_succeeds_after_a_clean_hour(redis_client: redis.Redis) -> Non
     change = store.set("free_path_enabled", "true", "clean hour", "oncall", at(later))
     assert f"windows {W + 1}..{W + 5}" in change.reason
     assert store.current().free_path_enabled
+
+
+class RolledBackDuringTheCheck(FlagStore):
+    """A real store whose clean-hour check takes long enough for another operator (another
+    client, another connection) to roll the free path back, or an auto-freeze to close it."""
+
+    rollback: tuple[redis.Redis, str] | None = None
+
+    def clean_hour(self, now: float) -> CleanHour:
+        verdict = super().clean_hour(now)
+        if self.rollback is not None:
+            client, how = self.rollback
+            other = FlagStore(client, GatekeeperSettings(budget_units=1000))
+            if how == "unset":  # the settings close it; the operator lifts a Redis override
+                other.set("dwell_gate_enabled", "true", "B: gate on", "b", now)
+            else:
+                other.set("free_path_enabled", "false", "B: misses on free", "b", now)
+        return verdict
+
+
+@pytest.mark.parametrize("how", ["set", "force", "unset"])
+def test_a_rollback_made_while_a_reopen_is_checked_is_not_undone(
+    redis_url: str, redis_client: redis.Redis, how: str
+) -> None:
+    # Two operators at once (an audit): A's re-open read a clean hour, B rolled back, then A
+    # wrote `true` blindly over B's `false`, both commands said they did it, and the history
+    # showed B's later change as if in force. A re-open now writes only if no flag changed
+    # since it began its check; A is refused, saying why, and B's rollback stands.
+    store = RolledBackDuringTheCheck(redis_client, GatekeeperSettings(budget_units=1000))
+    store.set("free_path_enabled", "false", "earlier rollback", "c", at(W))
+    store.rollback = (redis.Redis.from_url(redis_url), how)
+    with pytest.raises(FreePathLocked, match="flags changed while the re-open was checked"):
+        if how == "unset":
+            store.unset("free_path_enabled", "A: resolved", "a", at(W + 5))
+        else:
+            store.set("free_path_enabled", "true", "A: resolved", "a", at(W + 5),
+                      force=how == "force")  # fmt: skip
+    stored = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.flags).items()}
+    assert stored["free_path_enabled"] == "false"
+    assert not store.current().free_path_enabled
+    assert "A: resolved" not in str(store.history(5))
 
 
 def test_force_reopens_and_says_so(redis_client: redis.Redis) -> None:

@@ -13,7 +13,6 @@ Every change is appended to the flag log with its reason, actor and time.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import threading
@@ -25,6 +24,7 @@ from typing import Any
 
 import redis
 
+from gatekeeper.core.flagvalues import FLAG_NAMES, in_canary, parse_flag
 from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_windows
 from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
@@ -47,7 +47,6 @@ __all__ = [
 ]
 
 
-FLAG_NAMES = ("dwell_gate_enabled", "free_path_enabled", "canary_percent")
 STATE_FIELD = "initialised_at"
 """The state marker: a field of the flags hash (so one key holds both, and whatever loses the
 flags loses the marker with them), written only by ``gatekeeper init``."""
@@ -59,9 +58,6 @@ FLAG_LOG_LENGTH = 1000
 """How many flag changes the log keeps."""
 UNREAD_RETRY_S = 1.0
 """While the flags have never been read, how soon the next decision tries again."""
-
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
 
 
 @dataclass(frozen=True)
@@ -90,36 +86,6 @@ class FlagChange:
     reason: str
     actor: str
     at: float
-
-
-def parse_flag(name: str, value: str) -> bool | float:
-    """Validate a flag value given as text; raises ConfigError naming the flag."""
-    if name not in FLAG_NAMES:
-        raise ConfigError(f"flag name: expected one of {', '.join(FLAG_NAMES)}, got {name!r}")
-    text = value.strip().lower()
-    if name == "canary_percent":
-        try:
-            number = float(text)
-        except ValueError:
-            number = math.nan
-        if not (math.isfinite(number) and 0 <= number <= 100):
-            raise ConfigError(f"canary_percent: expected a number from 0 to 100, got {value!r}")
-        return number
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"{name}: expected true or false, got {value!r}")
-
-
-def in_canary(job_id: str, percent: float) -> bool:
-    """Whether a job is in the canary slice: a stable hash of its id, not a coin flip."""
-    if percent >= 100:
-        return True
-    if percent <= 0:
-        return False
-    digest = hashlib.blake2b(job_id.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % 10_000 < percent * 100
 
 
 def combine(
@@ -242,7 +208,8 @@ class FlagStore:
         parsed = parse_flag(name, value)
         text = str(parsed).lower() if isinstance(parsed, bool) else repr(parsed)
         if name == "free_path_enabled" and parsed is True:
-            reason = self._reopen_reason(reason, now, force)
+            return self._write(name, text, reason, actor, now, counted,
+                               lambda: self._reopen_reason(reason, now, force))  # fmt: skip
         return self._write(name, text, reason, actor, now, counted)
 
     def unset(
@@ -250,9 +217,14 @@ class FlagStore:
     ) -> FlagChange:
         """Remove an override: the settings decide again (a clean hour to lift a freeze)."""
         parse_flag(name, "0")  # validates the name
-        if name == "free_path_enabled" and self.stored().get(name) == "false":
-            reason = self._reopen_reason(reason, now, force)
-        return self._write(name, None, reason, actor, now)
+        if name != "free_path_enabled":
+            return self._write(name, None, reason, actor, now)
+
+        def checked() -> str:  # lifting a rollback or a freeze is a re-open
+            closed = self.stored().get(name) == "false"
+            return self._reopen_reason(reason, now, force) if closed else reason
+
+        return self._write(name, None, reason, actor, now, None, checked)
 
     def clean_hour(self, now: float) -> CleanHour:
         """Whether the last hour of ledger windows (ending in the one ``now`` is in) is clean.
@@ -309,22 +281,35 @@ class FlagStore:
 
     def _write(
         self, name: str, value: str | None, reason: str, actor: str, now: float,
-        counted: str | None = None,
+        counted: str | None = None, reopen: Callable[[], str] | None = None,
     ) -> FlagChange:  # fmt: skip
-        change = FlagChange(name=name, value=value, reason=reason, actor=actor, at=now)
-        entry = json.dumps(change.__dict__)
+        """Write one flag and its log entry in one transaction. ``reopen`` (a re-open of the
+        free path): checked, giving the reason written, once the flags are watched, so the
+        write is made only if no flag changed meanwhile. Checked and then written blindly, a
+        rollback or an auto-freeze made during the check was undone by the re-open."""
         try:
             server = home(self.client, self.keys.flags)  # a cluster's MULTI: the slot's primary
-            pipe = server.pipeline(transaction=True)
-            if value is None:
-                pipe.hdel(self.keys.flags, name)
-            else:
-                pipe.hset(self.keys.flags, name, value)
-            pipe.lpush(self.keys.flags_log, entry)
-            pipe.ltrim(self.keys.flags_log, 0, FLAG_LOG_LENGTH - 1)
-            if counted is not None:
-                pipe.hincrby(self.keys.totals, counted, 1)
-            pipe.execute()
+            with server.pipeline(transaction=True) as pipe:  # reset (un-WATCHed) on the way out
+                if reopen is not None:
+                    pipe.watch(self.keys.flags)  # type: ignore[no-untyped-call]
+                    reason = reopen()  # raises FreePathLocked when it may not re-open
+                    pipe.multi()
+                change = FlagChange(name=name, value=value, reason=reason, actor=actor, at=now)
+                if value is None:
+                    pipe.hdel(self.keys.flags, name)
+                else:
+                    pipe.hset(self.keys.flags, name, value)
+                pipe.lpush(self.keys.flags_log, json.dumps(change.__dict__))
+                pipe.ltrim(self.keys.flags_log, 0, FLAG_LOG_LENGTH - 1)
+                if counted is not None:
+                    pipe.hincrby(self.keys.totals, counted, 1)
+                pipe.execute()
+        except redis.WatchError as exc:
+            raise FreePathLocked(
+                f"{name} not re-opened: the flags changed while the re-open was checked "
+                "(another operator, or an auto-freeze); nothing was written: see `gatekeeper "
+                "flags` and run it again"
+            ) from exc
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot write flag {name}: {exc}") from exc
         self.invalidate()

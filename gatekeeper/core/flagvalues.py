@@ -1,0 +1,46 @@
+"""The flags' names and values as text, and the canary's slice: pure, no Redis
+(gatekeeper/redis/flags.py stores them)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+from gatekeeper.errors import ConfigError
+
+__all__ = ["FLAG_NAMES", "in_canary", "parse_flag"]
+
+FLAG_NAMES = ("dwell_gate_enabled", "free_path_enabled", "canary_percent")
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def parse_flag(name: str, value: str) -> bool | float:
+    """Validate a flag value given as text; raises ConfigError naming the flag."""
+    if name not in FLAG_NAMES:
+        raise ConfigError(f"flag name: expected one of {', '.join(FLAG_NAMES)}, got {name!r}")
+    text = value.strip().lower()
+    if name == "canary_percent":
+        try:
+            number = float(text)
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and 0 <= number <= 100):
+            raise ConfigError(f"canary_percent: expected a number from 0 to 100, got {value!r}")
+        return number
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{name}: expected true or false, got {value!r}")
+
+
+def in_canary(job_id: str, percent: float) -> bool:
+    """Whether a job is in the canary slice: a stable hash of its id, not a coin flip."""
+    if percent >= 100:
+        return True
+    if percent <= 0:
+        return False
+    digest = hashlib.blake2b(job_id.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 10_000 < percent * 100
