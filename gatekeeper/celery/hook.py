@@ -43,7 +43,7 @@ from gatekeeper.celery.parts import SIGNALS, Parts, build
 from gatekeeper.celery.private import CelerySender, bound_for, replace_sender
 from gatekeeper.celery.worker import WorkerSide
 from gatekeeper.core.dwell import Decision, Reason
-from gatekeeper.core.headers import CLAIMS, H_ATTEMPT, H_WINDOW, earlier_claims
+from gatekeeper.core.headers import CLAIMS, H_ATTEMPT, H_DECISION, H_WINDOW, earlier_claims
 from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput, GatekeeperError, PublishFailed
 from gatekeeper.lines import flush_after_task
@@ -72,12 +72,9 @@ class Installed:
     """Gatekeeper installed on one Celery app: the wrapped sender and the worker hooks."""
 
     def __init__(
-        self,
-        app: Celery,
-        settings: GatekeeperSettings | None = None,
-        client: redis.Redis | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
+        self, app: Celery, settings: GatekeeperSettings | None = None,
+        client: redis.Redis | None = None, clock: Callable[[], float] = time.time,
+    ) -> None:  # fmt: skip
         self.app = app
         self.clock = clock
         self._given = (settings, client)
@@ -218,7 +215,9 @@ class Installed:
             render = self._renderer(producer, name, message, options)
             routing = self.pipeline.route(publish, render)
             if routing.decision is None and (
-                routing.reason is Reason.FLAGS_UNREAD or not self.flags.current().free_path_enabled
+                routing.reason is Reason.FLAGS_UNREAD
+                or (publish.retries and H_DECISION in headers)  # a retry: sent where it ran
+                or not self.flags.current().free_path_enabled
             ):
                 routing = self._own_route(publish, options, routing)
         except PublishFailed as exc:
@@ -269,12 +268,12 @@ class Installed:
         return bool(same)
 
     def _own_route(self, publish: Publish, options: dict[str, Any], routing: Routing) -> Routing:
-        """A gated task left on its own route (the gate off, outside the canary, or the flags
-        never read) keeps it, unless that route is the free queue and the free path may be
-        closed: then it is decided as if the gate were on (reserved while it is closed)."""
-        try:
+        """A gated task left on its own route (the gate off, outside the canary, the flags
+        unread) keeps it, unless it is the free queue (the path may be closed, or a retry's:
+        the gate's choice): then decided as if the gate were on, never free unadmitted."""
+        try:  # a route this cannot read: as if it were free
             to_free = bound_for(self.app, options, self.settings.free_queue)
-        except Exception:  # a route this cannot read: as if it were free
+        except Exception:
             to_free = True
         if to_free:
             return self.pipeline.route(publish, off_free=True)
@@ -287,8 +286,8 @@ class Installed:
         message: Any, options: dict[str, Any], routing: Routing, attempt: int | None = None
     ) -> None:
         """Point the publish at the chosen queue; bad inputs are not forwarded; :data:`CLAIMS`
-        go only as this decision wrote them (a retry copies its message's headers, a caller may
-        set any), and a retry on its own route (the gate off) goes without its earlier ones."""
+        go only as this decision wrote them (a retry copies its message's, a caller may set
+        any); a retry on its own route goes without its earlier ones."""
         if routing.queue is None:  # untouched: its normal route (mostly: nothing to look at)
             given = (options.get("headers") or {}).get(H_ATTEMPT, message.headers.get(H_ATTEMPT))
             drop: tuple[str, ...] = earlier_claims(given, attempt)
