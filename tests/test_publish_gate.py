@@ -25,6 +25,7 @@ from kombu.exceptions import OperationalError
 
 from gatekeeper.celery.hook import install
 from gatekeeper.core.ledger import window_id
+from gatekeeper.errors import ConfigError
 from gatekeeper.logs import DECISION_FIELDS
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.flags import in_canary
@@ -288,6 +289,23 @@ def test_installing_twice_returns_the_same_gate(redis_url: str) -> None:
     first = install(app)
     assert install(app) is first
     assert app.amqp.send_task_message == first.send_task_message
+
+
+def test_a_second_install_with_other_settings_is_refused_not_dropped(redis_url: str) -> None:
+    # A rollback passed to a second install (free_path_enabled=False) was dropped unsaid: the
+    # first install's settings stayed in force (an audit).
+    app = Celery("twice", broker=redis_url)
+    settings = gate_settings(redis_url)
+    first = install(app, settings)
+    assert install(app, settings) is first and install(app) is first  # the same, or nothing
+    with pytest.raises(ConfigError, match="installed on this app already with other settings"):
+        install(app, gate_settings(redis_url, free_path_enabled=False))
+    with pytest.raises(ConfigError, match="another client"):
+        install(app, settings, client=redis.Redis.from_url(redis_url))
+    later = Celery("lazy", broker=redis_url)
+    install(later)  # settings read at first use
+    with pytest.raises(ConfigError):
+        install(later, settings)
 
 
 def test_a_deadline_is_never_extended_by_a_later_override(

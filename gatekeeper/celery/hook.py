@@ -45,7 +45,7 @@ from gatekeeper.celery.worker import WorkerSide
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.headers import CLAIMS, H_ATTEMPT, H_DECISION, H_WINDOW, earlier_claims
 from gatekeeper.core.spec import GatedSpec
-from gatekeeper.errors import BadDeclaredInput, GatekeeperError, PublishFailed
+from gatekeeper.errors import BadDeclaredInput, ConfigError, GatekeeperError, PublishFailed
 from gatekeeper.lines import flush_after_task
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.gate import Pipeline, Publish, Routing
@@ -334,22 +334,23 @@ class Installed:
 
 
 def install(
-    app: Celery,
-    settings: GatekeeperSettings | None = None,
-    *,
-    client: redis.Redis | None = None,
-    clock: Callable[[], float] = time.time,
-) -> Installed:
-    """Install the gate on ``app`` and return it; installing twice returns the first install.
+    app: Celery, settings: GatekeeperSettings | None = None, *,
+    client: redis.Redis | None = None, clock: Callable[[], float] = time.time,
+) -> Installed:  # fmt: skip
+    """Install the gate on ``app`` and return it; installing twice returns the first install
+    (ConfigError when the second gives other settings or another client).
 
     Nothing is read or connected here: ``settings`` default to the environment and the app's
     config (``load_settings(app=app)``), ``client`` to a Redis client on ``redis_url`` (else
     the broker's, when it is Redis), both when first needed (:mod:`gatekeeper.celery.parts`),
-    so importing an app never fails for Redis, and an eager app never needs it.
-    """
+    so importing an app never fails for Redis, and an eager app never needs it."""
     with _install_lock:
         existing = _installed.get(app)
         if existing is not None:
+            given, given_client = existing._given  # a rollback in other ones: not dropped unsaid
+            if (settings or given) != given or (client or given_client) is not given_client:
+                raise ConfigError("install: installed on this app already with other settings "
+                                  "or another client; install it once, with both")  # fmt: skip
             return existing
         gate = Installed(app, settings, client, clock)
         replace_sender(app, gate.send_task_message)
