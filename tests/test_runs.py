@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from gatekeeper.redis.runs import Finished, RunLedger, RunRecord, Started
 from gatekeeper.redis.scripts import read_rows
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import sweep
+from tests.conftest import unused_port
 
 KEYS = Keys()
 T0_MS = 1_800_000_000_000
@@ -130,6 +132,29 @@ def test_sweep_records_only_stale_runs(redis_client: redis.Redis) -> None:
         ("old", Outcome.KILLED, True)
     ]
     assert sweep(runs, T0_MS + 60_000, older_than_s=30) == []
+
+
+def test_sweep_says_the_rows_it_wrote_when_the_broker_cannot_be_read(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sweep writes its killed rows, then asks the broker for purged admissions. With the
+    # broker down it exited 1 with the broker's error alone: the rows written (and taxed) were
+    # never said, and the error did not say it was the broker's (an audit).
+    now_ms = round(time.time() * 1000)
+    hour_ago = now_ms - 3_600_000
+    runs = ledger(redis_client)
+    rec = record(published_ms=hour_ago - 1000, admitted_ms=hour_ago - 1000,
+                 window=window_id(hour_ago / 1000, 900), deadline_ms=now_ms + 90_000)  # fmt: skip
+    start_run(runs, redis_client, "vanished", 1, rec, hour_ago)
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    monkeypatch.setenv("GATEKEEPER_BROKER_URL", f"redis://127.0.0.1:{unused_port()}/0")
+    result = CliRunner().invoke(main, ["sweep"])
+    assert result.exit_code == 1, result.output
+    said = result.output  # stdout and stderr: the row's line, then the error
+    (line,) = [ln for ln in said.splitlines() if "event=ledger_row" in ln]
+    assert "job_id=vanished attempt=1 reason=vanished" in line and "outcome=killed" in line
+    assert "Error: swept=1, then the broker could not be read for purged admissions" in said
+    assert runs.record("vanished", 1) is not None and not sweep(runs, now_ms, 60)  # rowed once
 
 
 def test_ledger_command_prints_the_summary_and_writes_the_rows(

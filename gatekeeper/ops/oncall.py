@@ -172,18 +172,22 @@ def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
     try:
         gate_store = GateStore(store.client, store.keys, horizon_s=settings.queue_age_horizon_s)
         rows = sweep_runs(store, now_ms, limit, gate_store)
-        broker = broker_of(ctx)
-        present = broker.waiting(settings.free_queue)  # None: RabbitMQ cannot list a queue
-        forgotten = None if present is None else forget_purged(gate_store, present, now_ms)
     except (LedgerUnavailable, *BROKER_ERRORS) as exc:
         raise click.ClickException(str(exc)) from exc
     log = make_logger(settings, "worker")
-    for row, verified in rows:
+    for row, verified in rows:  # said before the broker is asked: they are written
         log.warning(
             "ledger_row", job_id=row.job_id, attempt=row.attempt, path=row.path.value,
             outcome=row.outcome.value, reason="vanished", retry_tax=row.retry_tax,
             **({} if verified else {"verified": False}),
         )  # fmt: skip
+    try:
+        broker = broker_of(ctx)
+        present = broker.waiting(settings.free_queue)  # None: RabbitMQ cannot list a queue
+        forgotten = None if present is None else forget_purged(gate_store, present, now_ms)
+    except (LedgerUnavailable, *BROKER_ERRORS) as exc:
+        raise click.ClickException(f"swept={len(rows)}, then the broker could not be read "
+                                   f"for purged admissions: {exc}") from exc  # fmt: skip
     if forgotten:
         log.warning("free_admissions_forgotten", count=forgotten, queue=settings.free_queue,
                     reason="message no longer in the broker")  # fmt: skip
