@@ -122,6 +122,23 @@ def test_cli_shows_both_sources_and_the_history(
     )
 
 
+def test_a_flag_written_to_a_namespace_never_initialised_says_so(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A rollback written to a namespace no deployment uses (a typo, or the app's namespace
+    # set only in its Celery config and the command run without -A) said it was done, and the
+    # real namespace stayed open (an audit). It is written, and the command says where.
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    monkeypatch.setenv("GATEKEEPER_NAMESPACE", "typo")
+    runner = CliRunner()
+    result = runner.invoke(main, ["flags", "set", "free_path_enabled", "false"])
+    assert result.exit_code == 0, result.output
+    assert "warning: namespace 'typo' has no state marker" in result.stderr, result.output
+    monkeypatch.setenv("GATEKEEPER_NAMESPACE", "default")  # initialised by the suite
+    result = runner.invoke(main, ["flags", "set", "canary_percent", "5"])
+    assert result.exit_code == 0 and "warning" not in result.stderr, result.output
+
+
 def test_cli_refuses_a_bad_value_naming_the_flag(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -34,6 +34,18 @@ def _flag_store(ctx: click.Context) -> FlagStore:
     return store
 
 
+def _said_unused(store: FlagStore) -> None:
+    """A namespace without the state marker: written to, but likely not the one in use."""
+    try:
+        missing = STATE_FIELD not in store.stored()
+    except LedgerUnavailable:
+        return
+    if missing:
+        click.echo(f"warning: namespace {store.keys.namespace!r} has no state marker (never "
+                   "initialised, or lost): no publisher of a deployment decides with it; "
+                   "if yours, check GATEKEEPER_NAMESPACE or -A proj", err=True)  # fmt: skip
+
+
 def _said_on_disk(store: FlagStore) -> None:
     """How the change reached the server's disk, and what a restart of it would do."""
     how = store.persisted
@@ -121,6 +133,7 @@ def flags_set(ctx: click.Context, name: str, value: str, reason: str, force: boo
     )  # fmt: skip
     click.echo(f"{name}={change.value} (reason: {change.reason})")
     _said_on_disk(store)
+    _said_unused(store)
 
 
 @flags.command(name="unset")
@@ -145,6 +158,7 @@ def flags_unset(ctx: click.Context, name: str, reason: str, force: bool) -> None
     )  # fmt: skip
     click.echo(f"{name} unset (reason: {change.reason})")
     _said_on_disk(store)
+    _said_unused(store)
 
 
 @click.command()
