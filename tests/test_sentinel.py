@@ -163,3 +163,55 @@ def test_a_sentinel_broker_named_in_celerys_transport_options_is_gated_and_repla
     assert len(queue_messages(primary, "free")) == 2 and not queue_messages(primary, "defer")
     status = CliRunner().invoke(main, ["status"], obj={"app": app})
     assert status.exit_code == 0 and "state=initialised" in status.output, status.output
+
+
+@pytest.fixture()
+def guarded_sentinel(tmp_path: Path) -> Iterator[int]:
+    """A Sentinel with a password of its own (``sentpw``) watching a master that has one too
+    (``masterpw``): the Sentinel's port."""
+    try:
+        primary = EmbeddedRedis().start()
+    except EmbeddedRedisError as exc:
+        missing_server(str(exc))
+    redis.Redis.from_url(primary.url).config_set("requirepass", "masterpw")
+    sentinel_port = unused_port()
+    conf = tmp_path / "guarded-sentinel.conf"
+    conf.write_text(
+        f"port {sentinel_port}\nbind 127.0.0.1\ndir {tmp_path}\nrequirepass sentpw\n"
+        f"sentinel monitor gate 127.0.0.1 {primary.port} 1\nsentinel auth-pass gate masterpw\n"
+    )
+    sentinel = _server(str(conf), "--sentinel")
+    watcher = redis.Redis(host="127.0.0.1", port=sentinel_port, password="sentpw")
+    try:
+        assert wait_until(lambda: answers(watcher))
+        yield sentinel_port
+    finally:
+        sentinel.kill()
+        sentinel.wait()
+        primary.stop()
+
+
+def test_a_sentinel_url_carries_the_sentinels_password_the_masters_user_and_tls(
+    guarded_sentinel: int,
+) -> None:
+    # Before, the gate's own sentinel URL could not give the Sentinels' password (every
+    # publish failed closed for good), dropped the master's ACL user, and took a misspelt
+    # or any TLS option without a word, connecting in plain text (an audit).
+    from gatekeeper.errors import ConfigError
+    from gatekeeper.redis.connect import client_for
+
+    base = f"127.0.0.1:{guarded_sentinel}/0?master_name=gate"
+    for auth in (":masterpw@", "default:masterpw@"):
+        client = client_for(f"sentinel://{auth}{base}&sentinel_password=sentpw", 2.0)
+        client.set("sentinel-auth", "ok")
+        assert client.get("sentinel-auth") == b"ok"
+    with pytest.raises(redis.ConnectionError):  # the Sentinel refuses: no master found
+        client_for(f"sentinel://:masterpw@{base}", 2.0).ping()
+    with pytest.raises(ConfigError, match="got ssl_ca_cert in"):  # misspelt: refused
+        client_for(f"sentinel://:masterpw@{base}&ssl=true&ssl_ca_cert=/ca.pem", 2.0)
+    with pytest.raises(ConfigError, match="without ssl=true"):
+        client_for(f"sentinel://:masterpw@{base}&ssl_ca_certs=/ca.pem", 2.0)
+    tls = client_for(f"sentinel://:masterpw@{base}&ssl=true&ssl_ca_certs=/ca.pem", 2.0)
+    pool = tls.connection_pool
+    assert "SSL" in pool.connection_class.__name__  # TLS to the master, with its CA
+    assert pool.connection_kwargs["ssl_ca_certs"] == "/ca.pem"

@@ -3,7 +3,15 @@
 
 Sentinel URLs name the Sentinels and the master (kombu's ``;``-joined form is read too)::
 
-    sentinel://[:password@]host:26379[,host2:26379]/<db>?master_name=<name>
+    sentinel://[[user]:password@]host:26379[,host2:26379]/<db>?master_name=<name>[&...]
+
+The user and password are the master's (an ACL user, or the default one). Query options:
+``sentinel_password`` and ``sentinel_username`` (the Sentinels' own ``requirepass`` or ACL
+user), ``ssl=true`` with ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` and
+``ssl_cert_reqs`` (``required``, ``optional``, ``none``) for TLS to the master, and
+``sentinel_ssl=true`` for TLS to the Sentinels too (the same certificates). Any other option
+is refused by name: ignored, a misspelt ``ssl_ca_certs`` would leave the connection in
+plain text without a word.
 
 and give a client that asks the Sentinels for the master: after a failover, its connections
 to the old master (now a replica, answering ``READONLY``) are dropped and the new master
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 from redis.sentinel import Sentinel
@@ -63,7 +71,8 @@ def _sentinel_master(
     options: dict[str, Any],
 ) -> redis.Redis:
     hosts: list[tuple[str, int]] = []
-    db, master, password = 0, None, None
+    db, master, password, username = 0, None, None, None
+    query: dict[str, str] = {}
     for part in filter(None, url.split(";")):
         parsed = urlsplit(part)
         for spot in parsed.netloc.rpartition("@")[2].split(","):
@@ -72,25 +81,68 @@ def _sentinel_master(
                 hosts.append((host or "localhost", int(port or 26379)))
             except ValueError:
                 raise ConfigError(f"redis_url: expected host:port in {_shown(url)!r}") from None
-        password = parsed.password or password
+        password = unquote(parsed.password) if parsed.password else password
+        username = unquote(parsed.username) if parsed.username else username
         if parsed.path.strip("/").isdigit():
             db = int(parsed.path.strip("/"))
-        master = parse_qs(parsed.query).get("master_name", [master])[0]
-    master = master or _master_option(transport_options)
+        query.update({k: v[-1] for k, v in parse_qs(parsed.query).items()})
+    master = query.pop("master_name", None) or _master_option(transport_options)
     if not master or not hosts:
         raise ConfigError(_no_master(url, transport_options is not None))
     timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-    # The Sentinels' own options (a password) as kombu takes them; our timeouts win, so that
-    # an unreachable Sentinel costs a publish what an unreachable Redis would.
-    sentinel_kwargs = {**_sentinel_kwargs(transport_options), **timeouts}
+    own, tls, sentinel_tls = _sentinel_options(query, url)
+    # The Sentinels' own options (a password) as kombu takes them, then the URL's; our
+    # timeouts win, so that an unreachable Sentinel costs a publish what Redis would.
+    sentinel_kwargs = {**_sentinel_kwargs(transport_options), **own, **sentinel_tls, **timeouts}
     # Untyped before redis-py 8.2, typed since (keyword by keyword): taken as Any, so that
     # mypy passes with either.
     sentinel_class: Any = Sentinel
     sentinels = sentinel_class(hosts, sentinel_kwargs=sentinel_kwargs, **timeouts)
     client: redis.Redis = sentinels.master_for(
-        master, db=db, password=password, **timeouts, **options
+        master, db=db, password=password, username=username, **tls, **timeouts, **options
     )
     return client
+
+
+_SENTINEL_AUTH = {"sentinel_password": "password", "sentinel_username": "username"}
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+_CERT_REQS = ("required", "optional", "none")
+
+
+def _sentinel_options(
+    query: dict[str, str], url: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A sentinel URL's query options: the Sentinels' auth, TLS to the master, TLS to the
+    Sentinels; ConfigError names an option that is not one of them or a bad value."""
+    own = {_SENTINEL_AUTH[k]: query.pop(k) for k in list(query) if k in _SENTINEL_AUTH}
+    flags = {k: _flag(query.pop(k), k, url) for k in ("ssl", "sentinel_ssl") if k in query}
+    tls: dict[str, Any] = {k: query.pop(k) for k in _TLS_FILES if k in query}
+    if "ssl_cert_reqs" in query:
+        reqs = query.pop("ssl_cert_reqs")
+        if reqs not in _CERT_REQS:
+            raise ConfigError(f"redis_url: ssl_cert_reqs: expected one of {', '.join(_CERT_REQS)}"
+                              f", got {reqs!r} in {_shown(url)!r}")  # fmt: skip
+        tls["ssl_cert_reqs"] = reqs
+    if query:
+        raise ConfigError(
+            f"redis_url: a sentinel URL takes master_name, {', '.join(_SENTINEL_AUTH)}, ssl, "
+            f"sentinel_ssl, {', '.join(_TLS_FILES)} and ssl_cert_reqs; got "
+            f"{', '.join(sorted(query))} in {_shown(url)!r}"
+        )
+    if tls and not (flags.get("ssl") or flags.get("sentinel_ssl")):
+        raise ConfigError(f"redis_url: {', '.join(sorted(tls))} without ssl=true (TLS is off) "
+                          f"in {_shown(url)!r}")  # fmt: skip
+    master_tls = {"ssl": True, **tls} if flags.get("ssl") else {}
+    sentinel_tls = {"ssl": True, **tls} if flags.get("sentinel_ssl") else {}
+    return own, master_tls, sentinel_tls
+
+
+def _flag(text: str, name: str, url: str) -> bool:
+    if text.lower() in ("true", "1", "yes", "on"):
+        return True
+    if text.lower() in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"redis_url: {name}: expected true or false, got {text!r} in {_shown(url)!r}")
 
 
 def _master_option(transport_options: Mapping[str, Any] | None) -> str | None:
