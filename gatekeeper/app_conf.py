@@ -8,11 +8,14 @@ it is given an app.
 
 from __future__ import annotations
 
+from difflib import get_close_matches
 from typing import Any
 
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, TomlConfigSettingsSource
 
-__all__ = ["APP_CONF_PREFIX", "AppConfSource"]
+from gatekeeper.errors import ConfigError
+
+__all__ = ["APP_CONF_PREFIX", "AppConfSource", "CheckedToml"]
 
 APP_CONF_PREFIX = "gatekeeper_"
 """A Celery app's keys for gatekeeper's settings: ``gatekeeper_<setting>``, lower case."""
@@ -31,6 +34,17 @@ class AppConfSource(PydanticBaseSettingsSource):
         return self.conf.get(APP_CONF_PREFIX + field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
+        fields, prefix = self.settings_cls.model_fields, APP_CONF_PREFIX
+        names = [str(key).lower() for key in self.conf]  # loads a lazy config first
+        namespace = (getattr(self.conf, "prefix", None) or "").lower()  # Django's CELERY_
+        unknown = sorted(
+            name for name in (n[len(namespace):] if namespace and n.startswith(namespace) else n
+                              for n in names)
+            if name.startswith(prefix) and name[len(prefix):] not in fields
+        )  # fmt: skip
+        if unknown:  # a misspelt rollback must not be ignored without a word
+            hint = _nearest(unknown[0], prefix, self.settings_cls)
+            raise ConfigError(f"app.conf: {', '.join(unknown)}: not a gatekeeper setting ({hint})")
         values: dict[str, Any] = {}
         for name in self.settings_cls.model_fields:
             value = self.conf.get(APP_CONF_PREFIX + name)
@@ -43,3 +57,22 @@ class AppConfSource(PydanticBaseSettingsSource):
         if "broker_transport_options" not in values and isinstance(options, dict) and options:
             values["broker_transport_options"] = options
         return values
+
+
+class CheckedToml(TomlConfigSettingsSource):
+    """The TOML file's settings; a top-level key that is no setting is refused by name (as
+    the ``[drill]`` and ``[simulate]`` tables refuse theirs)."""
+
+    def __call__(self) -> dict[str, Any]:
+        unknown = sorted(k for k in self.toml_data if k not in self.settings_cls.model_fields)
+        if unknown:
+            hint = _nearest(unknown[0], "", self.settings_cls)
+            raise ConfigError(f"{self.toml_file_path}: {', '.join(unknown)}: not a gatekeeper "
+                              f"setting ({hint})")  # fmt: skip
+        return super().__call__()
+
+
+def _nearest(key: str, prefix: str, settings_cls: type[BaseSettings]) -> str:
+    name = key.lower()[len(prefix) :]
+    close = get_close_matches(name, list(settings_cls.model_fields), n=1)
+    return f"did you mean {prefix}{close[0]}?" if close else "see README: Settings"

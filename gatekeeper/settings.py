@@ -25,11 +25,10 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 
 from gatekeeper import defaults
-from gatekeeper.app_conf import APP_CONF_PREFIX, AppConfSource
+from gatekeeper.app_conf import APP_CONF_PREFIX, AppConfSource, CheckedToml
 from gatekeeper.core.ledger import BudgetMode
 from gatekeeper.errors import ConfigError
 from gatekeeper.night import NightSettings
@@ -284,7 +283,7 @@ class GatekeeperSettings(BaseSettings):
         sources.append(dotenv_settings)
         toml_file = _toml_file.get()
         if toml_file is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+            sources.append(CheckedToml(settings_cls, toml_file=toml_file))
         return tuple(sources)
 
 
@@ -331,6 +330,8 @@ def load_settings(
     except ValidationError as exc:
         problems = "; ".join(_describe(dict(err), path, app is not None) for err in exc.errors())
         raise ConfigError(f"invalid settings: {problems}") from exc
+    except ConfigError:  # a key that is no setting, named by its source
+        raise
     except ValueError as exc:  # a TOML syntax error, an unreadable .env
         named = f"{path} (or .env)" if path is not None else ".env"
         raise ConfigError(f"invalid settings file {named}: {exc}") from exc

@@ -137,6 +137,31 @@ def test_a_bad_toml_value_names_the_key_and_the_file(tmp_path: Path) -> None:
     assert "budget_mode" in str(caught.value) and str(config) in str(caught.value)
 
 
+def test_a_key_that_is_no_setting_is_refused_by_name_with_the_nearest(tmp_path: Path) -> None:
+    # A misspelt rollback (free_path_enable) was ignored without a word, in the TOML file and
+    # in the app's config alike (an audit): the free path stayed open.
+    toml = tmp_path / "gatekeeper.toml"
+    toml.write_text("free_path_enable = false\n")
+    with pytest.raises(ConfigError, match="free_path_enable: not a gatekeeper setting "
+                       r"\(did you mean free_path_enabled\?\)") as caught:  # fmt: skip
+        load_settings(config_file=toml)
+    assert str(toml) in str(caught.value)
+    app = Celery("typo")
+    app.conf.gatekeeper_free_path_enable = False
+    with pytest.raises(ConfigError, match=r"app.conf: gatekeeper_free_path_enable: not a "
+                       r"gatekeeper setting \(did you mean "
+                       r"gatekeeper_free_path_enabled\?\)"):  # fmt: skip
+        load_settings(app=app)
+    django = Celery("django_style")  # CELERY_GATEKEEPER_* through the CELERY namespace
+    django.config_from_object(type("Settings", (), {"CELERY_GATEKEEPER_CANARY_PERCNT": 5}),
+                              namespace="CELERY")  # fmt: skip
+    with pytest.raises(ConfigError, match="gatekeeper_canary_percnt"):
+        load_settings(app=django)
+    fine = Celery("fine")
+    fine.conf.gatekeeper_free_path_enabled = False
+    assert load_settings(app=fine).free_path_enabled is False
+
+
 def test_a_named_config_file_that_is_missing_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GATEKEEPER_CONFIG_FILE", "/nonexistent/gatekeeper.toml")
     with pytest.raises(ConfigError, match="GATEKEEPER_CONFIG_FILE"):
