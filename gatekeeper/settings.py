@@ -16,6 +16,7 @@ variable and what was expected.
 from __future__ import annotations
 
 import os
+import re
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -332,7 +333,14 @@ def load_settings(
         raise ConfigError(f"invalid settings: {problems}") from exc
     except ConfigError:  # a key that is no setting, named by its source
         raise
-    except ValueError as exc:  # a TOML syntax error, an unreadable .env
+    except ValueError as exc:  # a TOML syntax error, an unreadable .env, a variable's JSON
+        field = re.search(r'field "(\w+)" from source "EnvSettingsSource"', str(exc))
+        if field:  # not the file's: the environment's value of a dict or list setting
+            name = ENV_PREFIX + field.group(1).upper()
+            raise ConfigError(
+                f"{name}: expected JSON (it holds a mapping or a list), got "
+                "text that is not JSON (not shown: it may hold a password)"
+            ) from exc
         named = f"{path} (or .env)" if path is not None else ".env"
         raise ConfigError(f"invalid settings file {named}: {exc}") from exc
     finally:

@@ -176,3 +176,14 @@ def test_a_requeue_says_the_deadline_it_moved_whatever_the_gate_decided(
     (line,) = [line for line in done.output.splitlines() if "event=deadline_moved" in line]
     assert f"job_id={deferred}" in line and "level=warning" in line
     assert "deadline_at=" in line and " was=" in line and " actor=" in line
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5"])
+def test_a_requeue_refuses_a_deadline_that_is_not_a_positive_finite_number(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    # `--deadline-s inf` was taken (a deadline never reached) and printed "deadline in inf s".
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    result = CliRunner().invoke(main, ["dead-letter", "requeue", "job", "--deadline-s", value])
+    assert result.exit_code == 2, result.output
+    assert "--deadline-s" in result.output and "positive, finite" in result.output

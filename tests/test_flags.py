@@ -150,3 +150,16 @@ def test_cli_refuses_a_bad_value_naming_the_flag(
 def test_cli_without_a_redis_url_says_which_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     result = CliRunner().invoke(main, ["flags"])
     assert result.exit_code == 2 and "GATEKEEPER_REDIS_URL" in result.output
+
+
+def test_a_reopen_while_the_settings_keep_the_path_closed_says_so(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It printed free_path_enabled=true alone, while the path stayed closed where the
+    # settings say false (re-opening needs both).
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    monkeypatch.setenv("GATEKEEPER_FREE_PATH_ENABLED", "false")
+    result = CliRunner().invoke(main, ["flags", "set", "free_path_enabled", "true", "--force"])
+    assert result.exit_code == 0, result.output
+    assert "free_path_enabled=true" in result.stdout
+    assert "warning: the settings here still say free_path_enabled=false" in result.stderr

@@ -321,3 +321,15 @@ def test_a_broker_url_the_gate_reads_is_checked_when_it_is_used(
         broken.gate_redis_url()
     assert "GATEKEEPER_REDIS_URL" in str(caught.value) and "a port that" in str(caught.value)
     assert ":pw@" not in str(caught.value)
+
+
+def test_a_variable_that_is_not_json_is_named_not_blamed_on_dotenv(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It said "invalid settings file .env" when there was no .env at all.
+    monkeypatch.setenv("GATEKEEPER_BROKER_TRANSPORT_OPTIONS", "{'password': 'hunter2'")
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    said = str(caught.value)
+    assert said.startswith("GATEKEEPER_BROKER_TRANSPORT_OPTIONS: expected JSON"), said
+    assert ".env" not in said and "hunter2" not in said

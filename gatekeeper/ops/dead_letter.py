@@ -13,6 +13,7 @@ one of the copies.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
@@ -75,8 +76,9 @@ def list_command(ctx: click.Context) -> None:
 @click.pass_context
 def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
     """Score one dead-lettered task again with a new deadline, and move it where it goes."""
-    if not deadline_s > 0:
-        raise click.BadParameter("expected a positive number of seconds", param_hint="--deadline-s")
+    if not (deadline_s > 0 and math.isfinite(deadline_s)):  # inf: a deadline never reached
+        raise click.BadParameter(f"expected a positive, finite number of seconds, got "
+                                 f"{deadline_s!r}", param_hint="--deadline-s")  # fmt: skip
     settings = settings_of(ctx)
     gate = redis_client(ctx)
     broker, found = _taken(ctx, settings.dead_letter_queue)

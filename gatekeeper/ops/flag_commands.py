@@ -132,6 +132,13 @@ def flags_set(ctx: click.Context, name: str, value: str, reason: str, force: boo
         on_disk=store.persisted,
     )  # fmt: skip
     click.echo(f"{name}={change.value} (reason: {change.reason})")
+    if (
+        name == "free_path_enabled"
+        and change.value == "true"
+        and not store.settings.free_path_enabled
+    ):
+        click.echo("warning: the settings here still say free_path_enabled=false: the free path "
+                   "stays closed where they do (re-opening needs both)", err=True)  # fmt: skip
     _said_on_disk(store)
     _said_unused(store)
 
