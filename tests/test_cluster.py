@@ -273,6 +273,40 @@ def test_the_eviction_check_reads_the_slots_primary(
         slot_primary.config_set("maxmemory-policy", "noeviction")
 
 
+def move_slot(cluster: LocalCluster, key: str, from_port: int, to_port: int) -> None:
+    """Reshard: move ``key``'s slot and its keys from one primary to another, as ``redis-cli
+    --cluster reshard`` does (IMPORTING, MIGRATING, MIGRATE, then SETSLOT NODE everywhere)."""
+    slot = key_slot(key.encode())
+    source, target = cluster.admin(from_port), cluster.admin(to_port)
+    source_id, target_id = (node.execute_command("CLUSTER", "MYID") for node in (source, target))
+    target.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    source.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    while keys := source.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+        source.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *keys)
+    for port in cluster.ports:
+        if cluster.admin(port).execute_command("ROLE")[0] == b"master":
+            cluster.admin(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+def test_after_a_reshard_the_exporter_and_the_flags_find_the_slots_new_primary(
+    cluster: LocalCluster, admin: RedisCluster
+) -> None:
+    # A slot moved to another primary (a reshard): the exporter's reads and the flag writes go
+    # to the slot's primary as the client mapped it, a plain node client, and a MOVED from it
+    # never refreshed the map: `gatekeeper_redis_up 0` until a restart, and a rollback
+    # refused (an audit). They ask the cluster client first now, which maps the slot again.
+    gate = client_for(cluster.url(), 2.0)
+    store = FlagStore(gate, gate_settings(cluster.url()))
+    assert read_snapshot(gate, KEYS, 1).flags.get("initialised_at")  # mapped, as before
+    old = home(admin, KEYS.flags).connection_pool.connection_kwargs["port"]  # type: ignore[arg-type]
+    new = next(p for p in cluster.ports if p != old and cluster.admin(p).execute_command(
+        "ROLE")[0] == b"master")  # fmt: skip
+    move_slot(cluster, KEYS.flags, old, new)
+    assert read_snapshot(gate, KEYS, 1).flags.get("initialised_at")  # the slot's new primary
+    store.set("free_path_enabled", "false", "rollback after a reshard", "test", time.time())
+    assert cluster.admin(new).hget(KEYS.flags, "free_path_enabled") == b"false"
+
+
 def test_an_install_made_while_its_cluster_is_away_decides_once_it_answers(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -51,7 +51,7 @@ def status(ctx: click.Context) -> None:
         policy = store.eviction_policy()
         history = store.history(limit=50)
         # one transaction (a size less its pad), on a cluster the slot's primary's
-        pipe = home(gate, keys.free_waiting).pipeline(transaction=True)
+        pipe = home(gate, keys.free_waiting, fresh=True).pipeline(transaction=True)
         read_waiting(pipe, keys)
         oldest_ms, waiting = waiting_of(*pipe.execute())
         current = window_id(now, settings.window_seconds)

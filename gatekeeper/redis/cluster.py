@@ -126,13 +126,19 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
 
 
-def home(client: redis.Redis, key: str) -> redis.Redis:
+def home(client: redis.Redis, key: str, fresh: bool = False) -> redis.Redis:
     """The server that holds ``key``: ``client`` itself, or on a cluster a client of the
     primary that serves ``key``'s slot, as the cluster client last mapped it (a command it
-    sends after a failover refreshes the map)."""
+    sends after a failover refreshes the map). ``fresh``: asked through the cluster client
+    first (``EXISTS key``, one round trip), which follows a ``MOVED`` and maps the slot
+    again: a slot moved to another primary (a reshard) is then found. Commands sent to the
+    returned node alone never refresh the map: a process that sends nothing else (the
+    metrics exporter) kept asking the old primary until it restarted."""
     if not isinstance(client, RedisCluster):
         return client
     try:
+        if fresh:
+            client.exists(key)
         node = client.get_redis_connection(client.get_node_from_key(key))
     except RedisClusterException as exc:
         raise redis.ConnectionError(f"no Redis Cluster node serves {key!r}: {exc}") from exc

@@ -160,7 +160,11 @@ class FlagStore:
         ``CONFIG``), ``unknown`` when it does not say; on a Redis Cluster, the policy of the
         primary that serves the namespace's slot (it holds every key of the namespace)."""
         try:
-            policy = home(self.client, self.keys.flags).info("memory").get("maxmemory_policy")
+            policy = (
+                home(self.client, self.keys.flags, fresh=True)
+                .info("memory")
+                .get("maxmemory_policy")
+            )
         except redis.RedisError as exc:
             if self.breaker is not None:
                 self.breaker.failed(exc)
@@ -288,7 +292,7 @@ class FlagStore:
         write is made only if no flag changed meanwhile. Checked and then written blindly, a
         rollback or an auto-freeze made during the check was undone by the re-open."""
         try:
-            server = home(self.client, self.keys.flags)  # a cluster's MULTI: the slot's primary
+            server = home(self.client, self.keys.flags, fresh=True)  # a cluster's MULTI
             with server.pipeline(transaction=True) as pipe:  # reset (un-WATCHed) on the way out
                 if reopen is not None:
                     pipe.watch(self.keys.flags)  # type: ignore[no-untyped-call]

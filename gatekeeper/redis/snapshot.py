@@ -86,7 +86,7 @@ def read_snapshot(client: redis.Redis, keys: Keys, window_id: int) -> Snapshot:
     """The namespace's state for a scrape; :class:`LedgerUnavailable` when Redis cannot be
     read (a timeout on a hung server included: the caller's client sets how long)."""
     try:
-        server = home(client, keys.totals)  # a cluster's MULTI and INFO: the slot's primary
+        server = home(client, keys.totals, fresh=True)  # a cluster's MULTI, INFO: its primary
         pipe = server.pipeline(transaction=True)
         pipe.hgetall(keys.totals)
         pipe.hmget(keys.window(window_id), list(WINDOW_FIELDS))
@@ -155,7 +155,7 @@ def pass_completed(
     and drop the deferred deadlines older than ``backoff_max_s`` before it began (a message
     still in defer with such a deadline would have been abandoned in this pass: it was purged
     or lost)."""
-    pipe = home(client, keys.replayer_last_pass).pipeline(transaction=True)  # a cluster's MULTI
+    pipe = home(client, keys.replayer_last_pass, fresh=True).pipeline(transaction=True)
     pipe.set(keys.replayer_last_pass, repr(now_s))
     pipe.zremrangebyscore(keys.deferred, "-inf", f"({(began_s - backoff_max_s) * 1000!r}")
     pipe.execute()
