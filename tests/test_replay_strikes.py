@@ -20,7 +20,7 @@ from gatekeeper.celery.deadletter import H_REPLAY_ERRORS
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.core.headers import H_REPLAY_AFTER
 from gatekeeper.defaults import RECORD_RETENTION_S
-from gatekeeper.errors import GateUnreachable
+from gatekeeper.errors import GateUnreachable, LedgerUnavailable
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis import wire
 from gatekeeper.redis.breaker import no_retry
@@ -98,6 +98,42 @@ def test_a_gate_redis_that_stops_answering_mid_pass_strikes_no_message(
     assert second == {"to_free": 10}, second
     assert sorted(ids_in(redis_client, "free")) == sorted(jobs)
     assert claimed(redis_client) == 0 and redis_client.llen("defer") == 0
+
+
+def test_a_gate_redis_that_stops_answering_at_an_abandonment_strikes_no_message(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # The records read, then the gate goes silent as the first abandoned row is written: that
+    # raw timeout struck the message (a reviewer) where the reads' stopped the pass.
+    with EmbeddedRedis() as gate_server:
+        gate = redis.Redis.from_url(gate_server.url)
+        initialised(gate)
+        settings = gate_settings(gate_server.url, max_queue_age_s=1.0, redis_timeout_s=0.3,
+                                 breaker_open_s=0)  # fmt: skip
+        app = create_app(settings, redis_url)
+        gate.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
+        jobs = [app.tasks["tests.embed"].apply_async((n,)).id for n in range(3)]
+        later = time.time() + 120  # past their 60 s deadlines: each is abandoned
+        replayer = Replayer(settings, broker=redis_client, gate=gate, clock=lambda: later)
+        assert gate_server.process is not None
+        pid, write = gate_server.process.pid, replayer.runs.abandon
+
+        def silent_at_the_first_row(*args: Any, **kwargs: Any) -> Any:
+            os.kill(pid, signal.SIGSTOP)
+            return write(*args, **kwargs)
+
+        replayer.runs.abandon = silent_at_the_first_row  # type: ignore[method-assign]
+        assert replayer.acquire()
+        try:
+            with pytest.raises(LedgerUnavailable):  # the pass stops (run() says why)
+                replayer.pass_once()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    lists = ["defer", *redis_client.scan_iter(match="defer:replaying*", _type="list")]
+    messages = [m for name in lists for m in queue_messages(redis_client, name)]
+    assert sorted(m["headers"]["id"] for m in messages) == sorted(jobs)  # none moved
+    assert not [m["headers"] for m in messages if H_REPLAY_ERRORS in m["headers"]]  # none struck
+    assert not redis_client.exists("dead_letter")
 
 
 def test_one_handoff_that_cannot_be_kept_fails_its_own_only(

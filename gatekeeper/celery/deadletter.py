@@ -20,6 +20,7 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+import redis
 from celery import states
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
@@ -46,6 +47,9 @@ MAX_REPLAY_ERRORS = 5
 """A message that fails this many replays in a row goes to the dead letters, with an alert
 (its count, in ``H_REPLAY_ERRORS``, is dropped once a replay scores it and hands it on)."""
 H_REPLAY_ERRORS = "gatekeeper_replay_errors"
+UNANSWERED = (GateUnreachable, redis.ConnectionError, redis.TimeoutError)
+"""What stops a pass instead of striking its message: Redis gave no answer (a failover, a
+restart, a blip); the batch waits for the next pass."""
 
 
 def fail_in_backend(app: Any, message: dict[str, Any], deadline_at: float) -> str:
@@ -151,16 +155,26 @@ def abandon(
     return "dead_lettered"
 
 
+def _unanswered(exc: BaseException | None) -> bool:
+    """Whether Redis gave no answer, raised as it is or wrapped (LedgerUnavailable's cause)."""
+    while exc is not None:
+        if isinstance(exc, UNANSWERED):
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def set_aside(self: Any, taken: Taken, exc: Exception) -> str:
     """A message that failed to replay (``self``: the :class:`~gatekeeper.celery.replay.Replayer`):
     back to defer with a backoff, or, after ``MAX_REPLAY_ERRORS`` failures, to the dead letters
     with an alert. Never lost.
 
-    Raises :class:`~gatekeeper.errors.GateUnreachable` again: the gate's Redis gave no
-    answer, which is no fault of the message. The pass stops there, its batch given back as
+    Raises :class:`~gatekeeper.errors.GateUnreachable` (or redis-py's connection error or
+    timeout, from a write of its handling) again: Redis gave no answer, which is no fault of
+    the message. The pass stops there, its batch given back as
     it was (no strike, no backoff), and the next pass tries again: a failover or a restart
     of a few seconds must not strike, hold past its deadline or dead-letter the whole queue."""
-    if isinstance(exc, GateUnreachable) and not taken.done:
+    if _unanswered(exc) and not taken.done:
         raise exc
     self.log.warning("replay_failed", queue=self.defer, error=repr(exc))
     if taken.done:  # handed on already (a fault after): nothing more to move
