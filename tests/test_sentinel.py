@@ -209,9 +209,16 @@ def test_a_sentinel_url_carries_the_sentinels_password_the_masters_user_and_tls(
         client_for(f"sentinel://:masterpw@{base}", 2.0).ping()
     with pytest.raises(ConfigError, match="got ssl_ca_cert in"):  # misspelt: refused
         client_for(f"sentinel://:masterpw@{base}&ssl=true&ssl_ca_cert=/ca.pem", 2.0)
-    with pytest.raises(ConfigError, match="without ssl=true"):
-        client_for(f"sentinel://:masterpw@{base}&ssl_ca_certs=/ca.pem", 2.0)
-    tls = client_for(f"sentinel://:masterpw@{base}&ssl=true&ssl_ca_certs=/ca.pem", 2.0)
-    pool = tls.connection_pool
-    assert "SSL" in pool.connection_class.__name__  # TLS to the master, with its CA
-    assert pool.connection_kwargs["ssl_ca_certs"] == "/ca.pem"
+    with pytest.raises(ConfigError, match="with ssl=false"):
+        client_for(f"sentinel://:masterpw@{base}&ssl=false&ssl_ca_certs=/ca.pem", 2.0)
+    for options in ("ssl=true&ssl_ca_certs=/ca.pem", "ssl_ca_certs=/ca.pem",  # kombu: ssl_* is TLS
+                    "ssl_cert_reqs=CERT_REQUIRED&ssl_ca_certs=/ca.pem"):  # fmt: skip
+        pool = client_for(f"sentinel://:masterpw@{base}&{options}", 2.0).connection_pool
+        assert "SSL" in pool.connection_class.__name__, options  # TLS to the master, its CA
+        assert pool.connection_kwargs["ssl_ca_certs"] == "/ca.pem"
+    # A broker's URL may carry options for kombu: left alone (refused, gating stopped).
+    broker = client_for(f"sentinel://:masterpw@{base}&sentinel_password=sentpw"
+                        "&connect_timeout=3", 2.0, {"master_name": "gate"})  # fmt: skip
+    assert broker.ping()
+    with pytest.raises(ConfigError, match="broker_url: ssl_cert_reqs: expected"):
+        client_for(f"sentinel://{base}&ssl_cert_reqs=maybe", 2.0, {})

@@ -9,9 +9,11 @@ The user and password are the master's (an ACL user, or the default one). Query 
 ``sentinel_password`` and ``sentinel_username`` (the Sentinels' own ``requirepass`` or ACL
 user), ``ssl=true`` with ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` and
 ``ssl_cert_reqs`` (``required``, ``optional``, ``none``) for TLS to the master, and
-``sentinel_ssl=true`` for TLS to the Sentinels too (the same certificates). Any other option
-is refused by name: ignored, a misspelt ``ssl_ca_certs`` would leave the connection in
-plain text without a word.
+``sentinel_ssl=true`` for TLS to the Sentinels too (the same certificates); as kombu reads a
+broker's URL, any ``ssl_*`` option turns TLS on and ``ssl_cert_reqs`` may be written
+``CERT_REQUIRED``. On the gate's own URL any other option is refused by name (ignored, a
+misspelt ``ssl_ca_certs`` would leave the connection in plain text without a word); a
+broker's URL may carry options for kombu (``connect_timeout``...), left alone here.
 
 and give a client that asks the Sentinels for the master: after a failover, its connections
 to the old master (now a replica, answering ``READONLY``) are dropped and the new master
@@ -90,7 +92,9 @@ def _sentinel_master(
     if not master or not hosts:
         raise ConfigError(_no_master(url, transport_options is not None))
     timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-    own, tls, sentinel_tls = _sentinel_options(query, url)
+    broker = transport_options is not None
+    field = "broker_url" if broker else "redis_url"
+    own, tls, sentinel_tls = _sentinel_options(query, url, field, strict=not broker)
     # The Sentinels' own options (a password) as kombu takes them, then the URL's; our
     # timeouts win, so that an unreachable Sentinel costs a publish what Redis would.
     sentinel_kwargs = {**_sentinel_kwargs(transport_options), **own, **sentinel_tls, **timeouts}
@@ -106,43 +110,48 @@ def _sentinel_master(
 
 _SENTINEL_AUTH = {"sentinel_password": "password", "sentinel_username": "username"}
 _TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+_TLS_FLAGS = ("ssl", "sentinel_ssl", "ssl_check_hostname")
 _CERT_REQS = ("required", "optional", "none")
 
 
 def _sentinel_options(
-    query: dict[str, str], url: str
+    query: dict[str, str], url: str, field: str, strict: bool
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """A sentinel URL's query options: the Sentinels' auth, TLS to the master, TLS to the
-    Sentinels; ConfigError names an option that is not one of them or a bad value."""
+    Sentinels. As kombu reads them, any ``ssl_*`` option turns TLS on and ``ssl_cert_reqs``
+    may be ``CERT_REQUIRED``. ``strict`` (the gate's own URL, no broker's): any other option
+    is refused by name; a broker's URL may hold options for kombu, which this leaves alone."""
     own = {_SENTINEL_AUTH[k]: query.pop(k) for k in list(query) if k in _SENTINEL_AUTH}
-    flags = {k: _flag(query.pop(k), k, url) for k in ("ssl", "sentinel_ssl") if k in query}
+    flags = {k: _flag(query.pop(k), k, url, field) for k in _TLS_FLAGS if k in query}
     tls: dict[str, Any] = {k: query.pop(k) for k in _TLS_FILES if k in query}
     if "ssl_cert_reqs" in query:
         reqs = query.pop("ssl_cert_reqs")
-        if reqs not in _CERT_REQS:
-            raise ConfigError(f"redis_url: ssl_cert_reqs: expected one of {', '.join(_CERT_REQS)}"
+        if reqs.lower().removeprefix("cert_") not in _CERT_REQS:
+            raise ConfigError(f"{field}: ssl_cert_reqs: expected one of {', '.join(_CERT_REQS)}"
                               f", got {reqs!r} in {_shown(url)!r}")  # fmt: skip
-        tls["ssl_cert_reqs"] = reqs
-    if query:
+        tls["ssl_cert_reqs"] = reqs.lower().removeprefix("cert_")
+    if "ssl_check_hostname" in flags:
+        tls["ssl_check_hostname"] = flags.pop("ssl_check_hostname")
+    if strict and query:
         raise ConfigError(
-            f"redis_url: a sentinel URL takes master_name, {', '.join(_SENTINEL_AUTH)}, ssl, "
-            f"sentinel_ssl, {', '.join(_TLS_FILES)} and ssl_cert_reqs; got "
+            f"{field}: a sentinel URL takes master_name, {', '.join(_SENTINEL_AUTH)}, "
+            f"{', '.join(_TLS_FLAGS)}, {', '.join(_TLS_FILES)} and ssl_cert_reqs; got "
             f"{', '.join(sorted(query))} in {_shown(url)!r}"
         )
-    if tls and not (flags.get("ssl") or flags.get("sentinel_ssl")):
-        raise ConfigError(f"redis_url: {', '.join(sorted(tls))} without ssl=true (TLS is off) "
-                          f"in {_shown(url)!r}")  # fmt: skip
-    master_tls = {"ssl": True, **tls} if flags.get("ssl") else {}
+    master = flags.get("ssl", bool(tls))  # kombu: any ssl_* option means TLS
+    if tls and not (master or flags.get("sentinel_ssl")):
+        raise ConfigError(f"{field}: {', '.join(sorted(tls))} with ssl=false in {_shown(url)!r}")
+    master_tls = {"ssl": True, **tls} if master else {}
     sentinel_tls = {"ssl": True, **tls} if flags.get("sentinel_ssl") else {}
     return own, master_tls, sentinel_tls
 
 
-def _flag(text: str, name: str, url: str) -> bool:
+def _flag(text: str, name: str, url: str, field: str) -> bool:
     if text.lower() in ("true", "1", "yes", "on"):
         return True
     if text.lower() in ("false", "0", "no", "off"):
         return False
-    raise ConfigError(f"redis_url: {name}: expected true or false, got {text!r} in {_shown(url)!r}")
+    raise ConfigError(f"{field}: {name}: expected true or false, got {text!r} in {_shown(url)!r}")
 
 
 def _master_option(transport_options: Mapping[str, Any] | None) -> str | None:
