@@ -34,17 +34,7 @@ class AppConfSource(PydanticBaseSettingsSource):
         return self.conf.get(APP_CONF_PREFIX + field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        fields, prefix = self.settings_cls.model_fields, APP_CONF_PREFIX
-        names = [str(key).lower() for key in self.conf]  # loads a lazy config first
-        namespace = (getattr(self.conf, "prefix", None) or "").lower()  # Django's CELERY_
-        unknown = sorted(
-            name for name in (n[len(namespace):] if namespace and n.startswith(namespace) else n
-                              for n in names)
-            if name.startswith(prefix) and name[len(prefix):] not in fields
-        )  # fmt: skip
-        if unknown:  # a misspelt rollback must not be ignored without a word
-            hint = _nearest(unknown[0], prefix, self.settings_cls)
-            raise ConfigError(f"app.conf: {', '.join(unknown)}: not a gatekeeper setting ({hint})")
+        self._check_names()
         values: dict[str, Any] = {}
         for name in self.settings_cls.model_fields:
             value = self.conf.get(APP_CONF_PREFIX + name)
@@ -57,6 +47,38 @@ class AppConfSource(PydanticBaseSettingsSource):
         if "broker_transport_options" not in values and isinstance(options, dict) and options:
             values["broker_transport_options"] = options
         return values
+
+    def _check_names(self) -> None:
+        """The keys this reads must be settings: ``gatekeeper_<setting>``, or under Django's
+        namespace ``CELERY_GATEKEEPER_<SETTING>``; a misspelt one (a rollback) is refused by
+        name. So is ``GATEKEEPER_<SETTING>``, a setting's name in a case Celery's config is
+        never read in. Other keys (``GATEKEEPER_SSO_URL`` of an unrelated Django app) are not
+        gatekeeper's: left alone."""
+        fields, prefix = self.settings_cls.model_fields, APP_CONF_PREFIX
+        keys = [str(key) for key in self.conf]  # loads a lazy config first
+        namespace = getattr(self.conf, "prefix", None) or ""  # Django's "CELERY_"
+        wrong, unread = [], []
+        for key in keys:
+            if key.startswith(prefix):  # read as it is: lower case
+                name = key[len(prefix) :]
+            elif namespace and key.startswith(namespace + prefix.upper()):
+                name = key[len(namespace) + len(prefix) :].lower()
+            else:
+                if key.startswith(prefix.upper()) and key[len(prefix) :].lower() in fields:
+                    unread.append(key)
+                continue
+            if name not in fields:
+                wrong.append(key)
+        if wrong:  # a misspelt rollback must not be ignored without a word
+            hint = _nearest(wrong[0], prefix, self.settings_cls)
+            raise ConfigError(f"app.conf: {', '.join(sorted(wrong))}: not a gatekeeper setting "
+                              f"({hint})")  # fmt: skip
+        if unread:
+            raise ConfigError(
+                f"app.conf: {', '.join(sorted(unread))}: never read in that case: Celery's keys "
+                f"are lower case ({unread[0].lower()}), or {namespace or 'CELERY_'}"
+                f"{unread[0]} under Django's namespace"
+            )
 
 
 class CheckedToml(TomlConfigSettingsSource):
@@ -73,6 +95,6 @@ class CheckedToml(TomlConfigSettingsSource):
 
 
 def _nearest(key: str, prefix: str, settings_cls: type[BaseSettings]) -> str:
-    name = key.lower()[len(prefix) :]
+    name = key.lower().rpartition(prefix)[2] if prefix else key.lower()
     close = get_close_matches(name, list(settings_cls.model_fields), n=1)
     return f"did you mean {prefix}{close[0]}?" if close else "see README: Settings"

@@ -155,11 +155,24 @@ def test_a_key_that_is_no_setting_is_refused_by_name_with_the_nearest(tmp_path: 
     django = Celery("django_style")  # CELERY_GATEKEEPER_* through the CELERY namespace
     django.config_from_object(type("Settings", (), {"CELERY_GATEKEEPER_CANARY_PERCNT": 5}),
                               namespace="CELERY")  # fmt: skip
-    with pytest.raises(ConfigError, match="gatekeeper_canary_percnt"):
+    with pytest.raises(ConfigError, match="CELERY_GATEKEEPER_CANARY_PERCNT: not a gatekeeper"):
         load_settings(app=django)
     fine = Celery("fine")
     fine.conf.gatekeeper_free_path_enabled = False
     assert load_settings(app=fine).free_path_enabled is False
+    # A Django project's own settings that merely share the prefix are not gatekeeper's; a
+    # setting's name in the case Celery never reads is refused, or the rollback is ignored.
+    other = Celery("django_app")
+    other.config_from_object(type("Settings", (), {"GATEKEEPER_SSO_URL": "https://sso",
+                                                   "CELERY_GATEKEEPER_CANARY_PERCENT": 7}),
+                             namespace="CELERY")  # fmt: skip
+    assert load_settings(app=other).canary_percent == 7
+    cased = Celery("cased")
+    cased.config_from_object(type("Settings", (), {"GATEKEEPER_FREE_PATH_ENABLED": False}),
+                             namespace="CELERY")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"GATEKEEPER_FREE_PATH_ENABLED: never read in that "
+                       r"case.*CELERY_GATEKEEPER_FREE_PATH_ENABLED"):  # fmt: skip
+        load_settings(app=cased)
 
 
 def test_a_named_config_file_that_is_missing_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
