@@ -303,9 +303,10 @@ def test_a_second_install_with_other_settings_is_refused_not_dropped(redis_url: 
     with pytest.raises(ConfigError, match="another client"):
         install(app, settings, client=redis.Redis.from_url(redis_url))
     later = Celery("lazy", broker=redis_url)
-    install(later)  # settings read at first use
+    first_later = install(later)  # settings read at first use
     with pytest.raises(ConfigError):
         install(later, settings)
+    assert install(later, first_later.settings) is first_later  # the same as it read them
 
 
 def test_a_deadline_is_never_extended_by_a_later_override(

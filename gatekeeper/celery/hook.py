@@ -338,9 +338,8 @@ def install(
     client: redis.Redis | None = None, clock: Callable[[], float] = time.time,
 ) -> Installed:  # fmt: skip
     """Install the gate on ``app`` and return it; installing twice returns the first install
-    (ConfigError when the second gives other settings or another client).
-
-    Nothing is read or connected here: ``settings`` default to the environment and the app's
+    (ConfigError when the second gives other settings or another client). Nothing is read
+    or connected here: ``settings`` default to the environment and the app's
     config (``load_settings(app=app)``), ``client`` to a Redis client on ``redis_url`` (else
     the broker's, when it is Redis), both when first needed (:mod:`gatekeeper.celery.parts`),
     so importing an app never fails for Redis, and an eager app never needs it."""
@@ -348,9 +347,10 @@ def install(
         existing = _installed.get(app)
         if existing is not None:
             given, given_client = existing._given  # a rollback in other ones: not dropped unsaid
+            given = given or (settings and existing.settings)  # read now, when first given here
             if (settings or given) != given or (client or given_client) is not given_client:
-                raise ConfigError("install: installed on this app already with other settings "
-                                  "or another client; install it once, with both")  # fmt: skip
+                raise ConfigError("install: installed on this app already with other settings or "
+                                  "another client; install it once, with both")  # fmt: skip
             return existing
         gate = Installed(app, settings, client, clock)
         replace_sender(app, gate.send_task_message)

@@ -41,9 +41,10 @@ def _said_unused(store: FlagStore) -> None:
     except LedgerUnavailable:
         return
     if missing:
-        click.echo(f"warning: namespace {store.keys.namespace!r} has no state marker (never "
-                   "initialised, or lost): no publisher of a deployment decides with it; "
-                   "if yours, check GATEKEEPER_NAMESPACE or -A proj", err=True)  # fmt: skip
+        click.echo(f"warning: namespace {store.keys.namespace!r} has no state marker: never "
+                   "initialised (not your deployment's? check GATEKEEPER_NAMESPACE or -A proj), "
+                   "or its state was lost (then nothing goes to free until `gatekeeper init`: "
+                   "see `gatekeeper status`)", err=True)  # fmt: skip
 
 
 def _said_on_disk(store: FlagStore) -> None:

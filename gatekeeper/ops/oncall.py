@@ -184,10 +184,14 @@ def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
     try:
         broker = broker_of(ctx)
         present = broker.waiting(settings.free_queue)  # None: RabbitMQ cannot list a queue
-        forgotten = None if present is None else forget_purged(gate_store, present, now_ms)
     except (LedgerUnavailable, *BROKER_ERRORS) as exc:
         raise click.ClickException(f"swept={len(rows)}, then the broker could not be read "
                                    f"for purged admissions: {exc}") from exc  # fmt: skip
+    try:
+        forgotten = None if present is None else forget_purged(gate_store, present, now_ms)
+    except (LedgerUnavailable, redis.RedisError) as exc:
+        raise click.ClickException(f"swept={len(rows)}, then the gate's Redis could not "
+                                   f"forget purged admissions: {exc}") from exc  # fmt: skip
     if forgotten:
         log.warning("free_admissions_forgotten", count=forgotten, queue=settings.free_queue,
                     reason="message no longer in the broker")  # fmt: skip
