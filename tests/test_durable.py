@@ -4,6 +4,9 @@ default) came back with the marker of its last snapshot and the flags as they we
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -12,7 +15,7 @@ import redis
 
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.flags import FlagStore
-from tests.conftest import gate_settings, wait_until
+from tests.conftest import REPO_ROOT, gate_settings, wait_until
 from tests.test_state_loss import cli
 
 
@@ -92,3 +95,52 @@ def test_a_snapshot_for_a_flag_write_begins_after_the_fork_running_then(
     snapshotting.kill()
     snapshotting.start(port=snapshotting.port)
     assert "flag canary_percent=7.0 (redis)" in cli(url, monkeypatch, "status")
+
+
+CHILD = """
+import os, sys, time
+import redis
+from celery import Celery
+from celery.signals import worker_process_shutdown
+import gatekeeper
+from gatekeeper.redis.flags import FlagStore
+from gatekeeper.settings import GatekeeperSettings
+
+url = sys.argv[1]
+gatekeeper.install(Celery("child", broker=url))  # connects the worker's shutdown handlers
+server = redis.Redis.from_url(url)
+store = FlagStore(server, GatekeeperSettings(redis_url=url))  # a worker's: it does not wait
+store.set("free_path_enabled", "false", "the auto-freeze", "worker", time.time())
+print(store.persisted, flush=True)
+if sys.argv[2] == "signal":
+    worker_process_shutdown.send(sender=None, pid=os.getpid(), exitcode=0)
+os._exit(0)  # as a prefork pool child ends: its threads with it
+"""
+
+
+@pytest.mark.parametrize("ends", ["signal", "bare"])
+def test_an_auto_freeze_made_while_a_snapshot_ran_is_on_disk_when_its_pool_child_ends(
+    snapshotting: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, ends: str
+) -> None:
+    # A worker's write while another snapshot is being written begins its own once that ends,
+    # from a thread (rdb_pending): a pool child that ended first (os._exit) ended the thread,
+    # and a restart then undid the freeze. worker_process_shutdown now waits for it.
+    url = snapshotting.url
+    server = redis.Redis.from_url(url)
+    cli(url, monkeypatch, "init", "--open")
+    server.mset({f"filler:{n}": "x" * 100 for n in range(20)})
+    server.config_set("rdb-key-save-delay", 50_000)  # 50 ms a key: about a second a snapshot
+    server.execute_command("BGSAVE")  # begun before the freeze's write: holds none of it
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    child = subprocess.run([sys.executable, "-c", CHILD, url, ends], capture_output=True,
+                           text=True, timeout=60, env=env)  # fmt: skip
+    assert child.returncode == 0 and child.stdout.strip() == "rdb_pending", child.stderr
+    server.config_set("rdb-key-save-delay", 0)
+    assert wait_until(lambda: not int(server.info("persistence")["rdb_bgsave_in_progress"]))
+    snapshotting.kill()  # SIGKILL: no snapshot at shutdown
+    snapshotting.start(port=snapshotting.port)
+    flag = the_flag(url, monkeypatch)
+    if ends == "signal":
+        assert flag.startswith("flag free_path_enabled=false (redis)"), flag
+    else:  # without the signal (a SIGKILLed child) nothing could: the write was lost
+        assert flag.startswith("flag free_path_enabled=true"), flag

@@ -47,6 +47,7 @@ from gatekeeper.core.headers import CLAIMS, H_ATTEMPT, H_DECISION, H_WINDOW, ear
 from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput, ConfigError, GatekeeperError, PublishFailed
 from gatekeeper.lines import flush_after_task
+from gatekeeper.redis.durable import finish_pending
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.gate import Pipeline, Publish, Routing
 from gatekeeper.redis.keys import Keys
@@ -102,6 +103,7 @@ class Installed:
             signal.connect(self._forward(part, method), weak=False)
         task_postrun.connect(flush_after_task, weak=False)  # a task's lines written as it ends
         worker_process_shutdown.connect(flush_after_task, weak=False)  # a child's os._exit
+        worker_process_shutdown.connect(finish_pending, weak=False)  # an auto-freeze's disk
 
     def _forward(self, part: str, method: str) -> Callable[..., Any]:
         def forward(sender: Any = None, **kwargs: Any) -> Any:
@@ -172,10 +174,8 @@ class Installed:
 
     def _spec(self, name: str) -> _Gated | None:
         """What the hook needs of a task by name, looked up once; None when it is not gated.
-
         A name the app does not know (yet) is looked up again next time, so a task
-        registered after its first publish by name is still gated.
-        """
+        registered after its first publish by name is still gated."""
         if name in self._specs:
             return self._specs[name]
         task = self.app.tasks.get(name)

@@ -20,7 +20,11 @@ import time
 
 import redis
 
-__all__ = ["on_disk", "replicated"]
+__all__ = ["finish_pending", "on_disk", "replicated"]
+
+_pending: list[threading.Thread] = []
+"""Snapshots this process still has to begin (``rdb_pending``): :func:`finish_pending`."""
+_pending_lock = threading.Lock()
 
 
 def replicated(client: redis.Redis, timeout_s: float) -> int | None:
@@ -55,7 +59,7 @@ def on_disk(client: redis.Redis, timeout_s: float, wait: bool = True) -> str:
       dump; begun now, or once the fork running now ends) or the snapshot was still being
       written at ``timeout_s``; ``rdb_pending`` when a snapshot was being written then (it
       may hold none of them): a thread of this process begins one once it ends, which a
-      pool child that exits first never does;
+      pool child waits for as it ends (:func:`finish_pending`; not when SIGKILLed);
     - ``none``: the server keeps nothing on disk (a restart loses everything, the state
       marker included: the gate then sends nothing to free);
     - ``unknown: <why>``: the server would not say or do it (a managed Redis that renames
@@ -101,8 +105,11 @@ def _snapshot(client: redis.Redis, timeout_s: float, wait: bool) -> str:
         except redis.ResponseError as exc:  # a snapshot runs now: begin one once it ends
             if "in progress" not in str(exc).lower():
                 raise
-            threading.Thread(target=_later, args=(client, timeout_s or 30.0), daemon=True,
-                             name="gatekeeper-snapshot").start()  # fmt: skip
+            later = threading.Thread(target=_later, args=(client, timeout_s or 30.0),
+                                     daemon=True, name="gatekeeper-snapshot")  # fmt: skip
+            with _pending_lock:
+                _pending[:] = [t for t in _pending if t.is_alive()] + [later]
+            later.start()
             return "rdb_pending"
         return "rdb_started"
     deadline = time.monotonic() + timeout_s
@@ -121,3 +128,15 @@ def _snapshot(client: redis.Redis, timeout_s: float, wait: bool) -> str:
         time.sleep(0.05)
     status = client.info("persistence").get("rdb_last_bgsave_status")
     return "rdb" if status == "ok" else f"unknown: the snapshot failed ({status})"
+
+
+def finish_pending(timeout_s: float = 30.0, **_: object) -> None:
+    """Wait, up to ``timeout_s``, for the snapshots this process has still to begin (an
+    auto-freeze's, while another was being written): a worker's pool child ends with
+    ``os._exit``, which ended their thread first, and the freeze was then on no disk.
+    Connected to ``worker_process_shutdown``; a signal handler's keywords are ignored."""
+    deadline = time.monotonic() + timeout_s
+    with _pending_lock:
+        waiting = list(_pending)
+    for thread in waiting:
+        thread.join(max(0.0, deadline - time.monotonic()))
