@@ -24,6 +24,7 @@ from gatekeeper.errors import GateUnreachable, LedgerUnavailable
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis import wire
 from gatekeeper.redis.breaker import no_retry
+from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.decisions import read_records
 from gatekeeper.redis.handoff import HANDOFF_NONCE, Handoff, remember_all
 from gatekeeper.redis.keys import Keys
@@ -55,7 +56,7 @@ def test_a_gate_redis_that_stops_answering_mid_pass_strikes_no_message(
     # replay_backoff_max_s whatever its deadline, and five blips dead-lettered the queue (an
     # audit: a 2 s failover abandoned 1,300 tasks with 20 s of slack left).
     with EmbeddedRedis() as gate_server:
-        gate = redis.Redis.from_url(gate_server.url)
+        gate = client_for(gate_server.url, 0.3)  # as the replayer's own: timeouts of its setting
         initialised(gate)
         settings = gate_settings(gate_server.url, max_queue_age_s=1.0, redis_timeout_s=0.3,
                                  replay_batch_size=4, breaker_open_s=0,
@@ -106,7 +107,7 @@ def test_a_gate_redis_that_stops_answering_at_an_abandonment_strikes_no_message(
     # The records read, then the gate goes silent as the first abandoned row is written: that
     # raw timeout struck the message (a reviewer) where the reads' stopped the pass.
     with EmbeddedRedis() as gate_server:
-        gate = redis.Redis.from_url(gate_server.url)
+        gate = client_for(gate_server.url, 0.3)  # as the replayer's own: timeouts of its setting
         initialised(gate)
         settings = gate_settings(gate_server.url, max_queue_age_s=1.0, redis_timeout_s=0.3,
                                  breaker_open_s=0)  # fmt: skip
