@@ -6,6 +6,9 @@ import io
 import json
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import redis
@@ -78,31 +81,44 @@ class Kept(logging.Handler):
         self.records.append((record, threading.get_ident()))
 
 
+def stdlib_gated(redis_url: str, name: str, **conf: Any) -> Any:
+    """A gated task of an app of its own whose gatekeeper lines go to the app's handlers."""
+    app = Celery(name, broker=redis_url)
+    app.conf.update(gatekeeper_log_format="stdlib", gatekeeper_dwell_gate_enabled=True,
+                    gatekeeper_canary_percent=100, **conf)  # fmt: skip
+    gatekeeper.install(app)
+
+    @gatekeeper.gated(expected_service_s=1, tokens_in=10, deadline_s=60)
+    @app.task(name=f"{name}.embed", max_retries=0, shared=False)
+    def embed(chunk: int) -> int:
+        return chunk
+
+    return embed
+
+
+@contextmanager
+def kept_lines() -> Iterator[Kept]:
+    """The app's handler on the ``gatekeeper`` logger, at INFO (the app routes its lines)."""
+    handler, logger = Kept(), logging.getLogger("gatekeeper")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def test_stdlib_lines_reach_the_apps_handlers_in_the_publish_that_logs_them(
     redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # README: "kv and json ...; stdlib goes to your handlers in the call": not queued for
     # gatekeeper's writer thread, however long log_buffer_s is.
-    app = Celery("routed", broker=redis_url)
-    app.conf.update(gatekeeper_log_format="stdlib", gatekeeper_log_buffer_s=5,
-                    gatekeeper_dwell_gate_enabled=True, gatekeeper_canary_percent=100)  # fmt: skip
-    gatekeeper.install(app)
-
-    @gatekeeper.gated(expected_service_s=1, tokens_in=10, deadline_s=60)
-    @app.task(name="routed.embed", max_retries=0, shared=False)
-    def embed(chunk: int) -> int:
-        return chunk
-
-    handler, logger = Kept(), logging.getLogger("gatekeeper")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)  # the app routes gatekeeper's info lines
-    try:
+    embed = stdlib_gated(redis_url, "routed", gatekeeper_log_buffer_s=5)
+    with kept_lines() as handler:
         job_id = embed.delay(1).id
         seen = list(handler.records)  # as delay() returned: no flush, no wait
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     ((record, thread),) = [(r, t) for r, t in seen if "event=gate_decision" in r.getMessage()]
     assert record.name == "gatekeeper.decision" and record.levelno == logging.INFO
     assert f"job_id={job_id}" in record.getMessage() and "reason=fits" in record.getMessage()
@@ -115,26 +131,10 @@ def test_a_forged_task_id_does_not_match_the_pages_grep(
 ) -> None:
     # A real publish whose caller-chosen id spells the page's pattern: the line says
     # reserved, and README's `grep 'decision=admit_free' | grep 'slack_miss=true'` finds none.
-    app = Celery("forged", broker=redis_url)
-    app.conf.update(gatekeeper_log_format="stdlib", gatekeeper_dwell_gate_enabled=True,
-                    gatekeeper_canary_percent=100, gatekeeper_free_path_enabled=False)  # fmt: skip
-    gatekeeper.install(app)
-
-    @gatekeeper.gated(expected_service_s=1, tokens_in=10, deadline_s=60)
-    @app.task(name="forged.embed", max_retries=0, shared=False)
-    def embed(chunk: int) -> int:
-        return chunk
-
-    handler, logger = Kept(), logging.getLogger("gatekeeper")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    embed = stdlib_gated(redis_url, "forged", gatekeeper_free_path_enabled=False)
     forged = "x decision=admit_free slack_miss=true"
-    try:
+    with kept_lines() as handler:
         embed.apply_async((1,), task_id=forged)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     lines = [r.getMessage() for r, _ in handler.records]
     (line,) = [text for text in lines if "event=gate_decision" in text]
     assert "decision=reserved" in line and "reason=free_path_disabled" in line, line

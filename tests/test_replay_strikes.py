@@ -10,6 +10,8 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -29,6 +31,7 @@ from gatekeeper.redis.decisions import read_records
 from gatekeeper.redis.handoff import HANDOFF_NONCE, Handoff, remember_all
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
+from gatekeeper.settings import GatekeeperSettings
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, initialised, queue_messages
 from tests.test_replay import claimed, defer_tasks, ids_in, replay_once
@@ -48,6 +51,31 @@ def test_one_unreadable_record_fails_its_own_message_not_its_batch(
     assert ids_in(redis_client, "defer") == [jobs[7]]
 
 
+@contextmanager
+def deferred_on_a_gate(
+    redis_url: str, count: int, **overrides: Any
+) -> Iterator[tuple[EmbeddedRedis, redis.Redis, GatekeeperSettings, list[str]]]:
+    """``count`` tasks deferred (the free queue old) by a gate Redis of their own, the broker
+    the suite's: that server, a client of it made as the replayer's own is (its timeouts),
+    the settings, the task ids."""
+    with EmbeddedRedis() as gate_server:
+        gate = client_for(gate_server.url, 0.3)
+        initialised(gate)
+        settings = gate_settings(gate_server.url, max_queue_age_s=1.0, redis_timeout_s=0.3,
+                                 breaker_open_s=0, **overrides)  # fmt: skip
+        app = create_app(settings, redis_url)  # the broker stays up on redis_url
+        gate.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # free is old
+        jobs = [app.tasks["tests.embed"].apply_async((n,)).id for n in range(count)]
+        gate.zrem(KEYS.free_waiting, "stale:1")
+        yield gate_server, gate, settings, jobs
+
+
+def held(client: redis.Redis) -> list[dict[str, Any]]:
+    """Every message in defer or claimed by a replayer's tenure."""
+    lists = ["defer", *client.scan_iter(match="defer:replaying*", _type="list")]
+    return [m for name in lists for m in queue_messages(client, name)]
+
+
 def test_a_gate_redis_that_stops_answering_mid_pass_strikes_no_message(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
@@ -55,17 +83,9 @@ def test_a_gate_redis_that_stops_answering_mid_pass_strikes_no_message(
     # stops there and strikes none. Struck instead, every message in defer was held for
     # replay_backoff_max_s whatever its deadline, and five blips dead-lettered the queue (an
     # audit: a 2 s failover abandoned 1,300 tasks with 20 s of slack left).
-    with EmbeddedRedis() as gate_server:
-        gate = client_for(gate_server.url, 0.3)  # as the replayer's own: timeouts of its setting
-        initialised(gate)
-        settings = gate_settings(gate_server.url, max_queue_age_s=1.0, redis_timeout_s=0.3,
-                                 replay_batch_size=4, breaker_open_s=0,
-                                 budget_units=1e9)  # fmt: skip
-        app = create_app(settings, redis_url)  # the broker stays up on redis_url
-        gate.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # free is old
-        jobs = [app.tasks["tests.embed"].apply_async((n,)).id for n in range(10)]
-        gate.zrem(KEYS.free_waiting, "stale:1")
-        assert redis_client.llen("defer") == 10
+    with deferred_on_a_gate(redis_url, 10, replay_batch_size=4, budget_units=1e9) as (
+        gate_server, gate, settings, jobs
+    ):  # fmt: skip
         replayer = Replayer(settings, broker=redis_client, gate=gate)
         take_batches = replayer.broker.take_batches
         assert gate_server.process is not None
@@ -86,8 +106,7 @@ def test_a_gate_redis_that_stops_answering_mid_pass_strikes_no_message(
         # The batch stays claimed by the tenure (nothing written to the queues while the
         # gate is silent), taken back by the next pass; the rest were never taken.
         assert claimed(redis_client) == 4
-        lists = ["defer", *redis_client.scan_iter(match="defer:replaying*", _type="list")]
-        messages = [m for name in lists for m in queue_messages(redis_client, name)]
+        messages = held(redis_client)
         assert sorted(m["headers"]["id"] for m in messages) == sorted(jobs)  # none moved
         for message in messages:
             assert H_REPLAY_ERRORS not in message["headers"]  # no strike
@@ -106,14 +125,7 @@ def test_a_gate_redis_that_stops_answering_at_an_abandonment_strikes_no_message(
 ) -> None:
     # The records read, then the gate goes silent as the first abandoned row is written: that
     # raw timeout struck the message (a reviewer) where the reads' stopped the pass.
-    with EmbeddedRedis() as gate_server:
-        gate = client_for(gate_server.url, 0.3)  # as the replayer's own: timeouts of its setting
-        initialised(gate)
-        settings = gate_settings(gate_server.url, max_queue_age_s=1.0, redis_timeout_s=0.3,
-                                 breaker_open_s=0)  # fmt: skip
-        app = create_app(settings, redis_url)
-        gate.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
-        jobs = [app.tasks["tests.embed"].apply_async((n,)).id for n in range(3)]
+    with deferred_on_a_gate(redis_url, 3) as (gate_server, gate, settings, jobs):
         later = time.time() + 120  # past their 60 s deadlines: each is abandoned
         replayer = Replayer(settings, broker=redis_client, gate=gate, clock=lambda: later)
         assert gate_server.process is not None
@@ -130,8 +142,7 @@ def test_a_gate_redis_that_stops_answering_at_an_abandonment_strikes_no_message(
                 replayer.pass_once()
         finally:
             os.kill(pid, signal.SIGCONT)
-    lists = ["defer", *redis_client.scan_iter(match="defer:replaying*", _type="list")]
-    messages = [m for name in lists for m in queue_messages(redis_client, name)]
+    messages = held(redis_client)
     assert sorted(m["headers"]["id"] for m in messages) == sorted(jobs)  # none moved
     assert not [m["headers"] for m in messages if H_REPLAY_ERRORS in m["headers"]]  # none struck
     assert not redis_client.exists("dead_letter")
