@@ -58,11 +58,12 @@ class AppConfSource(PydanticBaseSettingsSource):
         keys = [str(key) for key in self.conf]  # loads a lazy config first
         namespace = getattr(self.conf, "prefix", None) or ""  # Django's "CELERY_"
         wrong, unread = [], []
+        spaced = (namespace + prefix).lower()
         for key in keys:
             if key.startswith(prefix):  # read as it is: lower case
                 name = key[len(prefix) :]
-            elif namespace and key.startswith(namespace + prefix.upper()):
-                name = key[len(namespace) + len(prefix) :].lower()
+            elif namespace and key.lower().startswith(spaced):  # CELERY_GATEKEEPER_*, as given
+                name = key[len(spaced) :].lower()
             else:
                 if key.startswith(prefix.upper()) and key[len(prefix) :].lower() in fields:
                     unread.append(key)
@@ -95,6 +96,10 @@ class CheckedToml(TomlConfigSettingsSource):
 
 
 def _nearest(key: str, prefix: str, settings_cls: type[BaseSettings]) -> str:
-    name = key.lower().rpartition(prefix)[2] if prefix else key.lower()
+    """The setting nearest a misspelt key, written as the key was (its prefix, its case)."""
+    head, _, name = key.lower().rpartition(prefix) if prefix else ("", "", key.lower())
     close = get_close_matches(name, list(settings_cls.model_fields), n=1)
-    return f"did you mean {prefix}{close[0]}?" if close else "see README: Settings"
+    if not close:
+        return "see README: Settings"
+    near = f"{head}{prefix}{close[0]}"
+    return f"did you mean {near.upper() if key.isupper() else near}?"

@@ -19,7 +19,7 @@ from gatekeeper.celery.replay import Replayer
 from gatekeeper.errors import DeadlineAbandoned
 from gatekeeper.ops.cli import main
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, queue_messages
+from tests.conftest import gate_settings, queue_messages, unused_port
 from tests.test_replay_batch import moves_refused
 
 pytestmark = pytest.mark.celery
@@ -67,6 +67,24 @@ def test_without_the_app_the_dead_letter_still_works_and_says_no_result(
     assert replayer.run(threading.Event(), once=True)["dead_lettered"] == 1
     assert len(queue_messages(redis_client, "dead_letter")) == 1
     assert "result=no_app" in capsys.readouterr().err
+
+
+def test_a_result_backend_that_is_down_hides_no_abandonment_alert(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The backend's error was raised before the alerts: the task went to the dead letter with
+    # no task_abandoned line (nor a slack miss, nor the freeze check) and counted as a replay
+    # error (a reviewer). The alerts come first now, saying the result was not stored.
+    settings = gate_settings(redis_url)
+    create_app(settings, redis_url).tasks["tests.embed"].apply_async((1,), headers=SOON)
+    app = create_app(settings, redis_url)  # the replayer's, whose backend is down
+    app.conf.result_backend = f"redis://127.0.0.1:{unused_port()}/0"  # nothing listens
+    time.sleep(1.2)
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client, app=app)
+    assert dict(replayer.run(threading.Event(), once=True)) == {"dead_lettered": 1}
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "event=task_abandoned" in ln]
+    assert 'result="not_stored: ' in line, line
+    assert len(queue_messages(redis_client, "dead_letter")) == 1
 
 
 def dead_lettered(redis_url: str, client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> str:

@@ -222,3 +222,7 @@ def test_a_sentinel_url_carries_the_sentinels_password_the_masters_user_and_tls(
     assert broker.ping()
     with pytest.raises(ConfigError, match="broker_url: ssl_cert_reqs: expected"):
         client_for(f"sentinel://{base}&ssl_cert_reqs=maybe", 2.0, {})
+    for said, checked in (("0", True), ("off", True), ("maybe", True), ("false", False)):
+        options = f"ssl_ca_certs=/ca.pem&ssl_check_hostname={said}"  # kombu's reading of it
+        pool = client_for(f"sentinel://{base}&{options}", 2.0, {}).connection_pool
+        assert pool.connection_kwargs["ssl_check_hostname"] is checked, said

@@ -155,8 +155,14 @@ def test_a_key_that_is_no_setting_is_refused_by_name_with_the_nearest(tmp_path: 
     django = Celery("django_style")  # CELERY_GATEKEEPER_* through the CELERY namespace
     django.config_from_object(type("Settings", (), {"CELERY_GATEKEEPER_CANARY_PERCNT": 5}),
                               namespace="CELERY")  # fmt: skip
-    with pytest.raises(ConfigError, match="CELERY_GATEKEEPER_CANARY_PERCNT: not a gatekeeper"):
+    with pytest.raises(ConfigError, match="CELERY_GATEKEEPER_CANARY_PERCNT: not a gatekeeper "
+                       r"setting \(did you mean CELERY_GATEKEEPER_CANARY_PERCENT\?\)"):  # fmt: skip
         load_settings(app=django)
+    lower = Celery("lower_namespace")  # Celery reads celery_gatekeeper_* too
+    lower.config_from_object(type("Settings", (), {"celery_gatekeeper_free_path_enable": False}),
+                             namespace="celery")  # fmt: skip
+    with pytest.raises(ConfigError, match="celery_gatekeeper_free_path_enable: not a"):
+        load_settings(app=lower)
     fine = Celery("fine")
     fine.conf.gatekeeper_free_path_enabled = False
     assert load_settings(app=fine).free_path_enabled is False

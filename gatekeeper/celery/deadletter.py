@@ -139,7 +139,10 @@ def abandon(
     # another job's id must not mark that job failed.
     stored = "unverified"
     if trusted:
-        stored = fail_in_backend(self.app, message, float(headers[H_DEADLINE_AT]))
+        try:  # a backend that is down must not hide the alerts below, nor the freeze check
+            stored = fail_in_backend(self.app, message, float(headers[H_DEADLINE_AT]))
+        except Exception as exc:
+            stored = f"not_stored: {exc!r}"
     self.alerts.error("task_abandoned", reason="deadline_passed", result=stored, **fields)
     if was_free:
         self.alerts.error(

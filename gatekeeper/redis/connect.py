@@ -122,6 +122,8 @@ def _sentinel_options(
     may be ``CERT_REQUIRED``. ``strict`` (the gate's own URL, no broker's): any other option
     is refused by name; a broker's URL may hold options for kombu, which this leaves alone."""
     own = {_SENTINEL_AUTH[k]: query.pop(k) for k in list(query) if k in _SENTINEL_AUTH}
+    if not strict and "ssl_check_hostname" in query:  # kombu: anything but "false" is on
+        query["ssl_check_hostname"] = str(query["ssl_check_hostname"].lower() != "false")
     flags = {k: _flag(query.pop(k), k, url, field) for k in _TLS_FLAGS if k in query}
     tls: dict[str, Any] = {k: query.pop(k) for k in _TLS_FILES if k in query}
     if "ssl_cert_reqs" in query:

@@ -14,6 +14,7 @@ the marker with everything else (state missing: closed).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -88,9 +89,28 @@ def _aof(client: redis.Redis, timeout_s: float) -> str:
     return "aof" if int(local) >= 1 else "unknown: WAITAOF timed out"
 
 
-def _later(client: redis.Redis, timeout_s: float) -> None:
+LATER_S = 600.0
+"""How long a pending snapshot's thread waits for the one running to end (a large dataset's
+takes minutes); :func:`finish_pending` bounds how long an exiting process waits for it."""
+
+
+def _later(client: redis.Redis) -> None:
+    """Begin a snapshot once the one running ends (not waited for past its beginning)."""
     with contextlib.suppress(redis.RedisError):  # the write stands; only its disk is late
-        _snapshot(client, timeout_s, wait=True)
+        _begin(client, time.monotonic() + LATER_S)
+
+
+def _begin(client: redis.Redis, deadline: float) -> None:
+    """``BGSAVE``, refused while another fork runs: tried again until one is begun by it."""
+    while True:
+        try:
+            client.execute_command("BGSAVE")  # type: ignore[no-untyped-call]
+            return
+        except redis.ResponseError as exc:
+            busy = any(word in str(exc).lower() for word in ("in progress", "another child"))
+            if not busy or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _snapshot(client: redis.Redis, timeout_s: float, wait: bool) -> str:
@@ -105,23 +125,17 @@ def _snapshot(client: redis.Redis, timeout_s: float, wait: bool) -> str:
         except redis.ResponseError as exc:  # a snapshot runs now: begin one once it ends
             if "in progress" not in str(exc).lower():
                 raise
-            later = threading.Thread(target=_later, args=(client, timeout_s or 30.0),
-                                     daemon=True, name="gatekeeper-snapshot")  # fmt: skip
+            later = threading.Thread(target=_later, args=(client,), daemon=True,
+                                     name="gatekeeper-snapshot")  # fmt: skip
             with _pending_lock:
+                if not _pending:  # a process that ends normally waits too (a solo worker)
+                    atexit.register(finish_pending)
                 _pending[:] = [t for t in _pending if t.is_alive()] + [later]
             later.start()
             return "rdb_pending"
         return "rdb_started"
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            client.execute_command("BGSAVE")  # type: ignore[no-untyped-call]
-            break
-        except redis.ResponseError as exc:
-            busy = any(word in str(exc).lower() for word in ("in progress", "another child"))
-            if not busy or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    _begin(client, deadline)
     while int(client.info("persistence").get("rdb_bgsave_in_progress", 0)):
         if time.monotonic() > deadline:
             return "rdb_started"
@@ -132,9 +146,11 @@ def _snapshot(client: redis.Redis, timeout_s: float, wait: bool) -> str:
 
 def finish_pending(timeout_s: float = 30.0, **_: object) -> None:
     """Wait, up to ``timeout_s``, for the snapshots this process has still to begin (an
-    auto-freeze's, while another was being written): a worker's pool child ends with
-    ``os._exit``, which ended their thread first, and the freeze was then on no disk.
-    Connected to ``worker_process_shutdown``; a signal handler's keywords are ignored."""
+    auto-freeze's, while another was being written), until each is begun: a worker's pool
+    child ends with ``os._exit``, which ended their thread first, and the freeze was then on
+    no disk. Connected to ``worker_process_shutdown`` (pool children) and, once a snapshot is
+    pending, run at exit (a solo or threads worker's process); a handler's keywords are
+    ignored."""
     deadline = time.monotonic() + timeout_s
     with _pending_lock:
         waiting = list(_pending)
