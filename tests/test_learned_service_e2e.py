@@ -87,3 +87,18 @@ def test_a_run_killed_by_its_time_limit_counts_as_a_lower_bound(
     assert hard.p95 is not None and hard.p95 >= 1.0 * (1 - RELATIVE_ERROR)
     assert times.read("tests.boom").samples == 0
     assert times.names() == ["tests.hard"]
+
+
+def test_a_run_ended_by_its_soft_time_limit_counts_as_a_lower_bound(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # README: SoftTimeLimitExceeded counts as a lower bound too (an audit found the hard
+    # limit alone tested).
+    app = create_app(gate_settings(redis_url), redis_url)
+    times = ServiceTimes(redis_client, Keys())
+    with running_worker(redis_url, tmp_path / "worker.log"):
+        app.tasks["tests.soft"].delay()  # soft_time_limit=0.5: raised in the task at 0.5 s
+        assert wait_until(lambda: times.read("tests.soft").samples == 1, 30)
+    soft = times.read("tests.soft")
+    assert soft.lower_bounds == 1
+    assert soft.p95 is not None and soft.p95 >= 0.5 * (1 - RELATIVE_ERROR)

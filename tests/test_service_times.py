@@ -12,6 +12,7 @@ import redis
 
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.core.service import RELATIVE_ERROR, bucket_of
+from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.service_times import LearnedService, ServiceTimes
 from tests.apps.gated_app import create_app
@@ -139,6 +140,24 @@ def test_an_unreachable_redis_leaves_the_declared_value() -> None:
     service, _ = learned(f"redis://127.0.0.1:{unused_port()}", client, Clock())
     used, fields = service.choose("tasks.t", 0.8)
     assert (used, fields["service_source"], fields["service_samples"]) == (0.8, "declared", 0)
+
+
+def test_a_histogram_read_once_stays_in_force_while_redis_cannot_be_read() -> None:
+    # README: "When Redis cannot be read the last histogram stays in force": a learned p95
+    # must not fall back to the declared guess in the middle of an outage.
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url, socket_timeout=0.3, socket_connect_timeout=0.3)
+        for _ in range(5):
+            ServiceTimes(client, Keys()).observe("tasks.t", 3.0)
+        clock = Clock()
+        service, _ = learned(server.url, client, clock)
+        used, fields = service.choose("tasks.t", 0.8)
+        assert (fields["service_source"], fields["service_samples"]) == ("learned", 5)
+        server.kill()
+        clock.now += 5  # past flag_cache_s: read again, and the read fails
+        again, during = service.choose("tasks.t", 0.8)
+    assert again == used and (during["service_source"], during["service_samples"]) == (
+        "learned", 5)  # fmt: skip
 
 
 def decision_line(err: str) -> dict[str, str]:
