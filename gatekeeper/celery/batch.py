@@ -37,6 +37,7 @@ from gatekeeper.redis.handoff import Kept, remember_all
 from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import text_of
+from gatekeeper.redis.store import NO_ANSWER
 
 __all__ = ["Decide", "KeepHandoff", "ReadHandoff", "ReadRecord", "Step", "run_batch"]
 
@@ -79,9 +80,6 @@ Request = ReadRecord | ReadHandoff | Decide | KeepHandoff
 Step = Generator[Request, Any, str]
 """One message's replay: yields what it needs of the gate's Redis, returns its label."""
 ORDER: tuple[type[Request], ...] = (ReadRecord, ReadHandoff, Decide, KeepHandoff)
-NO_ANSWER = (redis.ConnectionError, redis.TimeoutError)
-"""A round trip the gate's Redis did not answer (refused, timed out, no master found,
-loading its data): :class:`GateUnreachable`, thrown into every message that asked."""
 
 
 def run_batch(
@@ -199,7 +197,8 @@ def _each(
 
 
 def _unread(what: str, request: ReadRecord | ReadHandoff, error: Exception) -> LedgerUnavailable:
-    """Why a read failed: :class:`GateUnreachable` when no answer came (no message is at
-    fault: a failover, a restart, a blip), else the key's own error."""
+    """Why a read failed: :class:`GateUnreachable` when no answer came (``NO_ANSWER``:
+    refused, timed out, no master found, loading its data; no message is at fault), else the
+    key's own error."""
     kind = GateUnreachable if isinstance(error, NO_ANSWER) else LedgerUnavailable
     return kind(f"cannot read {what} {request.job_id}:{request.attempt}: {error}")

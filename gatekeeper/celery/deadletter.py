@@ -20,7 +20,6 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
-import redis
 from celery import states
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
@@ -40,6 +39,7 @@ from gatekeeper.core.headers import (
 from gatekeeper.core.ledger import Outcome, Path, make_row, window_id
 from gatekeeper.errors import DeadlineAbandoned, GateUnreachable
 from gatekeeper.redis.runs import Finished
+from gatekeeper.redis.store import NO_ANSWER
 
 __all__ = ["H_REPLAY_ERRORS", "MAX_REPLAY_ERRORS", "abandon", "fail_in_backend", "set_aside"]
 
@@ -47,7 +47,7 @@ MAX_REPLAY_ERRORS = 5
 """A message that fails this many replays in a row goes to the dead letters, with an alert
 (its count, in ``H_REPLAY_ERRORS``, is dropped once a replay scores it and hands it on)."""
 H_REPLAY_ERRORS = "gatekeeper_replay_errors"
-UNANSWERED = (GateUnreachable, redis.ConnectionError, redis.TimeoutError)
+UNANSWERED = (GateUnreachable, *NO_ANSWER)
 """What stops a pass instead of striking its message: Redis gave no answer (a failover, a
 restart, a blip); the batch waits for the next pass."""
 
@@ -174,9 +174,9 @@ def set_aside(self: Any, taken: Taken, exc: Exception) -> str:
 
     Raises :class:`~gatekeeper.errors.GateUnreachable` (or redis-py's connection error or
     timeout, from a write of its handling) again: Redis gave no answer, which is no fault of
-    the message. The pass stops there, its batch given back as
-    it was (no strike, no backoff), and the next pass tries again: a failover or a restart
-    of a few seconds must not strike, hold past its deadline or dead-letter the whole queue."""
+    the message. The pass stops there, its batch given back as it was (no strike, no
+    backoff), and the next pass tries again: a failover or a restart of a few seconds must
+    not strike, hold past its deadline or dead-letter the whole queue."""
     if _unanswered(exc) and not taken.done:
         raise exc
     self.log.warning("replay_failed", queue=self.defer, error=repr(exc))

@@ -8,12 +8,13 @@ import math
 
 from gatekeeper.errors import ConfigError
 
-__all__ = ["FLAG_NAMES", "in_canary", "parse_flag"]
+__all__ = ["FALSE", "FLAG_NAMES", "TRUE", "in_canary", "parse_flag"]
 
 FLAG_NAMES = ("dwell_gate_enabled", "free_path_enabled", "canary_percent")
 
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
+TRUE = {"true", "1", "yes", "on"}
+FALSE = {"false", "0", "no", "off"}
+"""How a flag's value, or any on/off option gatekeeper reads as text, says yes and no."""
 
 
 def parse_flag(name: str, value: str) -> bool | float:
@@ -29,9 +30,9 @@ def parse_flag(name: str, value: str) -> bool | float:
         if not (math.isfinite(number) and 0 <= number <= 100):
             raise ConfigError(f"canary_percent: expected a number from 0 to 100, got {value!r}")
         return number
-    if text in _TRUE:
+    if text in TRUE:
         return True
-    if text in _FALSE:
+    if text in FALSE:
         return False
     raise ConfigError(f"{name}: expected true or false, got {value!r}")
 

@@ -39,6 +39,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import redis
 from redis.sentinel import Sentinel
 
+from gatekeeper.core.flagvalues import FALSE, TRUE
 from gatekeeper.errors import ConfigError
 from gatekeeper.redis.cluster import cluster_client
 from gatekeeper.urls import CLUSTER_URL_SCHEMES, without_passwords
@@ -149,9 +150,9 @@ def _sentinel_options(
 
 
 def _flag(text: str, name: str, url: str, field: str) -> bool:
-    if text.lower() in ("true", "1", "yes", "on"):
+    if text.lower() in TRUE:
         return True
-    if text.lower() in ("false", "0", "no", "off"):
+    if text.lower() in FALSE:
         return False
     raise ConfigError(f"{field}: {name}: expected true or false, got {text!r} in {_shown(url)!r}")
 
