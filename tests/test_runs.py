@@ -268,6 +268,29 @@ def test_a_redelivery_after_a_killed_row_that_ends_late_is_one_slack_miss_reruns
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
 
 
+def test_a_rerun_after_a_late_final_failure_counts_no_second_miss(
+    redis_client: redis.Redis,
+) -> None:
+    """A free attempt failed for good after its deadline: the job's miss. A copy of its
+    message then ran twice more (a lost ack), late, ok and killed: the miss stays one."""
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
+    for at_ms, outcome, missed in (
+        (T0_MS + 120_000, Outcome.KILLED, True),
+        (T0_MS + 200_000, Outcome.OK, False),
+        (T0_MS + 300_000, Outcome.KILLED, False),
+    ):
+        if missed is False:
+            runs.start("job", 1, "nonce-job-1", {"task": "t"}, at_ms)  # a copy's start
+        run, rec = runs.record("job", 1) or (0, record())
+        row = runs.row_for("job", 1, rec, outcome, at_ms + 100)
+        done = runs.finish(row, run, rec, at_ms + 100, slack_miss=True)
+        assert done.written and done.slack_miss is missed
+    assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
+    assert int(window_hash(redis_client, T0_MS).get(b"slack_misses") or 0) == 1
+
+
 def test_a_finish_sent_again_with_its_token_is_told_its_row_its_capped_tax_and_its_miss(
     redis_client: redis.Redis,
 ) -> None:

@@ -365,6 +365,50 @@ def test_slack_misses_alert_and_freeze_the_free_path(
     assert change["actor"] == "gatekeeper:auto-freeze" and "slack misses" in change["reason"]
 
 
+def test_free_attempts_that_fail_for_good_after_their_deadline_are_slack_misses_and_freeze(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A job admitted to free that fails after its deadline (no retry left) ended late, as an
+    ok one that ends late does: a miss, alerted, and counted toward the freeze."""
+    app = app_for(redis_url)
+    log = tmp_path / "w.log"
+    late = {"headers": {"gatekeeper_deadline_s": 1.3}}  # admitted, fails after 1.5 s
+    with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="3"):
+        for _ in range(3):
+            app.tasks["tests.taxed"].apply_async(kwargs={"fail": True, "sleep_s": 1.5}, **late)
+        found = wait_rows(redis_client, 3)
+        assert wait_until(lambda: "event=free_path_frozen" in log.read_text(), 10)
+    assert {(row["path"], row["outcome"]) for row in found} == {("free", "killed")}
+    assert redis_client.hget(KEYS.totals, "slack_misses") == b"3"
+    assert window_totals(redis_client, "slack_misses") == 3
+    assert redis_client.hget(KEYS.flags, "free_path_enabled") == b"false"
+    alerts = [
+        line for line in log.read_text().splitlines()
+        if "decision=admit_free" in line and "slack_miss=true" in line
+    ]  # fmt: skip
+    assert len(alerts) == 3 and all("event=slack_miss" in a for a in alerts), alerts
+
+
+def test_a_late_free_attempt_that_retries_is_no_slack_miss_its_job_goes_on(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Its retry is the job's next attempt: the job has not ended, so its row counts no miss
+    (the job's end, or its abandonment, is judged once)."""
+    app = app_for(redis_url)
+    log = tmp_path / "w.log"
+    late = {"headers": {"gatekeeper_deadline_s": 2.3}}  # admitted (dwell 2 s: one retry)
+    with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="1"):
+        job = app.tasks["tests.flaky"].apply_async(kwargs={"sleep_s": 2.5}, **late).id
+        (row,) = wait_rows(redis_client, 1)
+    assert (row["job_id"], row["attempt"], row["path"], row["outcome"]) == (
+        job, 1, "free", "killed",
+    )  # fmt: skip
+    assert "reason=retry" in log.read_text()
+    assert redis_client.hget(KEYS.totals, "slack_misses") is None
+    assert "slack_miss=true" not in log.read_text()
+    assert redis_client.hget(KEYS.flags, "free_path_enabled") != b"false"
+
+
 def test_a_row_whose_reply_was_lost_is_logged_once_with_its_slack_miss_and_freeze(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

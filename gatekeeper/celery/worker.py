@@ -157,7 +157,7 @@ class WorkerSide:
         if record.path == "free":
             self.store.release(request.id, attempt, record.window)
 
-    def _finish_elsewhere(self, task: Any, job_id: str, reason: str) -> None:
+    def _finish_elsewhere(self, task: Any, job_id: str, reason: str, final: bool = False) -> None:
         """End the latest run of an attempt from the main process, where no run is in memory."""
         headers, ran_in = self._headers_of(job_id, getattr(task, "request", None))
         if not claims(headers):
@@ -170,7 +170,7 @@ class WorkerSide:
         if stored is None or stored[1].nonce != nonce_of(headers):
             return  # never started, or not the gate's message (a forged one: no row)
         run, record = stored
-        self._end(job_id, attempt, run, record, Outcome.KILLED, reason, current=True)
+        self._end(job_id, attempt, run, record, Outcome.KILLED, reason, True, final=final)
 
     # -- pool child ---------------------------------------------------------------------
 
@@ -228,8 +228,11 @@ class WorkerSide:
 
         self._guarded("start", job_id, read)
 
-    def _end_running(self, job_id: str | None, outcome: Outcome, reason: str) -> bool:
-        """End the run this process is executing; False when it is not one of ours."""
+    def _end_running(
+        self, job_id: str | None, outcome: Outcome, reason: str, final: bool = False
+    ) -> bool:
+        """End the run this process is executing; False when it is not one of ours. ``final``:
+        the job ends with it (``task_failure``: no retry, no copy requeued)."""
         if job_id is not None:
             self._read_start(job_id)
         if job_id is None or job_id not in self._running:
@@ -247,7 +250,7 @@ class WorkerSide:
             job_id,
             lambda: self._end(
                 job_id, running.attempt, running.run, running.record, outcome, reason, True,
-                tokens_in, tokens_out,
+                tokens_in, tokens_out, final,
             ),
         )  # fmt: skip
         return True
@@ -286,9 +289,9 @@ class WorkerSide:
         if not self._ours(sender) or task_id is None:
             return
         reason = type(exception).__name__ if exception is not None else "failure"
-        if not self._end_running(task_id, Outcome.KILLED, reason):
+        if not self._end_running(task_id, Outcome.KILLED, reason, final=True):
             self._guarded(
-                "failure", task_id, lambda: self._finish_elsewhere(sender, task_id, reason)
+                "failure", task_id, lambda: self._finish_elsewhere(sender, task_id, reason, True)
             )
 
     # -- both ---------------------------------------------------------------------------
@@ -312,12 +315,14 @@ class WorkerSide:
         current: bool,
         tokens_in: int | None = None,
         tokens_out: int | None = None,
+        final: bool = False,
     ) -> None:
+        """Write the run's row. A slack miss: an attempt admitted to free whose job ends after
+        its deadline, ``ok`` or ``final`` (failed for good); a retry's job ends later."""
         now = self._now_ms()
         row = self.runs.row_for(job_id, attempt, record, outcome, now, tokens_in, tokens_out)
-        miss = (
-            outcome is Outcome.OK and record.decision == "admit_free" and now > record.deadline_ms
-        )
+        ends = outcome is Outcome.OK or final
+        miss = ends and record.decision == "admit_free" and now > record.deadline_ms
         learns = current and bool(record.started_ms) and self._learns(record.task, outcome, reason)
         done = self.runs.finish(
             row, run, record, now, slack_miss=miss, current=current,

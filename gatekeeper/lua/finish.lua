@@ -34,7 +34,8 @@
 --
 -- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row; rowed_by =
 --                                  '<token>|<missed>[|<tax as written, when capped>]' of the
---                                  call that wrote it; reserved, charged, kept
+--                                  call that wrote it (missed 2: by an earlier row); reserved,
+--                                  charged, kept
 -- KEYS[2] window:<row window>       hash: rows:<outcome> (a reserved row)
 -- KEYS[3] window:<row window>:rows  list: ledger rows (JSON): a reserved row's
 -- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>|..."
@@ -54,7 +55,8 @@
 -- ARGV[4] outcome       ok | killed | expired
 -- ARGV[5] path          free | reserved
 -- ARGV[6] retry_tax     this row's tax (charged to tax_units on the free path only)
--- ARGV[7] slack_miss    1 when a free-admitted job finished after its deadline
+-- ARGV[7] slack_miss    1 when a free-admitted job ended (ok, or failed for good) after its
+--                       deadline
 -- ARGV[8] retention_s   TTL of the window's keys
 -- ARGV[9] current       1 when this run is the attempt's latest start (it leaves `started`)
 -- ARGV[10] row head     the row's JSON without its last field (retry_tax) and closing brace
@@ -70,7 +72,7 @@
 --
 -- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free,
 -- the row's retry_tax as written (a free row's capped by its reservation), missed (1 when
--- the slack miss was counted: not for a rerun after the attempt's `ok` row)}; {0, 0, 0, '0'}
+-- the slack miss was counted: not for a rerun after the attempt's `ok` row or its miss)}; {0, 0, 0, '0'}
 -- when the run had its row already, but for the call that wrote it, sent again: its reply
 -- (the window's counts as they are now).
 
@@ -100,7 +102,13 @@ end
 -- job finished then, and its slack was judged at that row. A late rerun is no miss of it.
 -- (A publish of the attempt after the cut writes published_ms anew: its runs are judged.)
 local rerun = rec[5] and not rec[6] and string.sub(rec[5], -3) == '|ok'
-local missed = ARGV[7] == '1' and not rerun
+-- Nor a rerun after a row that counted the job's miss (a final failure's, then a copy that
+-- ran again): `rowed_by` keeps '2' for "counted by an earlier row", so it stays counted once.
+local judged = false
+if ARGV[7] == '1' and rec[5] and not rec[6] and not rerun then
+  judged = string.match(redis.call('HGET', KEYS[1], 'rowed_by') or '', '^[^|]*|[12]') ~= nil
+end
+local missed = ARGV[7] == '1' and not rerun and not judged
 -- The attempt's last run: no run of it is left without its row, so the record is cut below
 -- (what `charged` and `reserved` would say after this row, `kept` says: closed).
 local cut = rec[2] ~= false and tonumber(rec[2]) == run
@@ -148,7 +156,7 @@ if free then
 end
 -- Written once the tax is known: the run has its row, and what this call replies (above).
 redis.call('HSET', KEYS[1], 'rowed', ARGV[2], 'rowed_by', ARGV[16] .. '|'
-  .. (missed and '1' or '0') .. (written_tax ~= ARGV[6] and '|' .. written_tax or ''))
+  .. (missed and '1' or judged and '2' or '0') .. (written_tax ~= ARGV[6] and '|' .. written_tax or ''))
 redis.call('RPUSH', rows, row)
 redis.call('EXPIRE', rows, ARGV[8])
 redis.call('HINCRBY', window, 'rows:' .. ARGV[4], '1')

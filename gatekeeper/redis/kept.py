@@ -12,7 +12,8 @@ bench/memory.py; about 110 of them are the key itself). What stays, and who read
   publish of the same attempt after its row is not taken for a duplicate (gate.lua);
 - ``rowed_by``, ``<token>|<missed>`` (``|<tax>`` after it when the row's tax was capped): the
   reply of the finish that wrote the last row, for that call sent again after its reply was
-  lost, so its worker still logs the row and its slack miss (finish.lua). It costs a record
+  lost, so its worker still logs the row and its slack miss (finish.lua); ``<missed>`` is 2
+  when an earlier row counted the job's miss (a rerun is not counted again). It costs a record
   32 bytes on Redis 7.0 (an allocator size class: any field would; 22 on 6.2);
 - ``free_admitted`` (only when ``1``): the next attempt's decision carries it (gate.lua);
 - ``prev_nonce`` (when not empty), ``dup:*``, ``taken:*`` and the replayer's handoff fields,
