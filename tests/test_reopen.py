@@ -10,7 +10,9 @@ from click.testing import CliRunner
 
 from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_windows, should_freeze
 from gatekeeper.core.ledger import window_id
+from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.errors import FreePathLocked
+from gatekeeper.logs import make_logger
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
@@ -127,6 +129,40 @@ def test_a_rollback_made_while_a_reopen_is_checked_is_not_undone(
     assert stored["free_path_enabled"] == "false"
     assert not store.current().free_path_enabled
     assert "A: resolved" not in str(store.history(5))
+
+
+class AnotherWorkerFreezes(FlagStore):
+    """A real store whose ``after``-th read of the flags lets another worker (another
+    client) freeze the free path first: two workers whose windows crossed the budget at once."""
+
+    other: redis.Redis | None = None
+    after = 1
+    reads = 0
+
+    def stored(self) -> dict[str, str]:
+        found = super().stored()
+        self.reads += 1
+        if self.other is not None and self.reads == self.after:
+            other = FlagStore(self.other, self.settings)
+            assert maybe_freeze(other, make_logger(self.settings, "alert"), W, 1, 1, at(W))
+        return found
+
+
+@pytest.mark.parametrize("after", [1, 2], ids=["before_its_check", "during_its_check"])
+def test_two_workers_freezing_at_once_make_one_freeze(
+    redis_url: str, redis_client: redis.Redis, after: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Both read the path open, then each wrote its freeze: two flag log entries, two
+    # `free_path_frozen` lines and `gatekeeper_freezes_total` 2 for one freeze (an audit). The
+    # freeze is now written under WATCH only while the path is open in Redis.
+    settings = GatekeeperSettings(budget_units=1000, miss_min_admissions=1)
+    store = AnotherWorkerFreezes(redis_client, settings)
+    store.other, store.after = redis.Redis.from_url(redis_url), after
+    assert not maybe_freeze(store, make_logger(settings, "alert"), W, 1, 1, at(W))
+    assert redis_client.hget(KEYS.flags, "free_path_enabled") == b"false"
+    assert redis_client.hget(KEYS.totals, "freezes") == b"1"
+    assert len(store.history(10)) == 1
+    assert capsys.readouterr().err.count("event=free_path_frozen") == 1
 
 
 def test_force_reopens_and_says_so(redis_client: redis.Redis) -> None:

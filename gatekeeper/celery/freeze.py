@@ -30,8 +30,8 @@ def maybe_freeze(
         f"slack misses {misses}/{admitted} = {misses / admitted:.1%} of free admissions in "
         f"window {window} exceed miss_error_budget {budget:.1%}"
     )
-    flags.set("free_path_enabled", "false", reason, "gatekeeper:auto-freeze", now,
-              counted="freezes")  # fmt: skip
+    if flags.close(reason, "gatekeeper:auto-freeze", now) is None:
+        return False  # another worker froze it meanwhile: one freeze, one line
     alerts.error(
         "free_path_frozen", window=window, slack_misses=misses, admitted_free=admitted,
         miss_error_budget=budget, reason=reason, on_disk=flags.persisted,

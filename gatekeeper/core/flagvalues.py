@@ -1,14 +1,15 @@
-"""The flags' names and values as text, and the canary's slice: pure, no Redis
-(gatekeeper/redis/flags.py stores them)."""
+"""The flags' names and values as text, the flags in force for one decision, and the
+canary's slice: pure, no Redis (gatekeeper/redis/flags.py stores them)."""
 
 from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 from gatekeeper.errors import ConfigError
 
-__all__ = ["FALSE", "FLAG_NAMES", "TRUE", "in_canary", "parse_flag"]
+__all__ = ["FALSE", "FLAG_NAMES", "TRUE", "Flags", "in_canary", "parse_flag"]
 
 FLAG_NAMES = ("dwell_gate_enabled", "free_path_enabled", "canary_percent")
 
@@ -45,3 +46,20 @@ def in_canary(job_id: str, percent: float) -> bool:
         return False
     digest = hashlib.blake2b(job_id.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") % 10_000 < percent * 100
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The flags in force for one decision."""
+
+    dwell_gate_enabled: bool
+    free_path_enabled: bool
+    canary_percent: float
+    unread: str | None = None
+    """Why Redis could not be read, when no read has succeeded yet: these are the settings
+    alone, and a value in Redis may override them (the gate cannot tell whether it is on)."""
+    state_missing: bool = False
+    """The state marker is missing: the free path is closed until ``gatekeeper init``."""
+    eviction: str | None = None
+    """The gate Redis's ``maxmemory-policy`` when it is not ``noeviction`` (or ``unknown``):
+    the free path is closed while it is."""

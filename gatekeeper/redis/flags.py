@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from gatekeeper.core.flagvalues import FLAG_NAMES, in_canary, parse_flag
+from gatekeeper.core.flagvalues import FLAG_NAMES, Flags, in_canary, parse_flag
 from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_windows
 from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
@@ -58,23 +58,6 @@ FLAG_LOG_LENGTH = 1000
 """How many flag changes the log keeps."""
 UNREAD_RETRY_S = 1.0
 """While the flags have never been read, how soon the next decision tries again."""
-
-
-@dataclass(frozen=True)
-class Flags:
-    """The flags in force for one decision."""
-
-    dwell_gate_enabled: bool
-    free_path_enabled: bool
-    canary_percent: float
-    unread: str | None = None
-    """Why Redis could not be read, when no read has succeeded yet: these are the settings
-    alone, and a value in Redis may override them (the gate cannot tell whether it is on)."""
-    state_missing: bool = False
-    """The state marker is missing: the free path is closed until ``gatekeeper init``."""
-    eviction: str | None = None
-    """The gate Redis's ``maxmemory-policy`` when it is not ``noeviction`` (or ``unknown``):
-    the free path is closed while it is."""
 
 
 @dataclass(frozen=True)
@@ -204,17 +187,33 @@ class FlagStore:
             self._cached, self._read_at = None, -math.inf
 
     def set(
-        self, name: str, value: str, reason: str, actor: str, now: float, force: bool = False,
-        counted: str | None = None,
-    ) -> FlagChange:  # fmt: skip
-        """Store an override and log it; re-opening the free path needs a clean hour or force.
-        ``counted``: a field of the lifetime ``totals`` counted in the same transaction."""
+        self, name: str, value: str, reason: str, actor: str, now: float, force: bool = False
+    ) -> FlagChange:
+        """Store an override and log it; re-opening the free path needs a clean hour or force."""
         parsed = parse_flag(name, value)
         text = str(parsed).lower() if isinstance(parsed, bool) else repr(parsed)
         if name == "free_path_enabled" and parsed is True:
-            return self._write(name, text, reason, actor, now, counted,
+            return self._write(name, text, reason, actor, now,
                                lambda: self._reopen_reason(reason, now, force))  # fmt: skip
-        return self._write(name, text, reason, actor, now, counted)
+        return self._write(name, text, reason, actor, now)
+
+    def close(self, reason: str, actor: str, now: float) -> FlagChange | None:
+        """The auto-freeze: ``free_path_enabled=false`` in Redis, counted in the totals'
+        ``freezes``, unless Redis has it false already (None). Checked under WATCH, so workers
+        that freeze at once write, log and count one freeze."""
+
+        def unless_closed() -> str:
+            if self.stored().get("free_path_enabled") == "false":
+                raise _Closed
+            return reason
+
+        try:
+            for _ in range(2):  # FreePathLocked: the flags changed meanwhile; read them again
+                with contextlib.suppress(FreePathLocked):
+                    return self._write(FREE, "false", reason, actor, now, unless_closed, "freezes")
+        except _Closed:
+            return None
+        return self._write(FREE, "false", reason, actor, now, None, "freezes")
 
     def unset(
         self, name: str, reason: str, actor: str, now: float, force: bool = False
@@ -228,7 +227,7 @@ class FlagStore:
             closed = self.stored().get(name) == "false"
             return self._reopen_reason(reason, now, force) if closed else reason
 
-        return self._write(name, None, reason, actor, now, None, checked)
+        return self._write(name, None, reason, actor, now, checked)
 
     def clean_hour(self, now: float) -> CleanHour:
         """Whether the last hour of ledger windows (ending in the one ``now`` is in) is clean.
@@ -285,18 +284,18 @@ class FlagStore:
 
     def _write(
         self, name: str, value: str | None, reason: str, actor: str, now: float,
-        counted: str | None = None, reopen: Callable[[], str] | None = None,
+        check: Callable[[], str] | None = None, counted: str | None = None,
     ) -> FlagChange:  # fmt: skip
-        """Write one flag and its log entry in one transaction. ``reopen`` (a re-open of the
-        free path): checked, giving the reason written, once the flags are watched, so the
-        write is made only if no flag changed meanwhile. Checked and then written blindly, a
-        rollback or an auto-freeze made during the check was undone by the re-open."""
+        """Write one flag and its log entry (and count ``counted`` in the ``totals``) in one
+        transaction. ``check`` (a re-open, the auto-freeze): run once the flags are watched,
+        it gives the reason written or raises, so nothing is written over a flag changed
+        meanwhile (a rollback undone by a re-open, two workers' freezes counted twice)."""
         try:
             server = home(self.client, self.keys.flags, fresh=True)  # a cluster's MULTI
             with server.pipeline(transaction=True) as pipe:  # reset (un-WATCHed) on the way out
-                if reopen is not None:
+                if check is not None:
                     pipe.watch(self.keys.flags)  # type: ignore[no-untyped-call]
-                    reason = reopen()  # raises FreePathLocked when it may not re-open
+                    reason = check()  # raises FreePathLocked when it may not re-open
                     pipe.multi()
                 change = FlagChange(name=name, value=value, reason=reason, actor=actor, at=now)
                 if value is None:
@@ -335,6 +334,13 @@ class FlagStore:
             with contextlib.suppress(ValueError, TypeError):
                 changes.append(FlagChange(**json.loads(text_of(item))))
         return changes
+
+
+class _Closed(Exception):  # the free path is closed in Redis already: no auto-freeze
+    pass
+
+
+FREE = "free_path_enabled"
 
 
 def _float(text: str) -> float:
