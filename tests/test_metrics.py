@@ -32,7 +32,7 @@ from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.unverified import UnverifiedRuns
 from tests.apps.gated_app import create_app
 from tests.calls import gate_call
-from tests.conftest import gate_settings, initialised, missing_server
+from tests.conftest import gate_settings, initialised, missing_server, wait_until
 from tests.processes import stopped
 from tests.scrape import by_label, scrape, serving, value
 
@@ -237,6 +237,60 @@ def test_a_hung_redis_answers_quickly_with_redis_up_0_and_nothing_else(
         "gatekeeper_scrape_duration_seconds",
     }
     assert value(samples, "gatekeeper_redis_up") == 0
+
+
+def test_a_redis_back_from_an_older_snapshot_never_sends_a_counter_backwards() -> None:
+    # A restart from an RDB snapshot loses the last seconds of counts. Read as they came
+    # back, the counters went down, which Prometheus takes for a reset to zero: rate() and
+    # increase() counted every total again, and the miss-ratio alert saw a lifetime ratio (an
+    # audit). The exporter now goes on from where it was; a new state marker (the state lost,
+    # `gatekeeper init` again) is a reset, and shown as one.
+    try:
+        server = EmbeddedRedis(args=("--save", "900", "1")).start()
+    except EmbeddedRedisError as exc:
+        missing_server(str(exc))
+
+    def shown(url: str) -> tuple[float | None, float | None]:
+        assert wait_until(lambda: value(scrape(url), "gatekeeper_redis_up") == 1, 10)
+        samples = scrape(url)
+        return (value(samples, "gatekeeper_free_admissions_total"),
+                value(samples, "gatekeeper_killed_rows_total"))  # fmt: skip
+
+    def stored(client: redis.Redis) -> tuple[int, int]:
+        found = counters(client)
+        admitted = sum(int(n) for k, n in found.items() if k.startswith(b"decided:admit_free:"))
+        return admitted, int(found.get(b"killed_rows", 0))
+
+    try:
+        client = redis.Redis.from_url(server.url)
+        initialised(client)
+        publish_mix(server.url)  # three admitted
+        client.hincrby(KEYS.totals, "killed_rows", 2)
+        client.save()
+        publish_mix(server.url)  # more, and three killed rows, lost with the restart
+        client.hincrby(KEYS.totals, "killed_rows", 3)
+        with serving(collector_for(gate_settings(server.url))) as url:
+            seen, real = [shown(url)], [stored(client)]
+            server.kill()  # SIGKILL: no snapshot at shutdown
+            server.start(port=server.port)
+            client = redis.Redis.from_url(server.url)
+            real.append(stored(client))
+            seen.append(shown(url))
+            publish_mix(server.url)
+            real.append(stored(client))
+            seen.append(shown(url))
+            client.flushall()  # the state lost, then initialised again: a new marker
+            client.hset(KEYS.flags, "initialised_at", "1")
+            publish_mix(server.url)
+            real.append(stored(client))
+            seen.append(shown(url))
+    finally:
+        server.stop()
+    assert real[0][0] > real[1][0] == 3 and real[0][1] > real[1][1] == 2  # the counts went back
+    assert seen[0] == real[0] and seen[1] == real[0]  # shown where they were, not lower
+    gained = real[2][0] - real[1][0]
+    assert gained > 0 and seen[2] == (real[0][0] + gained, real[0][1])  # and went on from there
+    assert seen[3] == real[3] == (3, 0)  # a new marker: a reset, shown as read
 
 
 def test_a_broker_that_cannot_be_read_says_so_and_the_rest_is_served(

@@ -83,6 +83,39 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
     return CounterMetricFamily(name, documentation, value=value)
 
 
+class Monotonic:
+    """What the counters show: never less than this exporter showed before, while the state
+    marker is the same. A Redis restarted from an older snapshot (RDB, the default) comes
+    back with the last seconds of counts lost; shown as read, the counter went down, which
+    Prometheus takes for a reset to zero, so ``rate`` and ``increase`` (the alert rules)
+    counted the whole total again. From such a drop on, the counter goes on from where it was
+    (the drop is kept as an offset and added). A new state marker (``gatekeeper init`` after
+    the state was lost) is a reset, and shown as one."""
+
+    def __init__(self) -> None:
+        self._epoch: str | None = None
+        self._shown: dict[tuple[str, ...], float] = {}
+        self._offset: dict[tuple[str, ...], float] = {}
+
+    def epoch(self, marker: str | None) -> None:
+        """The state marker read with the counters: a new one forgets what was shown."""
+        if marker != self._epoch:
+            self._epoch = marker
+            self._shown.clear()
+            self._offset.clear()
+
+    def __call__(self, key: tuple[str, ...], value: float) -> float:
+        if math.isnan(value):
+            return value
+        shown = value + self._offset.get(key, 0.0)
+        before = self._shown.get(key)
+        if before is not None and shown < before:
+            self._offset[key] = self._offset.get(key, 0.0) + before - shown
+            shown = before
+        self._shown[key] = shown
+        return shown
+
+
 def _number(text: str | None) -> float:
     try:
         return float(text) if text is not None else 0.0
@@ -112,6 +145,7 @@ class GateCollector:
         self._make_broker = broker
         self._broker: Broker | None = None
         self._lock = threading.Lock()
+        self.monotonic = Monotonic()
 
     def describe(self) -> list[Metric]:
         """Nothing: registering the collector must not read Redis."""
@@ -142,20 +176,23 @@ class GateCollector:
         yield from self._queues()
 
     def _counters(self, snap: Snapshot) -> Iterable[Metric]:
+        shown = self.monotonic
+        shown.epoch(snap.flags.get(STATE_FIELD))
         decided = CounterMetricFamily(
             "gatekeeper_decisions_total",
             "Gate decisions, replays included (a replayed task is decided again).",
             labels=("task", "decision", "reason"),
         )
         for (task, decision, reason), count in sorted(snap.decisions.items()):
-            decided.add_metric((task, decision, reason), count)
+            decided.add_metric((task, decision, reason), shown(("", task, decision, reason), count))
         yield decided
         admitted = sum(n for (_, d, _), n in snap.decisions.items() if d == Decision.ADMIT_FREE)
-        yield _counter("gatekeeper_free_admissions_total", "Attempts admitted to free.", admitted)
+        yield _counter("gatekeeper_free_admissions_total", "Attempts admitted to free.",
+                       shown(("admitted_free",), admitted))  # fmt: skip
         for name, field, documentation in COUNTED:
-            yield _counter(name, documentation, _number(snap.totals.get(field)))
+            yield _counter(name, documentation, shown((field,), _number(snap.totals.get(field))))
         for name, field, documentation in STATS:
-            yield _counter(name, documentation, _number(snap.stats.get(field)))
+            yield _counter(name, documentation, shown((field,), _number(snap.stats.get(field))))
 
     def _window(self, snap: Snapshot, now: float) -> Iterable[Metric]:
         budget = self.settings.budget_units
