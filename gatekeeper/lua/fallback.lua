@@ -40,6 +40,9 @@ if done[1] and done[1] ~= ARGV[6] and (runs == 0 or rowed < runs) then
   redis.call('HSET', KEYS[1], 'dup:' .. ARGV[1], ARGV[2] .. '|' .. ARGV[3])
   return false
 end
+if done[4] and done[1] ~= ARGV[6] then  -- a reused task id after its row: counted anew
+  redis.call('HDEL', KEYS[1], 'runs', 'rowed')  -- (as gate.lua does)
+end
 local fields = {'nonce', ARGV[1], 'decision', ARGV[2], 'reason', ARGV[3]}
 for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))

@@ -215,6 +215,11 @@ local function decided(decision, reason, dwell, projected)
   if duplicate then  -- remembered in the live record, for a re-sent request or fallback.lua
     redis.call('HSET', KEYS[6], 'dup:' .. ARGV[18], decision .. '|' .. reason)
   else
+    if held[5] and held[1] ~= ARGV[24] then
+      -- A publish after the attempt's row (a reused task id) starts it again: its runs are
+      -- counted anew, so that a publish while this one is live is a duplicate (above).
+      redis.call('HDEL', KEYS[6], 'runs', 'rowed')
+    end
     redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
       'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],
       'published_ms', ARGV[19], 'deadline_ms', ARGV[21], 'dwell_s', shown, 'free_admitted', free,
@@ -322,7 +327,7 @@ end
 
 -- Idempotent per attempt: a replay re-scored after a crash does not hold its tokens twice.
 reserved = fmt(reserve)
-local held_now = reserved .. '|' .. ARGV[17] .. '|' .. ARGV[1] .. '|' .. WIDE
+local held_now = reserved .. '|' .. ARGV[17] .. '|' .. ARGV[22] .. '|' .. WIDE
 if redis.call('HSETNX', KEYS[4], ARGV[2], held_now) == 1 then
   -- A whole reservation takes HINCRBY (a fraction of HINCRBYFLOAT's cost); a fractional one,
   -- or a value some other writer left fractional, the float path. Under 1e14 a whole

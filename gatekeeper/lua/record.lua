@@ -69,6 +69,9 @@ local runs, rowed = tonumber(held[2] or '0'), tonumber(held[3] or '0')
 if held[1] and held[1] ~= ARGV[7] and (runs == 0 or rowed < runs) then
   return 'unrecorded'
 end
+if held[2] and held[1] ~= ARGV[7] then  -- a reused task id after its row: counted anew
+  redis.call('HDEL', KEYS[2], 'runs', 'rowed')  -- (as gate.lua does)
+end
 local free = '0'
 if KEYS[3] ~= KEYS[2] and redis.call('HGET', KEYS[3], 'free_admitted') == '1' then
   free = '1'

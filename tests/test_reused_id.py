@@ -1,0 +1,110 @@
+"""The ceiling holds for a task id used again, and for a delayed admission, against a real Redis
+and the real scripts (gate.lua, start.lua, finish.lua, the sweep), as publisher and worker call
+them. Both were found by an audit of the budget ceiling."""
+
+from __future__ import annotations
+
+import redis
+
+from gatekeeper.core.dwell import Decision, Reason
+from gatekeeper.core.ledger import BudgetMode, Outcome, window_id
+from gatekeeper.redis.call import GateCall
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.store import GateStore
+from gatekeeper.redis.sweep import sweep
+from tests.calls import gate_call
+from tests.conftest import initialised
+
+KEYS = Keys()
+WINDOW_S = 60
+BUDGET = 7000.0  # room for two reservations of 3200 (1200 tokens + 10 s x 200), not three
+T0 = 2_000_000_090.0  # 10 s before a window ends: the next publishes fall in the next window
+
+
+def call(now_s: float, job: str, **fields: object) -> GateCall:
+    values: dict[str, object] = dict(
+        window_id=window_id(now_s, WINDOW_S), job_id=job, tokens_in=1200,
+        deadline_slack_s=3600.0, budget_units=BUDGET, queue_wait_unit_per_second=200.0,
+        budget_mode=BudgetMode.EXPOSURE, wait_allowance_s=10.0, task="t",
+    )  # fmt: skip
+    values.update(fields)
+    return gate_call(now_s, **values)
+
+
+class Night:
+    """A publisher and a worker on one Redis."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        initialised(client)
+        self.client = client
+        self.store = GateStore(client, KEYS)
+        self.runs = RunLedger(client, KEYS, window_seconds=WINDOW_S,
+                              queue_wait_unit_per_second=200.0, wait_allowance_s=10.0)  # fmt: skip
+
+    def publish(self, now_s: float, job: str, **fields: object) -> tuple[str, str]:
+        """(the decision's ``decision/reason``, the nonce its message carries)"""
+        published = call(now_s, job, **fields)
+        scored = self.store.score(published)
+        return f"{scored.decision.value}/{scored.reason.value}", published.nonce
+
+    def run(self, start_s: float, end_s: float, job: str, nonce: str, outcome: Outcome) -> str:
+        """A worker runs the message carrying ``nonce``: its row's path, or why none."""
+        started = self.runs.start(job, 1, nonce, {"task": "t", "worker": "w"},
+                                  round(start_s * 1000))  # fmt: skip
+        if started.record is None:
+            return str(started.refused)
+        row = self.runs.row_for(job, 1, started.record, outcome, round(end_s * 1000))
+        assert self.runs.finish(row, started.run, started.record, round(end_s * 1000)).written
+        return row.path.value
+
+    def window(self, now_s: float) -> tuple[float, float]:
+        """A window's (tax_units, exposure)."""
+        fields = self.client.hgetall(KEYS.window(window_id(now_s, WINDOW_S)))
+        return float(fields.get(b"tax_units", 0)), float(fields.get(b"exposure", 0))
+
+
+ADMITTED = f"{Decision.ADMIT_FREE.value}/{Reason.FITS.value}"
+
+
+def test_a_task_id_used_again_cannot_charge_a_window_past_its_budget(
+    redis_client: redis.Redis,
+) -> None:
+    # J ran to its row; J was published again (a reused id: it starts again) and, before that
+    # publish ran, once more. The third publish found the record's counts of J's first life
+    # (runs=1 rowed=1) and was decided afresh, not as a duplicate of a live one: it took the
+    # record from the second, its reservation never reached its window (the second's in-flight
+    # entry stood), and two more admissions fitted there. That window was charged 3 x 3200
+    # against a budget of 7000, and the first kept 3200 of exposure for good.
+    night = Night(redis_client)
+    first = night.publish(T0, "J")[1]
+    assert night.run(T0 + 1, T0 + 2, "J", first, Outcome.OK) == "free"
+    decided, second = night.publish(T0 + 8, "J")
+    assert decided == ADMITTED  # started again, in the first window
+    assert night.publish(T0 + 10, "J")[0] == "reserved/duplicate_publish"
+    later = [night.publish(T0 + 10, job) for job in ("X", "Y", "Z")]
+    assert [d for d, _ in later] == [ADMITTED, ADMITTED, "reserved/retry_tax_budget"]
+    for job, (_, nonce) in zip(("X", "Y"), later, strict=False):
+        assert night.run(T0 + 22, T0 + 23, job, nonce, Outcome.KILLED) == "free"
+    assert night.run(T0 + 30, T0 + 31, "J", second, Outcome.KILLED) == "free"  # verified
+    for at in (T0, T0 + 10):
+        tax, exposure = night.window(at)
+        assert tax <= BUDGET and exposure == 0, (at, tax, exposure)
+    assert redis_client.hlen(KEYS.inflight) == 0
+    assert redis_client.hget(KEYS.stats, "forged_runs") is None
+
+
+def test_a_delayed_admission_keeps_its_reservation_until_it_is_due(
+    redis_client: redis.Redis,
+) -> None:
+    # A countdown longer than the sweep's age: its in-flight entry carried the time of the
+    # decision, so the replayer's minute sweep (1800 s) gave back the reservation of a message
+    # still waiting for its ETA, and its killed run was then charged nothing.
+    night = Night(redis_client)
+    decided, nonce = night.publish(T0, "E", delay_s=1900.0, budget_units=1e9)
+    assert decided == ADMITTED
+    assert night.window(T0)[1] == 3200
+    sweep(night.runs, round((T0 + 1801) * 1000), 1800.0, night.store)
+    assert night.window(T0)[1] == 3200  # still held: the message is not due yet
+    assert night.run(T0 + 1900, T0 + 1905, "E", nonce, Outcome.KILLED) == "free"
+    assert night.window(T0) == (1200, 0)  # its tokens charged (no wait: it ran when due)
