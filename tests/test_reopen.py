@@ -8,9 +8,9 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_windows, should_freeze
 from gatekeeper.core.ledger import window_id
-from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.errors import FreePathLocked
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.cli import main

@@ -212,12 +212,15 @@ def test_a_run_after_the_attempt_has_its_row_is_counted_as_a_rerun(
     assert redis_client.hget(KEYS.stats, "reruns_after_row") == b"1"
 
 
-def first_run(runs: RunLedger, client: redis.Redis, outcome: Outcome) -> Finished:
+def first_run(
+    runs: RunLedger, client: redis.Redis, outcome: Outcome, ends: bool = False
+) -> Finished:
     """An admitted attempt's first run, ended at once (well before its deadline)."""
     admit(client, "job:1", 1200)
     start_run(runs, client, "job", 1, record(), T0_MS + 100)
     _, rec = runs.record("job", 1) or (0, record())
-    return runs.finish(runs.row_for("job", 1, rec, outcome, T0_MS + 200), 1, rec, T0_MS + 200)
+    row = runs.row_for("job", 1, rec, outcome, T0_MS + 200)
+    return runs.finish(row, 1, rec, T0_MS + 200, ends=ends)
 
 
 def ok_late(runs: RunLedger, at_ms: int) -> Finished:
@@ -271,24 +274,41 @@ def test_a_redelivery_after_a_killed_row_that_ends_late_is_one_slack_miss_reruns
 def test_a_rerun_after_a_late_final_failure_counts_no_second_miss(
     redis_client: redis.Redis,
 ) -> None:
-    """A free attempt failed for good after its deadline: the job's miss. A copy of its
-    message then ran twice more (a lost ack), late, ok and killed: the miss stays one."""
+    """A free attempt failed for good after its deadline: the job's miss. Copies of its
+    message then ran (a lost ack): one lost and requeued (no end of the job), one failed for
+    good late again, one ok late: the miss stays one (a reviewer found the second counted
+    once a row in between had not ended the job)."""
     runs = ledger(redis_client)
     admit(redis_client, "job:1", 1200)
     start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
-    for at_ms, outcome, missed in (
-        (T0_MS + 120_000, Outcome.KILLED, True),
-        (T0_MS + 200_000, Outcome.OK, False),
-        (T0_MS + 300_000, Outcome.KILLED, False),
+    for at_ms, outcome, ends, missed in (
+        (T0_MS + 120_000, Outcome.KILLED, True, True),
+        (T0_MS + 200_000, Outcome.KILLED, False, False),
+        (T0_MS + 300_000, Outcome.KILLED, True, False),
+        (T0_MS + 400_000, Outcome.OK, True, False),
     ):
-        if missed is False:
+        if at_ms > T0_MS + 120_000:
             runs.start("job", 1, "nonce-job-1", {"task": "t"}, at_ms)  # a copy's start
         run, rec = runs.record("job", 1) or (0, record())
         row = runs.row_for("job", 1, rec, outcome, at_ms + 100)
-        done = runs.finish(row, run, rec, at_ms + 100, slack_miss=True)
+        done = runs.finish(row, run, rec, at_ms + 100, slack_miss=ends, ends=ends)
         assert done.written and done.slack_miss is missed
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
     assert int(window_hash(redis_client, T0_MS).get(b"slack_misses") or 0) == 1
+
+
+def test_a_rerun_after_a_final_failure_in_time_is_no_slack_miss_even_when_late(
+    redis_client: redis.Redis,
+) -> None:
+    """The job failed for good in time (its end); a copy that ran again late is a rerun, as
+    after an ``ok`` row."""
+    runs = ledger(redis_client)
+    failed = first_run(runs, redis_client, Outcome.KILLED, ends=True)
+    assert failed.written and not failed.slack_miss
+    runs.start("job", 1, "nonce-job-1", {"task": "t"}, T0_MS + 120_000)  # a copy's start
+    rerun = ok_late(runs, T0_MS + 120_000)
+    assert rerun.written and not rerun.slack_miss
+    assert redis_client.hget(KEYS.totals, "slack_misses") is None
 
 
 def test_a_finish_sent_again_with_its_token_is_told_its_row_its_capped_tax_and_its_miss(

@@ -389,6 +389,26 @@ def test_free_attempts_that_fail_for_good_after_their_deadline_are_slack_misses_
     assert len(alerts) == 3 and all("event=slack_miss" in a for a in alerts), alerts
 
 
+def test_a_hard_time_limit_whose_message_is_requeued_is_no_slack_miss_its_job_goes_on(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Celery 5.7 sends ``task_failure`` for a hard time limit and then requeues an
+    ``acks_late`` message that does not ack on timeout: not the job's end (a reviewer: the
+    miss was counted there, and again when the copy's retry was abandoned)."""
+    app = app_for(redis_url)
+    log = tmp_path / "w.log"
+    late = {"headers": {"gatekeeper_deadline_s": 2.3}}  # admitted (dwell 2 s), cut at 3 s
+    with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="1"):
+        job = app.tasks["tests.hard_requeued"].apply_async(**late).id
+        found = wait_rows(redis_client, 2, timeout_s=40)
+    assert [(row["job_id"], row["attempt"], row["outcome"]) for row in found] == [
+        (job, 1, "killed"), (job, 1, "killed"),
+    ], log.read_text()  # fmt: skip
+    assert "reason=retry" in log.read_text()
+    assert redis_client.hget(KEYS.totals, "slack_misses") is None, log.read_text()
+    assert "slack_miss=true" not in log.read_text()
+
+
 def test_a_late_free_attempt_that_retries_is_no_slack_miss_its_job_goes_on(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import sys
 
-from celery.exceptions import Reject
+from celery.exceptions import Reject, TimeLimitExceeded
 from celery.states import IGNORED, REJECTED
 
 from gatekeeper.core.ledger import Outcome
 
-__all__ = ["ENDED_AT_POSTRUN", "ended_at_postrun"]
+__all__ = ["ENDED_AT_POSTRUN", "ended_at_postrun", "requeued_on_timeout"]
 
 ENDED_AT_POSTRUN = {IGNORED: (Outcome.OK, "ignored"), REJECTED: (Outcome.KILLED, "reject")}
 """The states of a run whose body ended it with no signal but ``task_postrun``."""
@@ -59,3 +59,17 @@ def ended_at_postrun(state: object) -> tuple[Outcome, str]:
     if isinstance(raised, Reject):
         return Outcome.KILLED, "reject"
     return Outcome.KILLED, type(raised).__name__ if raised is not None else "no_end_signal"
+
+
+def requeued_on_timeout(task: object, exception: object) -> bool:
+    """Whether a ``task_failure`` is followed by a copy of the run: a hard time limit of an
+    ``acks_late`` task that does not ack on timeout. Celery 5.7 sends ``task_failure`` for it
+    and then requeues the message (``Request.on_timeout``); 5.5 and 5.6 send none then. Every
+    other ``task_failure`` is the job's end: the main process sends it only when the message
+    is not requeued, and a retry sends ``task_retry`` instead."""
+    if not isinstance(exception, TimeLimitExceeded) or not getattr(task, "acks_late", False):
+        return False
+    acks = getattr(task, "acks_on_timeout", None)  # 5.7; before it, the one setting for both
+    if acks is None:
+        acks = getattr(task, "acks_on_failure_or_timeout", True)
+    return not acks

@@ -57,7 +57,7 @@ from gatekeeper.celery import message
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers
 from gatekeeper.celery.metering import take_metered
-from gatekeeper.celery.postrun import ended_at_postrun
+from gatekeeper.celery.postrun import ended_at_postrun, requeued_on_timeout
 from gatekeeper.celery.received import NOWHERE, RanIn, Received
 from gatekeeper.celery.running import Running, Starting, Starts
 from gatekeeper.celery.unverified import UnverifiedSide
@@ -289,9 +289,10 @@ class WorkerSide:
         if not self._ours(sender) or task_id is None:
             return
         reason = type(exception).__name__ if exception is not None else "failure"
-        if not self._end_running(task_id, Outcome.KILLED, reason, final=True):
+        final = not requeued_on_timeout(sender, exception)
+        if not self._end_running(task_id, Outcome.KILLED, reason, final=final):
             self._guarded(
-                "failure", task_id, lambda: self._finish_elsewhere(sender, task_id, reason, True)
+                "failure", task_id, lambda: self._finish_elsewhere(sender, task_id, reason, final)
             )
 
     # -- both ---------------------------------------------------------------------------
@@ -325,7 +326,7 @@ class WorkerSide:
         miss = ends and record.decision == "admit_free" and now > record.deadline_ms
         learns = current and bool(record.started_ms) and self._learns(record.task, outcome, reason)
         done = self.runs.finish(
-            row, run, record, now, slack_miss=miss, current=current,
+            row, run, record, now, slack_miss=miss, ends=ends, current=current,
             service_s=(now - record.started_ms) / 1000 if learns else None,
             lower_bound=outcome is not Outcome.OK,
         )  # fmt: skip

@@ -34,8 +34,7 @@
 --
 -- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row; rowed_by =
 --                                  '<token>|<missed>[|<tax as written, when capped>]' of the
---                                  call that wrote it (missed 2: by an earlier row); reserved,
---                                  charged, kept
+--                                  call that wrote it; reserved, charged, kept
 -- KEYS[2] window:<row window>       hash: rows:<outcome> (a reserved row)
 -- KEYS[3] window:<row window>:rows  list: ledger rows (JSON): a reserved row's
 -- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>|..."
@@ -56,7 +55,8 @@
 -- ARGV[5] path          free | reserved
 -- ARGV[6] retry_tax     this row's tax (charged to tax_units on the free path only)
 -- ARGV[7] slack_miss    1 when a free-admitted job ended (ok, or failed for good) after its
---                       deadline
+--                       deadline; 'e' when the job ended here in time (failed for good); 0
+--                       when it goes on (a retry, a requeued or vanished run) or is ok
 -- ARGV[8] retention_s   TTL of the window's keys
 -- ARGV[9] current       1 when this run is the attempt's latest start (it leaves `started`)
 -- ARGV[10] row head     the row's JSON without its last field (retry_tax) and closing brace
@@ -72,7 +72,7 @@
 --
 -- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free,
 -- the row's retry_tax as written (a free row's capped by its reservation), missed (1 when
--- the slack miss was counted: not for a rerun after the attempt's `ok` row or its miss)}; {0, 0, 0, '0'}
+-- the slack miss was counted: not for a rerun after the row that ended the job)}; {0, 0, 0, '0'}
 -- when the run had its row already, but for the call that wrote it, sent again: its reply
 -- (the window's counts as they are now).
 
@@ -98,17 +98,15 @@ if tonumber(rec[1] or '0') >= run then
   return {1, tonumber(counts[1] or '0'), tonumber(counts[2] or '0'),
     tax ~= '' and tax or ARGV[6], tonumber(missed)}
 end
--- A rerun after the attempt's `ok` row (a lost ack, a redelivery; `kept` ends in '|ok'): the
--- job finished then, and its slack was judged at that row. A late rerun is no miss of it.
--- (A publish of the attempt after the cut writes published_ms anew: its runs are judged.)
-local rerun = rec[5] and not rec[6] and string.sub(rec[5], -3) == '|ok'
--- Nor a rerun after a row that counted the job's miss (a final failure's, then a copy that
--- ran again): `rowed_by` keeps '2' for "counted by an earlier row", so it stays counted once.
-local judged = false
-if ARGV[7] == '1' and rec[5] and not rec[6] and not rerun then
-  judged = string.match(redis.call('HGET', KEYS[1], 'rowed_by') or '', '^[^|]*|[12]') ~= nil
+-- A rerun after the row that ended the attempt's job (`ok`, or failed for good: `kept` ends
+-- in '|ok' or '|end'; a lost ack, a redelivery): the job finished then, and its slack was
+-- judged at that row. A late rerun is no miss of it. (A publish of the attempt after the cut
+-- writes published_ms anew: its runs are judged.)
+local function ended(kept)
+  return string.sub(kept, -3) == '|ok' or string.sub(kept, -4) == '|end'
 end
-local missed = ARGV[7] == '1' and not rerun and not judged
+local rerun = rec[5] and not rec[6] and ended(rec[5])
+local missed = ARGV[7] == '1' and not rerun
 -- The attempt's last run: no run of it is left without its row, so the record is cut below
 -- (what `charged` and `reserved` would say after this row, `kept` says: closed).
 local cut = rec[2] ~= false and tonumber(rec[2]) == run
@@ -156,7 +154,7 @@ if free then
 end
 -- Written once the tax is known: the run has its row, and what this call replies (above).
 redis.call('HSET', KEYS[1], 'rowed', ARGV[2], 'rowed_by', ARGV[16] .. '|'
-  .. (missed and '1' or judged and '2' or '0') .. (written_tax ~= ARGV[6] and '|' .. written_tax or ''))
+  .. (missed and '1' or '0') .. (written_tax ~= ARGV[6] and '|' .. written_tax or ''))
 redis.call('RPUSH', rows, row)
 redis.call('EXPIRE', rows, ARGV[8])
 redis.call('HINCRBY', window, 'rows:' .. ARGV[4], '1')
@@ -199,12 +197,12 @@ if cut then
     'task', 'own', 'worker'}
   if rec[10] ~= '1' then gone[#gone + 1] = 'free_admitted' end
   if rec[11] == '' then gone[#gone + 1] = 'prev_nonce' end
-  local ok = ARGV[4] == 'ok' and '|ok' or ''
+  local mark = ARGV[4] == 'ok' and '|ok' or (ARGV[7] ~= '0' and '|end' or '')
   if rec[6] or not rec[5] then  -- (a publish of the attempt after a cut writes its fields anew)
     redis.call('HSET', KEYS[1], 'kept', (rec[6] or '') .. '|' .. (rec[7] or '') .. '|'
-      .. (rec[8] or '') .. '|' .. (rec[9] or '') .. ok)
-  elseif ok ~= '' and string.sub(rec[5], -3) ~= '|ok' then  -- ok after a killed row's cut
-    redis.call('HSET', KEYS[1], 'kept', rec[5] .. ok)
+      .. (rec[8] or '') .. '|' .. (rec[9] or '') .. mark)
+  elseif mark ~= '' and not ended(rec[5]) then  -- the job's end after a killed row's cut
+    redis.call('HSET', KEYS[1], 'kept', rec[5] .. mark)
   end
   redis.call('HDEL', KEYS[1], unpack(gone))
   -- A value longer than a compact hash holds (`hash-max-ziplist-value`, 64 bytes by default:

@@ -12,8 +12,7 @@ bench/memory.py; about 110 of them are the key itself). What stays, and who read
   publish of the same attempt after its row is not taken for a duplicate (gate.lua);
 - ``rowed_by``, ``<token>|<missed>`` (``|<tax>`` after it when the row's tax was capped): the
   reply of the finish that wrote the last row, for that call sent again after its reply was
-  lost, so its worker still logs the row and its slack miss (finish.lua); ``<missed>`` is 2
-  when an earlier row counted the job's miss (a rerun is not counted again). It costs a record
+  lost, so its worker still logs the row and its slack miss (finish.lua). It costs a record
   32 bytes on Redis 7.0 (an allocator size class: any field would; 22 on 6.2);
 - ``free_admitted`` (only when ``1``): the next attempt's decision carries it (gate.lua);
 - ``prev_nonce`` (when not empty), ``dup:*``, ``taken:*`` and the replayer's handoff fields,
@@ -22,8 +21,9 @@ bench/memory.py; about 110 of them are the key itself). What stays, and who read
   redelivery after the row needs besides what its own start writes again (``started_ms``,
   ``task``, ``retries``, ``tokens_out``, ...). Its presence also says the reservation is
   closed: a later run of the attempt is charged nothing (as ``reserved`` = ``charged`` said).
-  A fifth part, ``ok``, when the row that cut it was ``ok``: the job finished then, so a
-  rerun's late finish is no slack miss of it (finish.lua; older readers ignore the part).
+  A fifth part, ``ok`` when the row that cut it was ``ok``, ``end`` when it failed for good:
+  the job finished then, so a rerun's late finish is no slack miss of it (finish.lua; older
+  readers ignore the part).
 
 Dropped: ``admitted_ms`` and ``dwell_s`` (only the first run's tax and slack-miss line read
 them), ``label``, ``reserved``, ``charged``, ``expired_ms`` and every field a start writes,

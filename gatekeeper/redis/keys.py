@@ -62,8 +62,9 @@ namespace's slot):
     (``handoff_nonce``; an older replayer's ``handoff_from`` and ``handoff``, which kept the
     handoff in the record), the four numbers of a start that wrote them laid out
     and ``kept`` = ``<published_ms>|<deadline_ms>|<tokens_in>|<window>`` (what a redelivery's
-    row needs; its presence closes the reservation; ``|ok`` after it when that row was ``ok``:
-    a rerun's late finish is then no slack miss), about 310 bytes instead of about 620,
+    row needs; its presence closes the reservation; ``|ok`` or ``|end`` after it when that row
+    ended the job, ``ok`` or failed for good: a rerun's late finish is then no slack miss),
+    about 310 bytes instead of about 620,
     for the rest of its TTL (gatekeeper/redis/kept.py).
     A decision made without Redis, or a bad input, writes none: its row is unverified.
 ``gatekeeper:{default}:window:<id>`` - hash, TTL = window retention

@@ -241,12 +241,16 @@ class RunLedger:
         now_ms: int,
         *,
         slack_miss: bool = False,
+        ends: bool = False,
         current: bool = True,
         service_s: float | None = None,
         lower_bound: bool = False,
         token: str | None = None,
     ) -> Finished:
         """Apply one run's row atomically; a second call for the same run writes nothing.
+
+        ``ends``: the attempt's job ends with this row (``ok``, or failed for good), so a
+        later run of it is a rerun whose late finish is no slack miss (finish.lua).
 
         ``service_s``: the run's time, counted in its task's learned service time (SPEC
         section 6) in the same step, only if the row is written (``lower_bound``: it was
@@ -270,7 +274,7 @@ class RunLedger:
             row.outcome.value,
             row.path.value,
             repr(row.retry_tax),
-            "1" if slack_miss else "0",
+            "1" if slack_miss else ("e" if ends else "0"),
             str(self.retention_s),
             "1" if current else "0",
             text[: text.rindex(', "retry_tax": ')],  # the head finish.lua re-prices a capped row

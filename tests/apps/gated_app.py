@@ -144,6 +144,19 @@ def create_app(
         record(self)
         time.sleep(10)
 
+    @app.task(
+        bind=True, name="tests.hard_requeued", max_retries=1, time_limit=3, acks_late=True,
+        acks_on_failure_or_timeout=False, shared=False, gatekeeper=kill_spec,
+    )  # fmt: skip
+    def hard_requeued(self: Any) -> None:
+        """Its first run is cut by the hard limit and its message requeued (acks_late, no ack
+        on timeout); the copy retries: the job goes on."""
+        record(self)
+        if runs_of(self.request.id) == 1:
+            time.sleep(10)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+
     @app.task(bind=True, name="tests.sleepy", max_retries=0, shared=False, gatekeeper=kill_spec)
     def sleepy(self: Any, sleep_s: float = 30) -> str:
         record(self)
