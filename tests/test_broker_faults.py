@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -63,6 +64,81 @@ def test_a_refused_publish_sets_the_message_aside_and_the_rest_are_replayed(
         broker.close()
         with Connection(rabbitmq_url) as connection:
             connection.channel().queue_delete("free")
+
+
+def refusing(rabbitmq_url: str, queue: str) -> None:
+    """``queue`` declared again to refuse every message (nack), as a length cap does."""
+    with Connection(rabbitmq_url) as connection:
+        channel = connection.channel()
+        channel.queue_delete(queue)
+        Queue(queue, routing_key=queue, queue_arguments={
+            "x-max-length": 0, "x-overflow": "reject-publish"})(channel).declare()  # fmt: skip
+
+
+def test_a_refused_move_holds_the_message_as_it_came_and_it_is_handed_on_again(
+    rabbitmq_url: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    # An audit: the copy set aside was the one already rewritten for free (its decision,
+    # nonce and copy id), so when it came back it matched neither its record nor its
+    # handoff, ran on reserved as unverified, and its row said path=free.
+    refusing(rabbitmq_url, "free")
+    settings = gate_settings(redis_url, broker_url=rabbitmq_url, max_queue_age_s=5,
+                             replay_backoff_max_s=1)  # fmt: skip
+    app = create_app(settings, rabbitmq_url)
+    broker = broker_for(settings, app)
+    try:
+        ids = _deferred(app, redis_client, 3)
+        assert wait_until(lambda: broker.length("defer") == 3, 5)
+        first = Replayer(settings, broker, redis_client, app=app).run(threading.Event(), True)
+        assert first["replay_error"] == 3, first
+        with Connection(rabbitmq_url) as connection:  # free takes messages again
+            connection.channel().queue_delete("free")
+        assert wait_until(lambda: broker.length("defer") == 3, 10)  # back from the backoff
+        time.sleep(1.2)  # due again
+        again = Replayer(settings, broker, redis_client, app=app).run(threading.Event(), True)
+        assert again == {"handed_on_again": 3}, again
+        assert broker.length("free") == 3 and broker.length("reserved") == 0
+        assert {redis_client.hget(KEYS.run(i, 1), "decision") for i in ids} == {b"admit_free"}
+    finally:
+        broker.close()
+        with Connection(rabbitmq_url) as connection:
+            connection.channel().queue_delete("free")
+
+
+def test_a_dead_letter_that_refuses_holds_the_message_and_defer_goes_on(
+    rabbitmq_url: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    # An audit: after five errors the send to a refusing dead letter raised out of the
+    # batch, the message went back to the head of defer, and every later pass failed on it:
+    # tasks deferred after it were never replayed.
+    refusing(rabbitmq_url, "dead_letter")
+    settings = gate_settings(redis_url, broker_url=rabbitmq_url, max_queue_age_s=5,
+                             replay_backoff_max_s=1)  # fmt: skip
+    app = create_app(settings, rabbitmq_url)
+    broker = broker_for(settings, app)
+    seen: Counter[str] = Counter()
+    try:
+        redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 60) * 1000})
+        app.tasks["tests.embed"].apply_async((0,), headers={"gatekeeper_deadline_s": 1})
+        time.sleep(1.1)  # its deadline passes in defer: abandoned to a dead letter that refuses
+        for _ in range(8):
+            assert wait_until(lambda: broker.length("defer") == 1, 10)
+            time.sleep(1.1)  # due again
+            seen.update(Replayer(settings, broker, redis_client, app=app).run(
+                threading.Event(), True))  # fmt: skip
+            if seen["dead_letter_refused"]:
+                break
+        assert seen["dead_letter_refused"] == 1 and not seen["pass_failed"], seen
+        later = [app.tasks["tests.embed"].delay(i).id for i in (1, 2)]  # deferred behind it
+        redis_client.zrem(KEYS.free_waiting, "stale:1")
+        assert wait_until(lambda: broker.length("defer") == 2, 5)
+        counts = Replayer(settings, broker, redis_client, app=app).run(threading.Event(), True)
+        assert counts["to_free"] == 2 and not counts["pass_failed"], counts
+        assert {redis_client.hget(KEYS.run(i, 1), "decision") for i in later} == {b"admit_free"}
+    finally:
+        broker.close()
+        with Connection(rabbitmq_url) as connection:
+            connection.channel().queue_delete("dead_letter")
 
 
 def test_a_message_that_is_no_task_goes_to_the_dead_letter_not_to_a_worker(

@@ -197,7 +197,16 @@ def set_aside(self: Any, taken: Taken, exc: Exception) -> str:
     wait = self.settings.replay_backoff_max_s
     headers[H_REPLAY_AFTER] = self.clock() + wait
     if errors >= MAX_REPLAY_ERRORS:
-        self.broker.send(taken, self.settings.dead_letter_queue, message)
+        try:
+            self.broker.send(taken, self.settings.dead_letter_queue, message)
+        except Exception as refused:  # refused (a length cap, a nack): held with a backoff,
+            if not self.broker.holds(taken):  # not left at defer's head to stop every pass
+                raise
+            self.alerts.error("replay_dead_letter_refused", job_id=headers.get("id"),
+                              error=repr(refused),
+                              queue=self.settings.dead_letter_queue)  # fmt: skip
+            self.broker.hold(taken, message, wait)
+            return "dead_letter_refused"
         self.alerts.error("replay_gave_up", job_id=headers.get("id"), errors=errors,
                           error=repr(exc), queue=self.settings.dead_letter_queue)  # fmt: skip
         return "dead_lettered_after_errors"

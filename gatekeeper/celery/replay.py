@@ -142,9 +142,13 @@ class Replayer:
         with ``lock_lost``, when the lock is found lost before a decision."""
         counts: Counter[str] = Counter()
         began = self.clock()
-        if self._holder.check():
-            self.recover()
-            self._replay_all(counts)
+        try:
+            if self._holder.check():
+                self.recover()
+                self._replay_all(counts)
+        except BaseException:
+            self.counts.update(counts)  # what a pass moved before it failed is said too
+            raise
         if not self._holder.held:
             self._lost()
             counts["lock_lost"] += 1
@@ -290,6 +294,7 @@ class Replayer:
         return self._hand_on(taken, message, handoff, routing.reason)
 
     def _hand_on(self, taken: Taken, message: dict[str, Any], handoff: Handoff, why: str) -> str:
+        message = _copy(message)  # the taken one stays as it came (set_aside holds that)
         handoff.apply(message["headers"])
         if handoff.queue == self.defer:
             self.broker.hold(taken, message, handoff.wait_s)
@@ -304,6 +309,8 @@ class Replayer:
         return bool(nonce) and record.get("nonce") == nonce and record.get("decision") == "defer"
 
     def _send(self, taken: Taken, message: dict[str, Any], queue: str, why: str) -> str:
+        if message is taken.message:
+            message = _copy(message)
         message["headers"][H_COPY] = uuid.uuid4().hex  # this copy's own: a worker runs one
         self.broker.send(taken, queue, message)
         return f"to_{queue}" if why not in ("not_gated", "unverified") else why
@@ -334,3 +341,11 @@ class Replayer:
                 stop.wait(self.settings.replay_poll_s)
         self.release()
         return self.counts
+
+
+def _copy(message: dict[str, Any]) -> dict[str, Any]:
+    """A message to hand on, changed apart from the one taken: when the broker refuses the
+    move, :func:`~gatekeeper.celery.deadletter.set_aside` holds the original, which comes back
+    as the gate left it (and is handed on again with the same decision), not half rewritten."""
+    return {**message, "headers": dict(message["headers"]),
+            "properties": dict(message.get("properties") or {})}  # fmt: skip
