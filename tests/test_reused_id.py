@@ -108,3 +108,30 @@ def test_a_delayed_admission_keeps_its_reservation_until_it_is_due(
     assert night.window(T0)[1] == 3200  # still held: the message is not due yet
     assert night.run(T0 + 1900, T0 + 1905, "E", nonce, Outcome.KILLED) == "free"
     assert night.window(T0) == (1200, 0)  # its tokens charged (no wait: it ran when due)
+
+
+def test_a_finish_sent_again_after_the_id_was_published_again_leaves_the_new_life_alone(
+    redis_client: redis.Redis,
+) -> None:
+    # A reviewer: life 1's finish, its reply lost, is sent again (the same token) after the
+    # id was published again and its new life started. Its runs counted anew, the re-sent
+    # call was taken for a first one: a second row for life 1, life 2's reservation taken
+    # from life 1's window, and life 2's own row refused. The call carries its run's nonce.
+    night = Night(redis_client)
+    first = night.publish(T0, "J")[1]
+    started = night.runs.start("J", 1, first, {"task": "t", "worker": "w"}, round(T0 * 1000))
+    assert started.record is not None
+    row = night.runs.row_for("J", 1, started.record, Outcome.OK, round((T0 + 1) * 1000))
+    once = night.runs.finish(row, started.run, started.record, round((T0 + 1) * 1000), token="t1")
+    assert once.written
+    decided, second = night.publish(T0 + 15, "J")
+    assert decided == ADMITTED
+    again = night.runs.finish(row, started.run, started.record, round((T0 + 1) * 1000),
+                              token="t1")  # fmt: skip
+    assert not again.written
+    assert night.run(T0 + 16, T0 + 17, "J", second, Outcome.OK) == "free"
+    for at in (T0, T0 + 15):
+        exposure = night.window(at)[1]
+        assert exposure == 0 and len(redis_client.lrange(
+            KEYS.window_rows(window_id(at, WINDOW_S)), 0, -1)) == 1, at  # fmt: skip
+    assert redis_client.hlen(KEYS.inflight) == 0

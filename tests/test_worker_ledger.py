@@ -409,6 +409,23 @@ def test_a_hard_time_limit_whose_message_is_requeued_is_no_slack_miss_its_job_go
     assert "slack_miss=true" not in log.read_text()
 
 
+def test_a_late_free_run_that_rejects_its_message_for_good_is_a_slack_miss(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """``Reject(requeue=False)`` drops the message: the job ends there (a reviewer: the row was
+    written at postrun as not the job's end, and 5.7's later ``task_failure`` found it
+    written)."""
+    app = app_for(redis_url)
+    log = tmp_path / "w.log"
+    late = {"headers": {"gatekeeper_deadline_s": 1.3}}  # admitted (dwell 1 s), ends at 1.5 s
+    with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="1"):
+        app.tasks["tests.rejects"].apply_async(kwargs={"requeue": False, "sleep_s": 1.5}, **late)
+        (row,) = wait_rows(redis_client, 1)
+        assert wait_until(lambda: "event=slack_miss" in log.read_text(), 10), log.read_text()
+    assert (row["path"], row["outcome"]) == ("free", "killed")
+    assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
+
+
 def test_a_late_free_attempt_that_retries_is_no_slack_miss_its_job_goes_on(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -43,7 +43,7 @@ from celery.states import IGNORED, REJECTED
 
 from gatekeeper.core.ledger import Outcome
 
-__all__ = ["ENDED_AT_POSTRUN", "ended_at_postrun", "requeued_on_timeout"]
+__all__ = ["ENDED_AT_POSTRUN", "ended_at_postrun", "rejected_for_good", "requeued_on_timeout"]
 
 ENDED_AT_POSTRUN = {IGNORED: (Outcome.OK, "ignored"), REJECTED: (Outcome.KILLED, "reject")}
 """The states of a run whose body ended it with no signal but ``task_postrun``."""
@@ -59,6 +59,13 @@ def ended_at_postrun(state: object) -> tuple[Outcome, str]:
     if isinstance(raised, Reject):
         return Outcome.KILLED, "reject"
     return Outcome.KILLED, type(raised).__name__ if raised is not None else "no_end_signal"
+
+
+def rejected_for_good(retval: object) -> bool:
+    """Whether a run ended at postrun dropped its message (``Reject(requeue=False)``, as
+    ``task_postrun``'s ``retval`` or on its way out): no copy is left, its job ends."""
+    rejected = retval if isinstance(retval, Reject) else sys.exc_info()[1]
+    return isinstance(rejected, Reject) and not rejected.requeue
 
 
 def requeued_on_timeout(task: object, exception: object) -> bool:

@@ -57,7 +57,7 @@ from gatekeeper.celery import message
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers
 from gatekeeper.celery.metering import take_metered
-from gatekeeper.celery.postrun import ended_at_postrun, requeued_on_timeout
+from gatekeeper.celery.postrun import ended_at_postrun, rejected_for_good, requeued_on_timeout
 from gatekeeper.celery.received import NOWHERE, RanIn, Received
 from gatekeeper.celery.running import Running, Starting, Starts
 from gatekeeper.celery.unverified import UnverifiedSide
@@ -271,8 +271,9 @@ class WorkerSide:
                 )
 
     def on_postrun(
-        self, sender: Any = None, task_id: Any = None, state: Any = None, **_: Any
-    ) -> None:
+        self, sender: Any = None, task_id: Any = None, state: Any = None, retval: Any = None,
+        **_: Any,
+    ) -> None:  # fmt: skip
         """A run no other signal ended ends here (gatekeeper/celery/postrun.py): ``Ignore``
         (``Task.replace`` raises it): ok. ``Reject``, from the body or ``on_success``:
         killed, at once, requeued or not: no copy may come back to this process, or run at
@@ -280,7 +281,8 @@ class WorkerSide:
         if task_id not in self._running and task_id not in self._starts.by_job:
             return  # ended by its own signal (most runs), or not ours: two lookups, at once
         if self._ours(sender):
-            self._end_running(task_id, *ended_at_postrun(state))
+            outcome, reason = ended_at_postrun(state)
+            self._end_running(task_id, outcome, reason, final=rejected_for_good(retval))
 
     def on_failure(
         self, sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any

@@ -69,6 +69,9 @@
 --                        values, or it is not the attempt's first run (the cut then writes
 --                        the record again: below)
 -- ARGV[16] token         this call's random value (the same when it is sent again)
+-- ARGV[17] nonce         the run's message's nonce ('' or none: not checked): a record that
+--                        holds another (the task id published again after this run's row,
+--                        then this call sent again) is not this run's, and is left alone
 --
 -- Returns {written (0|1), admission window's slack_misses, admission window's admitted_free,
 -- the row's retry_tax as written (a free row's capped by its reservation), missed (1 when
@@ -84,7 +87,10 @@ local function fmt17(x) return string.format('%.17g', x) end
 local run = tonumber(ARGV[2])
 -- The record read once: what this row needs, and what a cut keeps (below).
 local rec = redis.call('HMGET', KEYS[1], 'rowed', 'runs', 'reserved', 'charged', 'kept',
-  'published_ms', 'deadline_ms', 'tokens_in', 'window', 'free_admitted', 'prev_nonce')
+  'published_ms', 'deadline_ms', 'tokens_in', 'window', 'free_admitted', 'prev_nonce', 'nonce')
+if ARGV[17] and ARGV[17] ~= '' and rec[12] and rec[12] ~= ARGV[17] then
+  return {0, 0, 0, '0'}  -- another life of the attempt (gate.lua counts its runs anew)
+end
 if tonumber(rec[1] or '0') >= run then
   -- The run has its row: nothing is written, and a duplicate is told so; the call that wrote
   -- it, sent again after its reply was lost, gets that reply (`rowed_by` is read here alone:

@@ -286,6 +286,7 @@ class RunLedger:
             # which names the record has held is not known here, so it is written again.
             "1" if run > 1 or too_long(record.task) or too_long(record.worker) else "0",
             token or secrets.token_hex(4),  # kept with the row's run: short (bench/memory.py)
+            record.nonce,  # a record of another publish of the task id is not this run's
         ]
         try:
             try:

@@ -103,9 +103,10 @@ def create_app(
 
     @app.task(bind=True, name="tests.rejects", max_retries=0, shared=False, gatekeeper=kill_spec,
               acks_late=True)  # fmt: skip
-    def rejects(self: Any, requeue: bool = True) -> str:
+    def rejects(self: Any, requeue: bool = True, sleep_s: float = 0.0) -> str:
         """Rejects its first run (requeued: its copy returns ok), or every run."""
         record(self)
+        time.sleep(sleep_s)
         if not requeue or runs_of(self.request.id) == 1:
             raise Reject("not now", requeue=requeue)  # no end signal but task_postrun either
         return "ok"
