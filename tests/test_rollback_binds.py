@@ -11,6 +11,7 @@ import redis
 from celery import Celery
 
 import gatekeeper
+import gatekeeper.lines
 from gatekeeper.redis.flags import in_canary
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages
@@ -94,3 +95,41 @@ def test_the_environments_rollback_beats_an_apps_config_that_opens_the_free_path
     assert redis_client.llen("free") == 0
     reasons = [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "reserved")]
     assert reasons == ["free_path_disabled"] * 2
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_publish_by_a_name_the_app_does_not_know_is_not_sent_to_free_while_it_is_closed(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str], closed: bool
+) -> None:
+    # An audit: a publisher that never imported the gated task's module sends it by name;
+    # the gate cannot tell it is gated and lets it pass, and with a route naming free it ran
+    # on free while the free path was frozen. Not decided (no record), but not sent to free.
+    if closed:
+        close_in_redis(redis_client)
+    app = Celery("publisher", broker=redis_url)
+    app.conf.task_routes = {"unknown.*": {"queue": "free"}}
+    gatekeeper.install(app, gate_settings(redis_url))
+    app.send_task("unknown.embed", (1,))
+    app.send_task("unknown.plain", (2,), queue="celery")  # a route of its own: left alone
+    assert len(queue_messages(redis_client, "celery")) == 1
+    there = "reserved" if closed else "free"
+    (message,) = queue_messages(redis_client, there)
+    assert message["headers"]["task"] == "unknown.embed"
+    assert not any(key.startswith("gatekeeper_") for key in message["headers"])
+    assert redis_client.llen("free" if closed else "reserved") == 0
+    gatekeeper.lines.flush()
+    assert ("event=routed_off_free task=unknown.embed" in capsys.readouterr().err) is closed
+
+
+def test_a_map_of_a_gated_task_routed_to_free_is_not_sent_to_free_while_it_is_closed(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # An audit: Celery routes ``task.map(...)`` (a ``celery.map`` task, not gated) by the
+    # gated task's name: to free, while the free path was frozen.
+    close_in_redis(redis_client)
+    app = make_app(redis_url)
+    app.conf.task_routes = {"tests.embed": {"queue": "free"}}
+    app.tasks["tests.embed"].map([(1,), (2,)]).apply_async()
+    (message,) = queue_messages(redis_client, "reserved")
+    assert message["headers"]["task"] == "celery.map"
+    assert redis_client.llen("free") == 0

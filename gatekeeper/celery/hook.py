@@ -39,6 +39,7 @@ from gatekeeper.celery.expiry import Expiry
 from gatekeeper.celery.fastpath import FastRender, possible, publish_observed, same_server
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.heartbeat import Heartbeat
+from gatekeeper.celery.offfree import off_free
 from gatekeeper.celery.parts import SIGNALS, Parts, build
 from gatekeeper.celery.private import CelerySender, bound_for, replace_sender
 from gatekeeper.celery.worker import WorkerSide
@@ -89,13 +90,11 @@ class Installed:
 
     def parts(self) -> Parts:
         """The install's working parts, built the first time they are needed."""
-        parts = self._parts
-        if parts is None:
+        if self._parts is None:
             with self._building:
                 if self._parts is None:
                     self._parts = build(self.app, *self._given, self.clock)
-                parts = self._parts
-        return parts
+        return self._parts
 
     def connect(self) -> None:
         """Listen to the worker signals; each reaches its part when it fires."""
@@ -163,6 +162,7 @@ class Installed:
         except Exception:  # an app that cannot list its tasks must not break publishing
             found = None
         if found is None:
+            off_free(name, options, self.parts)  # but not to free while its path is closed
             return self.original_sender(producer, name, message, **options)
         publish, routing = self._decide(found, producer, name, message, options)
         if routing.published:
@@ -173,9 +173,8 @@ class Installed:
     # -- the steps, in the order a publish takes them ---------------------------------------
 
     def _spec(self, name: str) -> _Gated | None:
-        """What the hook needs of a task by name, looked up once; None when it is not gated.
-        A name the app does not know (yet) is looked up again next time, so a task
-        registered after its first publish by name is still gated."""
+        """What the hook needs of a task by name, looked up once; None when it is not gated. A
+        name the app does not know (yet) is looked up again next time (registered later)."""
         if name in self._specs:
             return self._specs[name]
         task = self.app.tasks.get(name)
