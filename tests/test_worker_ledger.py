@@ -20,6 +20,8 @@ from celery.exceptions import Reject
 from celery.states import IGNORED, REJECTED, SUCCESS
 from click.testing import CliRunner
 
+import gatekeeper
+from gatekeeper.celery.metering import _metered
 from gatekeeper.celery.postrun import ended_at_postrun
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.kept import unpack
@@ -316,6 +318,19 @@ def test_metered_tokens_replace_the_declared_ones(
         app_for(redis_url).tasks["tests.metered"].delay(fail=fail)
         (row,) = wait_rows(redis_client, 1)
     assert (row["outcome"], row["tokens_in"], row["tokens_out"]) == (outcome, 777, tokens_out)
+
+
+def test_a_metering_task_called_directly_runs_and_keeps_nothing(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """``embed(chunk)``: no message, no attempt (an audit: meter() raised RuntimeError there).
+    Its values are still checked; outside any task meter() still says it needs one."""
+    metered = app_for(redis_url).tasks["tests.metered"]
+    assert metered() is None
+    assert not _metered
+    with pytest.raises(RuntimeError, match="needs a running task"):
+        gatekeeper.meter(tokens_in=1)
+    assert rows(redis_client) == []
 
 
 def test_a_batch_with_injected_kills_has_one_row_per_attempt_and_releases_exposure(

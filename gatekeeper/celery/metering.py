@@ -33,14 +33,18 @@ def _count(field: str, value: int | None) -> int | None:
 def meter(
     tokens_in: int | None = None, tokens_out: int | None = None, *, task_id: str | None = None
 ) -> None:
-    """Report the tokens the current task's attempt used (a later call replaces an earlier)."""
+    """Report the tokens the current task's attempt used (a later call replaces an earlier).
+    In a task called directly (``embed(chunk)``: no message, no attempt) it checks its values
+    and keeps nothing."""
+    counts = (_count("tokens_in", tokens_in), _count("tokens_out", tokens_out))
     if task_id is None:
         from celery import current_task  # imported late: importing gatekeeper stays cheap
 
         task_id = getattr(getattr(current_task, "request", None), "id", None)
         if task_id is None:
+            if current_task:  # a task called directly
+                return
             raise RuntimeError("gatekeeper.meter() needs a running task (or task_id=)")
-    counts = (_count("tokens_in", tokens_in), _count("tokens_out", tokens_out))
     with _lock:
         _metered[task_id] = counts
 
