@@ -75,34 +75,54 @@ def refusing(rabbitmq_url: str, queue: str) -> None:
             "x-max-length": 0, "x-overflow": "reject-publish"})(channel).declare()  # fmt: skip
 
 
-def test_a_refused_move_holds_the_message_as_it_came_and_it_is_handed_on_again(
-    rabbitmq_url: str, redis_url: str, redis_client: redis.Redis
+@pytest.mark.parametrize("meanwhile", ["nothing", "free_path_closed", "deadline_passed"])
+def test_a_refused_move_holds_the_message_as_it_came_and_it_is_scored_again(
+    rabbitmq_url: str, redis_url: str, redis_client: redis.Redis, meanwhile: str
 ) -> None:
     # An audit: the copy set aside was the one already rewritten for free (its decision,
     # nonce and copy id), so when it came back it matched neither its record nor its
-    # handoff, ran on reserved as unverified, and its row said path=free.
+    # handoff, ran on reserved as unverified, and its row said path=free. Then a reviewer:
+    # held as it came, it was recalled and handed to free with its stale decision, after an
+    # operator closed the free path or its deadline passed. No copy went: it is scored again.
     refusing(rabbitmq_url, "free")
     settings = gate_settings(redis_url, broker_url=rabbitmq_url, max_queue_age_s=5,
                              replay_backoff_max_s=1)  # fmt: skip
     app = create_app(settings, rabbitmq_url)
     broker = broker_for(settings, app)
     try:
-        ids = _deferred(app, redis_client, 3)
+        redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 60) * 1000})
+        ids = [app.tasks["tests.embed"].apply_async((i,), headers={"gatekeeper_deadline_s": 8}).id
+               for i in range(3)]  # fmt: skip
+        redis_client.zrem(KEYS.free_waiting, "stale:1")
         assert wait_until(lambda: broker.length("defer") == 3, 5)
         first = Replayer(settings, broker, redis_client, app=app).run(threading.Event(), True)
         assert first["replay_error"] == 3, first
+        assert redis_client.hlen(KEYS.inflight) == 3  # admitted, reserved: the moves refused
         with Connection(rabbitmq_url) as connection:  # free takes messages again
             connection.channel().queue_delete("free")
+        if meanwhile == "free_path_closed":  # an operator rolls back
+            redis_client.hset(KEYS.flags, "free_path_enabled", "false")
+        elif meanwhile == "deadline_passed":
+            time.sleep(8)
         assert wait_until(lambda: broker.length("defer") == 3, 10)  # back from the backoff
         time.sleep(1.2)  # due again
         again = Replayer(settings, broker, redis_client, app=app).run(threading.Event(), True)
-        assert again == {"handed_on_again": 3}, again
-        assert broker.length("free") == 3 and broker.length("reserved") == 0
-        assert {redis_client.hget(KEYS.run(i, 1), "decision") for i in ids} == {b"admit_free"}
+        where = {"nothing": "to_free", "free_path_closed": "to_reserved",
+                 "deadline_passed": "dead_lettered"}[meanwhile]  # fmt: skip
+        assert again == {where: 3}, again
+        queue = {"to_free": "free", "to_reserved": "reserved"}.get(where, "dead_letter")
+        assert broker.length(queue) == 3 and broker.length("defer") == 0
+        if meanwhile != "nothing":  # and what the refused admissions held is given back
+            assert broker.length("free") == 0 and redis_client.hlen(KEYS.inflight) == 0
+        decided = {redis_client.hget(KEYS.run(i, 1), "decision") for i in ids}
+        if meanwhile != "deadline_passed":
+            assert decided == {b"admit_free" if where == "to_free" else b"reserved"}
     finally:
         broker.close()
         with Connection(rabbitmq_url) as connection:
-            connection.channel().queue_delete("free")
+            channel = connection.channel()
+            for queue in ("free", "reserved", "dead_letter"):
+                channel.queue_delete(queue)
 
 
 def test_a_dead_letter_that_refuses_holds_the_message_and_defer_goes_on(

@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from kombu import Exchange, Queue
 
 import gatekeeper
 import gatekeeper.lines
 from gatekeeper.redis.flags import in_canary
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, queue_messages
+from tests.conftest import gate_settings, queue_messages, unused_port
 
 
 def make_app(redis_url: str, **overrides: Any) -> Celery:
@@ -133,3 +134,57 @@ def test_a_map_of_a_gated_task_routed_to_free_is_not_sent_to_free_while_it_is_cl
     (message,) = queue_messages(redis_client, "reserved")
     assert message["headers"]["task"] == "celery.map"
     assert redis_client.llen("free") == 0
+
+
+def tasks_in(client: redis.Redis) -> dict[str, list[str]]:
+    return {queue: sorted(m["headers"]["task"] for m in queue_messages(client, queue))
+            for queue in ("free", "reserved", "celery")}  # fmt: skip
+
+
+def test_an_unknown_name_routed_to_frees_exchange_is_not_sent_to_free_while_it_is_closed(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: a route by exchange and key (the free queue's own, as Celery makes it)
+    # reached free; a gated task with the same route went to reserved.
+    close_in_redis(redis_client)
+    app = Celery("publisher", broker=redis_url)
+    app.conf.task_routes = {"unknown.a": {"exchange": "free", "routing_key": "free"}}
+    gatekeeper.install(app, gate_settings(redis_url))
+    with app.connection_for_write() as connection:  # bound as a worker's -Q free binds it
+        Queue("free", Exchange("free"), "free")(connection.default_channel).declare()
+    app.send_task("unknown.a", (1,))
+    app.send_task("unknown.b", (2,), exchange="free", routing_key="free")
+    assert tasks_in(redis_client) == {"free": [], "reserved": ["unknown.a", "unknown.b"],
+                                      "celery": []}  # fmt: skip
+
+
+@pytest.mark.parametrize("closed", [False, True])
+def test_a_routing_key_alone_is_not_a_route_to_free(
+    redis_url: str, redis_client: redis.Redis, closed: bool
+) -> None:
+    """Celery sends it to the default queue (a reviewer: it was moved to reserved)."""
+    if closed:
+        close_in_redis(redis_client)
+    app = Celery("publisher", broker=redis_url)
+    app.conf.task_routes = {"unknown.k": {"routing_key": "free"}}
+    gatekeeper.install(app, gate_settings(redis_url))
+    app.send_task("unknown.k", (1,))
+    assert tasks_in(redis_client) == {"free": [], "reserved": [], "celery": ["unknown.k"]}
+
+
+def test_with_the_flags_never_read_nothing_routed_to_free_goes_there(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: the gate's Redis unreachable (the broker is not), the gated task failed
+    # closed, and an unknown name and a map of the gated task went to free: a rollback
+    # stored in Redis may hold, which the publisher cannot see.
+    app = create_app(gate_settings(f"redis://127.0.0.1:{unused_port()}/0"), redis_url)
+    app.conf.task_routes = {"tests.embed": {"queue": "free"}, "pkg.*": {"queue": "free"}}
+    app.tasks["tests.embed"].apply_async((1,))
+    app.send_task("pkg.embed", (2,))
+    app.tasks["tests.embed"].map([(3,)]).apply_async()
+    assert tasks_in(redis_client) == {
+        "free": [],
+        "celery": [],
+        "reserved": ["celery.map", "pkg.embed", "tests.embed"],
+    }

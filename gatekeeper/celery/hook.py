@@ -39,7 +39,7 @@ from gatekeeper.celery.expiry import Expiry
 from gatekeeper.celery.fastpath import FastRender, possible, publish_observed, same_server
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.heartbeat import Heartbeat
-from gatekeeper.celery.offfree import off_free
+from gatekeeper.celery.offfree import OffFree
 from gatekeeper.celery.parts import SIGNALS, Parts, build
 from gatekeeper.celery.private import CelerySender, bound_for, replace_sender
 from gatekeeper.celery.worker import WorkerSide
@@ -85,6 +85,7 @@ class Installed:
         self.original_sender: Callable[..., Any] = CelerySender(app)  # made at first use
         self._specs: dict[str, _Gated | None] = {}
         self._same_server: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._off_free = OffFree(app, self.parts)
 
     # -- the parts, built at first use (gatekeeper/celery/parts.py) ------------------------
 
@@ -162,7 +163,7 @@ class Installed:
         except Exception:  # an app that cannot list its tasks must not break publishing
             found = None
         if found is None:
-            off_free(name, options, self.parts)  # but not to free while its path is closed
+            self._off_free(name, options)  # but not to free while its path is closed
             return self.original_sender(producer, name, message, **options)
         publish, routing = self._decide(found, producer, name, message, options)
         if routing.published:

@@ -5,8 +5,14 @@ Such a publish is of a task this app does not register as gated: a name sent wit
 ``send_task`` by a process that never imported the task's module, or Celery's ``celery.map``
 of a gated task (``.map()``: routed by the gated task's name). The gate cannot tell whether
 it is gated, so it is not decided, and runs as an ordinary task; but while the free path is
-closed it is not sent to free by name. Only a route that names the free queue is looked at
-(``queue``, or a ``routing_key`` on the default exchange): the flags are read only then.
+closed (or its flags have never been read: :class:`~gatekeeper.redis.flags.Flags`'s
+``unread``) it is not sent to free. Where the route goes is worked out as for a gated task
+(:func:`gatekeeper.celery.private.bound_for`), but a route that cannot be told is left alone
+unless its exchange is the free queue's name (Celery's own for a queue it made). The flags
+are read only for a publish bound for free.
+
+The install's parts are made at the first such publish; when they cannot be (settings that
+do not validate), publishes go as they are from then on, without trying again.
 """
 
 from __future__ import annotations
@@ -14,35 +20,50 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from celery import Celery
+
 from gatekeeper.celery.parts import Parts
+from gatekeeper.celery.private import bound_for
 
-__all__ = ["off_free"]
+__all__ = ["OffFree"]
 
 
-def off_free(name: str, options: dict[str, Any], parts: Callable[[], Parts]) -> None:
-    """Point ``options`` at the reserved queue when they name the free queue and the free
-    path is closed (or its flags cannot be read: never to free then). The install's parts
-    are made at the first publish that names a queue; when they cannot be, the publish goes
-    as it is (the gate cannot tell which queue is free)."""
-    queue = options.get("queue")
-    named = getattr(queue, "name", queue)
-    if named is None and not options.get("exchange"):
-        named = options.get("routing_key")
-    if named is None:
-        return
-    try:
-        made = parts()
-    except Exception:
-        return
-    settings = made.settings
-    if named != settings.free_queue:
-        return
-    try:
-        closed = not made.pipeline.flags.current().free_path_enabled
-    except Exception:  # as if closed
-        closed = True
-    if closed:
+class OffFree:
+    """The check, for one install's publishes the gate does not decide."""
+
+    def __init__(self, app: Celery, parts: Callable[[], Parts]) -> None:
+        self.app = app
+        self._parts = parts
+        self._unmade = False
+
+    def __call__(self, name: str, options: dict[str, Any]) -> None:
+        """Point ``options`` at the reserved queue when they go to the free queue and the
+        free path is closed, or its flags were never read."""
+        if self._unmade:
+            return
+        try:
+            made = self._parts()
+        except Exception:  # the gate cannot tell which queue is free: as it is, from now on
+            self._unmade = True
+            return
+        settings = made.settings
+        free = settings.free_queue
+        try:
+            exchange = options.get("exchange")
+            if exchange is not None and free not in self.app.amqp.queues:
+                to_free = getattr(exchange, "name", exchange) == free
+            else:
+                to_free = bound_for(self.app, options, free)
+        except Exception:  # a route this cannot read: left alone (no gated task)
+            return
+        if not to_free:
+            return
+        flags = made.pipeline.flags.current()  # never raises: the last read, or unread
+        if flags.free_path_enabled and flags.unread is None:
+            return
         options.update(queue=settings.reserved_queue, exchange=None, routing_key=None)
         options.pop("exchange_type", None)
-        made.pipeline.log.warning("routed_off_free", task=name, queue=settings.reserved_queue,
-                                  reason="free_path_disabled")  # fmt: skip
+        made.pipeline.log.warning(
+            "routed_off_free", task=name, queue=settings.reserved_queue,
+            reason="free_path_disabled" if flags.unread is None else "flags_unread",
+        )  # fmt: skip

@@ -45,7 +45,7 @@ from redis.exceptions import LockError
 
 from gatekeeper.celery.batch import Decide, KeepHandoff, ReadHandoff, ReadRecord, Step, run_batch
 from gatekeeper.celery.broker import Broker, RedisBroker, Taken, gone_for_good
-from gatekeeper.celery.deadletter import H_REPLAY_ERRORS, abandon, set_aside
+from gatekeeper.celery.deadletter import H_REFUSED, H_REPLAY_ERRORS, abandon, set_aside
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import (
@@ -252,6 +252,12 @@ class Replayer:
         nonce = nonce_of(headers)  # a handoff in its own key is read for the message it names
         in_key = (yield ReadHandoff(job_id, attempt)) if handed_on(record, nonce) == "key" else ""
         again = recalled(record, nonce, in_key)
+        if again is not None and headers.get(H_REFUSED) == nonce:
+            # Its move was refused and it was held as it came (set_aside): no copy went, so
+            # its admission is given back and it is scored again (the flags, the deadline).
+            self.log.warning("replay_refused_scored_again", job_id=job_id, attempt=attempt)
+            as_scored(self.pipeline.store, job_id, attempt, record, headers)
+            again = None
         if again is not None:  # handed on before, and the original came back: the same again
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
                              queue=again.queue)  # fmt: skip
@@ -277,7 +283,7 @@ class Replayer:
             return self._send(taken, message, self.settings.reserved_queue, "gate_error")
         replays = int(headers.get(H_REPLAYS) or 0) + 1
         changes = {**routing.headers, H_REPLAYS: replays}
-        drop, wait = (*routing.drop, H_REPLAY_ERRORS), 0.0  # replayed: its errors start again
+        drop, wait = (*routing.drop, H_REPLAY_ERRORS, H_REFUSED), 0.0  # its errors start again
         queue = routing.queue or self.settings.reserved_queue
         if queue == self.defer:
             wait = min(self.settings.replay_backoff_s * 2 ** (replays - 1),
