@@ -75,6 +75,15 @@ def refusing(rabbitmq_url: str, queue: str) -> None:
             "x-max-length": 0, "x-overflow": "reject-publish"})(channel).declare()  # fmt: skip
 
 
+def refused_by(rabbitmq_url: str, redis_url: str, queue: str) -> tuple[Any, Any, Any]:
+    """Settings with a 1 s backoff, the app and its broker; ``queue`` refuses (:func:`refusing`)."""
+    refusing(rabbitmq_url, queue)
+    settings = gate_settings(redis_url, broker_url=rabbitmq_url, max_queue_age_s=5,
+                             replay_backoff_max_s=1)  # fmt: skip
+    app = create_app(settings, rabbitmq_url)
+    return settings, app, broker_for(settings, app)
+
+
 @pytest.mark.parametrize("meanwhile", ["nothing", "free_path_closed", "deadline_passed"])
 def test_a_refused_move_holds_the_message_as_it_came_and_it_is_scored_again(
     rabbitmq_url: str, redis_url: str, redis_client: redis.Redis, meanwhile: str
@@ -84,11 +93,7 @@ def test_a_refused_move_holds_the_message_as_it_came_and_it_is_scored_again(
     # handoff, ran on reserved as unverified, and its row said path=free. Then a reviewer:
     # held as it came, it was recalled and handed to free with its stale decision, after an
     # operator closed the free path or its deadline passed. No copy went: it is scored again.
-    refusing(rabbitmq_url, "free")
-    settings = gate_settings(redis_url, broker_url=rabbitmq_url, max_queue_age_s=5,
-                             replay_backoff_max_s=1)  # fmt: skip
-    app = create_app(settings, rabbitmq_url)
-    broker = broker_for(settings, app)
+    settings, app, broker = refused_by(rabbitmq_url, redis_url, "free")
     try:
         redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 60) * 1000})
         ids = [app.tasks["tests.embed"].apply_async((i,), headers={"gatekeeper_deadline_s": 8}).id
@@ -131,11 +136,7 @@ def test_a_dead_letter_that_refuses_holds_the_message_and_defer_goes_on(
     # An audit: after five errors the send to a refusing dead letter raised out of the
     # batch, the message went back to the head of defer, and every later pass failed on it:
     # tasks deferred after it were never replayed.
-    refusing(rabbitmq_url, "dead_letter")
-    settings = gate_settings(redis_url, broker_url=rabbitmq_url, max_queue_age_s=5,
-                             replay_backoff_max_s=1)  # fmt: skip
-    app = create_app(settings, rabbitmq_url)
-    broker = broker_for(settings, app)
+    settings, app, broker = refused_by(rabbitmq_url, redis_url, "dead_letter")
     seen: Counter[str] = Counter()
     try:
         redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 60) * 1000})

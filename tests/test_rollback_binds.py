@@ -98,6 +98,14 @@ def test_the_environments_rollback_beats_an_apps_config_that_opens_the_free_path
     assert reasons == ["free_path_disabled"] * 2
 
 
+def publisher(redis_url: str, routes: dict[str, Any]) -> Celery:
+    """A publishing app with gatekeeper installed and these routes, registering no task."""
+    app = Celery("publisher", broker=redis_url)
+    app.conf.task_routes = routes
+    gatekeeper.install(app, gate_settings(redis_url))
+    return app
+
+
 @pytest.mark.parametrize("closed", [True, False])
 def test_a_publish_by_a_name_the_app_does_not_know_is_not_sent_to_free_while_it_is_closed(
     redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str], closed: bool
@@ -107,9 +115,7 @@ def test_a_publish_by_a_name_the_app_does_not_know_is_not_sent_to_free_while_it_
     # on free while the free path was frozen. Not decided (no record), but not sent to free.
     if closed:
         close_in_redis(redis_client)
-    app = Celery("publisher", broker=redis_url)
-    app.conf.task_routes = {"unknown.*": {"queue": "free"}}
-    gatekeeper.install(app, gate_settings(redis_url))
+    app = publisher(redis_url, {"unknown.*": {"queue": "free"}})
     app.send_task("unknown.embed", (1,))
     app.send_task("unknown.plain", (2,), queue="celery")  # a route of its own: left alone
     assert len(queue_messages(redis_client, "celery")) == 1
@@ -147,9 +153,7 @@ def test_an_unknown_name_routed_to_frees_exchange_is_not_sent_to_free_while_it_i
     # A reviewer: a route by exchange and key (the free queue's own, as Celery makes it)
     # reached free; a gated task with the same route went to reserved.
     close_in_redis(redis_client)
-    app = Celery("publisher", broker=redis_url)
-    app.conf.task_routes = {"unknown.a": {"exchange": "free", "routing_key": "free"}}
-    gatekeeper.install(app, gate_settings(redis_url))
+    app = publisher(redis_url, {"unknown.a": {"exchange": "free", "routing_key": "free"}})
     with app.connection_for_write() as connection:  # bound as a worker's -Q free binds it
         Queue("free", Exchange("free"), "free")(connection.default_channel).declare()
     app.send_task("unknown.a", (1,))
@@ -165,9 +169,7 @@ def test_a_routing_key_alone_is_not_a_route_to_free(
     """Celery sends it to the default queue (a reviewer: it was moved to reserved)."""
     if closed:
         close_in_redis(redis_client)
-    app = Celery("publisher", broker=redis_url)
-    app.conf.task_routes = {"unknown.k": {"routing_key": "free"}}
-    gatekeeper.install(app, gate_settings(redis_url))
+    app = publisher(redis_url, {"unknown.k": {"routing_key": "free"}})
     app.send_task("unknown.k", (1,))
     assert tasks_in(redis_client) == {"free": [], "reserved": [], "celery": ["unknown.k"]}
 
