@@ -190,3 +190,20 @@ def test_with_the_flags_never_read_nothing_routed_to_free_goes_there(
         "celery": [],
         "reserved": ["celery.map", "pkg.embed", "tests.embed"],
     }
+
+
+@pytest.mark.parametrize("kind", ["topic", "fanout"])
+def test_an_ungated_publish_to_a_queue_of_its_own_exchange_is_left_alone(
+    redis_url: str, redis_client: redis.Redis, kind: str
+) -> None:
+    """A reviewer: with the free queue not declared, the route check could not tell, and a
+    topic or fanout queue's publish was moved to reserved during a rollback."""
+    close_in_redis(redis_client)
+    app = publisher(redis_url, {"audit.*": {"queue": "events", "routing_key": "events.audit"}})
+    app.conf.task_queues = [Queue("celery"),
+                            Queue("events", Exchange("events", type=kind), "events.#")]  # fmt: skip
+    with app.connection_for_write() as connection:
+        app.conf.task_queues[1](connection.default_channel).declare()
+    app.send_task("audit.write", (1,))
+    assert [m["headers"]["task"] for m in queue_messages(redis_client, "events")] == ["audit.write"]
+    assert redis_client.llen("reserved") == 0

@@ -47,9 +47,6 @@ MAX_REPLAY_ERRORS = 5
 """A message that fails this many replays in a row goes to the dead letters, with an alert
 (its count, in ``H_REPLAY_ERRORS``, is dropped once a replay scores it and hands it on)."""
 H_REPLAY_ERRORS = "gatekeeper_replay_errors"
-H_REFUSED = "gatekeeper_refused"
-"""Set on a message held after a failed replay: the nonce it carried. A handoff kept for that
-nonce was never delivered (the move was refused, or never made), so it is not recalled."""
 UNANSWERED = (GateUnreachable, *NO_ANSWER)
 """What stops a pass instead of striking its message: Redis gave no answer (a failover, a
 restart, a blip); the batch waits for the next pass."""
@@ -197,7 +194,6 @@ def set_aside(self: Any, taken: Taken, exc: Exception) -> str:
     except (TypeError, ValueError):
         errors = MAX_REPLAY_ERRORS
     headers[H_REPLAY_ERRORS] = errors
-    headers[H_REFUSED] = nonce_of(headers)
     wait = self.settings.replay_backoff_max_s
     headers[H_REPLAY_AFTER] = self.clock() + wait
     if errors >= MAX_REPLAY_ERRORS:

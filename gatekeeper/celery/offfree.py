@@ -7,9 +7,9 @@ of a gated task (``.map()``: routed by the gated task's name). The gate cannot t
 it is gated, so it is not decided, and runs as an ordinary task; but while the free path is
 closed (or its flags have never been read: :class:`~gatekeeper.redis.flags.Flags`'s
 ``unread``) it is not sent to free. Where the route goes is worked out as for a gated task
-(:func:`gatekeeper.celery.private.bound_for`), but a route that cannot be told is left alone
-unless its exchange is the free queue's name (Celery's own for a queue it made). The flags
-are read only for a publish bound for free.
+(:func:`gatekeeper.celery.private.bound_for`) once the app declares the free queue; before,
+only a route that names it (its queue, or its exchange: Celery's own for a queue it makes)
+goes there. The flags are read only for a publish bound for free.
 
 The install's parts are made at the first such publish; when they cannot be (settings that
 do not validate), publishes go as they are from then on, without trying again.
@@ -49,11 +49,14 @@ class OffFree:
         settings = made.settings
         free = settings.free_queue
         try:
-            exchange = options.get("exchange")
-            if exchange is not None and free not in self.app.amqp.queues:
-                to_free = getattr(exchange, "name", exchange) == free
-            else:
+            if free in self.app.amqp.queues:
                 to_free = bound_for(self.app, options, free)
+            else:  # not declared: only a route that names it (its queue, or Celery's exchange)
+                queue, exchange = options.get("queue"), options.get("exchange")
+                to_free = free in (
+                    getattr(queue, "name", queue),
+                    getattr(exchange, "name", exchange),
+                )
         except Exception:  # a route this cannot read: left alone (no gated task)
             return
         if not to_free:

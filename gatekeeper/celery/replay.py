@@ -22,10 +22,11 @@ on RabbitMQ it is acked only once its rewritten copy is confirmed. The lock is c
 every claim, before each step of each message and round trip of a batch, and before its
 moves (:mod:`gatekeeper.redis.lock`; renewed once a third of its TTL has passed, so a slow
 batch keeps it): a replayer that lost it decides, moves and writes nothing more, and only
-dead tenures' claims are taken back. A message that comes back after it was scored is
-handed on again as it was the first time (its handoff is kept beside the record:
-:mod:`gatekeeper.redis.handoff`), and a worker runs one copy of the two
-(:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
+dead tenures' claims are taken back. A message that comes back after it was scored (its
+move refused, or its replayer killed before the ack) is handed on again as it was the first
+time (its handoff is kept beside the record: :mod:`gatekeeper.redis.handoff`), but never to
+free while the free path is closed (it waits in defer), and a worker runs one copy of the
+two (:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ from redis.exceptions import LockError
 
 from gatekeeper.celery.batch import Decide, KeepHandoff, ReadHandoff, ReadRecord, Step, run_batch
 from gatekeeper.celery.broker import Broker, RedisBroker, Taken, gone_for_good
-from gatekeeper.celery.deadletter import H_REFUSED, H_REPLAY_ERRORS, abandon, set_aside
+from gatekeeper.celery.deadletter import H_REPLAY_ERRORS, abandon, set_aside
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
+from gatekeeper.celery.taken import copy_message
 from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_COPY,
@@ -252,12 +254,13 @@ class Replayer:
         nonce = nonce_of(headers)  # a handoff in its own key is read for the message it names
         in_key = (yield ReadHandoff(job_id, attempt)) if handed_on(record, nonce) == "key" else ""
         again = recalled(record, nonce, in_key)
-        if again is not None and headers.get(H_REFUSED) == nonce:
-            # Its move was refused and it was held as it came (set_aside): no copy went, so
-            # its admission is given back and it is scored again (the flags, the deadline).
-            self.log.warning("replay_refused_scored_again", job_id=job_id, attempt=attempt)
-            as_scored(self.pipeline.store, job_id, attempt, record, headers)
-            again = None
+        if again is not None and again.queue == self.settings.free_queue and not self._open():
+            # It waits in defer as it is (a copy may be in free already: not scored again).
+            self.log.warning("replay_recall_held", job_id=job_id, attempt=attempt)
+            held = copy_message(message)
+            held["headers"][H_REPLAY_AFTER] = now + self.settings.replay_backoff_max_s
+            self.broker.hold(taken, held, self.settings.replay_backoff_max_s)
+            return "held_free_path_closed"
         if again is not None:  # handed on before, and the original came back: the same again
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
                              queue=again.queue)  # fmt: skip
@@ -283,7 +286,7 @@ class Replayer:
             return self._send(taken, message, self.settings.reserved_queue, "gate_error")
         replays = int(headers.get(H_REPLAYS) or 0) + 1
         changes = {**routing.headers, H_REPLAYS: replays}
-        drop, wait = (*routing.drop, H_REPLAY_ERRORS, H_REFUSED), 0.0  # its errors start again
+        drop, wait = (*routing.drop, H_REPLAY_ERRORS), 0.0  # replayed: its errors start again
         queue = routing.queue or self.settings.reserved_queue
         if queue == self.defer:
             wait = min(self.settings.replay_backoff_s * 2 ** (replays - 1),
@@ -300,13 +303,17 @@ class Replayer:
         return self._hand_on(taken, message, handoff, routing.reason)
 
     def _hand_on(self, taken: Taken, message: dict[str, Any], handoff: Handoff, why: str) -> str:
-        message = _copy(message)  # the taken one stays as it came (set_aside holds that)
+        message = copy_message(message)  # the taken one stays as it came (set_aside holds that)
         handoff.apply(message["headers"])
         if handoff.queue == self.defer:
             self.broker.hold(taken, message, handoff.wait_s)
             return "deferred_again"
         label = self._send(taken, message, handoff.queue, why)
         return "handed_on_again" if why == "handed_on_again" else label
+
+    def _open(self) -> bool:  # the free path, for a recalled handoff (never read: closed)
+        flags = self.pipeline.flags.current()
+        return flags.free_path_enabled and flags.unread is None
 
     def _deferred_by_the_gate(self, record: dict[str, str], headers: dict[str, Any]) -> bool:
         """Whether the gate's record of this attempt deferred it, and the message carries
@@ -316,7 +323,7 @@ class Replayer:
 
     def _send(self, taken: Taken, message: dict[str, Any], queue: str, why: str) -> str:
         if message is taken.message:
-            message = _copy(message)
+            message = copy_message(message)
         message["headers"][H_COPY] = uuid.uuid4().hex  # this copy's own: a worker runs one
         self.broker.send(taken, queue, message)
         return f"to_{queue}" if why not in ("not_gated", "unverified") else why
@@ -347,11 +354,3 @@ class Replayer:
                 stop.wait(self.settings.replay_poll_s)
         self.release()
         return self.counts
-
-
-def _copy(message: dict[str, Any]) -> dict[str, Any]:
-    """A message to hand on, changed apart from the one taken: when the broker refuses the
-    move, :func:`~gatekeeper.celery.deadletter.set_aside` holds the original, which comes back
-    as the gate left it (and is handed on again with the same decision), not half rewritten."""
-    return {**message, "headers": dict(message["headers"]),
-            "properties": dict(message.get("properties") or {})}  # fmt: skip
