@@ -48,6 +48,15 @@ class OffFree:
             return
         settings = made.settings
         free = settings.free_queue
+        queue = options.get("queue")
+        # Celery's router's usual answer, a declared direct queue: sent to it by name on the
+        # default exchange (as bound_for says, without its lookups: this is every publish).
+        if (
+            queue is not None and not isinstance(queue, str) and options.get("exchange") is None
+            and getattr(getattr(queue, "exchange", None), "type", "direct") == "direct"
+            and getattr(queue, "name", None) != free
+        ):  # fmt: skip
+            return
         try:
             if free in self.app.amqp.queues:
                 to_free = bound_for(self.app, options, free)
