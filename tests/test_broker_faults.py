@@ -5,6 +5,7 @@ queue arguments. Real servers: the session's Redis and, where the test says, Rab
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,25 +76,31 @@ def refusing(rabbitmq_url: str, queue: str) -> None:
             "x-max-length": 0, "x-overflow": "reject-publish"})(channel).declare()  # fmt: skip
 
 
-def refused_by(rabbitmq_url: str, redis_url: str, queue: str) -> tuple[Any, Any, Any]:
+def refused_by(
+    rabbitmq_url: str, redis_url: str, queue: str, **overrides: Any
+) -> tuple[Any, Any, Any]:
     """Settings with a 1 s backoff, the app and its broker; ``queue`` refuses (:func:`refusing`)."""
     refusing(rabbitmq_url, queue)
     settings = gate_settings(redis_url, broker_url=rabbitmq_url, max_queue_age_s=5,
-                             replay_backoff_max_s=1)  # fmt: skip
+                             replay_backoff_max_s=1, **overrides)  # fmt: skip
     app = create_app(settings, rabbitmq_url)
     return settings, app, broker_for(settings, app)
 
 
-@pytest.mark.parametrize("closed", [False, True])
+@pytest.mark.parametrize("path", ["open", "closed", "closed_past_its_allowance"])
 def test_a_refused_move_holds_the_message_as_it_came_and_never_to_free_while_closed(
-    rabbitmq_url: str, redis_url: str, redis_client: redis.Redis, closed: bool
+    rabbitmq_url: str, redis_url: str, redis_client: redis.Redis, path: str
 ) -> None:
     # An audit: the copy set aside was the one already rewritten for free (its decision,
     # nonce and copy id), so when it came back it matched neither its record nor its
     # handoff, ran on reserved as unverified, and its row said path=free. Held as it came,
-    # it is handed on again with its decision; but a reviewer saw that decision handed to
-    # free after an operator had closed the free path: it now waits in defer until it opens.
-    settings, app, broker = refused_by(rabbitmq_url, redis_url, "free")
+    # it is handed on again with its decision; but reviewers saw that decision handed to free
+    # after an operator had closed the path, then a hold that outlived the gate's horizon
+    # (its reservation given back as lost). While closed it waits out its wait allowance in
+    # defer, then expires to reserved as a worker would expire it.
+    allowance = 1.0 if path == "closed_past_its_allowance" else 10.0
+    settings, app, broker = refused_by(rabbitmq_url, redis_url, "free",
+                                       free_wait_allowance_s=allowance)  # fmt: skip
     try:
         ids = _deferred(app, redis_client, 3)
         assert wait_until(lambda: broker.length("defer") == 3, 5)
@@ -101,20 +108,40 @@ def test_a_refused_move_holds_the_message_as_it_came_and_never_to_free_while_clo
         assert first["replay_error"] == 3, first
         with Connection(rabbitmq_url) as connection:  # free takes messages again
             connection.channel().queue_delete("free")
-        if closed:  # an operator rolls back
+        if path != "open":  # an operator rolls back
             redis_client.hset(KEYS.flags, "free_path_enabled", "false")
         assert wait_until(lambda: broker.length("defer") == 3, 10)  # back from the backoff
         time.sleep(1.2)  # due again
         again = Replayer(settings, broker, redis_client, app=app).run(threading.Event(), True)
-        assert again == {"held_free_path_closed" if closed else "handed_on_again": 3}, again
-        assert broker.length("free") == (0 if closed else 3) and broker.length("reserved") == 0
-        assert {redis_client.hget(KEYS.run(i, 1), "decision") for i in ids} == {b"admit_free"}
-        if closed:  # held with the backoff, as it came, until the path opens
+        label = {"open": "handed_on_again", "closed": "held_free_path_closed",
+                 "closed_past_its_allowance": "to_reserved"}[path]  # fmt: skip
+        assert again == {label: 3}, again
+        assert broker.length("free") == (3 if path == "open" else 0)
+        assert broker.length("reserved") == (3 if label == "to_reserved" else 0)
+        records = [redis_client.hmget(KEYS.run(i, 1), "decision", "reason") for i in ids]
+        if label == "to_reserved":  # its expired row charged the allowance's wait; closed
+            assert records == [[b"reserved", b"free_wait_expired"]] * 3
+            assert redis_client.hlen(KEYS.inflight) == 0
+            expired = [row for row in rows_of(redis_client) if row["outcome"] == "expired"]
+            assert sorted(row["job_id"] for row in expired) == sorted(ids)
+            assert {row["retry_tax"] for row in expired} == {allowance * 200}
+        else:
+            assert {decision for decision, _ in records} == {b"admit_free"}
+        if path == "closed":  # held as it came, for the rest of its allowance
             assert broker.length("defer") + broker.delayed("defer") == 3
     finally:
         broker.close()
         with Connection(rabbitmq_url) as connection:
-            connection.channel().queue_delete("free")
+            channel = connection.channel()
+            for queue in ("free", "reserved"):
+                channel.queue_delete(queue)
+
+
+def rows_of(client: redis.Redis) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    for key in client.scan_iter(match=KEYS.window_rows(0).replace(":0:", ":*:")):
+        found += [json.loads(raw) for raw in client.lrange(key, 0, -1)]
+    return found
 
 
 def test_a_dead_letter_that_refuses_holds_the_message_and_defer_goes_on(

@@ -101,8 +101,8 @@ def test_expire_sent_twice_writes_one_row_and_says_again(
     headers = message["headers"]
     now = time.time()
     window = headers["gatekeeper_window"]
-    first = gate.expiry._expire(job, 1, window, dict(headers), now)
-    again = gate.expiry._expire(job, 1, window, dict(headers), now + 0.1)
+    first = gate.expiry.expire(job, 1, window, dict(headers), now)
+    again = gate.expiry.expire(job, 1, window, dict(headers), now + 0.1)
     assert (first, again) == ("expired", "again")
     assert [r["outcome"] for r in rows(redis_client)] == ["expired"]
     assert window_totals(redis_client, "tax_units") == pytest.approx(0.1 * 200)
@@ -112,7 +112,7 @@ def _expired_copy_ran(redis_url: str, redis_client: redis.Redis) -> tuple[Any, s
     """An admission expired (its copy on reserved is then run by the test)."""
     gate, job, message = waited_past_allowance(redis_url, redis_client)
     headers = message["headers"]
-    assert gate.expiry._expire(job, 1, headers["gatekeeper_window"], dict(headers),
+    assert gate.expiry.expire(job, 1, headers["gatekeeper_window"], dict(headers),
                                time.time()) == "expired"  # fmt: skip
     return gate, job, headers
 

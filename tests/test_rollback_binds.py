@@ -207,3 +207,20 @@ def test_an_ungated_publish_to_a_queue_of_its_own_exchange_is_left_alone(
     app.send_task("audit.write", (1,))
     assert [m["headers"]["task"] for m in queue_messages(redis_client, "events")] == ["audit.write"]
     assert redis_client.llen("reserved") == 0
+
+
+def test_a_queue_on_frees_exchange_with_another_exchange_type_is_not_sent_to_free_closed(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """A reviewer: ``exchange_type`` (which Celery reads before the queue's own) sent a queue
+    bound to free's exchange and key there, past the check's quick answer for direct queues."""
+    close_in_redis(redis_client)
+    app = publisher(redis_url, {})
+    tap = Queue("tap", Exchange("free"), routing_key="free")
+    app.conf.task_queues = [Queue("celery"), Queue("free", Exchange("free"), "free"), tap]
+    with app.connection_for_write() as connection:
+        for queue in app.conf.task_queues:
+            queue(connection.default_channel).declare()
+    app.send_task("unknown.x", (1,), queue=tap, exchange_type="topic")
+    assert redis_client.llen("free") == 0 and redis_client.llen("tap") == 0
+    assert [m["headers"]["task"] for m in queue_messages(redis_client, "reserved")] == ["unknown.x"]

@@ -32,6 +32,7 @@ from gatekeeper.celery.duplicates import Duplicates
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.celery.private import check_request_shape, use_request_check
+from gatekeeper.celery.taken import Taken, copy_message
 from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_ATTEMPT_PUBLISHED_AT,
@@ -40,17 +41,19 @@ from gatekeeper.core.headers import (
     H_DECISION,
     H_PUBLISHED_AT,
     H_REASON,
+    H_REPLAY_AFTER,
     H_WINDOW,
 )
 from gatekeeper.core.ledger import Outcome, Path, make_row
 from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import BadDeclaredInput
 from gatekeeper.redis.attempt import delay_of
+from gatekeeper.redis.handoff import Handoff
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["EXPIRED_REASON", "Expiry"]
+__all__ = ["EXPIRED_REASON", "Expiry", "closed_recall"]
 
 EXPIRED_REASON = "free_wait_expired"
 
@@ -118,7 +121,7 @@ class Expiry:
         window = headers.get(H_WINDOW)
         if not (type(attempt) is int and type(window) is int):
             return "run"
-        answer = self._expire(job_id, attempt, window, headers, now)
+        answer = self.expire(job_id, attempt, window, headers, now)
         if answer == "no":
             return "run"
         if answer == "done":  # its copy on reserved ran already: this one is a spare
@@ -139,9 +142,10 @@ class Expiry:
         )  # fmt: skip
         return "skip"
 
-    def _expire(
+    def expire(
         self, job_id: str, attempt: int, window: int, headers: dict[str, Any], now: float
     ) -> str:
+        """``expire.lua``'s answer for this free message (its row written when 'expired')."""
         first = headers.get(H_ATTEMPT_PUBLISHED_AT)
         first = first if isinstance(first, (int, float)) and first <= now else now
         deadline = headers.get(H_DEADLINE_AT)
@@ -183,3 +187,32 @@ class Expiry:
                 delivery_mode=properties.get("delivery_mode"), retry=True,
                 declare=[declared],
             )  # fmt: skip
+
+
+def closed_recall(
+    self: Any, taken: Taken, message: dict[str, Any], handoff: Handoff, now: float
+) -> str:
+    """A kept handoff to free, recalled while the free path is closed or its flags were never
+    read (``self``: the :class:`~gatekeeper.celery.replay.Replayer`): never to free now. Past
+    its wait allowance it expires as a worker would expire it (its ``expired`` row, its
+    reservation closed) and goes to reserved; until then it waits in defer as it is (a copy
+    may be in free already: it is not scored again). Held past the gate's horizon instead,
+    its reservation would be given back as lost, and its later run charged nothing."""
+    copy = copy_message(message)
+    headers = copy["headers"]
+    handoff.apply(headers)
+    job_id, attempt, window = str(headers.get("id")), headers.get(H_ATTEMPT), headers.get(H_WINDOW)
+    answer = "no"
+    if type(attempt) is int and type(window) is int:
+        answer = self.expiry.expire(job_id, attempt, window, headers, now)
+    if answer != "no":  # expired now ('again', 'done': before; a spare copy is skipped)
+        headers.update({H_DECISION: "reserved", H_REASON: EXPIRED_REASON, H_WINDOW: None})
+        self.log.warning("free_wait_expired", job_id=job_id, attempt=attempt, decision="reserved",
+                         reason=EXPIRED_REASON, queue=self.settings.reserved_queue)  # fmt: skip
+        return str(self._send(taken, copy, self.settings.reserved_queue, EXPIRED_REASON))
+    wait = self.settings.free_wait_allowance_s
+    held = copy_message(message)
+    held["headers"][H_REPLAY_AFTER] = now + wait
+    self.log.warning("replay_recall_held", job_id=job_id, attempt=attempt)
+    self.broker.hold(taken, held, wait)
+    return "held_free_path_closed"

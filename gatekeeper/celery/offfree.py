@@ -53,6 +53,7 @@ class OffFree:
         # default exchange (as bound_for says, without its lookups: this is every publish).
         if (
             queue is not None and not isinstance(queue, str) and options.get("exchange") is None
+            and options.get("exchange_type") in (None, "direct")  # (Celery's before the queue's)
             and getattr(getattr(queue, "exchange", None), "type", "direct") == "direct"
             and getattr(queue, "name", None) != free
         ):  # fmt: skip

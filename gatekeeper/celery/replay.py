@@ -47,6 +47,7 @@ from redis.exceptions import LockError
 from gatekeeper.celery.batch import Decide, KeepHandoff, ReadHandoff, ReadRecord, Step, run_batch
 from gatekeeper.celery.broker import Broker, RedisBroker, Taken, gone_for_good
 from gatekeeper.celery.deadletter import H_REPLAY_ERRORS, abandon, set_aside
+from gatekeeper.celery.expiry import Expiry, closed_recall
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.celery.taken import copy_message
@@ -96,6 +97,7 @@ class Replayer:
         self.pipeline = Pipeline.create(settings, gate, clock)
         self.runs = RunLedger.from_settings(gate, settings)
         self.unverified = UnverifiedRuns(self.runs)  # an abandoned message's without a nonce
+        self.expiry = Expiry(app, settings, gate, make_logger(settings, "replay"))
         self.log = make_logger(settings, "replay")
         self.alerts = make_logger(settings, "alert")
         self.defer = settings.defer_queue
@@ -255,12 +257,7 @@ class Replayer:
         in_key = (yield ReadHandoff(job_id, attempt)) if handed_on(record, nonce) == "key" else ""
         again = recalled(record, nonce, in_key)
         if again is not None and again.queue == self.settings.free_queue and not self._open():
-            # It waits in defer as it is (a copy may be in free already: not scored again).
-            self.log.warning("replay_recall_held", job_id=job_id, attempt=attempt)
-            held = copy_message(message)
-            held["headers"][H_REPLAY_AFTER] = now + self.settings.replay_backoff_max_s
-            self.broker.hold(taken, held, self.settings.replay_backoff_max_s)
-            return "held_free_path_closed"
+            return closed_recall(self, taken, message, again, now)  # never to free now
         if again is not None:  # handed on before, and the original came back: the same again
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
                              queue=again.queue)  # fmt: skip
