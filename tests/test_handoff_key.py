@@ -7,16 +7,20 @@ record."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any
 
 import pytest
 import redis
 from click.testing import CliRunner
 
+from gatekeeper.celery.replay import Replayer
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE, Handoff, packed, recalled
 from gatekeeper.redis.keys import Keys
-from tests.conftest import queue_messages
+from tests.conftest import gate_settings, queue_messages
+from tests.test_broker_faults import rows_of
 from tests.test_dead_letter_result import dead_lettered
 from tests.test_replay import defer_tasks, replay_once
 
@@ -172,3 +176,26 @@ def test_a_requeue_keeps_its_handoff_and_a_second_one_hands_on_as_it_says(
     (moved,) = queue_messages(redis_client, "reserved")
     assert moved["headers"]["gatekeeper_replays"] == 7
     assert moved["headers"]["gatekeeper_nonce"] == "kept"
+
+
+def test_a_recall_to_free_while_the_path_is_closed_expires_to_reserved_charged_its_wait(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # Reviewers: recalled to free (its copy lost, the original back in defer) after an
+    # operator closed the path, it went to free; then, held in defer instead, the replayer's
+    # own sweep gave its reservation back as purged, and its expiry charged nothing.
+    job, parked, _ = replayed(redis_url, redis_client)
+    redis_client.lpush("defer", json.dumps(parked))  # the original comes back
+    redis_client.hset(KEYS.flags, "free_path_enabled", "false")  # an operator rolls back
+    time.sleep(1)  # it waited
+    settings = gate_settings(redis_url)
+    counts = Replayer(settings, broker=redis_client, gate=redis_client).run(threading.Event(), True)
+    assert counts == {"to_reserved": 1}, counts
+    record = record_of(redis_client, job)
+    assert (record["decision"], record["reason"]) == ("reserved", "free_wait_expired")
+    (row,) = [row for row in rows_of(redis_client) if row["outcome"] == "expired"]
+    assert 1 * 200 <= row["retry_tax"] <= 10 * 200  # the wait so far, up to the allowance
+    (moved,) = queue_messages(redis_client, "reserved")
+    assert moved["headers"]["gatekeeper_decision"] == "reserved"
+    assert moved["headers"]["gatekeeper_nonce"] == record["nonce"]
+    assert redis_client.llen("free") == 0 and redis_client.hlen(KEYS.inflight) == 0

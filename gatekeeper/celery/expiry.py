@@ -143,9 +143,11 @@ class Expiry:
         return "skip"
 
     def expire(
-        self, job_id: str, attempt: int, window: int, headers: dict[str, Any], now: float
-    ) -> str:
-        """``expire.lua``'s answer for this free message (its row written when 'expired')."""
+        self, job_id: str, attempt: int, window: int, headers: dict[str, Any], now: float,
+        withdraw: bool = False,
+    ) -> str:  # fmt: skip
+        """``expire.lua``'s answer for this free message (its row written when 'expired');
+        ``withdraw``: now, within its allowance too, charged the wait so far."""
         first = headers.get(H_ATTEMPT_PUBLISHED_AT)
         first = first if isinstance(first, (int, float)) and first <= now else now
         deadline = headers.get(H_DEADLINE_AT)
@@ -162,7 +164,7 @@ class Expiry:
         args = [member, nonce_of(headers), str(round(now * 1000)),
                 str(round(self.allowance_s * 1000)),
                 repr(self.settings.queue_wait_unit_per_second), str(WINDOW_RETENTION_S),
-                json.dumps(row)[:-1], str(window)]  # fmt: skip
+                json.dumps(row)[:-1], str(window), "1" if withdraw else ""]  # fmt: skip
         return str(text_of(evalsha(self._client, self._script, keys, args)))
 
     def _republish(self, message: Any, headers: dict[str, Any]) -> None:
@@ -193,24 +195,25 @@ def closed_recall(
     self: Any, taken: Taken, message: dict[str, Any], handoff: Handoff, now: float
 ) -> str:
     """A kept handoff to free, recalled while the free path is closed or its flags were never
-    read (``self``: the :class:`~gatekeeper.celery.replay.Replayer`): never to free now. Past
-    its wait allowance it expires as a worker would expire it (its ``expired`` row, its
-    reservation closed) and goes to reserved; until then it waits in defer as it is (a copy
-    may be in free already: it is not scored again). Held past the gate's horizon instead,
-    its reservation would be given back as lost, and its later run charged nothing."""
+    read (``self``: the :class:`~gatekeeper.celery.replay.Replayer`): never to free now. It
+    expires at once, as a worker expires a message past its allowance (its ``expired`` row,
+    charged the wait so far, its reservation closed), and goes to reserved; it is not scored
+    again (a copy may be in free already). Held instead, its reservation was given back as
+    lost (the sweep's purged admissions, the gate's horizon) and its run charged nothing.
+    One ``expire.lua`` refuses (a copy of it started: this one is a spare) waits in defer."""
     copy = copy_message(message)
     headers = copy["headers"]
     handoff.apply(headers)
     job_id, attempt, window = str(headers.get("id")), headers.get(H_ATTEMPT), headers.get(H_WINDOW)
     answer = "no"
     if type(attempt) is int and type(window) is int:
-        answer = self.expiry.expire(job_id, attempt, window, headers, now)
+        answer = self.expiry.expire(job_id, attempt, window, headers, now, withdraw=True)
     if answer != "no":  # expired now ('again', 'done': before; a spare copy is skipped)
         headers.update({H_DECISION: "reserved", H_REASON: EXPIRED_REASON, H_WINDOW: None})
         self.log.warning("free_wait_expired", job_id=job_id, attempt=attempt, decision="reserved",
                          reason=EXPIRED_REASON, queue=self.settings.reserved_queue)  # fmt: skip
         return str(self._send(taken, copy, self.settings.reserved_queue, EXPIRED_REASON))
-    wait = self.settings.free_wait_allowance_s
+    wait = self.settings.replay_backoff_max_s
     held = copy_message(message)
     held["headers"][H_REPLAY_AFTER] = now + wait
     self.log.warning("replay_recall_held", job_id=job_id, attempt=attempt)

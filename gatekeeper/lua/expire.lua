@@ -20,6 +20,8 @@
 -- ARGV[4] allowance_ms   ARGV[5] unit (queue_wait_unit_per_second)   ARGV[6] retention_s
 -- ARGV[7] the row's JSON without its last field (retry_tax) and closing brace
 -- ARGV[8] the admission window the message names (KEYS[4]): it must be the record's
+-- ARGV[9] '1': withdrawn now, whatever its wait (the replayer: the free path closed before a
+--         recalled admission reached free), charged the wait so far; else '' or none
 --
 -- Returns 'expired' (moved now), 'again' (moved before, its copy not yet run: republish),
 -- 'done' (moved before and its copy ran: this one is a spare, acked and not run) or 'no'
@@ -34,8 +36,8 @@ end
 if r[2] ~= 'admit_free' or r[5] or r[8] ~= ARGV[8] then return 'no' end
 local waited = tonumber(ARGV[3]) - tonumber(r[4] or ARGV[3])
 local allowance = tonumber(ARGV[4])
-if waited < allowance then return 'no' end
-local tax = allowance * tonumber(ARGV[5]) / 1000
+if waited < allowance and ARGV[9] ~= '1' then return 'no' end
+local tax = math.min(math.max(waited, 0), allowance) * tonumber(ARGV[5]) / 1000
 if r[6] then tax = math.min(tax, math.max(0, tonumber(r[6]) - tonumber(r[7] or '0'))) end
 redis.call('HSET', KEYS[1], 'decision', 'reserved', 'reason', 'free_wait_expired',
   'window', '', 'expired_ms', ARGV[3])
