@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,10 +20,11 @@ from gatekeeper.celery.replay import Replayer
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE, Handoff, packed, recalled
 from gatekeeper.redis.keys import Keys
-from tests.conftest import gate_settings, queue_messages
+from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
 from tests.test_broker_faults import rows_of
 from tests.test_dead_letter_result import dead_lettered
 from tests.test_replay import defer_tasks, replay_once
+from tests.test_worker_ledger import runs as recorded_runs
 
 KEYS = Keys()
 COMPACT = (b"ziplist", b"listpack")  # a small hash, on Redis 6.2 and 7
@@ -199,3 +201,25 @@ def test_a_recall_to_free_while_the_path_is_closed_expires_to_reserved_charged_i
     assert moved["headers"]["gatekeeper_decision"] == "reserved"
     assert moved["headers"]["gatekeeper_nonce"] == record["nonce"]
     assert redis_client.llen("free") == 0 and redis_client.hlen(KEYS.inflight) == 0
+
+
+def test_a_recall_withdrawn_while_its_twin_waits_in_free_runs_once(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # A reviewer: the copy of the kept handoff still waited in free (a replayer killed
+    # between its move and its ack; a publish sent twice) when the path closed and the
+    # original was recalled and withdrawn to reserved: both copies ran, the free one
+    # untaxed with a reserved row. A free copy of a withdrawn admission is now skipped.
+    job, parked, sent = replayed(redis_url, redis_client)
+    redis_client.lpush("free", json.dumps(sent))  # its copy still waits in free
+    redis_client.lpush("defer", json.dumps(parked))  # and the original comes back
+    redis_client.hset(KEYS.flags, "free_path_enabled", "false")
+    settings = gate_settings(redis_url)
+    counts = Replayer(settings, broker=redis_client, gate=redis_client).run(threading.Event(), True)
+    assert counts == {"to_reserved": 1}, counts
+    with running_worker(redis_url, tmp_path / "w.log", queues="free,reserved"):
+        assert wait_until(lambda: redis_client.llen("free") + redis_client.llen("reserved") == 0)
+        time.sleep(1.5)  # a second run, if any, would land now
+    ran = [run["queue"] for run in recorded_runs(redis_client) if run["id"] == job]
+    assert ran == ["reserved"], ran
+    assert "event=duplicate_skipped" in (tmp_path / "w.log").read_text()

@@ -36,7 +36,11 @@ end
 if r[2] ~= 'admit_free' or r[5] or r[8] ~= ARGV[8] then return 'no' end
 local waited = tonumber(ARGV[3]) - tonumber(r[4] or ARGV[3])
 local allowance = tonumber(ARGV[4])
-if waited < allowance and ARGV[9] ~= '1' then return 'no' end
+if ARGV[9] == '1' then  -- withdrawn: not once a free copy was taken by a worker (take.lua)
+  if redis.call('HEXISTS', KEYS[1], 'taken:admit_free') == 1 then return 'no' end
+elseif waited < allowance then
+  return 'no'
+end
 local tax = math.min(math.max(waited, 0), allowance) * tonumber(ARGV[5]) / 1000
 if r[6] then tax = math.min(tax, math.max(0, tonumber(r[6]) - tonumber(r[7] or '0'))) end
 redis.call('HSET', KEYS[1], 'decision', 'reserved', 'reason', 'free_wait_expired',

@@ -16,19 +16,24 @@
 -- ARGV[3] copy       the message's gatekeeper_copy
 --
 -- Returns 'first', 'same' (the copy that took it, delivered again), 'again' (another copy of
--- a decision already taken) or 'not_ours'.
+-- a decision already taken, or a free copy of an admission withdrawn since: the replayer
+-- expired it to reserved, whose copy runs) or 'not_ours'.
 
-if redis.call('HGET', KEYS[1], 'nonce') ~= ARGV[1] then
+local rec = redis.call('HMGET', KEYS[1], 'nonce', 'reason')
+if rec[1] ~= ARGV[1] then
   return 'not_ours'
 end
 local field = 'taken:' .. ARGV[2]
 local held = redis.call('HGET', KEYS[1], field)
 local mine = ARGV[1] .. '|' .. ARGV[3]
 if held == mine then
-  return 'same'
+  return 'same'  -- (an expired one again: its expiry republishes it, expire.lua 'again')
 end
 if held and string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. '|' then
   return 'again'
+end
+if ARGV[2] == 'admit_free' and rec[2] == 'free_wait_expired' then
+  return 'again'  -- no free copy took it before the replayer withdrew it (expiry.py)
 end
 redis.call('HSET', KEYS[1], field, mine)
 return 'first'
