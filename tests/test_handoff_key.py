@@ -24,6 +24,7 @@ from tests.conftest import gate_settings, queue_messages, running_worker, wait_u
 from tests.test_broker_faults import rows_of
 from tests.test_dead_letter_result import dead_lettered
 from tests.test_replay import defer_tasks, replay_once
+from tests.test_replay_batch import FailingMove
 from tests.test_worker_ledger import runs as recorded_runs
 
 KEYS = Keys()
@@ -223,3 +224,52 @@ def test_a_recall_withdrawn_while_its_twin_waits_in_free_runs_once(
     ran = [run["queue"] for run in recorded_runs(redis_client) if run["id"] == job]
     assert ran == ["reserved"], ran
     assert "event=duplicate_skipped" in (tmp_path / "w.log").read_text()
+
+
+def test_a_withdrawn_recall_whose_copy_to_reserved_never_went_runs_once_after_a_reopen(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # A reviewer: the withdrawal was written, then the move to reserved failed (a replayer
+    # killed or failing between its decisions and its move); the path reopened, the original
+    # was recalled to free, and every free copy was skipped as a duplicate of a withdrawn
+    # admission: the task never ran. A recall of a withdrawn admission now goes to reserved.
+    job, parked, sent = replayed(redis_url, redis_client)
+    redis_client.lpush("free", json.dumps(sent))  # its copy still waits in free
+    redis_client.lpush("defer", json.dumps(parked))  # and the original comes back
+    redis_client.hset(KEYS.flags, "free_path_enabled", "false")
+    settings = gate_settings(redis_url)
+    failing = FailingMove(redis_client, settings)
+    assert Replayer(settings, broker=failing, gate=redis_client).run(threading.Event(), True) == {
+        "pass_failed": 1
+    }  # decided (withdrawn), not moved
+    assert record_of(redis_client, job)["reason"] == "free_wait_expired"
+    redis_client.hdel(KEYS.flags, "free_path_enabled")  # the path reopens
+    counts = Replayer(settings, broker=redis_client, gate=redis_client).run(threading.Event(), True)
+    assert counts == {"to_reserved": 1}, counts
+    with running_worker(redis_url, tmp_path / "w.log", queues="free,reserved"):
+        assert wait_until(lambda: redis_client.llen("free") + redis_client.llen("reserved") == 0)
+        time.sleep(1.5)
+    ran = [run["queue"] for run in recorded_runs(redis_client) if run["id"] == job]
+    assert ran == ["reserved"], ran
+
+
+def test_a_dead_letter_requeue_of_a_withdrawn_recall_goes_to_reserved(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its kept handoff says free, but the replayer withdrew the admission since: a free copy
+    of it is skipped, so to free it would never run (as the replayer's own recall)."""
+    job, parked, _ = replayed(redis_url, redis_client)
+    redis_client.lpush("defer", json.dumps(parked))
+    redis_client.hset(KEYS.flags, "free_path_enabled", "false")
+    settings = gate_settings(redis_url)
+    counts = Replayer(settings, broker=redis_client, gate=redis_client).run(threading.Event(), True)
+    assert counts == {"to_reserved": 1}
+    redis_client.delete("reserved")  # as if its copy there were lost, and the original
+    redis_client.lpush("dead_letter", json.dumps(parked))  # dead-lettered instead
+    redis_client.hdel(KEYS.flags, "free_path_enabled")
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    done = CliRunner().invoke(main, ["dead-letter", "requeue", job, "--deadline-s", "120"])
+    assert done.exit_code == 0, done.output
+    assert redis_client.llen("free") == 0
+    (moved,) = queue_messages(redis_client, "reserved")
+    assert moved["headers"]["gatekeeper_decision"] == "reserved"

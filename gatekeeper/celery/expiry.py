@@ -53,7 +53,7 @@ from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["EXPIRED_REASON", "Expiry", "closed_recall"]
+__all__ = ["EXPIRED_REASON", "Expiry", "closed_recall", "unless_withdrawn"]
 
 EXPIRED_REASON = "free_wait_expired"
 
@@ -219,3 +219,13 @@ def closed_recall(
     self.log.warning("replay_recall_held", job_id=job_id, attempt=attempt)
     self.broker.hold(taken, held, wait)
     return "held_free_path_closed"
+
+
+def unless_withdrawn(handoff: Handoff, record: Any, settings: GatekeeperSettings) -> Handoff:
+    """A kept handoff as it is, but one to free of an admission the replayer withdrew (the
+    record's reason ``free_wait_expired``: :func:`closed_recall`) goes to reserved, decided so:
+    a free copy of it is skipped (``take.lua``), so to free it would never run."""
+    if handoff.queue != settings.free_queue or record.get("reason") != EXPIRED_REASON:
+        return handoff
+    changes = {**handoff.set, H_DECISION: "reserved", H_REASON: EXPIRED_REASON, H_WINDOW: None}
+    return Handoff(settings.reserved_queue, changes, handoff.drop, 0.0)

@@ -47,7 +47,7 @@ from redis.exceptions import LockError
 from gatekeeper.celery.batch import Decide, KeepHandoff, ReadHandoff, ReadRecord, Step, run_batch
 from gatekeeper.celery.broker import Broker, RedisBroker, Taken, gone_for_good
 from gatekeeper.celery.deadletter import H_REPLAY_ERRORS, abandon, set_aside
-from gatekeeper.celery.expiry import Expiry, closed_recall
+from gatekeeper.celery.expiry import EXPIRED_REASON, Expiry, closed_recall
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.celery.taken import copy_message
@@ -256,8 +256,12 @@ class Replayer:
         nonce = nonce_of(headers)  # a handoff in its own key is read for the message it names
         in_key = (yield ReadHandoff(job_id, attempt)) if handed_on(record, nonce) == "key" else ""
         again = recalled(record, nonce, in_key)
-        if again is not None and again.queue == self.settings.free_queue and not self._open():
-            return closed_recall(self, taken, message, again, now)  # never to free now
+        if (
+            again is not None
+            and again.queue == self.settings.free_queue
+            and (record.get("reason") == EXPIRED_REASON or not self._open())
+        ):  # never to free now, nor once withdrawn (its copy to reserved may not have gone)
+            return closed_recall(self, taken, message, again, now)
         if again is not None:  # handed on before, and the original came back: the same again
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
                              queue=again.queue)  # fmt: skip

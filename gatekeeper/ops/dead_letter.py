@@ -21,6 +21,7 @@ from typing import Any
 import click
 
 from gatekeeper.celery.broker import BROKER_ERRORS, Taken
+from gatekeeper.celery.expiry import unless_withdrawn
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import H_ATTEMPT, H_COPY, H_DEADLINE_AT, H_NONCE
 from gatekeeper.logs import make_logger
@@ -96,6 +97,8 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
     if type(attempt) is int and handed_on(record, nonce) == "key":
         in_key = read(gate, runs.keys, job_id, attempt)
     handoff = recalled(record, nonce, in_key)
+    if handoff is not None:  # (withdrawn since by the replayer: to reserved, never free)
+        handoff = unless_withdrawn(handoff, record, settings)
     was = headers.get(H_DEADLINE_AT)
     moved_to: float | None = None
     if handoff is None:  # the first requeue of it: scored again, with its new deadline
