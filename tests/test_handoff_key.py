@@ -204,6 +204,17 @@ def test_a_recall_to_free_while_the_path_is_closed_expires_to_reserved_charged_i
     assert redis_client.llen("free") == 0 and redis_client.hlen(KEYS.inflight) == 0
 
 
+def twin_in_free_original_back_path_closed(redis_url: str, client: redis.Redis) -> str:
+    """A task replayed to free whose copy still waits there while its original comes back to
+    defer (a replayer killed between its move and its ack; a publish sent twice), and the free
+    path closed; returns its id."""
+    job, parked, sent = replayed(redis_url, client)
+    client.lpush("free", json.dumps(sent))
+    client.lpush("defer", json.dumps(parked))
+    client.hset(KEYS.flags, "free_path_enabled", "false")
+    return job
+
+
 def test_a_recall_withdrawn_while_its_twin_waits_in_free_runs_once(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
@@ -211,10 +222,7 @@ def test_a_recall_withdrawn_while_its_twin_waits_in_free_runs_once(
     # between its move and its ack; a publish sent twice) when the path closed and the
     # original was recalled and withdrawn to reserved: both copies ran, the free one
     # untaxed with a reserved row. A free copy of a withdrawn admission is now skipped.
-    job, parked, sent = replayed(redis_url, redis_client)
-    redis_client.lpush("free", json.dumps(sent))  # its copy still waits in free
-    redis_client.lpush("defer", json.dumps(parked))  # and the original comes back
-    redis_client.hset(KEYS.flags, "free_path_enabled", "false")
+    job = twin_in_free_original_back_path_closed(redis_url, redis_client)
     settings = gate_settings(redis_url)
     counts = Replayer(settings, broker=redis_client, gate=redis_client).run(threading.Event(), True)
     assert counts == {"to_reserved": 1}, counts
@@ -233,10 +241,7 @@ def test_a_withdrawn_recall_whose_copy_to_reserved_never_went_runs_once_after_a_
     # killed or failing between its decisions and its move); the path reopened, the original
     # was recalled to free, and every free copy was skipped as a duplicate of a withdrawn
     # admission: the task never ran. A recall of a withdrawn admission now goes to reserved.
-    job, parked, sent = replayed(redis_url, redis_client)
-    redis_client.lpush("free", json.dumps(sent))  # its copy still waits in free
-    redis_client.lpush("defer", json.dumps(parked))  # and the original comes back
-    redis_client.hset(KEYS.flags, "free_path_enabled", "false")
+    job = twin_in_free_original_back_path_closed(redis_url, redis_client)
     settings = gate_settings(redis_url)
     failing = FailingMove(redis_client, settings)
     assert Replayer(settings, broker=failing, gate=redis_client).run(threading.Event(), True) == {
