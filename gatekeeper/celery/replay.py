@@ -25,8 +25,9 @@ batch keeps it): a replayer that lost it decides, moves and writes nothing more,
 dead tenures' claims are taken back. A message that comes back after it was scored (its
 move refused, or its replayer killed before the ack) is handed on again as it was the first
 time (its handoff is kept beside the record: :mod:`gatekeeper.redis.handoff`), but never to
-free while the free path is closed (it waits in defer), and a worker runs one copy of the
-two (:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
+free while the free path is closed (it expires to reserved:
+:func:`gatekeeper.celery.expiry.closed_recall`), and a worker runs one copy of the two
+(:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ class Replayer:
         self.pipeline = Pipeline.create(settings, gate, clock)
         self.runs = RunLedger.from_settings(gate, settings)
         self.unverified = UnverifiedRuns(self.runs)  # an abandoned message's without a nonce
-        self.expiry = Expiry(app, settings, gate, make_logger(settings, "replay"))
         self.log = make_logger(settings, "replay")
+        self.expiry = Expiry(app, settings, gate, self.log)  # a recall while free is closed
         self.alerts = make_logger(settings, "alert")
         self.defer = settings.defer_queue
         self.ident = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
