@@ -19,12 +19,12 @@
 -- a decision already taken, or a free copy of an admission withdrawn since: the replayer
 -- expired it to reserved, whose copy runs) or 'not_ours'.
 
-local rec = redis.call('HMGET', KEYS[1], 'nonce', 'reason')
+local field = 'taken:' .. ARGV[2]
+local rec = redis.call('HMGET', KEYS[1], 'nonce', 'reason', field)  -- the record read once
 if rec[1] ~= ARGV[1] then
   return 'not_ours'
 end
-local field = 'taken:' .. ARGV[2]
-local held = redis.call('HGET', KEYS[1], field)
+local held = rec[3]
 local mine = ARGV[1] .. '|' .. ARGV[3]
 if held == mine then
   return 'same'  -- (an expired one again: its expiry republishes it, expire.lua 'again')

@@ -207,13 +207,14 @@ class FlagStore:
                 raise _Closed
             return reason
 
+        name = "free_path_enabled"
         try:
             for _ in range(2):  # FreePathLocked: the flags changed meanwhile; read them again
                 with contextlib.suppress(FreePathLocked):
-                    return self._write(FREE, "false", reason, actor, now, unless_closed, "freezes")
+                    return self._write(name, "false", reason, actor, now, unless_closed, "freezes")
         except _Closed:
             return None
-        return self._write(FREE, "false", reason, actor, now, None, "freezes")
+        return self._write(name, "false", reason, actor, now, None, "freezes")
 
     def unset(
         self, name: str, reason: str, actor: str, now: float, force: bool = False
@@ -338,9 +339,6 @@ class FlagStore:
 
 class _Closed(Exception):  # the free path is closed in Redis already: no auto-freeze
     pass
-
-
-FREE = "free_path_enabled"
 
 
 def _float(text: str) -> float:
