@@ -4,6 +4,9 @@ them. Both were found by an audit of the budget ceiling."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import redis
 
 from gatekeeper.core.dwell import Decision, Reason
@@ -13,8 +16,9 @@ from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import sweep
+from tests.apps.gated_app import create_app
 from tests.calls import gate_call
-from tests.conftest import initialised
+from tests.conftest import gate_settings, initialised, queue_messages
 
 KEYS = Keys()
 WINDOW_S = 60
@@ -135,3 +139,31 @@ def test_a_finish_sent_again_after_the_id_was_published_again_leaves_the_new_lif
         assert exposure == 0 and len(redis_client.lrange(
             KEYS.window_rows(window_id(at, WINDOW_S)), 0, -1)) == 1, at  # fmt: skip
     assert redis_client.hlen(KEYS.inflight) == 0
+
+
+def test_a_task_id_used_again_after_its_abandonment_is_decided_afresh(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: an attempt abandoned in defer (its row written) left its record with no
+    # runs, so a publish of the same task id and attempt was `duplicate_publish` for the
+    # record's two days, ran on reserved and was counted as forged; and the abandonment's
+    # marker refused the row of a second abandonment of that id.
+    from tests.test_replay import defer_tasks, ids_in, replay_once
+
+    def abandoned_rows() -> list[str]:
+        rows = []
+        for key in redis_client.scan_iter(match="gatekeeper:*:rows"):
+            rows += [json.loads(raw) for raw in redis_client.lrange(key, 0, -1)]
+        return [row["job_id"] for row in rows if row["outcome"] == "abandoned"]
+
+    headers = {"gatekeeper_deadline_s": 2.5}
+    for life in (1, 2):
+        defer_tasks(redis_url, redis_client, 1, headers=headers, task_id="again")
+        time.sleep(2.6)
+        assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}, life
+        assert abandoned_rows() == ["again"] * life
+    app = create_app(gate_settings(redis_url), redis_url)
+    app.tasks["tests.embed"].apply_async((1,), task_id="again")
+    (message,) = queue_messages(redis_client, "free")
+    assert message["headers"]["gatekeeper_reason"] == "fits"
+    assert ids_in(redis_client, "dead_letter") == ["again", "again"]

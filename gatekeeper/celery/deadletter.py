@@ -122,7 +122,7 @@ def abandon(
     trusted = bool(record) and record.get("nonce") == nonce_of(headers)
     was_free = trusted and record.get("free_admitted") == "1"
     if trusted:
-        done = self.runs.abandon(row, round(now * 1000), slack_miss=was_free)
+        done = self.runs.abandon(row, round(now * 1000), was_free, record["nonce"])
     else:
         # Run 0: the attempt's abandonment, rowed once (a message given back and abandoned
         # again by a later pass is rowed as the first time).

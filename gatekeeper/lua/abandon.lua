@@ -1,22 +1,35 @@
 -- abandon.lua: the `abandoned` row of a deferred attempt whose deadline passed, written once.
 --
--- KEYS[1] abandoned:<job_id>:<attempt>  string marker: this attempt already has its row
+-- KEYS[1] abandoned:<job_id>:<attempt>  string marker: the nonce whose abandonment is rowed
 -- KEYS[2] window:<id>                   hash: rows:abandoned, slack_misses, admitted_free
 -- KEYS[3] window:<id>:rows              list: ledger rows (JSON)
 -- KEYS[4] totals                        hash: lifetime abandoned, slack_misses (never expire)
 -- KEYS[5] decisions                     stream: the decision records; a slack miss adds an
 --                                       entry `miss` = ARGV[4] (unless ARGV[5] is 0)
+-- KEYS[6] run:<job_id>:<attempt>        hash: the gate's record of the attempt
 --
 -- ARGV[1] row           JSON (built by the Python core: no tokens, no wait charge)
 -- ARGV[2] retention_s
 -- ARGV[3] slack_miss    1 when an earlier attempt of the job was admitted to the free path
 -- ARGV[4] member        <job_id>:<attempt>
 -- ARGV[5] record_cap    how many decision records to keep (about); '0': none
+-- ARGV[6] nonce         the abandoned message's, the record's (an older replayer sends none)
 --
 -- Returns {written (0|1), slack_misses, admitted_free} of the window.
 
-if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[2])) then
+-- Once per publish of the attempt: a task id used again after its abandonment is a new life
+-- of the attempt (gate.lua), whose own abandonment is rowed too. '1': an older version's.
+local nonce = ARGV[6] or '1'
+local prior = redis.call('GET', KEYS[1])
+if prior == '1' or prior == nonce then
   return {0, 0, 0}
+end
+redis.call('SET', KEYS[1], nonce, 'EX', tonumber(ARGV[2]))
+-- The abandonment is the attempt's row: a publish of this task id and attempt after it is
+-- not a duplicate of a live one, but starts the attempt again (gate.lua, record.lua,
+-- fallback.lua), as a publish after a run's row does.
+if KEYS[6] and nonce ~= '1' and redis.call('HGET', KEYS[6], 'nonce') == nonce then
+  redis.call('HSET', KEYS[6], 'abandoned', '1')
 end
 redis.call('RPUSH', KEYS[3], ARGV[1])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))

@@ -22,7 +22,7 @@
 -- already made.
 
 local done = redis.call('HMGET', KEYS[1], 'nonce', 'decision', 'reason', 'runs', 'rowed',
-  'dup:' .. ARGV[1])
+  'dup:' .. ARGV[1], 'abandoned')
 if done[1] == ARGV[1] then
   return {done[2], done[3]}
 end
@@ -36,12 +36,12 @@ if redis.call('HINCRBY', KEYS[3], 'decided:' .. ARGV[2] .. ':' .. ARGV[3] .. ':'
     '00000000000000000000000000000000000000000000000000000000000000000')
 end
 local runs, rowed = tonumber(done[4] or '0'), tonumber(done[5] or '0')
-if done[1] and done[1] ~= ARGV[6] and (runs == 0 or rowed < runs) then
+if done[1] and done[1] ~= ARGV[6] and (runs == 0 or rowed < runs) and not done[7] then
   redis.call('HSET', KEYS[1], 'dup:' .. ARGV[1], ARGV[2] .. '|' .. ARGV[3])
   return false
 end
-if done[4] and done[1] ~= ARGV[6] then  -- a reused task id after its row: counted anew
-  redis.call('HDEL', KEYS[1], 'runs', 'rowed')  -- (as gate.lua does)
+if (done[4] or done[7]) and done[1] ~= ARGV[6] then  -- a reused task id after its row
+  redis.call('HDEL', KEYS[1], 'runs', 'rowed', 'abandoned')  -- counted anew (as gate.lua)
 end
 local fields = {'nonce', ARGV[1], 'decision', ARGV[2], 'reason', ARGV[3]}
 for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end

@@ -115,7 +115,7 @@ local delay = ARGV[16] == '0' and 0 or tonumber(ARGV[16])  -- most tasks are not
 local fast = #ARGV >= 33
 local seen  -- the window's tax_units, exposure and free_age_max_ms, once read
 local held = redis.call('HMGET', KEYS[6], 'nonce', 'decision', 'reason', 'free_admitted',
-  'runs', 'rowed', 'dup:' .. ARGV[18])
+  'runs', 'rowed', 'dup:' .. ARGV[18], 'abandoned')
 if held[1] == ARGV[18] then
   -- This very request was already decided (a re-sent call, or fallback.lua pushed its
   -- message first): say so, change nothing.
@@ -128,9 +128,10 @@ end
 -- Another publish of this attempt holds a live record (not yet run to its row): a second
 -- publish of the same task id and attempt must not orphan it, so it goes to reserved with
 -- no record of its own (its run is priced nothing; the live record keeps dup:<nonce> so that
--- this request is never pushed twice). A replay presents the record's nonce.
+-- this request is never pushed twice). A replay presents the record's nonce. An attempt
+-- abandoned in defer (abandon.lua) has its row, as one run to its row has.
 local duplicate = false
-if held[1] and held[1] ~= ARGV[24] then
+if held[1] and held[1] ~= ARGV[24] and not held[8] then
   local runs, rowed = tonumber(held[5] or '0'), tonumber(held[6] or '0')
   duplicate = runs == 0 or rowed < runs
 end
@@ -215,10 +216,10 @@ local function decided(decision, reason, dwell, projected)
   if duplicate then  -- remembered in the live record, for a re-sent request or fallback.lua
     redis.call('HSET', KEYS[6], 'dup:' .. ARGV[18], decision .. '|' .. reason)
   else
-    if held[5] and held[1] ~= ARGV[24] then
+    if (held[5] or held[8]) and held[1] ~= ARGV[24] then
       -- A publish after the attempt's row (a reused task id) starts it again: its runs are
       -- counted anew, so that a publish while this one is live is a duplicate (above).
-      redis.call('HDEL', KEYS[6], 'runs', 'rowed')
+      redis.call('HDEL', KEYS[6], 'runs', 'rowed', 'abandoned')
     end
     redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
       'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],

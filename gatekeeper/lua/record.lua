@@ -64,13 +64,13 @@ if tonumber(ARGV[11]) > 0 then
   end
 end
 if #ARGV < 29 then return 'unrecorded' end  -- counted only (a bad input's row is unverified)
-local held = redis.call('HMGET', KEYS[2], 'nonce', 'runs', 'rowed')
+local held = redis.call('HMGET', KEYS[2], 'nonce', 'runs', 'rowed', 'abandoned')
 local runs, rowed = tonumber(held[2] or '0'), tonumber(held[3] or '0')
-if held[1] and held[1] ~= ARGV[7] and (runs == 0 or rowed < runs) then
+if held[1] and held[1] ~= ARGV[7] and (runs == 0 or rowed < runs) and not held[4] then
   return 'unrecorded'
 end
-if held[2] and held[1] ~= ARGV[7] then  -- a reused task id after its row: counted anew
-  redis.call('HDEL', KEYS[2], 'runs', 'rowed')  -- (as gate.lua does)
+if (held[2] or held[4]) and held[1] ~= ARGV[7] then  -- a reused task id after its row
+  redis.call('HDEL', KEYS[2], 'runs', 'rowed', 'abandoned')  -- counted anew (as gate.lua)
 end
 local free = '0'
 if KEYS[3] ~= KEYS[2] and redis.call('HGET', KEYS[3], 'free_admitted') == '1' then

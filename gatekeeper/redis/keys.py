@@ -66,6 +66,8 @@ namespace's slot):
     ended the job, ``ok`` or failed for good: a rerun's late finish is then no slack miss),
     about 310 bytes instead of about 620,
     for the rest of its TTL (gatekeeper/redis/kept.py).
+    ``abandoned`` = ``1`` when the replayer rowed the attempt ``abandoned`` (``abandon.lua``):
+    like a run's row, it ends the attempt, so a publish of it after that starts it again.
     A decision made without Redis, or a bad input, writes none: its row is unverified.
 ``gatekeeper:{default}:window:<id>`` - hash, TTL = window retention
     One ledger window (``id`` = epoch seconds // ``window_seconds``): ``tax_units``
@@ -99,7 +101,8 @@ namespace's slot):
     ``<job_id>:<attempt>`` -> start time (ms) of an unverified attempt whose latest run has no
     row yet; the sweep rows those whose worker is gone, as it does ``started``.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
-    Marks an attempt whose ``abandoned`` row is written (the replayer writes it once).
+    The nonce of the publish of the attempt whose ``abandoned`` row is written (the replayer
+    writes it once per publish; ``1``: written by an older version, once per attempt).
 ``gatekeeper:{default}:stats`` - hash, no TTL
     Counters an operator should see in ``gatekeeper status``: ``reruns_after_row``, runs of
     an attempt that already had its row (a message the broker delivered again after it

@@ -299,8 +299,9 @@ class RunLedger:
         except (redis.RedisError, ValueError) as exc:  # ValueError: not finish.lua's reply
             raise LedgerUnavailable(f"cannot write the row of {member}: {exc}") from exc
 
-    def abandon(self, row: LedgerRow, now_ms: int, slack_miss: bool) -> Finished:
-        """Write an attempt's ``abandoned`` row once (a replayer crash cannot write two)."""
+    def abandon(self, row: LedgerRow, now_ms: int, slack_miss: bool, nonce: str) -> Finished:
+        """Write an attempt's ``abandoned`` row once per publish of it (``nonce``: the
+        message's, the gate record's): a replayer crash cannot write two."""
         window = window_id(now_ms / 1000, self.window_seconds)
         keys = [
             self.keys.abandoned(row.job_id, row.attempt),
@@ -308,9 +309,10 @@ class RunLedger:
             self.keys.window_rows(window),
             self.keys.totals,
             self.keys.decisions,
+            self.keys.run(row.job_id, row.attempt),
         ]
         args = [json.dumps(row.to_json()), str(self.retention_s), "1" if slack_miss else "0",
-                f"{row.job_id}:{row.attempt}", self.record_cap]  # fmt: skip
+                f"{row.job_id}:{row.attempt}", self.record_cap, nonce]  # fmt: skip
         try:
             written, misses, admitted = evalsha(self.client, self._abandon, keys, args)
         except redis.RedisError as exc:
