@@ -11,10 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 from click.testing import CliRunner
 
 from gatekeeper.core.review import RATIO_MEANINGS
 from gatekeeper.ops.cli import main
+from gatekeeper.ops.demo import _remove
+from gatekeeper.redis.keys import Keys
 from tests.conftest import REPO_ROOT, unused_port
 
 pytestmark = pytest.mark.celery
@@ -116,3 +119,25 @@ def test_the_demo_names_a_redis_it_cannot_reach_without_a_traceback(
     result = CliRunner().invoke(main, ["demo"])
     assert result.exit_code == 1 and "the demo's Redis (redis://:***@127.0.0.1:" in result.output
     assert "s3cret" not in result.output and "Traceback" not in result.output
+
+
+def test_the_demo_removes_what_it_wrote_to_a_redis_it_did_not_start(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Left there, every run's namespace (flags, totals, stats: no TTL) and queues stayed in
+    # a shared Redis for good. Only the run's own go: another namespace, a queue whose name
+    # only starts like the run's, a key that merely contains it, all stay.
+    run_id = "demo-1-a[b]*"
+    keys = Keys("gatekeeper", run_id)
+    ours = [keys.flags, keys.totals, keys.run("j", 1), f"{run_id}.free",
+            f"{run_id}.defer\x06\x163", f"{run_id}.defer:replaying:x",
+            f"_kombu.binding.{run_id}.free", f"_kombu.binding_permanent.{run_id}.free"]  # fmt: skip
+    theirs = [Keys().flags, Keys("gatekeeper", "demo-1-a").flags, "demo-1-ab.free",
+              f"{run_id}free", f"x{run_id}.free", "_kombu.binding.celery",
+              "_kombu.binding_deadlines"]  # fmt: skip
+    for name in ours + theirs:
+        redis_client.set(name, "1")
+    _remove(redis_url, keys, run_id)
+    assert [redis_client.exists(name) for name in ours] == [0] * len(ours)
+    assert [redis_client.exists(name) for name in theirs] == [1] * len(theirs)
+    assert f"removed the demo's {len(ours)} keys" in capsys.readouterr().out

@@ -9,8 +9,10 @@ pace, with service times compressed by ``time_scale``; shows a progress line wit
 and ends with the ledger summary (``budget_left`` and the decision counts explained), the
 review ratios each with its meaning, and the paths of the JSON ledger and of the review as an
 HTML page of charts (:mod:`gatekeeper.ops.review_page`). Everything it
-started is stopped on the way out, Ctrl-C included. It exits 1 when a task was lost: one
-that neither finished, failed on its last attempt nor was dead-lettered.
+started is stopped on the way out, Ctrl-C included, and on a Redis it did not start (a
+``GATEKEEPER_REDIS_URL``) what it wrote there is then removed: its namespace's keys and its
+queues (``--keep`` keeps them, for ``gatekeeper status`` with its namespace). It exits 1 when
+a task was lost: one that neither finished, failed on its last attempt nor was dead-lettered.
 """
 
 from __future__ import annotations
@@ -86,6 +88,30 @@ def _stop(children: list[Child]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(child.process.pid, signal.SIGKILL)
             child.process.wait()
+
+
+def _glob(text: str) -> str:
+    """``text`` matched as written in a ``SCAN`` pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _remove(url: str, keys: Keys, run_id: str) -> None:
+    """Remove what the demo wrote to a Redis it did not start, once its workers are stopped:
+    its namespace's keys, its queues (with their priority lists and the replayer's claims)
+    and kombu's bindings of them (``binding_permanent``: kombu 5.5 and later)."""
+    removed, where, queues = 0, without_passwords(url), f"{_glob(run_id)}.*"
+    patterns = (f"{_glob(keys.base)}:*", queues, f"_kombu.binding.{queues}",
+                f"_kombu.binding_permanent.{queues}")  # fmt: skip
+    pattern = patterns[0]
+    try:
+        client = redis.Redis.from_url(url)
+        for pattern in patterns:
+            for name in client.scan_iter(match=pattern, count=1000):
+                removed += int(client.delete(name))
+    except redis.RedisError as exc:
+        click.echo(f"could not remove the demo's keys from {where} ({pattern}): {exc}", err=True)
+        return
+    click.echo(f"removed the demo's {removed} keys from {where} (--keep keeps them)")
 
 
 def _spawn(name: str, module: str, env: dict[str, str], folder: Path) -> Child:
@@ -179,8 +205,15 @@ def _wait_ready(child: Child, timeout_s: float = 60) -> None:
     default=None,
     help="Where to write the review as an HTML page of charts (default: the temp dir).",
 )
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Keep the demo's namespace and queues on a Redis it did not start (removed by default).",
+)
 @click.pass_context
-def demo(ctx: click.Context, timeout_s: float, out: Path | None, html_path: Path | None) -> None:
+def demo(
+    ctx: click.Context, timeout_s: float, out: Path | None, html_path: Path | None, keep: bool
+) -> None:
     """Run the declared workload through a free worker, a reserved worker and the replayer."""
     base = settings_of(ctx)
     # Ctrl-C and kill both unwind through the ExitStack, which stops every child; set here
@@ -189,6 +222,7 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None, html_path: Path
     signal.signal(signal.SIGTERM, _interrupt)
     with ExitStack() as stack:
         url = base.redis_url
+        shared = bool(url)
         if not url:
             try:
                 url = stack.enter_context(EmbeddedRedis()).url
@@ -221,6 +255,8 @@ def demo(ctx: click.Context, timeout_s: float, out: Path | None, html_path: Path
             raise click.ClickException(
                 f"the demo's Redis ({without_passwords(url)}): {exc}"
             ) from exc
+        if shared and not keep:  # after the children are stopped (the stack unwinds in reverse)
+            stack.callback(_remove, url, Keys(settings.key_prefix, settings.namespace), run_id)
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gatekeeper-demo-")))
         children: list[Child] = []
         stack.callback(_stop, children)
