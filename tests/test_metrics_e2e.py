@@ -123,10 +123,11 @@ def test_after_the_demo_once_quiet_a_scrape_agrees_with_status_and_the_ledger(
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
     env["GATEKEEPER_REDIS_URL"] = redis_url  # the suite's Redis: its state outlives the demo
     out = tmp_path / "ledger.json"
-    demo = subprocess.run([sys.executable, "-m", "gatekeeper", "demo", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True,
+    demo = subprocess.run([sys.executable, "-m", "gatekeeper", "demo", "--out", str(out),
+                           "--keep"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)  # fmt: skip
     assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "removed the demo's" not in demo.stdout  # --keep: its namespace is read below
     run = json.loads(out.read_text())["run"]
     roles = {role: f"{run}.{role}" for role in ("free", "defer", "reserved", "dead_letter")}
     env.update({f"GATEKEEPER_{role.upper()}_QUEUE": name for role, name in roles.items()})
