@@ -172,8 +172,8 @@ def test_rows_count_killed_abandoned_and_slack_misses_where_they_are_written(
     abandoned = make_row(job_id="a", attempt=1, path=RowPath.FREE, outcome=Outcome.ABANDONED,
                          queue_wait_ms=0, tokens_in=0, tokens_out=0,
                          deadline_slack_ms=-5)  # fmt: skip
-    assert ledger.abandon(abandoned, now, True, "n1").written
-    assert not ledger.abandon(abandoned, now, True, "n1").written  # once per attempt
+    assert ledger.abandon(abandoned, now, slack_miss=True).written
+    assert not ledger.abandon(abandoned, now, slack_miss=True).written  # once per attempt
     killed = make_row(job_id="k", attempt=1, path=RowPath.FREE, outcome=Outcome.KILLED,
                       queue_wait_ms=10, tokens_in=5, tokens_out=0, deadline_slack_ms=5)  # fmt: skip
     UnverifiedRuns(ledger).write(killed, 1, now)  # an unverified row is a ledger row too

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import redis
+from click.testing import CliRunner
 
 from gatekeeper.core.dwell import Decision, Reason
-from gatekeeper.core.ledger import BudgetMode, Outcome, window_id
+from gatekeeper.core.ledger import BudgetMode, Outcome, Path, make_row, window_id
+from gatekeeper.ops.cli import main
 from gatekeeper.redis.call import GateCall
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
@@ -19,6 +22,7 @@ from gatekeeper.redis.sweep import sweep
 from tests.apps.gated_app import create_app
 from tests.calls import gate_call
 from tests.conftest import gate_settings, initialised, queue_messages
+from tests.test_replay import defer_tasks, ids_in, replay_once
 
 KEYS = Keys()
 WINDOW_S = 60
@@ -148,8 +152,6 @@ def test_a_task_id_used_again_after_its_abandonment_is_decided_afresh(
     # runs, so a publish of the same task id and attempt was `duplicate_publish` for the
     # record's two days, ran on reserved and was counted as forged; and the abandonment's
     # marker refused the row of a second abandonment of that id.
-    from tests.test_replay import defer_tasks, ids_in, replay_once
-
     def abandoned_rows() -> list[str]:
         rows = []
         for key in redis_client.scan_iter(match="gatekeeper:*:rows"):
@@ -167,3 +169,55 @@ def test_a_task_id_used_again_after_its_abandonment_is_decided_afresh(
     (message,) = queue_messages(redis_client, "free")
     assert message["headers"]["gatekeeper_reason"] == "fits"
     assert ids_in(redis_client, "dead_letter") == ["again", "again"]
+
+
+def abandon_in_defer(redis_url: str, client: redis.Redis) -> None:
+    defer_tasks(redis_url, client, 1, headers={"gatekeeper_deadline_s": 2.5}, task_id="J")
+    time.sleep(2.6)
+
+
+def test_a_requeued_abandonment_is_live_again_and_a_publish_beside_it_is_a_duplicate(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reviewer: a dead-letter requeue (a replay: it presents the record's nonce) left the
+    # record marked abandoned, so a publish of the id while the requeued copy was live took
+    # its record (two admissions, one reservation) and the requeued copy ran as forged.
+    abandon_in_defer(redis_url, redis_client)
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
+                        ("CANARY_PERCENT", "100")):  # fmt: skip
+        monkeypatch.setenv(f"GATEKEEPER_{name}", value)
+    done = CliRunner().invoke(main, ["dead-letter", "requeue", "J", "--deadline-s", "600"])
+    assert done.exit_code == 0, done.output
+    (requeued,) = queue_messages(redis_client, "free")
+    app = create_app(gate_settings(redis_url), redis_url)
+    app.tasks["tests.embed"].apply_async((1,), task_id="J")
+    (again,) = queue_messages(redis_client, "reserved")
+    assert again["headers"]["gatekeeper_reason"] == "duplicate_publish"
+    runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+    nonce = requeued["headers"]["gatekeeper_nonce"]
+    assert runs.start("J", 1, nonce, {"task": "tests.embed", "worker": "w"}, 1).record is not None
+
+
+def test_a_copy_of_an_abandoned_message_left_by_a_killed_pass_is_not_rowed_again(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: the replayer wrote the abandonment and was killed before the message left
+    # defer; the id was published again (a new life, with the record's new nonce), so the
+    # next pass took the left message for a stranger's and wrote a second, unverified row.
+    abandon_in_defer(redis_url, redis_client)
+    (left,) = queue_messages(redis_client, "defer")
+    runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+    row = make_row(job_id="J", attempt=1, path=Path.FREE, outcome=Outcome.ABANDONED,
+                   queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=-1)  # fmt: skip
+    assert runs.abandon(row, round(time.time() * 1000), False, left["headers"]["gatekeeper_nonce"])
+    app = create_app(gate_settings(redis_url), redis_url)
+    app.tasks["tests.embed"].apply_async((1,), task_id="J")  # a new life: admitted
+    assert [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "free")] == [
+        "fits"
+    ]
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    rows = [json.loads(raw) for key in redis_client.scan_iter(match="gatekeeper:*:rows")
+            for raw in redis_client.lrange(key, 0, -1)]  # fmt: skip
+    assert [(r["job_id"], r["outcome"]) for r in rows] == [("J", "abandoned")]
+    assert redis_client.hget(KEYS.totals, "abandoned") == b"1"

@@ -74,8 +74,8 @@ def test_an_abandoned_row_sent_twice_is_written_once(redis_client: redis.Redis) 
     row = make_row(job_id="job", attempt=1, path=Path.RESERVED, outcome=Outcome.ABANDONED,
                    queue_wait_ms=0, tokens_in=0, tokens_out=0,
                    deadline_slack_ms=-1)  # fmt: skip
-    assert runs.abandon(row, T0_MS, True, "n1").written
-    assert not runs.abandon(row, T0_MS, True, "n1").written
+    assert runs.abandon(row, T0_MS, slack_miss=True).written
+    assert not runs.abandon(row, T0_MS, slack_miss=True).written
     assert redis_client.llen(KEYS.window_rows(WINDOW)) == 1
     window = redis_client.hgetall(KEYS.window(WINDOW))
     assert (window[b"rows:abandoned"], window[b"slack_misses"]) == (b"1", b"1")

@@ -358,7 +358,7 @@ def test_an_abandoned_free_admission_is_a_recorded_miss(
     play_history(redis_url, redis_client)
     runs = RunLedger(redis_client, Keys(), window_seconds=900, queue_wait_unit_per_second=200)
     row = LedgerRow("d1", 2, Path.RESERVED, 0, 0, 0, Outcome.ABANDONED, -5, 0.0)
-    assert runs.abandon(row, int((T0 + 300) * 1000), True, "n1").written
+    assert runs.abandon(row, int((T0 + 300) * 1000), slack_miss=True).written
     recorded = read_records(redis_client, Keys(), 0)
     assert [(job, attempt) for job, attempt, _ in recorded.misses] == [("a2", 1), ("d1", 2)]
     # d1's miss (its second attempt, abandoned) belongs to its free admission, attempt 1.
@@ -374,7 +374,7 @@ def test_with_a_cap_of_zero_a_miss_adds_nothing_to_an_old_stream(
                      decision_record_cap=0)  # fmt: skip
     for i in range(3):
         row = LedgerRow(f"x{i}", 1, Path.RESERVED, 0, 0, 0, Outcome.ABANDONED, -5, 0.0)
-        assert runs.abandon(row, int(T0 * 1000), True, "n1").written
+        assert runs.abandon(row, int(T0 * 1000), slack_miss=True).written
     assert redis_client.xlen(Keys().decisions) == length
 
 

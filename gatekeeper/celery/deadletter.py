@@ -123,6 +123,8 @@ def abandon(
     was_free = trusted and record.get("free_admitted") == "1"
     if trusted:
         done = self.runs.abandon(row, round(now * 1000), was_free, record["nonce"])
+    elif self.runs.abandoned_before(job_id, attempt, nonce_of(headers)):
+        done = Finished(False, 0, 0)  # a copy of an earlier life's abandoned message: rowed
     else:
         # Run 0: the attempt's abandonment, rowed once (a message given back and abandoned
         # again by a later pass is rowed as the first time).

@@ -1,6 +1,8 @@
 -- abandon.lua: the `abandoned` row of a deferred attempt whose deadline passed, written once.
 --
--- KEYS[1] abandoned:<job_id>:<attempt>  string marker: the nonce whose abandonment is rowed
+-- KEYS[1] abandoned:<job_id>:<attempt>  string marker: '1' once the attempt has its row; the
+--                                       nonce of its abandoned message once a publish of
+--                                       the task id started the attempt again (gate.lua)
 -- KEYS[2] window:<id>                   hash: rows:abandoned, slack_misses, admitted_free
 -- KEYS[3] window:<id>:rows              list: ledger rows (JSON)
 -- KEYS[4] totals                        hash: lifetime abandoned, slack_misses (never expire)
@@ -13,24 +15,27 @@
 -- ARGV[3] slack_miss    1 when an earlier attempt of the job was admitted to the free path
 -- ARGV[4] member        <job_id>:<attempt>
 -- ARGV[5] record_cap    how many decision records to keep (about); '0': none
--- ARGV[6] nonce         the abandoned message's, the record's (an older replayer sends none)
+-- ARGV[6] nonce         the abandoned message's (an older replayer sends none)
 --
 -- Returns {written (0|1), slack_misses, admitted_free} of the window.
 
--- Once per publish of the attempt: a task id used again after its abandonment is a new life
--- of the attempt (gate.lua), whose own abandonment is rowed too. '1': an older version's.
-local nonce = ARGV[6] or '1'
-local prior = redis.call('GET', KEYS[1])
-if prior == '1' or prior == nonce then
-  return {0, 0, 0}
-end
-redis.call('SET', KEYS[1], nonce, 'EX', tonumber(ARGV[2]))
--- The abandonment is the attempt's row: a publish of this task id and attempt after it is
--- not a duplicate of a live one, but starts the attempt again (gate.lua, record.lua,
--- fallback.lua), as a publish after a run's row does.
-if KEYS[6] and nonce ~= '1' and redis.call('HGET', KEYS[6], 'nonce') == nonce then
+if ARGV[6] then
+  -- Only the message of the record's nonce: a copy of an earlier life (the task id was
+  -- published again after it ended) is not this attempt's now, and writes nothing.
+  if redis.call('HGET', KEYS[6], 'nonce') ~= ARGV[6] then
+    return {0, 0, 0}
+  end
+  -- The abandonment ends the attempt as a run's row does: a publish of the task id after it
+  -- is not a duplicate of a live one, but starts the attempt again (gate.lua, record.lua,
+  -- fallback.lua). Marked again when a replay revived it (a dead-letter requeue) and it is
+  -- abandoned once more, which writes no second row.
   redis.call('HSET', KEYS[6], 'abandoned', '1')
 end
+-- Once per life of the attempt: '1' is this life's row (a nonce: an earlier life's).
+if redis.call('GET', KEYS[1]) == '1' then
+  return {0, 0, 0}
+end
+redis.call('SET', KEYS[1], '1', 'EX', tonumber(ARGV[2]))
 redis.call('RPUSH', KEYS[3], ARGV[1])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))
 redis.call('HINCRBY', KEYS[2], 'rows:abandoned', 1)

@@ -40,8 +40,16 @@ if done[1] and done[1] ~= ARGV[6] and (runs == 0 or rowed < runs) and not done[7
   redis.call('HSET', KEYS[1], 'dup:' .. ARGV[1], ARGV[2] .. '|' .. ARGV[3])
   return false
 end
-if (done[4] or done[7]) and done[1] ~= ARGV[6] then  -- a reused task id after its row
-  redis.call('HDEL', KEYS[1], 'runs', 'rowed', 'abandoned')  -- counted anew (as gate.lua)
+if done[4] and done[1] ~= ARGV[6] then  -- a reused task id after its row: counted anew
+  redis.call('HDEL', KEYS[1], 'runs', 'rowed')  -- (as gate.lua does)
+end
+if done[7] then  -- live again (as gate.lua's `revived`)
+  redis.call('HDEL', KEYS[1], 'abandoned')
+  if done[1] ~= ARGV[6] then
+    local base = string.match(KEYS[1], '^[^{]*{[^}]*}')
+    redis.call('SET', base .. ':abandoned:' .. string.sub(KEYS[1], #base + 6), done[1], 'XX',
+      'KEEPTTL')
+  end
 end
 local fields = {'nonce', ARGV[1], 'decision', ARGV[2], 'reason', ARGV[3]}
 for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end

@@ -69,8 +69,16 @@ local runs, rowed = tonumber(held[2] or '0'), tonumber(held[3] or '0')
 if held[1] and held[1] ~= ARGV[7] and (runs == 0 or rowed < runs) and not held[4] then
   return 'unrecorded'
 end
-if (held[2] or held[4]) and held[1] ~= ARGV[7] then  -- a reused task id after its row
-  redis.call('HDEL', KEYS[2], 'runs', 'rowed', 'abandoned')  -- counted anew (as gate.lua)
+if held[2] and held[1] ~= ARGV[7] then  -- a reused task id after its row: counted anew
+  redis.call('HDEL', KEYS[2], 'runs', 'rowed')  -- (as gate.lua does)
+end
+if held[4] then  -- live again (as gate.lua's `revived`)
+  redis.call('HDEL', KEYS[2], 'abandoned')
+  if held[1] ~= ARGV[7] then
+    local base = string.match(KEYS[2], '^[^{]*{[^}]*}')
+    redis.call('SET', base .. ':abandoned:' .. string.sub(KEYS[2], #base + 6), held[1], 'XX',
+      'KEEPTTL')
+  end
 end
 local free = '0'
 if KEYS[3] ~= KEYS[2] and redis.call('HGET', KEYS[3], 'free_admitted') == '1' then

@@ -101,8 +101,11 @@ namespace's slot):
     ``<job_id>:<attempt>`` -> start time (ms) of an unverified attempt whose latest run has no
     row yet; the sweep rows those whose worker is gone, as it does ``started``.
 ``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
-    The nonce of the publish of the attempt whose ``abandoned`` row is written (the replayer
-    writes it once per publish; ``1``: written by an older version, once per attempt).
+    ``1``: the attempt's ``abandoned`` row is written (the replayer writes it once; a replay
+    of it, a dead-letter requeue, abandoned again writes none). A publish of the task id
+    after it starts the attempt again, and the marker then holds the abandoned message's
+    nonce: a copy of it left in defer writes no second row, and the new life's abandonment
+    is rowed.
 ``gatekeeper:{default}:stats`` - hash, no TTL
     Counters an operator should see in ``gatekeeper status``: ``reruns_after_row``, runs of
     an attempt that already had its row (a message the broker delivered again after it

@@ -299,9 +299,12 @@ class RunLedger:
         except (redis.RedisError, ValueError) as exc:  # ValueError: not finish.lua's reply
             raise LedgerUnavailable(f"cannot write the row of {member}: {exc}") from exc
 
-    def abandon(self, row: LedgerRow, now_ms: int, slack_miss: bool, nonce: str) -> Finished:
-        """Write an attempt's ``abandoned`` row once per publish of it (``nonce``: the
-        message's, the gate record's): a replayer crash cannot write two."""
+    def abandon(
+        self, row: LedgerRow, now_ms: int, slack_miss: bool, nonce: str | None = None
+    ) -> Finished:
+        """Write an attempt's ``abandoned`` row once (a replayer crash cannot write two), and
+        with ``nonce`` (the message's) only while the gate's record holds it, marking the
+        record ended (``abandoned``): a publish of the task id after it starts it again."""
         window = window_id(now_ms / 1000, self.window_seconds)
         keys = [
             self.keys.abandoned(row.job_id, row.attempt),
@@ -312,12 +315,23 @@ class RunLedger:
             self.keys.run(row.job_id, row.attempt),
         ]
         args = [json.dumps(row.to_json()), str(self.retention_s), "1" if slack_miss else "0",
-                f"{row.job_id}:{row.attempt}", self.record_cap, nonce]  # fmt: skip
+                f"{row.job_id}:{row.attempt}", self.record_cap]  # fmt: skip
+        if nonce is not None:
+            args.append(nonce)
         try:
             written, misses, admitted = evalsha(self.client, self._abandon, keys, args)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot write the abandoned row: {exc}") from exc
         return Finished(bool(written), int(misses), int(admitted))
+
+    def abandoned_before(self, job_id: str, attempt: int, nonce: str) -> bool:
+        """Whether ``nonce`` is the message of an earlier life of the attempt whose
+        abandonment is rowed (the task id was published again after it: gate.lua)."""
+        try:
+            marker = self.client.get(self.keys.abandoned(job_id, attempt))
+        except redis.RedisError as exc:
+            raise LedgerUnavailable(f"cannot read the abandonment of {job_id}: {exc}") from exc
+        return bool(nonce) and marker is not None and text_of(marker) == nonce
 
     def stale(self, now_ms: int, older_than_s: float) -> list[tuple[str, int]]:
         """Attempts started more than ``older_than_s`` ago that still have no row."""
