@@ -567,3 +567,21 @@ def test_a_child_killed_under_retry_on_worker_lost_is_one_killed_row_then_its_re
     expected = [(job, 1, "killed")] + [(job, 2, "ok")] * RETRIES_ON_WORKER_LOST
     assert shown == expected, log.read_text()
     assert "reason=WorkerLostError" in log.read_text()
+
+
+def test_a_late_rerun_after_a_cut_record_alerts_with_the_dwell_it_was_admitted_with(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # Its first run rejected and requeued (a killed row; the record cut, which drops dwell_s),
+    # its copy ends ok after the deadline: the slack-miss alert said dwell_s=nan. SPEC: the
+    # alert carries the dwell; the gate's own message (its nonce is the record's) has it.
+    log = tmp_path / "w.log"
+    late = {"headers": {"gatekeeper_deadline_s": 1.3}}  # admitted (dwell 1 s), runs 2 x 0.8 s
+    with running_worker(redis_url, log):
+        job = app_for(redis_url).tasks["tests.rejects"].apply_async(kwargs={"sleep_s": 0.8},
+                                                                     **late).id  # fmt: skip
+        found = wait_rows(redis_client, 2)
+    assert [(r["job_id"], r["outcome"]) for r in found] == [(job, "killed"), (job, "ok")]
+    (alert,) = [line for line in log.read_text().splitlines() if "slack_miss=true" in line]
+    dwell = float(re.search(r" dwell_s=(\S+)", alert).group(1))  # type: ignore[union-attr]
+    assert dwell == pytest.approx(1.0, abs=0.2), alert

@@ -10,6 +10,7 @@ headers, for a row that is marked unverified and charges nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +22,7 @@ from gatekeeper.core.headers import (
     H_ATTEMPT_PUBLISHED_AT,
     H_DEADLINE_AT,
     H_DECISION,
+    H_DWELL_S,
     H_NONCE,
     H_PUBLISHED_AT,
     H_TOKENS_IN,
@@ -41,7 +43,7 @@ __all__ = [
 ]
 
 READ = (H_ATTEMPT, H_DECISION, H_NONCE, H_ATTEMPT_PUBLISHED_AT, H_PUBLISHED_AT, H_DEADLINE_AT,
-        H_TOKENS_IN, H_TOKENS_OUT, "retries")  # fmt: skip
+        H_TOKENS_IN, H_TOKENS_OUT, H_DWELL_S, "retries")  # fmt: skip
 """The headers the worker side reads (from the request context, or the received message)."""
 
 
@@ -140,6 +142,20 @@ def _seconds(value: Any) -> float:
     except (TypeError, ValueError):
         return 0.0
     return number if math.isfinite(number) else 0.0
+
+
+def with_dwell(record: RunRecord, headers: Mapping[str, Any]) -> RunRecord:
+    """A verified run's record with the dwell it was decided with: a record cut after an
+    earlier run's row keeps none (gatekeeper/redis/kept.py), so a late rerun's slack-miss
+    alert takes it from the message, the gate's own (its nonce is the record's), as the
+    replayer's abandonment alert does."""
+    if not math.isnan(record.dwell_s):
+        return record
+    try:
+        dwell = float(headers.get(H_DWELL_S))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return record
+    return dataclasses.replace(record, dwell_s=dwell) if math.isfinite(dwell) else record
 
 
 def unverified(task: Any, headers: Mapping[str, Any], started_ms: int) -> RunRecord:

@@ -219,7 +219,8 @@ class WorkerSide:
                 self.unverified.refused(task, job_id, attempt, starting.headers, started,
                                         starting.now, self._running)  # fmt: skip
                 return
-            self._running[job_id] = Running(attempt, started.run, started.record, True)
+            record = message.with_dwell(started.record, starting.headers)
+            self._running[job_id] = Running(attempt, started.run, record, True)
             if started.dead is not None:
                 self._end(
                     job_id, attempt, started.dead_run, started.dead, Outcome.KILLED,
