@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from gatekeeper.core.review import RATIO_MEANINGS
 from gatekeeper.ops.cli import main
-from gatekeeper.ops.demo import _remove
+from gatekeeper.ops.leftovers import remove_demo
 from gatekeeper.redis.keys import Keys
 from tests.conftest import REPO_ROOT, unused_port
 
@@ -137,7 +137,46 @@ def test_the_demo_removes_what_it_wrote_to_a_redis_it_did_not_start(
               "_kombu.binding_deadlines"]  # fmt: skip
     for name in ours + theirs:
         redis_client.set(name, "1")
-    _remove(redis_url, keys, run_id)
+    remove_demo(redis_url, redis_url, keys, run_id)
     assert [redis_client.exists(name) for name in ours] == [0] * len(ours)
     assert [redis_client.exists(name) for name in theirs] == [1] * len(theirs)
     assert f"removed the demo's {len(ours)} keys" in capsys.readouterr().out
+
+
+def test_the_demo_removes_its_queues_from_a_broker_of_their_own(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A reviewer: with GATEKEEPER_BROKER_URL another database, the queues' keys and kombu's
+    # bindings stayed there; only the gate's Redis was cleaned.
+    run_id, keys = "demo-2-b", Keys("gatekeeper", "demo-2-b")
+    broker_url = redis_url.rsplit("/", 1)[0] + "/3"
+    broker = redis.Redis.from_url(broker_url)
+    queues = [f"{run_id}.free", f"_kombu.binding.{run_id}.free", f"{run_id}.defer:replayers"]
+    for name in [*queues, "celery"]:
+        broker.set(name, "1")
+    redis_client.set(keys.flags, "1")
+    redis_client.set(f"{run_id}.free", "1")  # the gate's server is not the broker: not a queue
+    remove_demo(redis_url, broker_url, keys, run_id)
+    assert [broker.exists(name) for name in queues] == [0, 0, 0] and broker.exists("celery")
+    assert not redis_client.exists(keys.flags) and redis_client.exists(f"{run_id}.free")
+    assert "removed the demo's 3 keys from" in capsys.readouterr().out
+    broker.flushdb()
+
+
+def test_the_demo_removes_its_queues_from_rabbitmq(
+    rabbitmq_url: str, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from amqp.exceptions import NotFound
+    from kombu import Connection, Exchange, Queue
+
+    run_id = "demo-3-c"
+    names = [f"{run_id}.{role}" for role in ("free", "defer", "reserved", "dead_letter")]
+    with Connection(rabbitmq_url) as connection:
+        for name in names:
+            Queue(name, Exchange(name), name)(connection.default_channel).declare()
+    remove_demo(redis_url, rabbitmq_url, Keys("gatekeeper", run_id), run_id)
+    assert "removed the demo's 4 queues from" in capsys.readouterr().out
+    with Connection(rabbitmq_url) as connection:
+        for name in names:
+            with pytest.raises(NotFound):
+                connection.channel().queue_declare(name, passive=True)

@@ -39,6 +39,7 @@ from gatekeeper.core.review import RATIO_MEANINGS, Review, summarize_review
 from gatekeeper.errors import EmbeddedRedisError, LedgerUnavailable
 from gatekeeper.ops.context import settings_of
 from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.ops.leftovers import remove_demo
 from gatekeeper.ops.review_page import review_page
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
@@ -88,30 +89,6 @@ def _stop(children: list[Child]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(child.process.pid, signal.SIGKILL)
             child.process.wait()
-
-
-def _glob(text: str) -> str:
-    """``text`` matched as written in a ``SCAN`` pattern."""
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
-def _remove(url: str, keys: Keys, run_id: str) -> None:
-    """Remove what the demo wrote to a Redis it did not start, once its workers are stopped:
-    its namespace's keys, its queues (with their priority lists and the replayer's claims)
-    and kombu's bindings of them (``binding_permanent``: kombu 5.5 and later)."""
-    removed, where, queues = 0, without_passwords(url), f"{_glob(run_id)}.*"
-    patterns = (f"{_glob(keys.base)}:*", queues, f"_kombu.binding.{queues}",
-                f"_kombu.binding_permanent.{queues}")  # fmt: skip
-    pattern = patterns[0]
-    try:
-        client = redis.Redis.from_url(url)
-        for pattern in patterns:
-            for name in client.scan_iter(match=pattern, count=1000):
-                removed += int(client.delete(name))
-    except redis.RedisError as exc:
-        click.echo(f"could not remove the demo's keys from {where} ({pattern}): {exc}", err=True)
-        return
-    click.echo(f"removed the demo's {removed} keys from {where} (--keep keeps them)")
 
 
 def _spawn(name: str, module: str, env: dict[str, str], folder: Path) -> Child:
@@ -235,6 +212,7 @@ def demo(
         env.update(
             GATEKEEPER_REDIS_URL=url,
             GATEKEEPER_BROKER_URL=base.broker_url or url,
+            GATEKEEPER_KEY_PREFIX=base.key_prefix,  # the children's keys are the parent's
             GATEKEEPER_NAMESPACE=run_id,
             GATEKEEPER_FREE_QUEUE=f"{run_id}.free",
             GATEKEEPER_DEFER_QUEUE=f"{run_id}.defer",
@@ -256,7 +234,8 @@ def demo(
                 f"the demo's Redis ({without_passwords(url)}): {exc}"
             ) from exc
         if shared and not keep:  # after the children are stopped (the stack unwinds in reverse)
-            stack.callback(_remove, url, Keys(settings.key_prefix, settings.namespace), run_id)
+            stack.callback(remove_demo, url, base.broker_url or url,
+                           Keys(settings.key_prefix, settings.namespace), run_id)  # fmt: skip
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gatekeeper-demo-")))
         children: list[Child] = []
         stack.callback(_stop, children)
