@@ -169,13 +169,15 @@ def test_the_demo_removes_its_queues_from_rabbitmq(
     from amqp.exceptions import NotFound
     from kombu import Connection, Exchange, Queue
 
+    # A reviewer: the replayer's delay queues (`<defer>.delay.<ms>`) stayed.
     run_id = "demo-3-c"
     names = [f"{run_id}.{role}" for role in ("free", "defer", "reserved", "dead_letter")]
+    names.append(f"{run_id}.defer.delay.500")  # of the ladder 500, 1000: only one was made
     with Connection(rabbitmq_url) as connection:
         for name in names:
             Queue(name, Exchange(name), name)(connection.default_channel).declare()
-    remove_demo(redis_url, rabbitmq_url, Keys("gatekeeper", run_id), run_id)
-    assert "removed the demo's 4 queues from" in capsys.readouterr().out
+    remove_demo(redis_url, rabbitmq_url, Keys("gatekeeper", run_id), run_id, [500, 1000])
+    assert "removed the demo's 5 queues from" in capsys.readouterr().out
     with Connection(rabbitmq_url) as connection:
         for name in names:
             with pytest.raises(NotFound):

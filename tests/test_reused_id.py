@@ -199,25 +199,58 @@ def test_a_requeued_abandonment_is_live_again_and_a_publish_beside_it_is_a_dupli
     assert runs.start("J", 1, nonce, {"task": "tests.embed", "worker": "w"}, 1).record is not None
 
 
+def abandoned_rows(client: redis.Redis) -> int:
+    rows = [json.loads(raw) for key in client.scan_iter(match="gatekeeper:*:rows")
+            for raw in client.lrange(key, 0, -1)]  # fmt: skip
+    count = sum(r["job_id"] == "J" and r["outcome"] == "abandoned" for r in rows)
+    assert int(client.hget(KEYS.totals, "abandoned") or 0) == count
+    return count
+
+
 def test_a_copy_of_an_abandoned_message_left_by_a_killed_pass_is_not_rowed_again(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
-    # A reviewer: the replayer wrote the abandonment and was killed before the message left
-    # defer; the id was published again (a new life, with the record's new nonce), so the
-    # next pass took the left message for a stranger's and wrote a second, unverified row.
+    # Two reviewers: the replayer claimed the message, wrote its abandonment and was killed
+    # before the move; the id was published again (a new life, the record's nonce new) and
+    # deferred. The next pass rowed the new life, then took the copy it took back for a
+    # stranger's and wrote it a second, unverified row.
     abandon_in_defer(redis_url, redis_client)
-    (left,) = queue_messages(redis_client, "defer")
+    redis_client.rpoplpush("defer", "defer:replaying")  # a pass's claim (its tenure is dead)
+    (left,) = queue_messages(redis_client, "defer:replaying")
     runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
     row = make_row(job_id="J", attempt=1, path=Path.FREE, outcome=Outcome.ABANDONED,
                    queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=-1)  # fmt: skip
     assert runs.abandon(row, round(time.time() * 1000), False, left["headers"]["gatekeeper_nonce"])
-    app = create_app(gate_settings(redis_url), redis_url)
-    app.tasks["tests.embed"].apply_async((1,), task_id="J")  # a new life: admitted
-    assert [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "free")] == [
-        "fits"
-    ]
+    abandon_in_defer(redis_url, redis_client)  # a new life, deferred
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 2}
+    assert abandoned_rows(redis_client) == 2  # one per life
+
+
+def test_each_life_of_a_reused_id_is_rowed_when_abandoned(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reviewer: a life revived by a dead-letter requeue that then ran to its row, or a
+    # record that expired (two days) before the id was used again, left the attempt's marker
+    # (eight days) saying "rowed", so the next life's abandonment got no row.
+    abandon_in_defer(redis_url, redis_client)
     assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
-    rows = [json.loads(raw) for key in redis_client.scan_iter(match="gatekeeper:*:rows")
-            for raw in redis_client.lrange(key, 0, -1)]  # fmt: skip
-    assert [(r["job_id"], r["outcome"]) for r in rows] == [("J", "abandoned")]
-    assert redis_client.hget(KEYS.totals, "abandoned") == b"1"
+    for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
+                        ("CANARY_PERCENT", "100")):  # fmt: skip
+        monkeypatch.setenv(f"GATEKEEPER_{name}", value)
+    done = CliRunner().invoke(main, ["dead-letter", "requeue", "J", "--deadline-s", "600"])
+    assert done.exit_code == 0, done.output
+    (requeued,) = queue_messages(redis_client, "free")
+    runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+    now_ms = round(time.time() * 1000)
+    started = runs.start("J", 1, requeued["headers"]["gatekeeper_nonce"], {"task": "t"}, now_ms)
+    assert started.record is not None
+    ok = runs.row_for("J", 1, started.record, Outcome.OK, now_ms + 1)
+    assert runs.finish(ok, started.run, started.record, now_ms + 1).written
+    redis_client.delete("free")
+    abandon_in_defer(redis_url, redis_client)  # life 2, after the requeued one ran
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    assert abandoned_rows(redis_client) == 2
+    redis_client.delete(KEYS.run("J", 1))  # its two days pass
+    abandon_in_defer(redis_url, redis_client)  # life 3
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    assert abandoned_rows(redis_client) == 3

@@ -1,14 +1,15 @@
 -- abandon.lua: the `abandoned` row of a deferred attempt whose deadline passed, written once.
 --
--- KEYS[1] abandoned:<job_id>:<attempt>  string marker: '1' once the attempt has its row; the
---                                       nonce of its abandoned message once a publish of
---                                       the task id started the attempt again (gate.lua)
+-- KEYS[1] abandoned:<job_id>:<attempt>  string marker: '1' once the attempt has its row
+--                                       (without ARGV[6]; with it, only read: written by
+--                                       an older version, which rowed once per attempt)
 -- KEYS[2] window:<id>                   hash: rows:abandoned, slack_misses, admitted_free
 -- KEYS[3] window:<id>:rows              list: ledger rows (JSON)
 -- KEYS[4] totals                        hash: lifetime abandoned, slack_misses (never expire)
 -- KEYS[5] decisions                     stream: the decision records; a slack miss adds an
 --                                       entry `miss` = ARGV[4] (unless ARGV[5] is 0)
 -- KEYS[6] run:<job_id>:<attempt>        hash: the gate's record of the attempt
+-- KEYS[7] abandoned:<job_id>:<attempt>:<nonce>  string marker: this message's row is written
 --
 -- ARGV[1] row           JSON (built by the Python core: no tokens, no wait charge)
 -- ARGV[2] retention_s
@@ -19,23 +20,28 @@
 --
 -- Returns {written (0|1), slack_misses, admitted_free} of the window.
 
+local marker = KEYS[1]
 if ARGV[6] then
-  -- Only the message of the record's nonce: a copy of an earlier life (the task id was
-  -- published again after it ended) is not this attempt's now, and writes nothing.
+  -- Only the message of the record's nonce: a copy of an earlier decision (the task id was
+  -- published again after it ended, or requeued) is not the attempt's now: no row.
   if redis.call('HGET', KEYS[6], 'nonce') ~= ARGV[6] then
     return {0, 0, 0}
   end
   -- The abandonment ends the attempt as a run's row does: a publish of the task id after it
   -- is not a duplicate of a live one, but starts the attempt again (gate.lua, record.lua,
-  -- fallback.lua). Marked again when a replay revived it (a dead-letter requeue) and it is
-  -- abandoned once more, which writes no second row.
+  -- fallback.lua), as does a dead-letter requeue. Each abandoned message (its nonce: one
+  -- decision) is rowed once, so each of those lives' abandonment is rowed, and a copy of
+  -- one (a twin, or one a killed replayer left in defer) is not rowed again, here or as a
+  -- stranger's (the replayer asks this marker: RunLedger.abandoned_before).
   redis.call('HSET', KEYS[6], 'abandoned', '1')
+  if redis.call('GET', KEYS[1]) == '1' then
+    return {0, 0, 0}  -- rowed by an older version, once per attempt
+  end
+  marker = KEYS[7]
 end
--- Once per life of the attempt: '1' is this life's row (a nonce: an earlier life's).
-if redis.call('GET', KEYS[1]) == '1' then
+if not redis.call('SET', marker, '1', 'NX', 'EX', tonumber(ARGV[2])) then
   return {0, 0, 0}
 end
-redis.call('SET', KEYS[1], '1', 'EX', tonumber(ARGV[2]))
 redis.call('RPUSH', KEYS[3], ARGV[1])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))
 redis.call('HINCRBY', KEYS[2], 'rows:abandoned', 1)

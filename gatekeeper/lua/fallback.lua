@@ -43,13 +43,8 @@ end
 if done[4] and done[1] ~= ARGV[6] then  -- a reused task id after its row: counted anew
   redis.call('HDEL', KEYS[1], 'runs', 'rowed')  -- (as gate.lua does)
 end
-if done[7] then  -- live again (as gate.lua's `revived`)
+if done[7] then  -- an abandoned attempt live again (as gate.lua)
   redis.call('HDEL', KEYS[1], 'abandoned')
-  if done[1] ~= ARGV[6] then
-    local base = string.match(KEYS[1], '^[^{]*{[^}]*}')
-    redis.call('SET', base .. ':abandoned:' .. string.sub(KEYS[1], #base + 6), done[1], 'XX',
-      'KEEPTTL')
-  end
 end
 local fields = {'nonce', ARGV[1], 'decision', ARGV[2], 'reason', ARGV[3]}
 for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end

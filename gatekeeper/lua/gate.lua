@@ -222,18 +222,9 @@ local function decided(decision, reason, dwell, projected)
       redis.call('HDEL', KEYS[6], 'runs', 'rowed')
     end
     if held[8] then
-      -- An abandoned attempt's record written again (abandon.lua): live again, so a publish
-      -- while it is live is a duplicate. A replay (a dead-letter requeue presents the
-      -- record's nonce) revives the same life, whose abandonment stays rowed once; any other
-      -- publish starts a new one, and the marker then names the abandoned message, whose
-      -- copies write no second row (abandon.lua, the replayer). Its key is built as the
-      -- horizon's above.
+      -- An abandoned attempt's record written again (a dead-letter requeue, or a publish
+      -- after the abandonment: abandon.lua): live again, so a publish beside it is a duplicate.
       redis.call('HDEL', KEYS[6], 'abandoned')
-      if held[1] ~= ARGV[24] then
-        local base = string.match(KEYS[6], '^[^{]*{[^}]*}')
-        redis.call('SET', base .. ':abandoned:' .. string.sub(KEYS[6], #base + 6), held[1],
-          'XX', 'KEEPTTL')
-      end
     end
     redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
       'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],

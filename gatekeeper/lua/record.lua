@@ -72,13 +72,8 @@ end
 if held[2] and held[1] ~= ARGV[7] then  -- a reused task id after its row: counted anew
   redis.call('HDEL', KEYS[2], 'runs', 'rowed')  -- (as gate.lua does)
 end
-if held[4] then  -- live again (as gate.lua's `revived`)
+if held[4] then  -- an abandoned attempt live again (as gate.lua)
   redis.call('HDEL', KEYS[2], 'abandoned')
-  if held[1] ~= ARGV[7] then
-    local base = string.match(KEYS[2], '^[^{]*{[^}]*}')
-    redis.call('SET', base .. ':abandoned:' .. string.sub(KEYS[2], #base + 6), held[1], 'XX',
-      'KEEPTTL')
-  end
 end
 local free = '0'
 if KEYS[3] ~= KEYS[2] and redis.call('HGET', KEYS[3], 'free_admitted') == '1' then

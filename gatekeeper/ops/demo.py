@@ -34,6 +34,7 @@ from typing import Any
 import click
 import redis
 
+from gatekeeper.celery.amqp import delay_ladder
 from gatekeeper.core.ledger import LedgerRow, Outcome, summarize, window_id
 from gatekeeper.core.review import RATIO_MEANINGS, Review, summarize_review
 from gatekeeper.errors import EmbeddedRedisError, LedgerUnavailable
@@ -234,8 +235,10 @@ def demo(
                 f"the demo's Redis ({without_passwords(url)}): {exc}"
             ) from exc
         if shared and not keep:  # after the children are stopped (the stack unwinds in reverse)
+            ladder = delay_ladder(settings.replay_backoff_s, settings.replay_backoff_max_s)
             stack.callback(remove_demo, url, base.broker_url or url,
-                           Keys(settings.key_prefix, settings.namespace), run_id)  # fmt: skip
+                           Keys(settings.key_prefix, settings.namespace), run_id,
+                           ladder)  # fmt: skip
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gatekeeper-demo-")))
         children: list[Child] = []
         stack.callback(_stop, children)

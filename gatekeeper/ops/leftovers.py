@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import click
 import redis
 from kombu.connection import Connection
+from kombu.exceptions import ChannelError
 
 from gatekeeper.redis.keys import Keys
 from gatekeeper.urls import without_passwords
@@ -18,12 +22,13 @@ def _glob(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def remove_demo(url: str, broker: str, keys: Keys, run_id: str) -> None:
+def remove_demo(url: str, broker: str, keys: Keys, run_id: str, delays: Sequence[int] = ()) -> None:
     """Remove what the demo wrote to servers it did not start, once its workers are stopped:
     its namespace's keys in the gate's Redis, and its queues on the broker: on Redis their
     lists (priority lists and the replayer's claims included) and kombu's bindings of them
-    (``binding_permanent``: kombu 5.5 and later); on another transport the queues and their
-    exchanges, through kombu."""
+    (``binding_permanent``: kombu 5.5 and later); on another transport (RabbitMQ) the queues,
+    the replayer's delay queues of each (``<queue>.delay.<ms>`` for ``delays``, whichever
+    were made) and their exchanges, through kombu."""
     queues = f"{_glob(run_id)}.*"
     on_redis = (f"{queues}", f"_kombu.binding.{queues}", f"_kombu.binding_permanent.{queues}")
     if broker == url:
@@ -33,19 +38,32 @@ def remove_demo(url: str, broker: str, keys: Keys, run_id: str) -> None:
     if broker.split(":", 1)[0] in ("redis", "rediss", "unix"):
         _remove_keys(broker, on_redis)
         return
-    names = [f"{run_id}.{role}" for role in ("free", "defer", "reserved", "dead_letter")]
+    roles = [f"{run_id}.{role}" for role in ("free", "defer", "reserved", "dead_letter")]
+    names = [*roles, *(f"{queue}.delay.{ms}" for queue in roles for ms in delays)]
+    removed = 0
     try:
         with Connection(broker, connect_timeout=5) as connection:  # type: ignore[no-untyped-call]
             connection.ensure_connection(max_retries=1)
-            channel = connection.default_channel
             for name in names:
-                channel.queue_delete(name)
-                channel.exchange_delete(name)
+                removed += _delete_queue(connection, name)
     except Exception as exc:  # the broker gone: say so, never hide the demo's own result
         click.echo(f"could not remove the demo's queues from {without_passwords(broker)}: "
                    f"{exc}", err=True)  # fmt: skip
         return
-    click.echo(f"removed the demo's {len(names)} queues from {without_passwords(broker)}")
+    click.echo(f"removed the demo's {removed} queues from {without_passwords(broker)}")
+
+
+def _delete_queue(connection: Any, name: str) -> int:
+    """Delete a queue and its exchange of the same name; 0 when there was none (checked
+    first: a failed operation closes its channel)."""
+    try:
+        connection.channel().queue_declare(name, passive=True)
+    except ChannelError:
+        return 0
+    channel = connection.channel()
+    channel.queue_delete(name)
+    channel.exchange_delete(name)  # Celery's queue is bound to an exchange of its name
+    return 1
 
 
 def _remove_keys(url: str, patterns: tuple[str, ...]) -> None:

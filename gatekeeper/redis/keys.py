@@ -100,12 +100,13 @@ namespace's slot):
 ``gatekeeper:{default}:unverified:started`` - sorted set, no TTL
     ``<job_id>:<attempt>`` -> start time (ms) of an unverified attempt whose latest run has no
     row yet; the sweep rows those whose worker is gone, as it does ``started``.
-``gatekeeper:{default}:abandoned:<job_id>:<attempt>`` - string, TTL = window retention
-    ``1``: the attempt's ``abandoned`` row is written (the replayer writes it once; a replay
-    of it, a dead-letter requeue, abandoned again writes none). A publish of the task id
-    after it starts the attempt again, and the marker then holds the abandoned message's
-    nonce: a copy of it left in defer writes no second row, and the new life's abandonment
-    is rowed.
+``gatekeeper:{default}:abandoned:<job_id>:<attempt>:<nonce>`` - string, TTL = window retention
+    The ``abandoned`` row of the message carrying that nonce (one decision of the attempt) is
+    written: the replayer writes it once, and a copy of that message (a twin, one a killed
+    replayer left in defer) is not rowed again, also once the attempt went on (its task id
+    published again, a dead-letter requeue: each of those, abandoned, is rowed).
+    ``abandoned:<job_id>:<attempt>`` without the nonce: written by an earlier version, once
+    per attempt; read, so such an attempt is not rowed twice.
 ``gatekeeper:{default}:stats`` - hash, no TTL
     Counters an operator should see in ``gatekeeper status``: ``reruns_after_row``, runs of
     an attempt that already had its row (a message the broker delivered again after it
@@ -275,7 +276,10 @@ class Keys:
     def unverified(self, job_id: str, attempt: int) -> str:
         return f"{self.base}:unverified:{job_id}:{attempt}"
 
-    def abandoned(self, job_id: str, attempt: int) -> str:
+    def abandoned(self, job_id: str, attempt: int, nonce: str = "") -> str:
+        """The marker of an attempt's abandonment; with ``nonce``, of one message's."""
+        if nonce:
+            return f"{self.base}:abandoned:{job_id}:{attempt}:{nonce}"
         return f"{self.base}:abandoned:{job_id}:{attempt}"
 
     def worker(self, hostname: str) -> str:

@@ -313,6 +313,7 @@ class RunLedger:
             self.keys.totals,
             self.keys.decisions,
             self.keys.run(row.job_id, row.attempt),
+            self.keys.abandoned(row.job_id, row.attempt, nonce or ""),
         ]
         args = [json.dumps(row.to_json()), str(self.retention_s), "1" if slack_miss else "0",
                 f"{row.job_id}:{row.attempt}", self.record_cap]  # fmt: skip
@@ -325,13 +326,15 @@ class RunLedger:
         return Finished(bool(written), int(misses), int(admitted))
 
     def abandoned_before(self, job_id: str, attempt: int, nonce: str) -> bool:
-        """Whether ``nonce`` is the message of an earlier life of the attempt whose
-        abandonment is rowed (the task id was published again after it: gate.lua)."""
+        """Whether the message carrying ``nonce`` has its ``abandoned`` row (abandon.lua): a
+        copy of it found after the attempt went on (published again, requeued) is not
+        rowed again as a stranger's."""
+        if not nonce:
+            return False
         try:
-            marker = self.client.get(self.keys.abandoned(job_id, attempt))
+            return bool(self.client.exists(self.keys.abandoned(job_id, attempt, nonce)))
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot read the abandonment of {job_id}: {exc}") from exc
-        return bool(nonce) and marker is not None and text_of(marker) == nonce
 
     def stale(self, now_ms: int, older_than_s: float) -> list[tuple[str, int]]:
         """Attempts started more than ``older_than_s`` ago that still have no row."""
