@@ -11,10 +11,13 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from gatekeeper.celery.replay import Replayer
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.ledger import BudgetMode, Outcome, Path, make_row, window_id
 from gatekeeper.ops.cli import main
+from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.call import GateCall
+from gatekeeper.redis.gate_batch import route_all
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.store import GateStore
@@ -254,3 +257,47 @@ def test_each_life_of_a_reused_id_is_rowed_when_abandoned(
     abandon_in_defer(redis_url, redis_client)  # life 3
     assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
     assert abandoned_rows(redis_client) == 3
+
+
+def test_an_abandonment_after_a_decision_never_handed_on_is_the_gates_own(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A reviewer: a pass scored the deferred message (the record's nonce new, the message's
+    # now its prev_nonce) and died before handing it on; the next pass, after the deadline,
+    # abandoned it as a stranger's: an unverified row, no slack miss (attempt 1 ran free),
+    # and the record left live, so the task id was `duplicate_publish` for two days.
+    redis_client.hset(KEYS.run("J", 1), mapping={"decision": "admit_free", "free_admitted": "1"})
+    defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 2.5},
+                task_id="J", retries=1)  # fmt: skip
+    (message,) = queue_messages(redis_client, "defer")
+    record = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.run("J", 2)).items()}
+    replayer = Replayer(gate_settings(redis_url, max_queue_age_s=1.0), broker=redis_client,
+                        gate=redis_client)  # fmt: skip
+    redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
+    publish = carried_publish(message["headers"], "replay", record.get("label", ""))
+    assert route_all(replayer.pipeline, [publish])[0].queue == "defer"  # then it was killed
+    redis_client.zrem(KEYS.free_waiting, "stale:1")
+    time.sleep(2.6)
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    rows = [json.loads(raw) for key in redis_client.scan_iter(match="gatekeeper:*:rows")
+            for raw in redis_client.lrange(key, 0, -1)]  # fmt: skip
+    assert [(r["attempt"], r["outcome"], r.get("verified", True)) for r in rows] == [
+        (2, "abandoned", True)
+    ]
+    assert "slack_miss=true" in capsys.readouterr().err
+    app = create_app(gate_settings(redis_url), redis_url)
+    app.tasks["tests.embed"].apply_async((1,), task_id="J", retries=1)
+    assert [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "free")] == [
+        "fits"
+    ]
+
+
+def test_an_earlier_versions_marker_does_not_refuse_a_later_lifes_row(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: the per-attempt marker of the version before (8 days) refused the row of
+    # every later life of the attempt once its record (2 days) had gone.
+    redis_client.set(KEYS.abandoned("J", 1), "1", ex=8 * 86400)
+    abandon_in_defer(redis_url, redis_client)
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    assert abandoned_rows(redis_client) == 1

@@ -267,13 +267,15 @@ class Replayer:
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
                              queue=again.queue)  # fmt: skip
             return self._hand_on(taken, message, again, "handed_on_again")
-        deadline = headers.get(H_DEADLINE_AT)
-        if isinstance(deadline, (int, float)) and deadline <= now:
-            return abandon(self, taken, message, now, record)
         if gated and nonce_of(headers) and record.get("prev_nonce") == nonce_of(headers):
+            # Before the deadline's check: abandoned, it is the gate's message too (its row,
+            # slack miss and record's mark are the record's, not a stranger's unverified row).
             self.log.warning("replay_scored_not_handed_on", job_id=job_id, attempt=attempt,
                              decision=record.get("decision"))  # fmt: skip
             as_scored(self.pipeline.store, job_id, attempt, record, headers)
+        deadline = headers.get(H_DEADLINE_AT)
+        if isinstance(deadline, (int, float)) and deadline <= now:
+            return abandon(self, taken, message, now, record)
         if not (gated and self._deferred_by_the_gate(record, headers)):
             # Not a message the gate parked here (put in defer by hand or by a caller, or by
             # a publisher older than records): its headers are not the gate's, so it is not

@@ -1,8 +1,7 @@
 -- abandon.lua: the `abandoned` row of a deferred attempt whose deadline passed, written once.
 --
 -- KEYS[1] abandoned:<job_id>:<attempt>  string marker: '1' once the attempt has its row
---                                       (without ARGV[6]; with it, only read: written by
---                                       an older version, which rowed once per attempt)
+--                                       (without ARGV[6]: an older caller's way)
 -- KEYS[2] window:<id>                   hash: rows:abandoned, slack_misses, admitted_free
 -- KEYS[3] window:<id>:rows              list: ledger rows (JSON)
 -- KEYS[4] totals                        hash: lifetime abandoned, slack_misses (never expire)
@@ -33,10 +32,10 @@ if ARGV[6] then
   -- decision) is rowed once, so each of those lives' abandonment is rowed, and a copy of
   -- one (a twin, or one a killed replayer left in defer) is not rowed again, here or as a
   -- stranger's (the replayer asks this marker: RunLedger.abandoned_before).
+  -- (An older version's marker, per attempt, is not read: it would refuse the row of every
+  -- later life of the attempt for its eight days; a copy of a message that version rowed,
+  -- abandoned after the upgrade, is rowed again.)
   redis.call('HSET', KEYS[6], 'abandoned', '1')
-  if redis.call('GET', KEYS[1]) == '1' then
-    return {0, 0, 0}  -- rowed by an older version, once per attempt
-  end
   marker = KEYS[7]
 end
 if not redis.call('SET', marker, '1', 'NX', 'EX', tonumber(ARGV[2])) then

@@ -106,7 +106,8 @@ namespace's slot):
     replayer left in defer) is not rowed again, also once the attempt went on (its task id
     published again, a dead-letter requeue: each of those, abandoned, is rowed).
     ``abandoned:<job_id>:<attempt>`` without the nonce: written by an earlier version, once
-    per attempt; read, so such an attempt is not rowed twice.
+    per attempt; no longer read (it would refuse later lives' rows for its eight days), so
+    a copy of a message that version rowed, abandoned after the upgrade, is rowed again.
 ``gatekeeper:{default}:stats`` - hash, no TTL
     Counters an operator should see in ``gatekeeper status``: ``reruns_after_row``, runs of
     an attempt that already had its row (a message the broker delivered again after it
