@@ -5,6 +5,7 @@ them. Both were found by an audit of the budget ceiling."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -301,3 +302,30 @@ def test_an_earlier_versions_marker_does_not_refuse_a_later_lifes_row(
     abandon_in_defer(redis_url, redis_client)
     assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
     assert abandoned_rows(redis_client) == 1
+
+
+def test_a_late_twin_of_a_copy_handed_on_without_its_handoff_leaves_that_copy_alone(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A reviewer: the handoff's write was refused (an ACL) while its copy went to free; the
+    # record names the message handed on. A twin of the message (a publish sent twice) that
+    # came after the deadline was taken as the record's own: it gave back the admission the
+    # copy waiting in free still held, and was abandoned as the attempt's end.
+    redis_client.hset(KEYS.run("J", 1), mapping={"decision": "admit_free", "free_admitted": "1"})
+    defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 3.0},
+                task_id="J", retries=1)  # fmt: skip
+    twin = redis_client.lindex("defer", 0)
+    redis_client.execute_command("ACL", "SETUSER", "nohandoff", "reset", "on", ">pw",
+                                 "~gatekeeper:{default}:[^h]*", "+@all")  # fmt: skip
+    gate = redis.Redis.from_url(redis_url, username="nohandoff", password="pw")
+    replayer = Replayer(gate_settings(redis_url), broker=redis_client, gate=gate)
+    assert dict(replayer.run(threading.Event(), once=True)) == {"to_free": 1}
+    assert "replay_handoff_unrecorded" in capsys.readouterr().err
+    held = redis_client.hgetall(KEYS.inflight)
+    assert list(held) == [b"J:2"]
+    time.sleep(3.2)
+    redis_client.lpush("defer", twin)  # the twin, after the deadline
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    assert redis_client.hgetall(KEYS.inflight) == held  # the copy in free holds it still
+    assert redis_client.hget(KEYS.run("J", 2), "abandoned") is None
+    assert "slack_miss=true" not in capsys.readouterr().err

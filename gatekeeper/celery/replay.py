@@ -64,7 +64,7 @@ from gatekeeper.lines import flush as flush_lines
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline, Routing
-from gatekeeper.redis.handoff import Handoff, as_scored, handed_on, recalled
+from gatekeeper.redis.handoff import HANDOFF_NONCE, Handoff, as_scored, handed_on, recalled
 from gatekeeper.redis.lock import OneHolder
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.snapshot import forget_deferred, pass_completed
@@ -267,9 +267,9 @@ class Replayer:
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
                              queue=again.queue)  # fmt: skip
             return self._hand_on(taken, message, again, "handed_on_again")
-        if gated and nonce_of(headers) and record.get("prev_nonce") == nonce_of(headers):
-            # Before the deadline's check: abandoned, it is the gate's message too (its row,
-            # slack miss and record's mark are the record's, not a stranger's unverified row).
+        if gated and nonce and record.get("prev_nonce") == nonce != record.get(HANDOFF_NONCE):
+            # Before the deadline's check: abandoned, it is the gate's message (not a
+            # stranger's); unless named handed on (a twin of a copy that went on).
             self.log.warning("replay_scored_not_handed_on", job_id=job_id, attempt=attempt,
                              decision=record.get("decision"))  # fmt: skip
             as_scored(self.pipeline.store, job_id, attempt, record, headers)
