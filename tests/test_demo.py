@@ -182,3 +182,20 @@ def test_the_demo_removes_its_queues_from_rabbitmq(
         for name in names:
             with pytest.raises(NotFound):
                 connection.channel().queue_declare(name, passive=True)
+
+
+def test_the_demo_on_its_embedded_redis_cleans_a_broker_of_its_own(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # A reviewer: with GATEKEEPER_BROKER_URL alone set (the gate's Redis embedded), the
+    # queues' keys and kombu's bindings stayed on that broker.
+    broker_url = redis_url.rsplit("/", 1)[0] + "/6"
+    broker = redis.Redis.from_url(broker_url)
+    broker.flushdb()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
+    env["GATEKEEPER_BROKER_URL"] = broker_url
+    result = subprocess.run([sys.executable, "-m", "gatekeeper", "demo"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    left = sorted(key.decode() for key in broker.scan_iter() if b"demo-" in key)
+    assert left == [], left

@@ -64,7 +64,7 @@ from gatekeeper.lines import flush as flush_lines
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline, Routing
-from gatekeeper.redis.handoff import HANDOFF_NONCE, Handoff, as_scored, handed_on, recalled
+from gatekeeper.redis.handoff import Handoff, as_scored, handed_on, recalled
 from gatekeeper.redis.lock import OneHolder
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.snapshot import forget_deferred, pass_completed
@@ -267,15 +267,15 @@ class Replayer:
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
                              queue=again.queue)  # fmt: skip
             return self._hand_on(taken, message, again, "handed_on_again")
-        if gated and nonce and record.get("prev_nonce") == nonce != record.get(HANDOFF_NONCE):
-            # Before the deadline's check: abandoned, it is the gate's message (not a
-            # stranger's); unless named handed on (a twin of a copy that went on).
+        deadline = headers.get(H_DEADLINE_AT)
+        if isinstance(deadline, (int, float)) and deadline <= now:
+            # Before the check below: a message of the record's prev_nonce may be a twin of a
+            # copy handed on whose handoff's write got no answer (its admission is that copy's).
+            return abandon(self, taken, message, now, record)
+        if gated and nonce and record.get("prev_nonce") == nonce:
             self.log.warning("replay_scored_not_handed_on", job_id=job_id, attempt=attempt,
                              decision=record.get("decision"))  # fmt: skip
             as_scored(self.pipeline.store, job_id, attempt, record, headers)
-        deadline = headers.get(H_DEADLINE_AT)
-        if isinstance(deadline, (int, float)) and deadline <= now:
-            return abandon(self, taken, message, now, record)
         if not (gated and self._deferred_by_the_gate(record, headers)):
             # Not a message the gate parked here (put in defer by hand or by a caller, or by
             # a publisher older than records): its headers are not the gate's, so it is not

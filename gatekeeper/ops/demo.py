@@ -234,7 +234,8 @@ def demo(
             raise click.ClickException(
                 f"the demo's Redis ({without_passwords(url)}): {exc}"
             ) from exc
-        if shared and not keep:  # after the children are stopped (the stack unwinds in reverse)
+        if (shared or base.broker_url) and not keep:  # after the children are stopped (the
+            # stack unwinds in reverse); a broker of its own alone is cleaned too
             ladder = delay_ladder(settings.replay_backoff_s, settings.replay_backoff_max_s)
             stack.callback(remove_demo, url, base.broker_url or url,
                            Keys(settings.key_prefix, settings.namespace), run_id,
