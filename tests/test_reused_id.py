@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -176,20 +177,28 @@ def abandon_in_defer(redis_url: str, client: redis.Redis) -> None:
     time.sleep(2.6)
 
 
+def abandoned_then_requeued(
+    redis_url: str, client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, Any]:
+    """J abandoned in defer, then `gatekeeper dead-letter requeue`d: the message in free."""
+    abandon_in_defer(redis_url, client)
+    assert replay_once(redis_url, client) == {"dead_lettered": 1}
+    for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
+                        ("CANARY_PERCENT", "100")):  # fmt: skip
+        monkeypatch.setenv(f"GATEKEEPER_{name}", value)
+    done = CliRunner().invoke(main, ["dead-letter", "requeue", "J", "--deadline-s", "600"])
+    assert done.exit_code == 0, done.output
+    (requeued,) = queue_messages(client, "free")
+    return requeued
+
+
 def test_a_requeued_abandonment_is_live_again_and_a_publish_beside_it_is_a_duplicate(
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A reviewer: a dead-letter requeue (a replay: it presents the record's nonce) left the
     # record marked abandoned, so a publish of the id while the requeued copy was live took
     # its record (two admissions, one reservation) and the requeued copy ran as forged.
-    abandon_in_defer(redis_url, redis_client)
-    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
-    for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
-                        ("CANARY_PERCENT", "100")):  # fmt: skip
-        monkeypatch.setenv(f"GATEKEEPER_{name}", value)
-    done = CliRunner().invoke(main, ["dead-letter", "requeue", "J", "--deadline-s", "600"])
-    assert done.exit_code == 0, done.output
-    (requeued,) = queue_messages(redis_client, "free")
+    requeued = abandoned_then_requeued(redis_url, redis_client, monkeypatch)
     app = create_app(gate_settings(redis_url), redis_url)
     app.tasks["tests.embed"].apply_async((1,), task_id="J")
     (again,) = queue_messages(redis_client, "reserved")
@@ -232,14 +241,7 @@ def test_each_life_of_a_reused_id_is_rowed_when_abandoned(
     # A reviewer: a life revived by a dead-letter requeue that then ran to its row, or a
     # record that expired (two days) before the id was used again, left the attempt's marker
     # (eight days) saying "rowed", so the next life's abandonment got no row.
-    abandon_in_defer(redis_url, redis_client)
-    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
-    for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
-                        ("CANARY_PERCENT", "100")):  # fmt: skip
-        monkeypatch.setenv(f"GATEKEEPER_{name}", value)
-    done = CliRunner().invoke(main, ["dead-letter", "requeue", "J", "--deadline-s", "600"])
-    assert done.exit_code == 0, done.output
-    (requeued,) = queue_messages(redis_client, "free")
+    requeued = abandoned_then_requeued(redis_url, redis_client, monkeypatch)
     runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
     now_ms = round(time.time() * 1000)
     started = runs.start("J", 1, requeued["headers"]["gatekeeper_nonce"], {"task": "t"}, now_ms)
