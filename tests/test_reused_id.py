@@ -296,3 +296,25 @@ def test_a_late_twin_of_a_copy_handed_on_without_its_handoff_leaves_that_copy_al
     assert redis_client.hgetall(KEYS.inflight) == held  # the copy in free holds it still
     assert redis_client.hget(KEYS.run("J", 2), "abandoned") is None
     assert "slack_miss=true" not in capsys.readouterr().err
+
+
+def test_a_dead_lettered_copy_of_an_earlier_life_keeps_the_next_lifes_deadline(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: a copy a killed pass left in defer (life 1, abandoned) and life 2 of the id,
+    # deferred again in the same pass: the batch's forgetting of the dead-lettered copy's
+    # member took life 2's deadline out of `deferred` (the next-deadline gauge went absent).
+    abandon_in_defer(redis_url, redis_client)
+    redis_client.rpoplpush("defer", "defer:replaying")  # a pass's claim (its tenure is dead)
+    (left,) = queue_messages(redis_client, "defer:replaying")
+    runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+    row = make_row(job_id="J", attempt=1, path=Path.FREE, outcome=Outcome.ABANDONED,
+                   queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=-1)  # fmt: skip
+    assert runs.abandon(row, round(time.time() * 1000), False, left["headers"]["gatekeeper_nonce"])
+    defer_tasks(redis_url, redis_client, 1, task_id="J", headers={"gatekeeper_deadline_s": 600})
+    (life2,) = queue_messages(redis_client, "defer")
+    redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # still old
+    assert replay_once(redis_url, redis_client, max_queue_age_s=1.0) == {
+        "deferred_again": 1, "dead_lettered": 1}  # fmt: skip
+    deadline = redis_client.zscore(KEYS.deferred, "J:1")
+    assert deadline == round(life2["headers"]["gatekeeper_deadline_at"] * 1000)

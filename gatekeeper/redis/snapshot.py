@@ -18,11 +18,11 @@ from typing import Any
 
 import redis
 
-from gatekeeper.core.headers import H_ATTEMPT
+from gatekeeper.core.headers import H_ATTEMPT, H_DEADLINE_AT
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.cluster import home
 from gatekeeper.redis.keys import ATTEMPTS, Keys
-from gatekeeper.redis.scripts import text_of
+from gatekeeper.redis.scripts import evalsha, load_lua, text_of
 
 __all__ = [
     "WINDOW_FIELDS",
@@ -139,13 +139,24 @@ def _finite(text: str) -> float | None:
 
 def forget_deferred(client: redis.Redis, keys: Keys, *headers: Mapping[str, Any]) -> None:
     """Deferred messages (their headers) left defer for good (handed on, dead-lettered):
-    their deadlines no longer count, all forgotten in one ``ZREM``. Best effort: a member
+    their deadlines no longer count, all forgotten in one call of ``forget.lua``, each only
+    while its member's deadline is the message's (a dead-lettered copy of an earlier life
+    of the attempt must not forget a later one deferred meanwhile). Best effort: a member
     left behind is trimmed after its deadline."""
-    members = [f"{h.get('id')}:{h.get(H_ATTEMPT)}" for h in headers
-               if h.get("id") is not None and type(h.get(H_ATTEMPT)) is int]  # fmt: skip
-    if members:
+    pairs: list[str] = []
+    for h in headers:
+        if h.get("id") is not None and type(h.get(H_ATTEMPT)) is int:
+            deadline = h.get(H_DEADLINE_AT)
+            ms = ""
+            if isinstance(deadline, (int, float)) and math.isfinite(deadline):
+                ms = str(round(deadline * 1000))
+            pairs += [f"{h.get('id')}:{h.get(H_ATTEMPT)}", ms]
+    if pairs:
         with contextlib.suppress(redis.RedisError):
-            client.zrem(keys.deferred, *members)
+            evalsha(client, client.register_script(_FORGET), [keys.deferred], pairs)
+
+
+_FORGET = load_lua("forget.lua")
 
 
 def pass_completed(
