@@ -14,8 +14,11 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from gatekeeper.core.ledger import Outcome, make_row
+from gatekeeper.core.ledger import Path as LedgerPath
 from gatekeeper.core.review import RATIO_MEANINGS
 from gatekeeper.ops.cli import main
+from gatekeeper.ops.demo import run_summary
 from gatekeeper.ops.leftovers import remove_demo
 from gatekeeper.redis.keys import Keys
 from tests.conftest import REPO_ROOT, unused_port
@@ -199,3 +202,21 @@ def test_the_demo_on_its_embedded_redis_cleans_a_broker_of_its_own(
     assert result.returncode == 0, result.stdout + result.stderr
     left = sorted(key.decode() for key in broker.scan_iter() if b"demo-" in key)
     assert left == [], left
+
+
+def test_a_demo_that_spans_two_ledger_windows_shows_the_lowest_budget_left() -> None:
+    # Seen at the end of a session: a demo that crossed a 900 s window's edge printed
+    # budget_left=-3154, the free rows of both windows charged to one window's budget (each
+    # window has its own; neither was over). A window over its budget must still show.
+    def killed(job: str, tax_ms: int) -> dict[str, object]:
+        row = make_row(job_id=job, attempt=1, path=LedgerPath.FREE, outcome=Outcome.KILLED,
+                       queue_wait_ms=tax_ms, tokens_in=1000, tokens_out=0,
+                       deadline_slack_ms=1)  # fmt: skip
+        return row.to_json()
+
+    one = {7: [killed("a", 0)]}
+    assert run_summary(one, 12000.0)[0].budget_left == 11000 and run_summary(one, 12000.0)[1] == ""
+    two = {7: [killed("a", 0), killed("b", 0)], 8: [killed("c", 45_000)]}  # 2000 and 10000
+    summary, spanned = run_summary(two, 12000.0)
+    assert summary.line() == "finished=0 killed_rows=3 rejected=0 abandoned=0 budget_left=2000"
+    assert spanned.endswith("(window 7: 10000, window 8: 2000)")

@@ -17,6 +17,7 @@ a task was lost: one that neither finished, failed on its last attempt nor was d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -35,7 +36,7 @@ import click
 import redis
 
 from gatekeeper.celery.amqp import delay_ladder
-from gatekeeper.core.ledger import LedgerRow, Outcome, summarize, window_id
+from gatekeeper.core.ledger import LedgerRow, Outcome, WindowSummary, summarize, window_id
 from gatekeeper.core.review import RATIO_MEANINGS, Review, summarize_review
 from gatekeeper.errors import EmbeddedRedisError, LedgerUnavailable
 from gatekeeper.ops.context import settings_of
@@ -100,6 +101,26 @@ def _spawn(name: str, module: str, env: dict[str, str], folder: Path) -> Child:
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
     return Child(name, process, log)
+
+
+def run_summary(
+    rows_of: dict[int, list[dict[str, Any]]], budget_units: float
+) -> tuple[WindowSummary, str]:
+    """The run's summary line, and a line saying how its ``budget_left`` was chosen when the
+    run spanned ledger windows (each has its own budget; a free row is in its admission's):
+    the lowest of theirs, so that one over its budget is never hidden by another."""
+    every = summarize([LedgerRow.from_json(r) for rs in rows_of.values() for r in rs],
+                      budget_units)  # fmt: skip
+    each = {w: summarize([LedgerRow.from_json(r) for r in rs], budget_units)
+            for w, rs in rows_of.items() if rs}  # fmt: skip
+    if len(each) < 2:
+        return every, ""
+    lowest = min(each.values(), key=lambda s: s.budget_left)
+    left = ", ".join(f"window {w}: {s.budget_left}" for w, s in sorted(each.items()))
+    return dataclasses.replace(every, tax_units=lowest.tax_units), (
+        f"  budget_left: the lowest of the {len(each)} ledger windows the run spanned, each "
+        f"with its own budget ({left})"
+    )
 
 
 def _decisions(review: Review) -> Counter[str]:
@@ -270,7 +291,8 @@ def demo(
         while True:
             windows = range(first_window, window_id(time.time(), settings.window_seconds) + 1)
             try:
-                rows = [row for w in windows for row in read_rows(client, keys, w)]
+                rows_of = {w: read_rows(client, keys, w) for w in windows}
+                rows = [row for w in windows for row in rows_of[w]]
                 windows_read = read_windows(client, keys, windows)
             except LedgerUnavailable as exc:
                 raise click.ClickException(
@@ -294,11 +316,13 @@ def demo(
                 break
             time.sleep(0.3)
         click.echo("\r" + line if tty else line)
-        summary = summarize([LedgerRow.from_json(row) for row in rows], settings.budget_units)
+        summary, spanned = run_summary(rows_of, settings.budget_units)
         out = out or Path(tempfile.gettempdir()) / f"gatekeeper-demo-ledger-{run_id}.json"
         out.write_text(json.dumps({"run": run_id, "summary": summary.line(), "rows": rows},
                                   indent=2) + "\n")  # fmt: skip
         click.echo(summary.line())
+        if spanned:
+            click.echo(spanned)
         for text in _explained(review, settings):
             click.echo(text)
         click.echo(f"wrote {out} (the JSON ledger: every row)")
