@@ -216,6 +216,18 @@ def abandoned_rows(client: redis.Redis) -> int:
     return count
 
 
+def abandoned_by_a_killed_pass(redis_url: str, client: redis.Redis) -> None:
+    """J abandoned in defer by a pass that claimed it, wrote its row and was killed before its
+    move: the message is left in the pass's claim (its tenure dead: the next pass takes it)."""
+    abandon_in_defer(redis_url, client)
+    client.rpoplpush("defer", "defer:replaying")
+    (left,) = queue_messages(client, "defer:replaying")
+    runs = RunLedger.from_settings(client, gate_settings(redis_url))
+    row = make_row(job_id="J", attempt=1, path=Path.FREE, outcome=Outcome.ABANDONED,
+                   queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=-1)  # fmt: skip
+    assert runs.abandon(row, round(time.time() * 1000), False, left["headers"]["gatekeeper_nonce"])
+
+
 def test_a_copy_of_an_abandoned_message_left_by_a_killed_pass_is_not_rowed_again(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
@@ -223,13 +235,7 @@ def test_a_copy_of_an_abandoned_message_left_by_a_killed_pass_is_not_rowed_again
     # before the move; the id was published again (a new life, the record's nonce new) and
     # deferred. The next pass rowed the new life, then took the copy it took back for a
     # stranger's and wrote it a second, unverified row.
-    abandon_in_defer(redis_url, redis_client)
-    redis_client.rpoplpush("defer", "defer:replaying")  # a pass's claim (its tenure is dead)
-    (left,) = queue_messages(redis_client, "defer:replaying")
-    runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
-    row = make_row(job_id="J", attempt=1, path=Path.FREE, outcome=Outcome.ABANDONED,
-                   queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=-1)  # fmt: skip
-    assert runs.abandon(row, round(time.time() * 1000), False, left["headers"]["gatekeeper_nonce"])
+    abandoned_by_a_killed_pass(redis_url, redis_client)
     abandon_in_defer(redis_url, redis_client)  # a new life, deferred
     assert replay_once(redis_url, redis_client) == {"dead_lettered": 2}
     assert abandoned_rows(redis_client) == 2  # one per life
@@ -304,13 +310,7 @@ def test_a_dead_lettered_copy_of_an_earlier_life_keeps_the_next_lifes_deadline(
     # A reviewer: a copy a killed pass left in defer (life 1, abandoned) and life 2 of the id,
     # deferred again in the same pass: the batch's forgetting of the dead-lettered copy's
     # member took life 2's deadline out of `deferred` (the next-deadline gauge went absent).
-    abandon_in_defer(redis_url, redis_client)
-    redis_client.rpoplpush("defer", "defer:replaying")  # a pass's claim (its tenure is dead)
-    (left,) = queue_messages(redis_client, "defer:replaying")
-    runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
-    row = make_row(job_id="J", attempt=1, path=Path.FREE, outcome=Outcome.ABANDONED,
-                   queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=-1)  # fmt: skip
-    assert runs.abandon(row, round(time.time() * 1000), False, left["headers"]["gatekeeper_nonce"])
+    abandoned_by_a_killed_pass(redis_url, redis_client)
     defer_tasks(redis_url, redis_client, 1, task_id="J", headers={"gatekeeper_deadline_s": 600})
     (life2,) = queue_messages(redis_client, "defer")
     redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # still old
