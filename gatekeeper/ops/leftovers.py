@@ -54,15 +54,16 @@ def remove_demo(url: str, broker: str, keys: Keys, run_id: str, delays: Sequence
 
 
 def _delete_queue(connection: Any, name: str) -> int:
-    """Delete a queue and its exchange of the same name; 0 when there was none (checked
-    first: a failed operation closes its channel)."""
+    """Delete a queue and its exchange of the same name; 0 when there was none (asked
+    first, passively: a failed operation closes its channel, which is then dropped)."""
+    channel = connection.channel()
     try:
-        connection.channel().queue_declare(name, passive=True)
+        channel.queue_declare(name, passive=True)
     except ChannelError:
         return 0
-    channel = connection.channel()
     channel.queue_delete(name)
     channel.exchange_delete(name)  # Celery's queue is bound to an exchange of its name
+    channel.close()
     return 1
 
 
