@@ -18,6 +18,7 @@ from gatekeeper.ops.cli import main
 from gatekeeper.redis.call import GateCall
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.snapshot import forget_deferred
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import sweep
 from tests.apps.gated_app import create_app
@@ -318,3 +319,24 @@ def test_a_dead_lettered_copy_of_an_earlier_life_keeps_the_next_lifes_deadline(
         "deferred_again": 1, "dead_lettered": 1}  # fmt: skip
     deadline = redis_client.zscore(KEYS.deferred, "J:1")
     assert deadline == round(life2["headers"]["gatekeeper_deadline_at"] * 1000)
+
+
+def test_a_redis_out_of_memory_still_forgets_what_left_defer(redis_client: redis.Redis) -> None:
+    # A reviewer: forget.lua reads a score with ZADD, which a Redis out of memory (noeviction)
+    # refuses, and the whole batch's members stayed (a plain ZREM, before it, went through).
+    # A deadline too large for milliseconds no longer raises.
+    redis_client.zadd(KEYS.deferred, {"J:1": 1765050000123, "K:1": 1765050000456})
+    policy = redis_client.config_get("maxmemory-policy")["maxmemory-policy"]
+    redis_client.config_set("maxmemory-policy", "noeviction")
+    redis_client.config_set("maxmemory", "1")
+    try:
+        forget_deferred(redis_client, KEYS, {"id": "J", "gatekeeper_attempt": 1,
+                                             "gatekeeper_deadline_at": 1765050000.123})  # fmt: skip
+    finally:
+        redis_client.config_set("maxmemory", "0")
+        redis_client.config_set("maxmemory-policy", policy)
+    assert redis_client.zrange(KEYS.deferred, 0, -1) == [b"K:1"]
+    for huge in (1e306, 10**400):
+        forget_deferred(redis_client, KEYS, {"id": "K", "gatekeeper_attempt": 1,
+                                             "gatekeeper_deadline_at": huge})  # fmt: skip
+    assert redis_client.zrange(KEYS.deferred, 0, -1) == []

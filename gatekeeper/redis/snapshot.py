@@ -146,14 +146,17 @@ def forget_deferred(client: redis.Redis, keys: Keys, *headers: Mapping[str, Any]
     pairs: list[str] = []
     for h in headers:
         if h.get("id") is not None and type(h.get(H_ATTEMPT)) is int:
-            deadline = h.get(H_DEADLINE_AT)
-            ms = ""
-            if isinstance(deadline, (int, float)) and math.isfinite(deadline):
-                ms = str(round(deadline * 1000))
+            deadline, ms = h.get(H_DEADLINE_AT), ""
+            with contextlib.suppress(OverflowError, ValueError):  # a caller's 1e306
+                if isinstance(deadline, (int, float)) and math.isfinite(deadline):
+                    ms = str(round(deadline * 1000))
             pairs += [f"{h.get('id')}:{h.get(H_ATTEMPT)}", ms]
     if pairs:
         with contextlib.suppress(redis.RedisError):
-            evalsha(client, client.register_script(_FORGET), [keys.deferred], pairs)
+            try:
+                evalsha(client, client.register_script(_FORGET), [keys.deferred], pairs)
+            except redis.ResponseError:  # refused (out of memory: ZADD is, ZREM is not)
+                client.zrem(keys.deferred, *pairs[::2])  # as before forget.lua: every member
 
 
 _FORGET = load_lua("forget.lua")
