@@ -222,6 +222,44 @@ def test_a_replayer_killed_before_it_kept_the_handoff_leaves_the_message_the_gat
     broker.close()
 
 
+def test_a_handoff_the_gates_redis_refused_holds_the_message_in_a_delay_queue(
+    rabbitmq_url: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    # Before: the copy was handed on all the same, with no handoff kept (a twin, or the
+    # original after a lost ack, was then taken as never handed on). Now the original is held
+    # (a delay queue, acked once its copy is confirmed) and comes back to be scored again.
+    settings = gate_settings(redis_url, broker_url=rabbitmq_url, max_queue_age_s=5,
+                             replay_backoff_s=0.3)  # fmt: skip
+    app = create_app(settings, rabbitmq_url)
+    broker = broker_for(settings, app)
+    try:
+        (job,) = _deferred(app, redis_client, 1)
+        assert wait_until(lambda: broker.length("defer") == 1, 5)
+        replayer = Replayer(settings, broker, redis_client, app=app)
+        send_all = replayer.runs.send_all
+
+        def out_of_memory_at_the_keep(commands: Any) -> list[Any]:
+            if not any(command[0] == "SET" for command in commands):
+                return send_all(commands)
+            redis_client.config_set("maxmemory", 1)  # both writes refused
+            try:
+                return send_all(commands)
+            finally:
+                redis_client.config_set("maxmemory", 0)
+
+        replayer.runs.send_all = out_of_memory_at_the_keep  # type: ignore[method-assign]
+        assert dict(replayer.run(threading.Event(), True)) == {"handoff_unrecorded": 1}
+        assert broker.length("free") == 0 and not redis_client.exists(KEYS.handoff(job, 1))
+        assert wait_until(lambda: broker.length("defer") == 1, 10)  # back from its delay
+        counts = Replayer(settings, broker, redis_client, app=app).run(threading.Event(), True)
+        assert dict(counts) == {"to_free": 1}
+        assert wait_until(lambda: broker.length("free") == 1, 5)
+        assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]
+        assert redis_client.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 1
+    finally:
+        broker.close()
+
+
 def test_a_copy_given_back_after_its_twin_ran_does_not_run(
     redis_url: str, redis_client: redis.Redis
 ) -> None:

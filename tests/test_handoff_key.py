@@ -19,11 +19,11 @@ from click.testing import CliRunner
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE, Handoff, packed, recalled
-from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.keys import ATTEMPTS, Keys
 from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
 from tests.test_broker_faults import rows_of
 from tests.test_dead_letter_result import dead_lettered
-from tests.test_replay import defer_tasks, replay_once
+from tests.test_replay import claimed, defer_tasks, replay_once
 from tests.test_replay_batch import FailingMove
 from tests.test_worker_ledger import runs as recorded_runs
 
@@ -278,3 +278,58 @@ def test_a_dead_letter_requeue_of_a_withdrawn_recall_goes_to_reserved(
     assert redis_client.llen("free") == 0
     (moved,) = queue_messages(redis_client, "reserved")
     assert moved["headers"]["gatekeeper_decision"] == "reserved"
+
+
+@pytest.mark.parametrize("fault", ["refused", "unanswered"])
+def test_a_handoff_not_kept_holds_its_message_and_a_twin_later_goes_on_as_it(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str], fault: str
+) -> None:
+    # Before: a copy was handed on even when its handoff's write failed, and a twin of the
+    # message (a publish sent twice) then took the decision as scored and never handed on:
+    # it gave back the admission of the copy waiting in free. Now the message waits in defer
+    # ("refused": Redis out of memory refused both writes; "unanswered": both were written,
+    # their replies lost), and comes back handed on once; its twin goes on as it did.
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    twin = redis_client.lindex("defer", 0)
+    nonce = json.loads(twin)["headers"]["gatekeeper_nonce"]
+    replayer = Replayer(gate_settings(redis_url, replay_backoff_s=0.3), broker=redis_client,
+                        gate=redis_client)  # fmt: skip
+    send_all = replayer.runs.send_all
+
+    def keep_fails(commands: Any) -> list[Any]:
+        if not any(command[0] == "SET" for command in commands):
+            return send_all(commands)
+        if fault == "unanswered":
+            send_all(commands)
+            return [redis.TimeoutError("Timeout reading from socket")] * len(commands)
+        redis_client.config_set("maxmemory", 1)
+        try:
+            return send_all(commands)
+        finally:
+            redis_client.config_set("maxmemory", 0)
+
+    replayer.runs.send_all = keep_fails  # type: ignore[method-assign]
+    if fault == "refused":
+        assert dict(replayer.run(threading.Event(), once=True)) == {"handoff_unrecorded": 1}
+        assert "event=replay_handoff_unrecorded" in capsys.readouterr().err
+        (waiting,) = queue_messages(redis_client, "defer")
+        assert waiting["headers"]["gatekeeper_nonce"] == nonce  # as it came
+        assert replay_once(redis_url, redis_client) == {"not_due": 1}  # its backoff
+        time.sleep(0.35)
+    else:  # no answer: the pass stops, its batch claimed (as for any round trip's)
+        assert dict(replayer.run(threading.Event(), once=True)) == {"pass_failed": 1}
+        assert claimed(redis_client) == 1
+    assert not queue_messages(redis_client, "free")
+    expected = "to_free" if fault == "refused" else "handed_on_again"
+    assert replay_once(redis_url, redis_client) == {expected: 1}
+    (sent,) = queue_messages(redis_client, "free")
+    held = redis_client.hgetall(KEYS.inflight)
+    assert list(held) == [f"{job}:1".encode()]  # one admission: the refused one given back
+    assert redis_client.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 1
+    redis_client.lpush("defer", twin)
+    assert replay_once(redis_url, redis_client) == {"handed_on_again": 1}
+    assert redis_client.hgetall(KEYS.inflight) == held
+    copies = queue_messages(redis_client, "free")
+    assert [m["headers"]["gatekeeper_nonce"] for m in copies] == [
+        sent["headers"]["gatekeeper_nonce"]
+    ] * 2

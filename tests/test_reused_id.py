@@ -12,10 +12,13 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from gatekeeper.celery.replay import Replayer
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.ledger import BudgetMode, Outcome, Path, make_row, window_id
 from gatekeeper.ops.cli import main
+from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.call import GateCall
+from gatekeeper.redis.gate_batch import route_all
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.snapshot import forget_deferred
@@ -276,24 +279,57 @@ def test_an_earlier_versions_marker_does_not_refuse_a_later_lifes_row(
     assert abandoned_rows(redis_client) == 1
 
 
-@pytest.mark.parametrize("lost", ["key", "key_and_nonce"])
-def test_a_late_twin_of_a_copy_handed_on_without_its_handoff_leaves_that_copy_alone(
-    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str], lost: str
+def test_an_abandonment_after_a_decision_never_handed_on_is_the_gates_own(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Two reviewers: the handoff's write failed (the key refused by an ACL, the record's
-    # handoff_nonce written; or no answer at all, neither written) while its copy went to
-    # free. A twin of the message (a publish sent twice) that came after the deadline was
-    # taken as the record's own, scored but never handed on: it gave back the admission the
-    # copy waiting in free still held, and its abandonment ended the copy's attempt (a
-    # verified row and a slack miss; the copy then ran charged nothing).
+    # A reviewer: a pass scored the deferred message (the record's nonce new, the message's
+    # now its prev_nonce) and died before handing it on; the next pass, after the deadline,
+    # abandoned it as a stranger's: an unverified row, no slack miss (attempt 1 ran free),
+    # and the record left live, so the task id was `duplicate_publish` for two days. (Taken
+    # back once, when a copy still left with its handoff's write failed: it no longer does.)
+    redis_client.hset(KEYS.run("J", 1), mapping={"decision": "admit_free", "free_admitted": "1"})
+    defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 2.5},
+                task_id="J", retries=1)  # fmt: skip
+    (message,) = queue_messages(redis_client, "defer")
+    record = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.run("J", 2)).items()}
+    replayer = Replayer(gate_settings(redis_url, max_queue_age_s=1.0), broker=redis_client,
+                        gate=redis_client)  # fmt: skip
+    redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
+    publish = carried_publish(message["headers"], "replay", record.get("label", ""))
+    assert route_all(replayer.pipeline, [publish])[0].queue == "defer"  # then it was killed
+    redis_client.zrem(KEYS.free_waiting, "stale:1")
+    time.sleep(2.6)
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    rows = [json.loads(raw) for key in redis_client.scan_iter(match="gatekeeper:*:rows")
+            for raw in redis_client.lrange(key, 0, -1)]  # fmt: skip
+    assert [(r["attempt"], r["outcome"], r.get("verified", True)) for r in rows] == [
+        (2, "abandoned", True)
+    ]
+    assert "slack_miss=true" in capsys.readouterr().err
+    app = create_app(gate_settings(redis_url), redis_url)
+    app.tasks["tests.embed"].apply_async((1,), task_id="J", retries=1)
+    assert [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "free")] == [
+        "fits"
+    ]
+
+
+def test_a_late_twin_of_a_copy_whose_handoff_key_is_gone_leaves_that_copy_alone(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two reviewers: a copy went to free and its handoff's key is gone (here deleted; an
+    # older replayer handed a copy on even when the key's write failed), the record's
+    # handoff_nonce still naming the message. A twin of the message (a publish sent twice)
+    # that came after the deadline was taken as the record's own, scored but never handed
+    # on: it gave back the admission the copy waiting in free still held, and its abandonment
+    # ended the copy's attempt (a verified row and a slack miss; the copy ran charged nothing).
+    # (A copy that left with neither written, as that older replayer could, is now
+    # test_handoff_key's: it is held, not handed on.)
     redis_client.hset(KEYS.run("J", 1), mapping={"decision": "admit_free", "free_admitted": "1"})
     defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 3.0},
                 task_id="J", retries=1)  # fmt: skip
     twin = redis_client.lindex("defer", 0)
     assert replay_once(redis_url, redis_client) == {"to_free": 1}
-    redis_client.delete(KEYS.handoff("J", 2))  # the state its failed write leaves
-    if lost == "key_and_nonce":
-        redis_client.hdel(KEYS.run("J", 2), "handoff_nonce")
+    redis_client.delete(KEYS.handoff("J", 2))
     held = redis_client.hgetall(KEYS.inflight)
     assert list(held) == [b"J:2"]
     time.sleep(3.2)

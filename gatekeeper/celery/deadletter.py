@@ -2,7 +2,8 @@
 letter, the alert lines), and ends in the result backend, so that callers, ``link_error`` and
 chords see it end instead of waiting forever. A message that fails to replay is set aside
 (:func:`set_aside`): back to defer with a backoff, or to the dead letters after
-``MAX_REPLAY_ERRORS`` failures in a row.
+``MAX_REPLAY_ERRORS`` failures in a row. One whose handoff was not kept waits in defer
+(:func:`unkept`).
 
 When the replayer abandons a task (its deadline passed in defer) and it knows the Celery app
 (``gatekeeper -A proj replay``, ``celery -A proj gatekeeper replay``), it stores a failure for
@@ -27,7 +28,7 @@ from celery.backends.rpc import RPCBackend
 
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import nonce_of
-from gatekeeper.celery.taken import Taken
+from gatekeeper.celery.taken import Taken, copy_message
 from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_DEADLINE_AT,
@@ -214,3 +215,23 @@ def set_aside(self: Any, taken: Taken, exc: Exception) -> str:
         return "dead_lettered_after_errors"
     self.broker.hold(taken, message, wait)
     return "replay_error"
+
+
+def unkept(self: Any, taken: Taken, message: dict[str, Any], attempt: int, exc: Exception,
+           now: float) -> str:  # fmt: skip
+    """A decision whose handoff was not kept (``self``: the replayer): its message is not handed
+    on (a twin of a copy handed on with no handoff kept could not be told from a message scored
+    and never handed on, and would give back that copy's admission), but waits in defer, as
+    it came, a backoff long. Back, it is handed on as decided when the write was kept after
+    all (no answer came), else scored again (``as_scored``: the decision's admission given
+    back). No strike: the fault is the gate's Redis, not the message's. When no answer came,
+    the error is raised again, as :func:`set_aside` does: the pass stops, its batch claimed."""
+    if _unanswered(exc):
+        raise exc
+    wait = self.settings.replay_backoff_s
+    self.log.warning("replay_handoff_unrecorded", job_id=message["headers"].get("id"),
+                     attempt=attempt, error=repr(exc), queue=self.defer, wait_s=wait)  # fmt: skip
+    message = copy_message(message)
+    message["headers"][H_REPLAY_AFTER] = now + wait
+    self.broker.hold(taken, message, wait)
+    return "handoff_unrecorded"

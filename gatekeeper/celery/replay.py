@@ -24,7 +24,7 @@ moves (:mod:`gatekeeper.redis.lock`; renewed once a third of its TTL has passed,
 batch keeps it): a replayer that lost it decides, moves and writes nothing more, and only
 dead tenures' claims are taken back. A message that comes back after it was scored (its
 move refused, or its replayer killed before the ack) is handed on again as it was the first
-time (its handoff is kept beside the record: :mod:`gatekeeper.redis.handoff`), but never to
+time (no copy leaves before its handoff is kept: :mod:`gatekeeper.redis.handoff`), but never to
 free while the free path is closed (it expires to reserved:
 :func:`gatekeeper.celery.expiry.closed_recall`), and a worker runs one copy of the two
 (:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
@@ -47,7 +47,7 @@ from redis.exceptions import LockError
 
 from gatekeeper.celery.batch import Decide, KeepHandoff, ReadHandoff, ReadRecord, Step, run_batch
 from gatekeeper.celery.broker import Broker, RedisBroker, Taken, gone_for_good
-from gatekeeper.celery.deadletter import H_REPLAY_ERRORS, abandon, set_aside
+from gatekeeper.celery.deadletter import H_REPLAY_ERRORS, abandon, set_aside, unkept
 from gatekeeper.celery.expiry import EXPIRED_REASON, Expiry, closed_recall
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
 from gatekeeper.celery.message import nonce_of
@@ -267,15 +267,15 @@ class Replayer:
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
                              queue=again.queue)  # fmt: skip
             return self._hand_on(taken, message, again, "handed_on_again")
-        deadline = headers.get(H_DEADLINE_AT)
-        if isinstance(deadline, (int, float)) and deadline <= now:
-            # Before the check below: a message of the record's prev_nonce may be a twin of a
-            # copy handed on whose handoff's write got no answer (its admission is that copy's).
-            return abandon(self, taken, message, now, record)
-        if gated and nonce and record.get("prev_nonce") == nonce:
+        if gated and nonce and record.get("prev_nonce") == nonce and not handed_on(record, nonce):
+            # Scored, never handed on (a copy leaves only once its handoff is kept, below):
+            # the record's own, also past its deadline (its row, slack miss and end).
             self.log.warning("replay_scored_not_handed_on", job_id=job_id, attempt=attempt,
                              decision=record.get("decision"))  # fmt: skip
             as_scored(self.pipeline.store, job_id, attempt, record, headers)
+        deadline = headers.get(H_DEADLINE_AT)
+        if isinstance(deadline, (int, float)) and deadline <= now:
+            return abandon(self, taken, message, now, record)
         if not (gated and self._deferred_by_the_gate(record, headers)):
             # Not a message the gate parked here (put in defer by hand or by a caller, or by
             # a publisher older than records): its headers are not the gate's, so it is not
@@ -301,9 +301,9 @@ class Replayer:
         handoff = Handoff(queue, changes, drop, wait)
         if H_NONCE in routing.headers:  # the gate recorded this decision: keep its handoff
             try:
-                yield KeepHandoff((job_id, publish.attempt, nonce_of(headers), handoff))
-            except redis.RedisError as exc:  # handed on all the same (a crash now re-scores)
-                self.log.warning("replay_handoff_unrecorded", job_id=job_id, error=repr(exc))
+                yield KeepHandoff((job_id, publish.attempt, nonce, handoff))  # as it came
+            except redis.RedisError as exc:  # not handed on: a twin could not tell (as_scored)
+                return unkept(self, taken, message, publish.attempt, exc, now)
         return self._hand_on(taken, message, handoff, routing.reason)
 
     def _hand_on(self, taken: Taken, message: dict[str, Any], handoff: Handoff, why: str) -> str:

@@ -166,7 +166,8 @@ def as_scored(
     store: GateStore, job_id: str, attempt: int, record: dict[str, str], headers: dict[str, Any]
 ) -> None:
     """A message the gate scored (its nonce is the record's ``prev_nonce``: the decision
-    replaced it) with no handoff kept: its replayer died in between and no copy left. It is
+    replaced it) with no handoff kept: its replayer died in between, or the handoff's write
+    failed (the message then waits in defer), and no copy left. It is
     the gate's message still: what that decision admitted is given back (no message carries
     it), and the message is taken as the record's own, as parked, to be scored again."""
     if record.get("decision") == "admit_free" and record.get("window", "").isdigit():
