@@ -25,6 +25,7 @@ from gatekeeper.core.ledger import admit
 from gatekeeper.core.spec import GatedSpec, resolve_inputs
 from gatekeeper.errors import BadDeclaredInput
 from gatekeeper.redis.keys import Keys
+from gatekeeper.settings import GatekeeperSettings
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import gate_settings, running_worker, wait_until
 
@@ -70,8 +71,10 @@ overrides = st.fixed_dictionaries(
 )
 
 
-def core_admits(headers: dict[str, Any], now: float, budget_units: float) -> bool:
-    """What the pure core says of this publish on an empty free queue and an empty window."""
+def core_admits(headers: dict[str, Any], now: float, settings: GatekeeperSettings) -> bool:
+    """What the pure core says of this publish on an empty free queue and an empty window
+    (an admission reserves its tokens and, in exposure mode, its wait allowance: tokens
+    within the allowance's units of the budget are refused, as hypothesis once found)."""
     try:
         inputs = resolve_inputs(EMBED, headers, now)
     except BadDeclaredInput:
@@ -81,7 +84,9 @@ def core_admits(headers: dict[str, Any], now: float, budget_units: float) -> boo
     if gate.decision is not Decision.ADMIT_FREE:
         return False
     budget = admit(tax_units=0, exposure=0, queue_age_s=0, tokens_in=inputs.tokens_in,
-                   budget_units=budget_units)  # fmt: skip
+                   budget_units=settings.budget_units, mode=settings.budget_mode,
+                   queue_wait_unit_per_second=settings.queue_wait_unit_per_second,
+                   wait_allowance_s=settings.free_wait_allowance_s)  # fmt: skip
     return budget.admitted
 
 
@@ -146,7 +151,7 @@ def publish_both_ways(
     (fast_queue, fast_message), (queue, message) = seen
     assert fast_queue == queue
     assert comparable(fast_message) == comparable(message)
-    assert (queue == "free") == core_admits(headers, now, gate.settings.budget_units)
+    assert (queue == "free") == core_admits(headers, now, gate.settings)
     # What gate.lua decides, fast publish pushed; what was decided in process, it did not.
     scripted = message["headers"].get("gatekeeper_reason") in SCRIPTED
     assert pushed == [scripted]

@@ -333,3 +333,57 @@ def test_a_handoff_not_kept_holds_its_message_and_a_twin_later_goes_on_as_it(
     assert [m["headers"]["gatekeeper_nonce"] for m in copies] == [
         sent["headers"]["gatekeeper_nonce"]
     ] * 2
+
+
+def test_a_decision_held_past_its_deadline_is_no_slack_miss_of_its_own_admission(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A reviewer: a first attempt admitted to free by the replay, its handoff refused and the
+    # deadline passing while it waited, was abandoned with the record's free_admitted, set by
+    # the admission as_scored had given back: a slack miss the free path never had (enough
+    # of them freeze it). Only an earlier attempt that ran free makes one
+    # (tests/test_reused_id.py: the abandonment after a decision never handed on).
+    (job,) = defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 2.5})
+    replayer = Replayer(gate_settings(redis_url, replay_backoff_s=3.0), broker=redis_client,
+                        gate=redis_client)  # fmt: skip
+    send_all = replayer.runs.send_all
+
+    def out_of_memory_at_the_keep(commands: Any) -> list[Any]:
+        if not any(command[0] == "SET" for command in commands):
+            return send_all(commands)
+        redis_client.config_set("maxmemory", 1)
+        try:
+            return send_all(commands)
+        finally:
+            redis_client.config_set("maxmemory", 0)
+
+    replayer.runs.send_all = out_of_memory_at_the_keep  # type: ignore[method-assign]
+    assert dict(replayer.run(threading.Event(), once=True)) == {"handoff_unrecorded": 1}
+    assert redis_client.hget(KEYS.run(job, 1), "free_admitted") == b"1"  # the admission's
+    time.sleep(3.1)
+    capsys.readouterr()
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    assert "slack_miss=true" not in capsys.readouterr().err
+    assert redis_client.hget(KEYS.run(job, 1), "free_admitted") == b"0"
+    assert redis_client.hget(KEYS.totals, "slack_misses") is None
+    assert not redis_client.hgetall(KEYS.inflight)
+
+
+def test_a_handoff_key_refused_beside_its_nonce_written_is_scored_again(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: an ACL refused the handoff's key and let its nonce into the record; the
+    # message, held, came back named as handed on with no handoff to read, and went to
+    # reserved unverified while its admission stayed held. The nonce is now taken back.
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    redis_client.execute_command("ACL", "SETUSER", "nohandoff", "reset", "on", ">pw",
+                                 "~gatekeeper:{default}:[^h]*", "~defer*", "~free*",
+                                 "+@all")  # fmt: skip
+    gate = redis.Redis.from_url(redis_url, username="nohandoff", password="pw")
+    replayer = Replayer(gate_settings(redis_url, replay_backoff_s=0.3), broker=redis_client,
+                        gate=gate)  # fmt: skip
+    assert dict(replayer.run(threading.Event(), once=True)) == {"handoff_unrecorded": 1}
+    assert redis_client.hget(KEYS.run(job, 1), "handoff_nonce") is None
+    time.sleep(0.35)
+    assert replay_once(redis_url, redis_client) == {"to_free": 1}
+    assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]

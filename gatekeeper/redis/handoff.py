@@ -26,6 +26,7 @@ the record a hash table (a value past
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import text_of
-from gatekeeper.redis.store import GateStore
+from gatekeeper.redis.store import NO_ANSWER, GateStore
 
 __all__ = ["HANDOFF", "HANDOFF_FROM", "HANDOFF_NONCE", "Handoff", "Kept", "Where", "as_scored",
            "handed_on", "packed", "read", "recalled", "remember", "remember_all"]  # fmt: skip
@@ -89,18 +90,29 @@ def remember_all(
     (the record exists: the gate wrote it when it scored the message, and set its TTL, ``ttl_s``
     from now: the key's), all in one round trip.
     Returns, for each, None once kept or the error that kept it from being (one bad record
-    fails its own only). When no answer came (a connection error, a timeout), each not
-    answered gets that error (it may be kept); other errors of the round trip raise, and then
-    none may be kept. A message that comes back with no handoff kept is scored again
-    (:func:`as_scored`)."""
+    fails its own only). What got no answer (a connection error, a timeout, a ``READONLY``
+    after a failover) is asked once more, on a new connection (both writes can be made
+    twice); still unanswered, it gets that error (it may be kept). A message that comes back
+    with no handoff kept is scored again (:func:`as_scored`)."""
     commands: list[list[str]] = []
     for job_id, attempt, nonce, handoff in kept:
         # The key before the nonce that points to it: a nonce in the record always has its
-        # handoff (or none at all, when the key's write failed).
+        # handoff (or none at all, when the key's write failed: the nonce is taken back).
         commands.append(["SET", runs.keys.handoff(job_id, attempt), packed(handoff),
                          "EX", str(ttl_s)])  # fmt: skip
         commands.append(["HSET", runs.keys.run(job_id, attempt), HANDOFF_NONCE, nonce])
     replies = runs.send_all(commands)
+    if again := [i for i, reply in enumerate(replies) if isinstance(reply, NO_ANSWER)]:
+        for i, reply in zip(again, runs.send_all([commands[i] for i in again]), strict=True):
+            replies[i] = reply
+    # A key refused beside a nonce written (an ACL on the key alone): the nonce would name a
+    # handoff that is not there, and the message, held, would come back as handed on.
+    dangling = [commands[i + 1][1] for i in range(0, len(replies), 2)
+                if isinstance(replies[i], redis.RedisError)
+                and not isinstance(replies[i + 1], redis.RedisError)]  # fmt: skip
+    if dangling:  # best effort (failing too, the message comes back to reserved, unverified)
+        with contextlib.suppress(redis.RedisError):
+            runs.send_all([["HDEL", key, HANDOFF_NONCE] for key in dangling])
     return [next((r for r in pair if isinstance(r, redis.RedisError)), None)
             for pair in zip(replies[::2], replies[1::2], strict=True)]  # fmt: skip
 
@@ -172,5 +184,12 @@ def as_scored(
     it), and the message is taken as the record's own, as parked, to be scored again."""
     if record.get("decision") == "admit_free" and record.get("window", "").isdigit():
         store.release(job_id, attempt, int(record["window"]), unpublished=True)
+        # Its free_admitted was that admission's, given back: the earlier attempt's again
+        # (abandoned now, it is a slack miss only when an earlier attempt ran free).
+        earlier = attempt > 1 and text_of(store.client.hget(
+            store.keys.run(job_id, attempt - 1), "free_admitted") or "") == "1"  # fmt: skip
+        if record.get("free_admitted") != (carried := "1" if earlier else "0"):
+            store.client.hset(store.keys.run(job_id, attempt), "free_admitted", carried)
+            record["free_admitted"] = carried
     headers[H_NONCE] = record["nonce"]
     record["decision"] = "defer"
