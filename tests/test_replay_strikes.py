@@ -5,6 +5,7 @@ replay hands it on; and a batch reads a record as the ledger reads it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,9 +26,11 @@ from gatekeeper.defaults import RECORD_RETENTION_S
 from gatekeeper.errors import GateUnreachable, LedgerUnavailable
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis import wire
+from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.decisions import read_records
+from gatekeeper.redis.gate_batch import route_all
 from gatekeeper.redis.handoff import HANDOFF_NONCE, Handoff, remember_all
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
@@ -271,3 +274,75 @@ def test_a_batch_sent_to_a_server_that_lost_its_scripts_is_decided_once_each(
     assert carried == {job: redis_client.hget(KEYS.run(job, 1), "nonce").decode() for job in jobs}
     scored = Counter(r.job_id for r in read_records(redis_client, KEYS, 0).records)
     assert scored == {job: 2 for job in jobs}  # deferred at publish, admitted once by the replay
+
+
+def scored_by_a_killed_pass(replayer: Replayer, broker: redis.Redis, gate: redis.Redis) -> None:
+    """A pass scored the deferred message (``admit_free``) and died before its handoff."""
+    (message,) = held(broker)
+    job = message["headers"]["id"]
+    record = {k.decode(): v.decode() for k, v in gate.hgetall(KEYS.run(job, 1)).items()}
+    publish = carried_publish(message["headers"], "replay", record.get("label", ""))
+    assert route_all(replayer.pipeline, [publish])[0].queue == "free"
+
+
+@pytest.mark.parametrize("from_", ["a_killed_pass", "the_keep"])
+def test_a_gate_redis_out_of_memory_sends_a_held_message_to_reserved_not_the_dead_letters(
+    redis_url: str, redis_client: redis.Redis, from_: str
+) -> None:
+    # A reviewer: as_scored's write of free_admitted, refused by a Redis out of memory,
+    # struck the message five times and dead-lettered it (no abandonment, no failure in the
+    # backend), where before it went to reserved (the gate script refused) and ran.
+    with deferred_on_a_gate(redis_url, 1, replay_backoff_s=0.05, replay_backoff_max_s=0.05) as (
+        _server, gate, settings, jobs
+    ):  # fmt: skip
+        replayer = Replayer(settings, broker=redis_client, gate=gate)
+        assert replayer.acquire()
+        if from_ == "a_killed_pass":
+            scored_by_a_killed_pass(replayer, redis_client, gate)
+            gate.config_set("maxmemory", 1)
+        else:
+            send_all = replayer.runs.send_all
+
+            def full_from_the_keep_on(commands: Any) -> list[Any]:
+                if any(command[0] == "SET" for command in commands):
+                    gate.config_set("maxmemory", 1)
+                return send_all(commands)
+
+            replayer.runs.send_all = full_from_the_keep_on  # type: ignore[method-assign]
+        try:
+            for _ in range(8):
+                with contextlib.suppress(LedgerUnavailable, redis.RedisError):
+                    replayer.pass_once()  # (its pass_completed write is refused too)
+                time.sleep(0.1)
+        finally:
+            gate.config_set("maxmemory", 0)
+        assert replayer.counts["to_reserved"] == 1, dict(replayer.counts)
+        assert not replayer.counts["replay_error"]
+        assert not queue_messages(redis_client, "dead_letter")
+        assert ids_in(redis_client, "reserved") == jobs
+
+
+def test_a_message_scored_never_handed_on_past_its_deadline_waits_out_an_open_breaker(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: taken as the record's own before the deadline check, its admission given
+    # back while the gate's breaker was open (a timeout a moment before) was refused, and
+    # the message struck and held for replay_backoff_max_s. The breaker's refusal is no
+    # answer (nothing asked): the pass stops, nothing struck, and the next one abandons it.
+    with deferred_on_a_gate(redis_url, 1, replay_backoff_max_s=30) as (
+        _server, gate, settings, _jobs
+    ):  # fmt: skip
+        settings = settings.model_copy(update={"breaker_open_s": 0.5})
+        first = Replayer(settings, broker=redis_client, gate=gate)
+        scored_by_a_killed_pass(first, redis_client, gate)
+        later = time.time() + 120
+        replayer = Replayer(settings, broker=redis_client, gate=gate, clock=lambda: later)
+        replayer._last_sweep = later  # no sweep in these passes
+        assert replayer.pipeline.store.breaker is not None
+        replayer.pipeline.store.breaker.failed(redis.TimeoutError("a blip"))
+        assert replayer.acquire()
+        with pytest.raises(GateUnreachable, match="breaker open"):
+            replayer.pass_once()
+        assert [H_REPLAY_ERRORS in m["headers"] for m in held(redis_client)] == [False]
+        time.sleep(0.6)
+        assert dict(replayer.pass_once()) == {"dead_lettered": 1}

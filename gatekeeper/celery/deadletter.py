@@ -222,10 +222,11 @@ def unkept(self: Any, taken: Taken, message: dict[str, Any], attempt: int, exc: 
     """A decision whose handoff was not kept (``self``: the replayer): its message is not handed
     on (a twin of a copy handed on with no handoff kept could not be told from a message scored
     and never handed on, and would give back that copy's admission), but waits in defer a
-    backoff long (with the nonce it was scored with: ``as_scored``'s, after a killed pass). Back, it is handed on as decided when the write was kept after
-    all (no answer came), else scored again (``as_scored``: the decision's admission given
-    back). No strike: the fault is the gate's Redis, not the message's. When no answer came,
-    the error is raised again, as :func:`set_aside` does: the pass stops, its batch claimed."""
+    backoff long, with the nonce it was scored with (``as_scored``'s, after a killed pass).
+    Back, it is scored again (``as_scored``: the decision's admission given back). No strike:
+    the fault is the gate's Redis, not the message's. When no answer came (the write may be
+    kept), the error is raised again, as :func:`set_aside` does: the pass stops, its batch
+    claimed, and a message back is handed on as decided when its handoff was kept."""
     if _unanswered(exc):
         raise exc
     wait = self.settings.replay_backoff_s

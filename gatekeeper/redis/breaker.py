@@ -46,7 +46,7 @@ from redis.exceptions import ClusterDownError, ClusterError, ReadOnlyError, TryA
 from redis.retry import Retry
 
 from gatekeeper.defaults import BREAKER_OPEN_S
-from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.errors import GateUnreachable
 from gatekeeper.redis.cluster import is_cluster
 
 __all__ = ["NOT_ANSWERING", "Breaker", "no_retry", "not_answering"]
@@ -119,11 +119,12 @@ class Breaker:
         return probe is not None and probe.is_alive()
 
     def check(self, what: str) -> None:
-        """Raise :class:`LedgerUnavailable` at once while the breaker is open."""
+        """Raise :class:`GateUnreachable` (a :class:`LedgerUnavailable`: no answer, not
+        asked) at once while the breaker is open."""
         error = self.error
         if error is not None:
             self._mine.opened = False
-            raise LedgerUnavailable(
+            raise GateUnreachable(
                 f"{what}: the gate's Redis did not answer ({error}); breaker open, not asked "
                 "until a probe finds it back"
             )

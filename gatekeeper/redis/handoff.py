@@ -185,11 +185,14 @@ def as_scored(
     if record.get("decision") == "admit_free" and record.get("window", "").isdigit():
         store.release(job_id, attempt, int(record["window"]), unpublished=True)
         # Its free_admitted was that admission's, given back: the earlier attempt's again
-        # (abandoned now, it is a slack miss only when an earlier attempt ran free).
+        # (abandoned now, it is a slack miss only when an earlier attempt ran free). The
+        # record's own is best effort: a Redis out of memory refuses the write (and then the
+        # gate script, which sends the message to reserved), not the message.
         earlier = attempt > 1 and text_of(store.client.hget(
             store.keys.run(job_id, attempt - 1), "free_admitted") or "") == "1"  # fmt: skip
         if record.get("free_admitted") != (carried := "1" if earlier else "0"):
-            store.client.hset(store.keys.run(job_id, attempt), "free_admitted", carried)
             record["free_admitted"] = carried
+            with contextlib.suppress(redis.ResponseError):
+                store.client.hset(store.keys.run(job_id, attempt), "free_admitted", carried)
     headers[H_NONCE] = record["nonce"]
     record["decision"] = "defer"
