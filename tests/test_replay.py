@@ -368,3 +368,27 @@ def test_transport_options_kombu_could_not_use_are_refused_by_name() -> None:
         with pytest.raises(ConfigError, match=f"broker_transport_options: {named}: expected"):
             check_broker("redis://127.0.0.1:6379/0", options=options)
     assert check_broker("redis://127.0.0.1:6379/0", options=CELERY_PRIORITIES) == "redis"
+
+
+@pytest.mark.parametrize("deadline", [-1e306, "-Infinity"])
+def test_a_message_put_in_defer_with_a_deadline_no_millisecond_holds_is_abandoned(
+    redis_url: str, redis_client: redis.Redis, deadline: float | str
+) -> None:
+    # Found in review: its row's slack in milliseconds overflowed (OverflowError), so the
+    # message was struck five times (a minute and a half) before the dead letters took it.
+    app = create_app(gate_settings(redis_url, dwell_gate_enabled=False), redis_url)
+    app.tasks["tests.plain"].apply_async(task_id="intruder", queue="defer", headers={
+        "gatekeeper_attempt": 1, "gatekeeper_deadline_at": 0.0})  # fmt: skip
+    (raw,) = redis_client.lrange("defer", 0, -1)
+    redis_client.delete("defer")  # the same message, its deadline as JSON can write it
+    redis_client.lpush(
+        "defer",
+        raw.replace(
+            b'"gatekeeper_deadline_at": 0.0', f'"gatekeeper_deadline_at": {deadline}'.encode()
+        ),
+    )
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    (row,) = [json.loads(r) for key in redis_client.scan_iter(match="gatekeeper:*:rows")
+              for r in redis_client.lrange(key, 0, -1)]  # fmt: skip
+    assert (row["outcome"], row["deadline_slack_ms"], row["verified"]) == (
+        "abandoned", -10**15, False)  # fmt: skip

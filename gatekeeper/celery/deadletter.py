@@ -37,7 +37,7 @@ from gatekeeper.core.headers import (
     H_REASON,
     H_REPLAY_AFTER,
 )
-from gatekeeper.core.ledger import Outcome, Path, make_row, window_id
+from gatekeeper.core.ledger import Outcome, Path, deadline_slack_ms, make_row, window_id
 from gatekeeper.errors import DeadlineAbandoned, GateUnreachable
 from gatekeeper.redis.runs import Finished
 from gatekeeper.redis.store import NO_ANSWER
@@ -113,7 +113,7 @@ def abandon(
     (``self`` is the :class:`~gatekeeper.celery.replay.Replayer`)."""
     headers = message["headers"]
     job_id, attempt = str(headers.get("id")), int(headers.get(H_ATTEMPT) or 1)
-    slack_ms = round((float(headers[H_DEADLINE_AT]) - now) * 1000)
+    slack_ms = deadline_slack_ms(float(headers[H_DEADLINE_AT]), now)
     row = make_row(
         job_id=job_id, attempt=attempt, path=Path.FREE, outcome=Outcome.ABANDONED,
         queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=slack_ms,

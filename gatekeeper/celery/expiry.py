@@ -44,7 +44,7 @@ from gatekeeper.core.headers import (
     H_REPLAY_AFTER,
     H_WINDOW,
 )
-from gatekeeper.core.ledger import Outcome, Path, make_row
+from gatekeeper.core.ledger import Outcome, Path, deadline_slack_ms, make_row
 from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import BadDeclaredInput
 from gatekeeper.redis.attempt import delay_of
@@ -151,7 +151,7 @@ class Expiry:
         first = headers.get(H_ATTEMPT_PUBLISHED_AT)
         first = first if isinstance(first, (int, float)) and first <= now else now
         deadline = headers.get(H_DEADLINE_AT)
-        slack_ms = round((deadline - now) * 1000) if isinstance(deadline, (int, float)) else 0
+        slack_ms = deadline_slack_ms(deadline, now) if isinstance(deadline, (int, float)) else 0
         row = make_row(
             job_id=job_id, attempt=attempt, path=Path.FREE, outcome=Outcome.EXPIRED,
             queue_wait_ms=round((now - first) * 1000), tokens_in=0, tokens_out=0,

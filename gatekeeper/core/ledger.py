@@ -31,6 +31,7 @@ __all__ = [
     "Path",
     "WindowSummary",
     "admit",
+    "deadline_slack_ms",
     "make_row",
     "reservation",
     "row_retry_tax",
@@ -148,6 +149,14 @@ class LedgerRow:
             "deadline_slack_ms": self.deadline_slack_ms,
             "retry_tax": self.retry_tax,
         }
+
+
+def deadline_slack_ms(deadline_at: float, now_s: float) -> int:
+    """A row's ``deadline_slack_ms``: the deadline's distance from ``now_s`` in whole
+    milliseconds, within +-1e15 (a deadline the gate never stamps, on a message put in defer
+    by hand, such as -1e306 or -inf, whose milliseconds no integer holds)."""
+    ms = (deadline_at - now_s) * 1000
+    return 0 if math.isnan(ms) else round(max(-1e15, min(1e15, ms)))
 
 
 def make_row(
