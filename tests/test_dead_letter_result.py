@@ -13,16 +13,22 @@ import pytest
 import redis
 from celery import Celery, chord
 from celery.exceptions import ChordError
+from celery.result import AsyncResult
 from click.testing import CliRunner
 
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.errors import DeadlineAbandoned
 from gatekeeper.ops.cli import main
+from gatekeeper.redis.attempt import carried_publish
+from gatekeeper.redis.gate_batch import route_all
+from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, unused_port
+from tests.test_replay import replay_once
 from tests.test_replay_batch import moves_refused
 
 pytestmark = pytest.mark.celery
+KEYS = Keys()
 SOON = {"gatekeeper_deadline_s": 1, "gatekeeper_expected_service_s": 0}
 """Deferred (a service time of 0 cannot be scored), and its deadline gone a second later."""
 
@@ -205,3 +211,33 @@ def test_a_requeue_refuses_a_deadline_that_is_not_a_positive_finite_number(
     result = CliRunner().invoke(main, ["dead-letter", "requeue", "job", "--deadline-s", value])
     assert result.exit_code == 2, result.output
     assert "--deadline-s" in result.output and "positive, finite" in result.output
+
+
+def test_a_copy_with_the_records_old_nonce_and_a_deadline_made_past_ends_no_live_job(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: a pass scored a deferred message and died before its handoff; someone who
+    # saw the message put a copy of it in defer, its deadline made past. Taken as the
+    # record's own (scored, never handed on), it was abandoned as the job's end: its failure
+    # stored in the backend and the attempt ended, while the job's own message, back, ran.
+    settings = gate_settings(redis_url, max_queue_age_s=1.0)
+    app = create_app(settings, redis_url)
+    app.conf.result_backend = redis_url
+    redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
+    job = app.tasks["tests.embed"].apply_async((1,)).id
+    redis_client.zrem(KEYS.free_waiting, "stale:1")
+    (parked,) = queue_messages(redis_client, "defer")
+    record = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.run(job, 1)).items()}
+    first = Replayer(settings, broker=redis_client, gate=redis_client)
+    publish = carried_publish(parked["headers"], "replay", record.get("label", ""))
+    assert route_all(first.pipeline, [publish])[0].queue == "free"  # then it was killed
+    original = redis_client.rpop("defer")
+    forged = json.loads(original)
+    forged["headers"]["gatekeeper_deadline_at"] = time.time() - 1
+    redis_client.lpush("defer", json.dumps(forged))
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client, app=app)
+    assert dict(replayer.run(threading.Event(), once=True)) == {"dead_lettered": 1}
+    assert AsyncResult(job, app=app).state == "PENDING"
+    assert redis_client.hget(KEYS.run(job, 1), "abandoned") is None
+    redis_client.lpush("defer", original)  # the job's own message comes back
+    assert replay_once(redis_url, redis_client, max_queue_age_s=1.0) == {"to_free": 1}

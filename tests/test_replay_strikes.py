@@ -36,7 +36,7 @@ from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.settings import GatekeeperSettings
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, initialised, queue_messages
+from tests.conftest import gate_settings, initialised, queue_messages, wait_until
 from tests.test_replay import claimed, defer_tasks, ids_in, replay_once
 
 KEYS = Keys()
@@ -346,3 +346,33 @@ def test_a_message_scored_never_handed_on_past_its_deadline_waits_out_an_open_br
         assert [H_REPLAY_ERRORS in m["headers"] for m in held(redis_client)] == [False]
         time.sleep(0.6)
         assert dict(replayer.pass_once()) == {"dead_lettered": 1}
+
+
+def test_a_failover_met_at_a_held_admissions_release_strikes_no_message(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: a READONLY reply (the gate's Redis a replica after a failover) is no answer
+    # to the breaker, but the replayer struck the message whose release met it: held for
+    # replay_backoff_max_s and one strike nearer the dead letters (older than this session).
+    with deferred_on_a_gate(redis_url, 1) as (server, gate, settings, jobs):
+        settings = settings.model_copy(update={"breaker_open_s": 5.0})
+        scored_by_a_killed_pass(Replayer(settings, broker=redis_client, gate=gate), redis_client,
+                                gate)  # fmt: skip
+        replayer = Replayer(settings, broker=redis_client, gate=gate)
+        replayer._last_sweep = float("inf")  # no sweep in this pass
+        assert replayer.acquire()
+        with EmbeddedRedis() as other:  # B takes A's data; A turns a replica of B
+            b = redis.Redis.from_url(other.url)
+            b.replicaof("127.0.0.1", server.port)
+            assert wait_until(lambda: b.exists(KEYS.run(jobs[0], 1)) == 1, 10)
+            b.replicaof("NO", "ONE")
+            gate.replicaof("127.0.0.1", other.port)
+            assert wait_until(
+                lambda: gate.info("replication").get("master_link_status") == "up", 10
+            )
+            try:
+                with pytest.raises(LedgerUnavailable, match="READONLY"):
+                    replayer.pass_once()
+                assert [H_REPLAY_ERRORS in m["headers"] for m in held(redis_client)] == [False]
+            finally:
+                gate.replicaof("NO", "ONE")

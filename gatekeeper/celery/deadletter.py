@@ -39,6 +39,7 @@ from gatekeeper.core.headers import (
 )
 from gatekeeper.core.ledger import Outcome, Path, deadline_slack_ms, make_row, window_id
 from gatekeeper.errors import DeadlineAbandoned, GateUnreachable
+from gatekeeper.redis.breaker import not_answering
 from gatekeeper.redis.runs import Finished
 from gatekeeper.redis.store import NO_ANSWER
 
@@ -162,9 +163,11 @@ def abandon(
 
 
 def _unanswered(exc: BaseException | None) -> bool:
-    """Whether Redis gave no answer, raised as it is or wrapped (LedgerUnavailable's cause)."""
+    """Whether Redis gave no answer, raised as it is or wrapped (LedgerUnavailable's cause):
+    also a reply that says it is not the primary (``READONLY`` after a failover, ``LOADING``:
+    the breaker's :func:`~gatekeeper.redis.breaker.not_answering`)."""
     while exc is not None:
-        if isinstance(exc, UNANSWERED):
+        if isinstance(exc, UNANSWERED) or not_answering(exc):
             return True
         exc = exc.__cause__
     return False

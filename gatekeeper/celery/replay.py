@@ -64,7 +64,7 @@ from gatekeeper.lines import flush as flush_lines
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline, Routing
-from gatekeeper.redis.handoff import Handoff, as_scored, handed_on, recalled
+from gatekeeper.redis.handoff import Handoff, as_scored, handed_on, recalled, scored_unsent
 from gatekeeper.redis.lock import OneHolder
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.snapshot import forget_deferred, pass_completed
@@ -267,7 +267,7 @@ class Replayer:
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
                              queue=again.queue)  # fmt: skip
             return self._hand_on(taken, message, again, "handed_on_again")
-        if gated and nonce and record.get("prev_nonce") == nonce and not handed_on(record, nonce):
+        if gated and scored_unsent(record, headers):
             # Scored, never handed on (a copy leaves only once its handoff is kept, below):
             # the record's own, also past its deadline (its row, slack miss and end).
             self.log.warning("replay_scored_not_handed_on", job_id=job_id, attempt=attempt,

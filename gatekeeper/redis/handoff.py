@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
 
-from gatekeeper.core.headers import H_NONCE
+from gatekeeper.core.headers import H_DEADLINE_AT, H_NONCE
 from gatekeeper.defaults import RECORD_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.keys import Keys
@@ -43,7 +44,8 @@ from gatekeeper.redis.scripts import text_of
 from gatekeeper.redis.store import NO_ANSWER, GateStore
 
 __all__ = ["HANDOFF", "HANDOFF_FROM", "HANDOFF_NONCE", "Handoff", "Kept", "Where", "as_scored",
-           "handed_on", "packed", "read", "recalled", "remember", "remember_all"]  # fmt: skip
+           "handed_on", "packed", "read", "recalled", "remember", "remember_all",
+           "scored_unsent"]  # fmt: skip
 
 HANDOFF_NONCE = "handoff_nonce"
 """The record's field naming the message whose handoff its key keeps."""
@@ -172,6 +174,21 @@ def _short(name: str) -> str:
 
 def _long(name: str) -> str:
     return name[1:] if name.startswith("/") else PREFIX + name
+
+
+def scored_unsent(record: Mapping[str, str], headers: Mapping[str, Any]) -> bool:
+    """Whether the message is one the gate scored and was never handed on: its nonce is the
+    record's ``prev_nonce`` (the decision replaced it), no handoff is kept for it (a copy
+    leaves only once it is), and it carries the record's deadline. A copy with another
+    deadline (one who saw the message, and made it look expired) is not the record's, and
+    must not end the attempt (its abandoned row, its failure in the result backend)."""
+    nonce, deadline = headers.get(H_NONCE), headers.get(H_DEADLINE_AT)
+    return (
+        isinstance(nonce, str) and bool(nonce) and record.get("prev_nonce") == nonce
+        and handed_on(record, nonce) is None
+        and isinstance(deadline, (int, float)) and math.isfinite(deadline)
+        and record.get("deadline_ms") == str(round(deadline * 1000))
+    )  # fmt: skip
 
 
 def as_scored(
