@@ -18,6 +18,8 @@ from click.testing import CliRunner
 
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.ops.cli import main
+from gatekeeper.redis.attempt import carried_publish
+from gatekeeper.redis.gate_batch import route_all
 from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE, Handoff, packed, recalled
 from gatekeeper.redis.keys import ATTEMPTS, Keys
 from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
@@ -387,3 +389,43 @@ def test_a_handoff_key_refused_beside_its_nonce_written_is_scored_again(
     time.sleep(0.35)
     assert replay_once(redis_url, redis_client) == {"to_free": 1}
     assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]
+
+
+@pytest.mark.parametrize("fault", ["refused", "unanswered", "killed"])
+def test_a_decision_made_in_process_held_or_killed_is_scored_again_as_the_gates(
+    redis_url: str, redis_client: redis.Redis, fault: str
+) -> None:
+    # A reviewer: record.lua (a decision made in process: here the free path off) wrote no
+    # prev_nonce, so its message, held (its handoff refused, or not answered) or left by a
+    # killed pass, came back as a stranger's: to reserved unverified, the record left live
+    # (the killed pass's case older than this session).
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    redis_client.hset(KEYS.flags, "free_path_enabled", "false")
+    replayer = Replayer(gate_settings(redis_url, replay_backoff_s=0.3), broker=redis_client,
+                        gate=redis_client)  # fmt: skip
+    send_all = replayer.runs.send_all
+
+    def keep_fails(commands: Any) -> list[Any]:
+        if not any(command[0] == "SET" for command in commands):
+            return send_all(commands)
+        if fault == "unanswered":  # a restart between the decision and the write: twice
+            return [redis.ConnectionError("Connection refused")] * len(commands)
+        redis_client.config_set("maxmemory", 1)
+        try:
+            return send_all(commands)
+        finally:
+            redis_client.config_set("maxmemory", 0)
+
+    if fault == "killed":
+        (parked,) = queue_messages(redis_client, "defer")
+        label = record_of(redis_client, job)["label"]
+        publish = carried_publish(parked["headers"], "replay", label)
+        assert route_all(replayer.pipeline, [publish])[0].queue == "reserved"
+    else:
+        replayer.runs.send_all = keep_fails  # type: ignore[method-assign]
+        first = dict(replayer.run(threading.Event(), once=True))
+        assert first == ({"handoff_unrecorded": 1} if fault == "refused" else {"pass_failed": 1})
+        time.sleep(0.35)
+    assert replay_once(redis_url, redis_client) == {"to_reserved": 1}
+    (sent,) = queue_messages(redis_client, "reserved")
+    assert sent["headers"]["gatekeeper_nonce"] == record_of(redis_client, job)["nonce"]

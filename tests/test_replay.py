@@ -370,7 +370,7 @@ def test_transport_options_kombu_could_not_use_are_refused_by_name() -> None:
     assert check_broker("redis://127.0.0.1:6379/0", options=CELERY_PRIORITIES) == "redis"
 
 
-@pytest.mark.parametrize("deadline", [-1e306, "-Infinity"])
+@pytest.mark.parametrize("deadline", [-1e306, "-Infinity", "-1" + "0" * 400])
 def test_a_message_put_in_defer_with_a_deadline_no_millisecond_holds_is_abandoned(
     redis_url: str, redis_client: redis.Redis, deadline: float | str
 ) -> None:

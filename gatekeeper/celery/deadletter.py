@@ -114,7 +114,7 @@ def abandon(
     (``self`` is the :class:`~gatekeeper.celery.replay.Replayer`)."""
     headers = message["headers"]
     job_id, attempt = str(headers.get("id")), int(headers.get(H_ATTEMPT) or 1)
-    slack_ms = deadline_slack_ms(float(headers[H_DEADLINE_AT]), now)
+    slack_ms = deadline_slack_ms(headers[H_DEADLINE_AT], now)
     row = make_row(
         job_id=job_id, attempt=attempt, path=Path.FREE, outcome=Outcome.ABANDONED,
         queue_wait_ms=0, tokens_in=0, tokens_out=0, deadline_slack_ms=slack_ms,

@@ -154,8 +154,11 @@ class LedgerRow:
 def deadline_slack_ms(deadline_at: float, now_s: float) -> int:
     """A row's ``deadline_slack_ms``: the deadline's distance from ``now_s`` in whole
     milliseconds, within +-1e15 (a deadline the gate never stamps, on a message put in defer
-    by hand, such as -1e306 or -inf, whose milliseconds no integer holds)."""
-    ms = (deadline_at - now_s) * 1000
+    by hand, such as -1e306, -inf or an integer of 400 digits, that no double holds)."""
+    try:
+        ms = (float(deadline_at) - now_s) * 1000
+    except OverflowError:  # an integer past a double's range
+        ms = -math.inf if deadline_at < 0 else math.inf
     return 0 if math.isnan(ms) else round(max(-1e15, min(1e15, ms)))
 
 

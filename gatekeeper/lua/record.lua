@@ -80,7 +80,7 @@ if KEYS[3] ~= KEYS[2] and redis.call('HGET', KEYS[3], 'free_admitted') == '1' th
   free = '1'
 end
 local fields = {'decision', ARGV[1], 'reason', ARGV[2], 'window', '', 'free_admitted', free,
-  'label', ARGV[8]}
+  'label', ARGV[8], 'prev_nonce', ARGV[7]}  -- as gate.lua: a replay's message, scored
 for i = 29, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[6]))
