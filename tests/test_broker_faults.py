@@ -26,6 +26,7 @@ from gatekeeper.logs import make_logger
 from gatekeeper.redis.keys import ATTEMPTS, Keys
 from tests.apps.gated_app import create_app
 from tests.conftest import REPO_ROOT, gate_settings, wait_until
+from tests.test_replay_strikes import keep_fails
 
 pytestmark = [pytest.mark.celery, pytest.mark.servers]
 KEYS = Keys()
@@ -236,18 +237,7 @@ def test_a_handoff_the_gates_redis_refused_holds_the_message_in_a_delay_queue(
         (job,) = _deferred(app, redis_client, 1)
         assert wait_until(lambda: broker.length("defer") == 1, 5)
         replayer = Replayer(settings, broker, redis_client, app=app)
-        send_all = replayer.runs.send_all
-
-        def out_of_memory_at_the_keep(commands: Any) -> list[Any]:
-            if not any(command[0] == "SET" for command in commands):
-                return send_all(commands)
-            redis_client.config_set("maxmemory", 1)  # both writes refused
-            try:
-                return send_all(commands)
-            finally:
-                redis_client.config_set("maxmemory", 0)
-
-        replayer.runs.send_all = out_of_memory_at_the_keep  # type: ignore[method-assign]
+        keep_fails(replayer, redis_client)  # out of memory: both writes refused
         assert dict(replayer.run(threading.Event(), True)) == {"handoff_unrecorded": 1}
         assert broker.length("free") == 0 and not redis_client.exists(KEYS.handoff(job, 1))
         assert wait_until(lambda: broker.length("defer") == 1, 10)  # back from its delay

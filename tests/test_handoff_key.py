@@ -27,6 +27,7 @@ from tests.test_broker_faults import rows_of
 from tests.test_dead_letter_result import dead_lettered
 from tests.test_replay import claimed, defer_tasks, replay_once
 from tests.test_replay_batch import FailingMove
+from tests.test_replay_strikes import keep_fails
 from tests.test_worker_ledger import runs as recorded_runs
 
 KEYS = Keys()
@@ -296,21 +297,7 @@ def test_a_handoff_not_kept_holds_its_message_and_a_twin_later_goes_on_as_it(
     nonce = json.loads(twin)["headers"]["gatekeeper_nonce"]
     replayer = Replayer(gate_settings(redis_url, replay_backoff_s=0.3), broker=redis_client,
                         gate=redis_client)  # fmt: skip
-    send_all = replayer.runs.send_all
-
-    def keep_fails(commands: Any) -> list[Any]:
-        if not any(command[0] == "SET" for command in commands):
-            return send_all(commands)
-        if fault == "unanswered":
-            send_all(commands)
-            return [redis.TimeoutError("Timeout reading from socket")] * len(commands)
-        redis_client.config_set("maxmemory", 1)
-        try:
-            return send_all(commands)
-        finally:
-            redis_client.config_set("maxmemory", 0)
-
-    replayer.runs.send_all = keep_fails  # type: ignore[method-assign]
+    keep_fails(replayer, redis_client, fault)
     if fault == "refused":
         assert dict(replayer.run(threading.Event(), once=True)) == {"handoff_unrecorded": 1}
         assert "event=replay_handoff_unrecorded" in capsys.readouterr().err
@@ -348,18 +335,7 @@ def test_a_decision_held_past_its_deadline_is_no_slack_miss_of_its_own_admission
     (job,) = defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 2.5})
     replayer = Replayer(gate_settings(redis_url, replay_backoff_s=3.0), broker=redis_client,
                         gate=redis_client)  # fmt: skip
-    send_all = replayer.runs.send_all
-
-    def out_of_memory_at_the_keep(commands: Any) -> list[Any]:
-        if not any(command[0] == "SET" for command in commands):
-            return send_all(commands)
-        redis_client.config_set("maxmemory", 1)
-        try:
-            return send_all(commands)
-        finally:
-            redis_client.config_set("maxmemory", 0)
-
-    replayer.runs.send_all = out_of_memory_at_the_keep  # type: ignore[method-assign]
+    keep_fails(replayer, redis_client)
     assert dict(replayer.run(threading.Event(), once=True)) == {"handoff_unrecorded": 1}
     assert redis_client.hget(KEYS.run(job, 1), "free_admitted") == b"1"  # the admission's
     time.sleep(3.1)
@@ -403,26 +379,13 @@ def test_a_decision_made_in_process_held_or_killed_is_scored_again_as_the_gates(
     redis_client.hset(KEYS.flags, "free_path_enabled", "false")
     replayer = Replayer(gate_settings(redis_url, replay_backoff_s=0.3), broker=redis_client,
                         gate=redis_client)  # fmt: skip
-    send_all = replayer.runs.send_all
-
-    def keep_fails(commands: Any) -> list[Any]:
-        if not any(command[0] == "SET" for command in commands):
-            return send_all(commands)
-        if fault == "unanswered":  # a restart between the decision and the write: twice
-            return [redis.ConnectionError("Connection refused")] * len(commands)
-        redis_client.config_set("maxmemory", 1)
-        try:
-            return send_all(commands)
-        finally:
-            redis_client.config_set("maxmemory", 0)
-
     if fault == "killed":
         (parked,) = queue_messages(redis_client, "defer")
         label = record_of(redis_client, job)["label"]
         publish = carried_publish(parked["headers"], "replay", label)
         assert route_all(replayer.pipeline, [publish])[0].queue == "reserved"
     else:
-        replayer.runs.send_all = keep_fails  # type: ignore[method-assign]
+        keep_fails(replayer, redis_client, "unsent" if fault == "unanswered" else fault)
         first = dict(replayer.run(threading.Event(), once=True))
         assert first == ({"handoff_unrecorded": 1} if fault == "refused" else {"pass_failed": 1})
         time.sleep(0.35)

@@ -276,6 +276,29 @@ def test_a_batch_sent_to_a_server_that_lost_its_scripts_is_decided_once_each(
     assert scored == {job: 2 for job in jobs}  # deferred at publish, admitted once by the replay
 
 
+def keep_fails(replayer: Replayer, client: redis.Redis, how: str = "refused") -> None:
+    """The replayer's handoff keeps (a round trip with its ``SET``s) fail on the real server:
+    ``refused`` (out of memory for that round trip: both writes refused), ``unanswered``
+    (written, the replies lost), ``unsent`` (not sent: a restart, no answer)."""
+    send_all = replayer.runs.send_all
+
+    def keep(commands: Any) -> list[Any]:
+        if not any(command[0] == "SET" for command in commands):
+            return send_all(commands)
+        if how == "unanswered":
+            send_all(commands)
+            return [redis.TimeoutError("Timeout reading from socket")] * len(commands)
+        if how == "unsent":
+            return [redis.ConnectionError("Connection refused")] * len(commands)
+        client.config_set("maxmemory", 1)
+        try:
+            return send_all(commands)
+        finally:
+            client.config_set("maxmemory", 0)
+
+    replayer.runs.send_all = keep  # type: ignore[method-assign]
+
+
 def scored_by_a_killed_pass(replayer: Replayer, broker: redis.Redis, gate: redis.Redis) -> None:
     """A pass scored the deferred message (``admit_free``) and died before its handoff."""
     (message,) = held(broker)
