@@ -337,7 +337,8 @@ def test_a_decision_held_past_its_deadline_is_no_slack_miss_of_its_own_admission
                         gate=redis_client)  # fmt: skip
     keep_fails(replayer, redis_client)
     assert dict(replayer.run(threading.Event(), once=True)) == {"handoff_unrecorded": 1}
-    assert redis_client.hget(KEYS.run(job, 1), "free_admitted") == b"1"  # the admission's
+    assert redis_client.hget(KEYS.run(job, 1), "free_admitted") == b"0"  # given back at once
+    assert not redis_client.hgetall(KEYS.inflight)
     time.sleep(3.1)
     capsys.readouterr()
     assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
@@ -392,3 +393,59 @@ def test_a_decision_made_in_process_held_or_killed_is_scored_again_as_the_gates(
     assert replay_once(redis_url, redis_client) == {"to_reserved": 1}
     (sent,) = queue_messages(redis_client, "reserved")
     assert sent["headers"]["gatekeeper_nonce"] == record_of(redis_client, job)["nonce"]
+
+
+@pytest.mark.parametrize("first", ["refused", "killed"])
+def test_a_message_scored_again_whose_next_keep_gets_no_answer_stays_the_gates(
+    redis_url: str, redis_client: redis.Redis, first: str
+) -> None:
+    # A reviewer: a message scored and never handed on (its keep refused, or its pass
+    # killed) was scored again, and that keep got no answer: the pass stopped, and the
+    # message came back with its own nonce, which the record (its nonce the second
+    # decision's, its prev_nonce the first's) no longer named: to reserved unverified, the
+    # second decision's admission held with no message. The first decision is now undone in
+    # the record (unscore.lua), not in the message.
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    settings = gate_settings(redis_url, replay_backoff_s=0.3)
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client)
+    if first == "killed":
+        (parked,) = queue_messages(redis_client, "defer")
+        label = record_of(redis_client, job)["label"]
+        publish = carried_publish(parked["headers"], "replay", label)
+        assert route_all(replayer.pipeline, [publish])[0].queue == "free"
+    else:
+        keep_fails(replayer, redis_client)
+        assert dict(replayer.run(threading.Event(), once=True)) == {"handoff_unrecorded": 1}
+        time.sleep(0.35)
+    again = Replayer(settings, broker=redis_client, gate=redis_client)
+    keep_fails(again, redis_client, "unsent")
+    assert dict(again.run(threading.Event(), once=True)) == {"pass_failed": 1}
+    assert replay_once(redis_url, redis_client) == {"to_free": 1}
+    (sent,) = queue_messages(redis_client, "free")
+    assert sent["headers"]["gatekeeper_nonce"] == record_of(redis_client, job)["nonce"]
+    assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]
+    assert redis_client.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 1
+
+
+def test_a_sweep_while_a_message_is_held_forgets_no_admission(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A reviewer: a held message's admission waited in free:waiting with no message in free;
+    # a sweep more than 5 s after the decision took it for a purged queue's
+    # (free_admissions_forgotten) and released it as published: admitted_free counted one
+    # run twice. The admission is now given back when the message is held.
+    defer_tasks(redis_url, redis_client, 1)
+    replayer = Replayer(gate_settings(redis_url, replay_backoff_s=0.3), broker=redis_client,
+                        gate=redis_client)  # fmt: skip
+    send_all = replayer.runs.send_all
+    keep_fails(replayer, redis_client)
+    assert replayer.acquire()
+    assert dict(replayer.pass_once()) == {"handoff_unrecorded": 1}
+    replayer.runs.send_all = send_all  # type: ignore[method-assign]
+    replayer._sweep(time.time() + 6)
+    assert "free_admissions_forgotten" not in capsys.readouterr().err
+    time.sleep(0.35)
+    assert dict(replayer.pass_once()) == {"to_free": 1}
+    (window,) = [k for k in redis_client.scan_iter(match=KEYS.window(0).replace(":0", ":*"))
+                 if not k.endswith(b":rows")]  # fmt: skip
+    assert redis_client.hget(window, "admitted_free") == b"1"

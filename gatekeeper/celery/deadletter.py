@@ -17,10 +17,12 @@ message given back after a pass stored its failure) finds it stored and leaves i
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 from datetime import datetime, timezone
 from typing import Any
 
+import redis
 from celery import states
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
@@ -38,8 +40,9 @@ from gatekeeper.core.headers import (
     H_REPLAY_AFTER,
 )
 from gatekeeper.core.ledger import Outcome, Path, deadline_slack_ms, make_row, window_id
-from gatekeeper.errors import DeadlineAbandoned, GateUnreachable
+from gatekeeper.errors import DeadlineAbandoned, GateUnreachable, LedgerUnavailable
 from gatekeeper.redis.breaker import not_answering
+from gatekeeper.redis.handoff import as_scored, scored_unsent
 from gatekeeper.redis.runs import Finished
 from gatekeeper.redis.store import NO_ANSWER
 
@@ -225,17 +228,23 @@ def unkept(self: Any, taken: Taken, message: dict[str, Any], attempt: int, exc: 
     """A decision whose handoff was not kept (``self``: the replayer): its message is not handed
     on (a twin of a copy handed on with no handoff kept could not be told from a message scored
     and never handed on, and would give back that copy's admission), but waits in defer a
-    backoff long, with the nonce it was scored with (``as_scored``'s, after a killed pass).
-    Back, it is scored again (``as_scored``: the decision's admission given back). No strike:
-    the fault is the gate's Redis, not the message's. When no answer came (the write may be
-    kept), the error is raised again, as :func:`set_aside` does: the pass stops, its batch
-    claimed, and a message back is handed on as decided when its handoff was kept."""
+    backoff long. The decision is undone at once when it can be (``as_scored``: its admission
+    given back, the record the message's again), else when the message comes back; either
+    way it is scored again then. No strike: the fault is the gate's Redis, not the message's.
+    When no answer came (the write may be kept), the error is raised again, as
+    :func:`set_aside` does: the pass stops, its batch claimed, and a message back is handed on
+    as decided when its handoff was kept."""
     if _unanswered(exc):
         raise exc
     wait = self.settings.replay_backoff_s
-    self.log.warning("replay_handoff_unrecorded", job_id=message["headers"].get("id"),
-                     attempt=attempt, error=repr(exc), queue=self.defer, wait_s=wait)  # fmt: skip
+    job_id = str(message["headers"].get("id"))
+    self.log.warning("replay_handoff_unrecorded", job_id=job_id, attempt=attempt,
+                     error=repr(exc), queue=self.defer, wait_s=wait)  # fmt: skip
     message = copy_message(message)
+    with contextlib.suppress(LedgerUnavailable, redis.RedisError):  # best effort (above)
+        record = self.runs.fields(job_id, attempt)
+        if scored_unsent(record, message["headers"]):  # held as it is, whatever is undone
+            as_scored(self.pipeline.store, job_id, attempt, record, dict(message["headers"]))
     message["headers"][H_REPLAY_AFTER] = now + wait
     self.broker.hold(taken, message, wait)
     return "handoff_unrecorded"

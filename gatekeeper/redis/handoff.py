@@ -40,7 +40,7 @@ from gatekeeper.defaults import RECORD_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
-from gatekeeper.redis.scripts import text_of
+from gatekeeper.redis.scripts import evalsha, load_lua, text_of
 from gatekeeper.redis.store import NO_ANSWER, GateStore
 
 __all__ = ["HANDOFF", "HANDOFF_FROM", "HANDOFF_NONCE", "Handoff", "Kept", "Where", "as_scored",
@@ -196,20 +196,32 @@ def as_scored(
 ) -> None:
     """A message the gate scored (its nonce is the record's ``prev_nonce``: the decision
     replaced it) with no handoff kept: its replayer died in between, or the handoff's write
-    failed (the message then waits in defer), and no copy left. It is
-    the gate's message still: what that decision admitted is given back (no message carries
-    it), and the message is taken as the record's own, as parked, to be scored again."""
+    failed (the message then waits in defer), and no copy left. It is the gate's message
+    still: what that decision admitted is given back (no message carries it), and the
+    decision is undone in the record (``unscore.lua``: the record's nonce is the message's
+    again, decided ``defer``), so the message is the record's as parked, in this pass and in
+    any later one it comes back to unmoved. When the record refuses (a Redis out of memory)
+    the message takes the record's nonce instead, for this pass."""
+    free = ""
     if record.get("decision") == "admit_free" and record.get("window", "").isdigit():
         store.release(job_id, attempt, int(record["window"]), unpublished=True)
         # Its free_admitted was that admission's, given back: the earlier attempt's again
-        # (abandoned now, it is a slack miss only when an earlier attempt ran free). The
-        # record's own is best effort: a Redis out of memory refuses the write (and then the
-        # gate script, which sends the message to reserved), not the message.
+        # (abandoned now, it is a slack miss only when an earlier attempt ran free).
         earlier = attempt > 1 and text_of(store.client.hget(
             store.keys.run(job_id, attempt - 1), "free_admitted") or "") == "1"  # fmt: skip
-        if record.get("free_admitted") != (carried := "1" if earlier else "0"):
-            record["free_admitted"] = carried
-            with contextlib.suppress(redis.ResponseError):
-                store.client.hset(store.keys.run(job_id, attempt), "free_admitted", carried)
-    headers[H_NONCE] = record["nonce"]
+        free = "1" if earlier else "0"
+        record["free_admitted"] = free
+    mine, key = str(headers[H_NONCE]), store.keys.run(job_id, attempt)
+    try:
+        undone = evalsha(store.client, store.client.register_script(_UNSCORE), [key],
+                         [record["nonce"], mine, free])  # fmt: skip
+    except redis.ResponseError:  # refused (out of memory): the message takes the record's
+        undone = 0
+    if undone:
+        record.update(nonce=mine, prev_nonce="", window="")
+    else:
+        headers[H_NONCE] = record["nonce"]
     record["decision"] = "defer"
+
+
+_UNSCORE = load_lua("unscore.lua")
