@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -449,3 +450,71 @@ def test_a_sweep_while_a_message_is_held_forgets_no_admission(
     (window,) = [k for k in redis_client.scan_iter(match=KEYS.window(0).replace(":0", ":*"))
                  if not k.endswith(b":rows")]  # fmt: skip
     assert redis_client.hget(window, "admitted_free") == b"1"
+
+
+def test_a_replayer_stalled_past_its_lock_undoes_nothing_of_its_successors(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: replayer A's handoff was refused; A read the record to undo its decision,
+    # then stalled past its lock. B took the message, undid the decision, scored it again
+    # and handed the copy to free. A's release, keyed by the attempt alone, then gave back
+    # B's admission (inflight, free:waiting, the window's exposure; the run charged 0). The
+    # release is now unscore.lua's, under its check of the decision's nonce.
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    settings = gate_settings(redis_url, replay_lock_ttl_s=1.0, replay_backoff_s=0.3)
+    a = Replayer(settings, broker=redis_client, gate=redis_client)
+    b = Replayer(settings, broker=redis_client, gate=redis_client)
+    keep_fails(a, redis_client)
+    b_counts: Counter[str] = Counter()
+    read = a.runs.fields
+
+    def read_then_stall(*args: Any, **kwargs: Any) -> dict[str, str]:
+        record = read(*args, **kwargs)
+        time.sleep(1.3)  # past A's lock: B takes the lock and the message
+        assert b.acquire()
+        b_counts.update(b.pass_once())
+        return record
+
+    a.runs.fields = read_then_stall  # type: ignore[method-assign]
+    assert a.acquire()
+    a.pass_once()
+    assert b_counts["to_free"] == 1
+    (sent,) = queue_messages(redis_client, "free")
+    assert sent["headers"]["gatekeeper_nonce"] == record_of(redis_client, job)["nonce"]
+    assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]
+    assert redis_client.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 1
+
+
+@pytest.mark.parametrize("case", ["twins_in_one_batch", "a_twin_after_two_faults"])
+def test_twins_of_a_message_held_run_once(
+    redis_url: str, redis_client: redis.Redis, case: str
+) -> None:
+    # Two reviewers' known gaps, closed by the undo in the record (unscore.lua): twins in one
+    # batch whose keeps were both refused, or a twin after a killed pass and a refused keep,
+    # each went on with a different nonce (one to reserved unverified): the task ran twice.
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    twin = redis_client.lindex("defer", 0)
+    settings = gate_settings(redis_url, replay_backoff_s=0.3)
+    replayer = Replayer(settings, broker=redis_client, gate=redis_client)
+    send_all = replayer.runs.send_all
+    if case == "twins_in_one_batch":
+        redis_client.lpush("defer", twin)
+    else:
+        (parked,) = queue_messages(redis_client, "defer")
+        publish = carried_publish(
+            parked["headers"], "replay", record_of(redis_client, job)["label"]
+        )
+        assert route_all(replayer.pipeline, [publish])[0].queue == "free"  # then killed
+    keep_fails(replayer, redis_client)
+    held = dict(replayer.run(threading.Event(), once=True))
+    assert held == {"handoff_unrecorded": 2 if case == "twins_in_one_batch" else 1}
+    replayer.runs.send_all = send_all  # type: ignore[method-assign]
+    time.sleep(0.35)
+    if case == "a_twin_after_two_faults":
+        redis_client.lpush("defer", twin)
+    counts = replay_once(redis_url, redis_client)
+    assert counts == {"to_free": 1, "handed_on_again": 1}
+    nonces = {m["headers"]["gatekeeper_nonce"] for m in queue_messages(redis_client, "free")}
+    assert nonces == {record_of(redis_client, job)["nonce"]} and not queue_messages(
+        redis_client, "reserved")  # fmt: skip
+    assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]

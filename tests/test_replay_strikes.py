@@ -364,10 +364,8 @@ def test_a_message_scored_never_handed_on_past_its_deadline_waits_out_an_open_br
         assert replayer.pipeline.store.breaker is not None
         replayer.pipeline.store.breaker.failed(redis.TimeoutError("a blip"))
         assert replayer.acquire()
-        with pytest.raises(GateUnreachable, match="breaker open"):
-            replayer.pass_once()
-        assert [H_REPLAY_ERRORS in m["headers"] for m in held(redis_client)] == [False]
-        time.sleep(0.6)
+        # Since the undo is unscore.lua's, asked of Redis itself (not through the publish
+        # path's breaker), an open breaker delays nothing: abandoned at once, not struck.
         assert dict(replayer.pass_once()) == {"dead_lettered": 1}
 
 

@@ -2,21 +2,37 @@
 --
 -- The replayer scored the message (gate.lua or record.lua wrote a new nonce into the record,
 -- and the message's as its prev_nonce), then no copy left: its handoff was not kept (refused,
--- or its pass killed or stopped before it). What the decision admitted is given back first
--- (release.lua); this script makes the record the message's again, as parked: its nonce, the
--- decision `defer`, no prev_nonce and no admission window. The message, still carrying its
--- nonce, is then the record's deferred message for every later pass, also when it comes back
--- unmoved from a pass that stops before its next handoff (handoff.as_scored).
+-- or its pass killed or stopped before it). Only while the record still holds that decision
+-- (its nonce: a replayer that stalled past its lock must not undo its successor's), this
+-- script gives back what the decision admitted, as release.lua does for a message never
+-- published (ARGV[5] = '1'), and makes the record the message's again, as parked: its nonce,
+-- the decision `defer`, no prev_nonce and no admission window. The message, still carrying
+-- its nonce, is then the record's deferred message for every later pass, also when it comes
+-- back unmoved from a pass that stops before its next handoff (handoff.as_scored).
 --
 -- KEYS[1] run:<job_id>:<attempt>   hash: the gate's record of the attempt
+-- KEYS[2] inflight                 hash: <job_id>:<attempt> -> "<reserved>|<window>|..."
+-- KEYS[3] free:waiting             sorted set: admitted free attempts not yet started
+-- KEYS[4] window:<admission window> hash: exposure, admitted_free (KEYS[1] when none)
 --
 -- ARGV[1] the decision's nonce (the record's now)   ARGV[2] the message's nonce
 -- ARGV[3] free_admitted to write ('': left as it is)
+-- ARGV[4] member <job_id>:<attempt>   ARGV[5] '1': the decision admitted it to free
 --
--- Returns 1 when undone; 0 when the record holds another nonce now (left alone).
+-- Returns 1 when undone; 0 when the record holds another nonce now (nothing changed).
 
 if redis.call('HGET', KEYS[1], 'nonce') ~= ARGV[1] then
   return 0
+end
+if ARGV[5] == '1' then  -- as release.lua, unpublished
+  redis.call('ZREM', KEYS[3], ARGV[4])
+  local held = redis.call('HGET', KEYS[2], ARGV[4])
+  if held then
+    redis.call('HDEL', KEYS[2], ARGV[4])
+    redis.call('HSET', KEYS[1], 'reserved', redis.call('HGET', KEYS[1], 'charged') or '0')
+    redis.call('HINCRBYFLOAT', KEYS[4], 'exposure', -tonumber(string.match(held, '^[^|]+')))
+    redis.call('HINCRBY', KEYS[4], 'admitted_free', -1)
+  end
 end
 redis.call('HSET', KEYS[1], 'nonce', ARGV[2], 'decision', 'defer', 'prev_nonce', '', 'window', '')
 if ARGV[3] ~= '' then

@@ -37,7 +37,8 @@ import redis
 
 from gatekeeper.core.headers import H_DEADLINE_AT, H_NONCE
 from gatekeeper.defaults import RECORD_RETENTION_S
-from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.errors import GateUnreachable, LedgerUnavailable
+from gatekeeper.redis.breaker import not_answering
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
@@ -197,28 +198,32 @@ def as_scored(
     """A message the gate scored (its nonce is the record's ``prev_nonce``: the decision
     replaced it) with no handoff kept: its replayer died in between, or the handoff's write
     failed (the message then waits in defer), and no copy left. It is the gate's message
-    still: what that decision admitted is given back (no message carries it), and the
-    decision is undone in the record (``unscore.lua``: the record's nonce is the message's
+    still: the decision is undone (``unscore.lua``, only while the record holds it: what it
+    admitted is given back, no message carries it, and the record's nonce is the message's
     again, decided ``defer``), so the message is the record's as parked, in this pass and in
-    any later one it comes back to unmoved. When the record refuses (a Redis out of memory)
-    the message takes the record's nonce instead, for this pass."""
+    any later one it comes back to unmoved. When the record refuses (a Redis out of memory),
+    or holds another decision now, the message takes the record's nonce, for this pass."""
+    admitted = record.get("decision") == "admit_free" and record.get("window", "").isdigit()
     free = ""
-    if record.get("decision") == "admit_free" and record.get("window", "").isdigit():
-        store.release(job_id, attempt, int(record["window"]), unpublished=True)
-        # Its free_admitted was that admission's, given back: the earlier attempt's again
-        # (abandoned now, it is a slack miss only when an earlier attempt ran free).
+    if admitted:  # its free_admitted was that admission's: the earlier attempt's again
         earlier = attempt > 1 and text_of(store.client.hget(
             store.keys.run(job_id, attempt - 1), "free_admitted") or "") == "1"  # fmt: skip
-        free = "1" if earlier else "0"
-        record["free_admitted"] = free
+        free = "1" if earlier else "0"  # (abandoned now, a slack miss only if that ran free)
     mine, key = str(headers[H_NONCE]), store.keys.run(job_id, attempt)
+    window = store.keys.window(int(record["window"])) if admitted else key
+    keys = [key, store.keys.inflight, store.keys.free_waiting, window]
     try:
-        undone = evalsha(store.client, store.client.register_script(_UNSCORE), [key],
-                         [record["nonce"], mine, free])  # fmt: skip
-    except redis.ResponseError:  # refused (out of memory): the message takes the record's
+        undone = evalsha(store.client, store.client.register_script(_UNSCORE), keys,
+                         [record["nonce"], mine, free, f"{job_id}:{attempt}",
+                          "1" if admitted else "0"])  # fmt: skip
+    except redis.ResponseError as exc:  # refused (out of memory), or a replica's (no answer)
+        if not_answering(exc):
+            raise GateUnreachable(f"cannot undo {key}'s decision: {exc}") from exc
         undone = 0
     if undone:
         record.update(nonce=mine, prev_nonce="", window="")
+        if free:
+            record["free_admitted"] = free
     else:
         headers[H_NONCE] = record["nonce"]
     record["decision"] = "defer"
