@@ -23,12 +23,13 @@ from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate_batch import route_all
 from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE, Handoff, packed, recalled
 from gatekeeper.redis.keys import ATTEMPTS, Keys
+from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
 from tests.test_broker_faults import rows_of
 from tests.test_dead_letter_result import dead_lettered
 from tests.test_replay import claimed, defer_tasks, replay_once
 from tests.test_replay_batch import FailingMove
-from tests.test_replay_strikes import keep_fails
+from tests.test_replay_strikes import keep_fails, scored_by_a_killed_pass
 from tests.test_worker_ledger import runs as recorded_runs
 
 KEYS = Keys()
@@ -518,3 +519,36 @@ def test_twins_of_a_message_held_run_once(
     assert nonces == {record_of(redis_client, job)["nonce"]} and not queue_messages(
         redis_client, "reserved")  # fmt: skip
     assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]
+
+
+@pytest.mark.parametrize("gone_by", ["the_sweep", "the_horizon"])
+def test_an_undone_admission_given_back_before_is_counted_once(
+    redis_url: str, redis_client: redis.Redis, gone_by: str
+) -> None:
+    # A reviewer (older than this session): a pass killed after its admission; before the
+    # next pass the sweep's purge check (5 s on) or gate.lua's horizon (300 s) gave the
+    # admission back as published, leaving it in admitted_free; the undo found no entry and
+    # left it there too, and the attempt scored again was counted twice (the freeze rule's
+    # miss rate diluted).
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    replayer = Replayer(gate_settings(redis_url, replay_backoff_s=0.3), broker=redis_client,
+                        gate=redis_client)  # fmt: skip
+    scored_by_a_killed_pass(replayer, redis_client, redis_client)
+    admitted_before = admitted_free(redis_client)
+    assert replayer.acquire()
+    if gone_by == "the_sweep":
+        replayer._sweep(time.time() + 6)
+    else:  # another publish finds the admission past the horizon
+        redis_client.zadd(KEYS.free_waiting, {f"{job}:1": (time.time() - 400) * 1000})
+        create_app(gate_settings(redis_url), redis_url).tasks["tests.embed"].apply_async((9,))
+    assert not redis_client.hget(KEYS.inflight, f"{job}:1")
+    replayer._last_sweep = float("inf")
+    assert dict(replayer.pass_once()) == {"to_free": 1}
+    assert admitted_free(redis_client) == admitted_before + (gone_by == "the_horizon")
+
+
+def admitted_free(client: redis.Redis) -> int:
+    """The windows' admitted_free, summed."""
+    windows = [k for k in client.scan_iter(match=KEYS.window(0).replace(":0", ":*"))
+               if not k.endswith(b":rows")]  # fmt: skip
+    return sum(int(client.hget(k, "admitted_free") or 0) for k in windows)

@@ -31,6 +31,10 @@ if ARGV[5] == '1' then  -- as release.lua, unpublished
     redis.call('HDEL', KEYS[2], ARGV[4])
     redis.call('HSET', KEYS[1], 'reserved', redis.call('HGET', KEYS[1], 'charged') or '0')
     redis.call('HINCRBYFLOAT', KEYS[4], 'exposure', -tonumber(string.match(held, '^[^|]+')))
+  end
+  -- Taken back from admitted_free also when the entry went before (the sweep's purge check
+  -- or gate.lua's horizon gave back the exposure as published): no message was published.
+  if redis.call('EXISTS', KEYS[4]) == 1 then
     redis.call('HINCRBY', KEYS[4], 'admitted_free', -1)
   end
 end
