@@ -19,13 +19,12 @@ from click.testing import CliRunner
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.errors import DeadlineAbandoned
 from gatekeeper.ops.cli import main
-from gatekeeper.redis.attempt import carried_publish
-from gatekeeper.redis.gate_batch import route_all
 from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, unused_port
 from tests.test_replay import replay_once
 from tests.test_replay_batch import moves_refused
+from tests.test_replay_strikes import scored_by_a_killed_pass
 
 pytestmark = pytest.mark.celery
 KEYS = Keys()
@@ -226,11 +225,8 @@ def test_a_copy_with_the_records_old_nonce_and_a_deadline_made_past_ends_no_live
     redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
     job = app.tasks["tests.embed"].apply_async((1,)).id
     redis_client.zrem(KEYS.free_waiting, "stale:1")
-    (parked,) = queue_messages(redis_client, "defer")
-    record = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.run(job, 1)).items()}
     first = Replayer(settings, broker=redis_client, gate=redis_client)
-    publish = carried_publish(parked["headers"], "replay", record.get("label", ""))
-    assert route_all(first.pipeline, [publish])[0].queue == "free"  # then it was killed
+    assert scored_by_a_killed_pass(first, redis_client, redis_client) == "free"
     original = redis_client.rpop("defer")
     forged = json.loads(original)
     forged["headers"]["gatekeeper_deadline_at"] = time.time() - 1

@@ -19,8 +19,6 @@ from click.testing import CliRunner
 
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.ops.cli import main
-from gatekeeper.redis.attempt import carried_publish
-from gatekeeper.redis.gate_batch import route_all
 from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE, Handoff, packed, recalled
 from gatekeeper.redis.keys import ATTEMPTS, Keys
 from tests.apps.gated_app import create_app
@@ -383,10 +381,7 @@ def test_a_decision_made_in_process_held_or_killed_is_scored_again_as_the_gates(
     replayer = Replayer(gate_settings(redis_url, replay_backoff_s=0.3), broker=redis_client,
                         gate=redis_client)  # fmt: skip
     if fault == "killed":
-        (parked,) = queue_messages(redis_client, "defer")
-        label = record_of(redis_client, job)["label"]
-        publish = carried_publish(parked["headers"], "replay", label)
-        assert route_all(replayer.pipeline, [publish])[0].queue == "reserved"
+        assert scored_by_a_killed_pass(replayer, redis_client, redis_client) == "reserved"
     else:
         keep_fails(replayer, redis_client, "unsent" if fault == "unanswered" else fault)
         first = dict(replayer.run(threading.Event(), once=True))
@@ -411,10 +406,7 @@ def test_a_message_scored_again_whose_next_keep_gets_no_answer_stays_the_gates(
     settings = gate_settings(redis_url, replay_backoff_s=0.3)
     replayer = Replayer(settings, broker=redis_client, gate=redis_client)
     if first == "killed":
-        (parked,) = queue_messages(redis_client, "defer")
-        label = record_of(redis_client, job)["label"]
-        publish = carried_publish(parked["headers"], "replay", label)
-        assert route_all(replayer.pipeline, [publish])[0].queue == "free"
+        assert scored_by_a_killed_pass(replayer, redis_client, redis_client) == "free"
     else:
         keep_fails(replayer, redis_client)
         assert dict(replayer.run(threading.Event(), once=True)) == {"handoff_unrecorded": 1}
@@ -501,11 +493,7 @@ def test_twins_of_a_message_held_run_once(
     if case == "twins_in_one_batch":
         redis_client.lpush("defer", twin)
     else:
-        (parked,) = queue_messages(redis_client, "defer")
-        publish = carried_publish(
-            parked["headers"], "replay", record_of(redis_client, job)["label"]
-        )
-        assert route_all(replayer.pipeline, [publish])[0].queue == "free"  # then killed
+        assert scored_by_a_killed_pass(replayer, redis_client, redis_client) == "free"
     keep_fails(replayer, redis_client)
     held = dict(replayer.run(threading.Event(), once=True))
     assert held == {"handoff_unrecorded": 2 if case == "twins_in_one_batch" else 1}
@@ -533,7 +521,7 @@ def test_an_undone_admission_given_back_before_is_counted_once(
     (job,) = defer_tasks(redis_url, redis_client, 1)
     replayer = Replayer(gate_settings(redis_url, replay_backoff_s=0.3), broker=redis_client,
                         gate=redis_client)  # fmt: skip
-    scored_by_a_killed_pass(replayer, redis_client, redis_client)
+    assert scored_by_a_killed_pass(replayer, redis_client, redis_client) == "free"
     admitted_before = admitted_free(redis_client)
     assert replayer.acquire()
     if gone_by == "the_sweep":

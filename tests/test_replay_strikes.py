@@ -299,13 +299,15 @@ def keep_fails(replayer: Replayer, client: redis.Redis, how: str = "refused") ->
     replayer.runs.send_all = keep  # type: ignore[method-assign]
 
 
-def scored_by_a_killed_pass(replayer: Replayer, broker: redis.Redis, gate: redis.Redis) -> None:
-    """A pass scored the deferred message (``admit_free``) and died before its handoff."""
+def scored_by_a_killed_pass(replayer: Replayer, broker: redis.Redis, gate: redis.Redis) -> str:
+    """A pass scored the one deferred message and died before its handoff: the queue it
+    decided."""
     (message,) = held(broker)
-    job = message["headers"]["id"]
-    record = {k.decode(): v.decode() for k, v in gate.hgetall(KEYS.run(job, 1)).items()}
-    publish = carried_publish(message["headers"], "replay", record.get("label", ""))
-    assert route_all(replayer.pipeline, [publish])[0].queue == "free"
+    headers = message["headers"]
+    fields = gate.hgetall(KEYS.run(headers["id"], headers["gatekeeper_attempt"]))
+    label = {k.decode(): v.decode() for k, v in fields.items()}.get("label", "")
+    publish = carried_publish(headers, "replay", label)
+    return str(route_all(replayer.pipeline, [publish])[0].queue)
 
 
 @pytest.mark.parametrize("from_", ["a_killed_pass", "the_keep"])
@@ -321,7 +323,7 @@ def test_a_gate_redis_out_of_memory_sends_a_held_message_to_reserved_not_the_dea
         replayer = Replayer(settings, broker=redis_client, gate=gate)
         assert replayer.acquire()
         if from_ == "a_killed_pass":
-            scored_by_a_killed_pass(replayer, redis_client, gate)
+            assert scored_by_a_killed_pass(replayer, redis_client, gate) == "free"
             gate.config_set("maxmemory", 1)
         else:
             send_all = replayer.runs.send_all
@@ -357,7 +359,7 @@ def test_a_message_scored_never_handed_on_past_its_deadline_waits_out_an_open_br
     ):  # fmt: skip
         settings = settings.model_copy(update={"breaker_open_s": 0.5})
         first = Replayer(settings, broker=redis_client, gate=gate)
-        scored_by_a_killed_pass(first, redis_client, gate)
+        assert scored_by_a_killed_pass(first, redis_client, gate) == "free"
         later = time.time() + 120
         replayer = Replayer(settings, broker=redis_client, gate=gate, clock=lambda: later)
         replayer._last_sweep = later  # no sweep in these passes
@@ -377,8 +379,8 @@ def test_a_failover_met_at_a_held_admissions_release_strikes_no_message(
     # replay_backoff_max_s and one strike nearer the dead letters (older than this session).
     with deferred_on_a_gate(redis_url, 1) as (server, gate, settings, jobs):
         settings = settings.model_copy(update={"breaker_open_s": 5.0})
-        scored_by_a_killed_pass(Replayer(settings, broker=redis_client, gate=gate), redis_client,
-                                gate)  # fmt: skip
+        first = Replayer(settings, broker=redis_client, gate=gate)
+        assert scored_by_a_killed_pass(first, redis_client, gate) == "free"
         replayer = Replayer(settings, broker=redis_client, gate=gate)
         replayer._last_sweep = float("inf")  # no sweep in this pass
         assert replayer.acquire()

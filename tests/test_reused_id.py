@@ -16,9 +16,7 @@ from gatekeeper.celery.replay import Replayer
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.ledger import BudgetMode, Outcome, Path, make_row, window_id
 from gatekeeper.ops.cli import main
-from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.call import GateCall
-from gatekeeper.redis.gate_batch import route_all
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.snapshot import forget_deferred
@@ -28,6 +26,7 @@ from tests.apps.gated_app import create_app
 from tests.calls import gate_call
 from tests.conftest import gate_settings, initialised, queue_messages
 from tests.test_replay import defer_tasks, ids_in, replay_once
+from tests.test_replay_strikes import scored_by_a_killed_pass
 
 KEYS = Keys()
 WINDOW_S = 60
@@ -279,6 +278,14 @@ def test_an_earlier_versions_marker_does_not_refuse_a_later_lifes_row(
     assert abandoned_rows(redis_client) == 1
 
 
+def second_attempt_deferred(redis_url: str, client: redis.Redis, deadline_s: float) -> None:
+    """Task ``J``: its first attempt admitted to free (so an abandonment of the second is a
+    slack miss), its second deferred, its deadline ``deadline_s`` away."""
+    client.hset(KEYS.run("J", 1), mapping={"decision": "admit_free", "free_admitted": "1"})
+    defer_tasks(redis_url, client, 1, headers={"gatekeeper_deadline_s": deadline_s},
+                task_id="J", retries=1)  # fmt: skip
+
+
 def test_an_abandonment_after_a_decision_never_handed_on_is_the_gates_own(
     redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -287,16 +294,11 @@ def test_an_abandonment_after_a_decision_never_handed_on_is_the_gates_own(
     # abandoned it as a stranger's: an unverified row, no slack miss (attempt 1 ran free),
     # and the record left live, so the task id was `duplicate_publish` for two days. (Taken
     # back once, when a copy still left with its handoff's write failed: it no longer does.)
-    redis_client.hset(KEYS.run("J", 1), mapping={"decision": "admit_free", "free_admitted": "1"})
-    defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 2.5},
-                task_id="J", retries=1)  # fmt: skip
-    (message,) = queue_messages(redis_client, "defer")
-    record = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.run("J", 2)).items()}
+    second_attempt_deferred(redis_url, redis_client, 2.5)
     replayer = Replayer(gate_settings(redis_url, max_queue_age_s=1.0), broker=redis_client,
                         gate=redis_client)  # fmt: skip
     redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
-    publish = carried_publish(message["headers"], "replay", record.get("label", ""))
-    assert route_all(replayer.pipeline, [publish])[0].queue == "defer"  # then it was killed
+    assert scored_by_a_killed_pass(replayer, redis_client, redis_client) == "defer"
     redis_client.zrem(KEYS.free_waiting, "stale:1")
     time.sleep(2.6)
     assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
@@ -324,9 +326,7 @@ def test_a_late_twin_of_a_copy_whose_handoff_key_is_gone_leaves_that_copy_alone(
     # ended the copy's attempt (a verified row and a slack miss; the copy ran charged nothing).
     # (A copy that left with neither written, as that older replayer could, is now
     # test_handoff_key's: it is held, not handed on.)
-    redis_client.hset(KEYS.run("J", 1), mapping={"decision": "admit_free", "free_admitted": "1"})
-    defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 3.0},
-                task_id="J", retries=1)  # fmt: skip
+    second_attempt_deferred(redis_url, redis_client, 3.0)
     twin = redis_client.lindex("defer", 0)
     assert replay_once(redis_url, redis_client) == {"to_free": 1}
     redis_client.delete(KEYS.handoff("J", 2))
