@@ -100,10 +100,15 @@ def dead_lettered(redis_url: str, client: redis.Redis, monkeypatch: pytest.Monke
     deferred = app.tasks["tests.embed"].apply_async((2,), headers=SOON).id
     time.sleep(1.2)
     Replayer(settings, broker=client, gate=client).run(threading.Event(), once=True)
+    cli_settings(redis_url, monkeypatch)
+    return str(deferred)
+
+
+def cli_settings(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The publisher's settings (gate_settings'), for the CLI."""
     for name, value in (("REDIS_URL", redis_url), ("DWELL_GATE_ENABLED", "true"),
                         ("CANARY_PERCENT", "100")):  # fmt: skip
-        monkeypatch.setenv(f"GATEKEEPER_{name}", value)  # the publisher's settings
-    return str(deferred)
+        monkeypatch.setenv(f"GATEKEEPER_{name}", value)
 
 
 def test_dead_letters_are_listed_and_one_requeued_with_a_new_deadline(

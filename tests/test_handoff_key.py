@@ -6,6 +6,7 @@ record."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -21,13 +22,14 @@ from gatekeeper.celery.replay import Replayer
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE, Handoff, packed, recalled
 from gatekeeper.redis.keys import ATTEMPTS, Keys
+from gatekeeper.redis.runs import RunLedger
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
 from tests.test_broker_faults import rows_of
-from tests.test_dead_letter_result import dead_lettered
+from tests.test_dead_letter_result import cli_settings, dead_lettered
 from tests.test_replay import claimed, defer_tasks, replay_once
 from tests.test_replay_batch import FailingMove
-from tests.test_replay_strikes import keep_fails, scored_by_a_killed_pass
+from tests.test_replay_strikes import failing_keep, keep_fails, scored_by_a_killed_pass
 from tests.test_worker_ledger import runs as recorded_runs
 
 KEYS = Keys()
@@ -182,6 +184,45 @@ def test_a_requeue_keeps_its_handoff_and_a_second_one_hands_on_as_it_says(
     (moved,) = queue_messages(redis_client, "reserved")
     assert moved["headers"]["gatekeeper_replays"] == 7
     assert moved["headers"]["gatekeeper_nonce"] == "kept"
+
+
+@pytest.mark.parametrize("fault", ["refused", "unanswered", "cut_short"])
+def test_a_requeue_whose_handoff_is_not_kept_leaves_its_task_listed_and_the_next_one_moves_it(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    # Before: a requeue whose handoff's write the gate's Redis refused stopped with a
+    # traceback, the admission its decision made held with no message; the next requeue was
+    # then a duplicate_publish to reserved (as was one after a requeue cut short between its
+    # decision and its handoff). Now the task stays in the dead letters, the decision undone
+    # (refused: at once; cut short: by the next requeue), and the next requeue admits it once.
+    (job,) = defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 1})
+    time.sleep(1.2)
+    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
+    (dead,) = queue_messages(redis_client, "dead_letter")
+    cli_settings(redis_url, monkeypatch)
+    send_all = RunLedger.send_all
+    monkeypatch.setattr(RunLedger, "send_all", lambda self, commands: failing_keep(
+        functools.partial(send_all, self), redis_client, fault)(commands))  # fmt: skip
+    requeue = ["dead-letter", "requeue", job, "--deadline-s", "120"]
+    failed = CliRunner().invoke(main, requeue)
+    assert failed.exit_code == 1, failed.output
+    said = {"refused": "refused the handoff of", "unanswered": "no answer keeping the handoff",
+            "cut_short": "Aborted!"}[fault]  # fmt: skip
+    assert said in failed.output, failed.output
+    assert queue_messages(redis_client, "dead_letter") == [dead]  # listed, as it was
+    assert not any(redis_client.llen(q) for q in ("free", "defer", "reserved"))
+    if fault == "refused":  # undone at once: the record the message's, nothing held
+        record = record_of(redis_client, job)
+        assert (record["nonce"], record["decision"]) == (dead["headers"]["gatekeeper_nonce"],
+                                                         "defer")  # fmt: skip
+        assert redis_client.hlen(KEYS.inflight) == 0 and admitted_free(redis_client) == 0
+    monkeypatch.setattr(RunLedger, "send_all", send_all)
+    again = CliRunner().invoke(main, requeue)
+    assert again.exit_code == 0 and " to free " in again.output, again.output
+    (moved,) = queue_messages(redis_client, "free")
+    assert moved["headers"]["gatekeeper_nonce"] == record_of(redis_client, job)["nonce"]
+    assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]
+    assert admitted_free(redis_client) == 1 and not queue_messages(redis_client, "dead_letter")
 
 
 def test_a_recall_to_free_while_the_path_is_closed_expires_to_reserved_charged_its_wait(

@@ -11,7 +11,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -276,11 +276,13 @@ def test_a_batch_sent_to_a_server_that_lost_its_scripts_is_decided_once_each(
     assert scored == {job: 2 for job in jobs}  # deferred at publish, admitted once by the replay
 
 
-def keep_fails(replayer: Replayer, client: redis.Redis, how: str = "refused") -> None:
-    """The replayer's handoff keeps (a round trip with its ``SET``s) fail on the real server:
-    ``refused`` (out of memory for that round trip: both writes refused), ``unanswered``
-    (written, the replies lost), ``unsent`` (not sent: a restart, no answer)."""
-    send_all = replayer.runs.send_all
+def failing_keep(
+    send_all: Callable[[Any], list[Any]], client: redis.Redis, how: str
+) -> Callable[[Any], list[Any]]:
+    """``send_all`` (a run ledger's round trip) whose handoff keeps (a round trip with its
+    ``SET``s) fail on the real server: ``refused`` (out of memory for that round trip: both
+    writes refused), ``unanswered`` (written, the replies lost), ``unsent`` (not sent: a
+    restart, no answer), ``cut_short`` (the process stops before it sends them)."""
 
     def keep(commands: Any) -> list[Any]:
         if not any(command[0] == "SET" for command in commands):
@@ -290,13 +292,21 @@ def keep_fails(replayer: Replayer, client: redis.Redis, how: str = "refused") ->
             return [redis.TimeoutError("Timeout reading from socket")] * len(commands)
         if how == "unsent":
             return [redis.ConnectionError("Connection refused")] * len(commands)
+        if how == "cut_short":
+            raise KeyboardInterrupt
         client.config_set("maxmemory", 1)
         try:
             return send_all(commands)
         finally:
             client.config_set("maxmemory", 0)
 
-    replayer.runs.send_all = keep  # type: ignore[method-assign]
+    return keep
+
+
+def keep_fails(replayer: Replayer, client: redis.Redis, how: str = "refused") -> None:
+    """The replayer's handoff keeps fail on the real server (:func:`failing_keep`)."""
+    send_all = failing_keep(replayer.runs.send_all, client, how)
+    replayer.runs.send_all = send_all  # type: ignore[method-assign]
 
 
 def scored_by_a_killed_pass(replayer: Replayer, broker: redis.Redis, gate: redis.Redis) -> str:

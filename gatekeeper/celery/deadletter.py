@@ -46,7 +46,8 @@ from gatekeeper.redis.handoff import as_scored, scored_unsent
 from gatekeeper.redis.runs import Finished
 from gatekeeper.redis.store import NO_ANSWER
 
-__all__ = ["H_REPLAY_ERRORS", "MAX_REPLAY_ERRORS", "abandon", "fail_in_backend", "set_aside"]
+__all__ = ["H_REPLAY_ERRORS", "MAX_REPLAY_ERRORS", "abandon", "fail_in_backend", "set_aside",
+           "unanswered"]  # fmt: skip
 
 MAX_REPLAY_ERRORS = 5
 """A message that fails this many replays in a row goes to the dead letters, with an alert
@@ -165,7 +166,7 @@ def abandon(
     return "dead_lettered"
 
 
-def _unanswered(exc: BaseException | None) -> bool:
+def unanswered(exc: BaseException | None) -> bool:
     """Whether Redis gave no answer, raised as it is or wrapped (LedgerUnavailable's cause):
     also a reply that says it is not the primary (``READONLY`` after a failover, ``LOADING``:
     the breaker's :func:`~gatekeeper.redis.breaker.not_answering`)."""
@@ -186,7 +187,7 @@ def set_aside(self: Any, taken: Taken, exc: Exception) -> str:
     the message. The pass stops there, its batch given back as it was (no strike, no
     backoff), and the next pass tries again: a failover or a restart of a few seconds must
     not strike, hold past its deadline or dead-letter the whole queue."""
-    if _unanswered(exc) and not taken.done:
+    if unanswered(exc) and not taken.done:
         raise exc
     self.log.warning("replay_failed", queue=self.defer, error=repr(exc))
     if taken.done:  # handed on already (a fault after): nothing more to move
@@ -234,7 +235,7 @@ def unkept(self: Any, taken: Taken, message: dict[str, Any], attempt: int, exc: 
     When no answer came (the write may be kept), the error is raised again, as
     :func:`set_aside` does: the pass stops, its batch claimed, and a message back is handed on
     as decided when its handoff was kept."""
-    if _unanswered(exc):
+    if unanswered(exc):
         raise exc
     wait = self.settings.replay_backoff_s
     job_id = str(message["headers"].get("id"))

@@ -4,33 +4,47 @@ A task whose deadline passed in defer waits in the dead-letter queue, on the bro
 RabbitMQ: :mod:`gatekeeper.celery.broker`). ``requeue`` gives it a new deadline, given
 explicitly (an operator's decision: it is the one place a deadline is ever moved, and a
 ``deadline_moved`` line says so, whatever the gate decided), scores it again through the same
-pipeline as a publish, and hands it to the queue decided: on Redis in one atomic step
-(``move.lua``), on RabbitMQ acked only once its new copy is confirmed. A requeue cut short
-between the two leaves the task listed; a second requeue of it hands it on exactly as the first
-did (the handoff is kept beside the record: :mod:`gatekeeper.redis.handoff`), and a worker runs
-one of the copies.
+pipeline as a publish, keeps how it hands it on (beside the record:
+:mod:`gatekeeper.redis.handoff`), then hands it to the queue decided: on Redis in one atomic
+step (``move.lua``), on RabbitMQ acked only once its new copy is confirmed. A requeue cut short
+between the keep and the move leaves the task listed; a second requeue of it hands it on exactly
+as the first did, and a worker runs one of the copies. Cut short before the keep (or the keep
+refused: the command then fails saying so, and undoes the decision), the task is listed with
+its decision in the record and no copy: the next requeue undoes that decision and scores it
+again (a second publish of a live attempt would be a ``duplicate_publish``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
 from typing import Any
 
 import click
+import redis
 
 from gatekeeper.celery.broker import BROKER_ERRORS, Taken
+from gatekeeper.celery.deadletter import unanswered
 from gatekeeper.celery.expiry import unless_withdrawn
 from gatekeeper.celery.message import nonce_of
 from gatekeeper.core.headers import H_ATTEMPT, H_COPY, H_DEADLINE_AT, H_NONCE
+from gatekeeper.errors import GateUnreachable, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import settings_of
 from gatekeeper.ops.flag_commands import actor
 from gatekeeper.ops.oncall import broker_of, redis_client
 from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline
-from gatekeeper.redis.handoff import Handoff, handed_on, read, recalled, remember
+from gatekeeper.redis.handoff import (
+    Handoff,
+    as_scored,
+    handed_on,
+    read,
+    recalled,
+    remember,
+)
 from gatekeeper.redis.runs import RunLedger
 
 __all__ = ["dead_letter"]
@@ -47,6 +61,43 @@ def _taken(ctx: click.Context, queue: str) -> tuple[Any, list[Taken]]:
 def _give_back(broker: Any, taken: list[Taken]) -> None:
     for each in taken:
         broker.leave(each)
+
+
+def _unsent(record: dict[str, str], nonce: str) -> bool:
+    """Whether a requeue scored this message and was cut short before its handoff was kept
+    (no copy left, its decision holds what it admitted): the record's decision replaced the
+    message's nonce, and no handoff is kept for it. (Unlike the replayer's
+    :func:`~gatekeeper.redis.handoff.scored_unsent`, its deadline is not the record's: the
+    requeue moved it.)"""
+    return bool(nonce) and record.get("prev_nonce") == nonce and handed_on(record, nonce) is None
+
+
+def _keep(broker: Any, taken: Taken, gate: tuple[RunLedger, Pipeline],
+          kept: tuple[str, int, str], handoff: Handoff) -> None:  # fmt: skip
+    """Keep the requeue's handoff before any copy leaves (a copy handed on with none kept
+    could not be told from a message scored and never handed on). Not kept, the task stays
+    in the dead letters, its decision undone at once when it can be (else by the next
+    requeue), and the command fails saying so."""
+    (runs, pipeline), (job_id, attempt, nonce) = gate, kept
+    try:
+        remember(runs, job_id, attempt, nonce, handoff)
+        return
+    except redis.RedisError as exc:
+        error = exc
+    broker.leave(taken)
+    broker.close()
+    if unanswered(error):  # it may be kept: the next requeue hands it on as decided, or not
+        raise click.ClickException(
+            f"no answer keeping the handoff of {job_id} ({error}): it may be kept; the task "
+            f"stays in the dead letters, requeue it again")  # fmt: skip
+    with contextlib.suppress(GateUnreachable, LedgerUnavailable, redis.RedisError):
+        record = runs.fields(job_id, attempt)
+        if _unsent(record, nonce):
+            headers = (taken.message or {})["headers"]
+            as_scored(pipeline.store, job_id, attempt, record, {**headers, H_NONCE: nonce})
+    raise click.ClickException(
+        f"the gate's Redis refused the handoff of {job_id} ({error}): the task stays in the "
+        f"dead letters, requeue it again once it takes writes")  # fmt: skip
 
 
 @click.group(name="dead-letter")
@@ -102,13 +153,16 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
     was = headers.get(H_DEADLINE_AT)
     moved_to: float | None = None
     if handoff is None:  # the first requeue of it: scored again, with its new deadline
+        pipeline = Pipeline.create(settings, gate, time.time)
+        if type(attempt) is int and _unsent(record, nonce):  # an earlier requeue's, cut short
+            as_scored(pipeline.store, job_id, attempt, record, headers)  # before its handoff
         headers[H_DEADLINE_AT] = moved_to = time.time() + deadline_s
         publish = carried_publish(headers, "requeue", record.get("label", ""))
-        routing = Pipeline.create(settings, gate, time.time).route(publish)
+        routing = pipeline.route(publish)
         handoff = Handoff(routing.queue or settings.reserved_queue, dict(routing.headers),
                           routing.drop)  # fmt: skip
-        if H_NONCE in routing.headers and nonce:
-            remember(runs, job_id, publish.attempt, nonce, handoff)
+        if H_NONCE in routing.headers and nonce:  # kept under the nonce it came with
+            _keep(broker, taken, (runs, pipeline), (job_id, publish.attempt, nonce), handoff)
         why = routing.reason.value
     else:
         deadline_s = float(headers.get(H_DEADLINE_AT) or 0) - time.time()
