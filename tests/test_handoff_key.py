@@ -19,6 +19,7 @@ import redis
 from click.testing import CliRunner
 
 from gatekeeper.celery.replay import Replayer
+from gatekeeper.ops import dead_letter
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE, Handoff, packed, recalled
 from gatekeeper.redis.keys import ATTEMPTS, Keys
@@ -223,6 +224,25 @@ def test_a_requeue_whose_handoff_is_not_kept_leaves_its_task_listed_and_the_next
     assert moved["headers"]["gatekeeper_nonce"] == record_of(redis_client, job)["nonce"]
     assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]
     assert admitted_free(redis_client) == 1 and not queue_messages(redis_client, "dead_letter")
+
+
+def test_one_requeue_at_a_time(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A requeue concurrent with another of the same task (two operators) found the other's
+    # decision with no handoff kept yet, took it for one cut short and undid it: the copy
+    # moved then carried a nonce the record no longer held. Requeues now take turns.
+    job = dead_lettered(redis_url, redis_client, monkeypatch)
+    monkeypatch.setattr(dead_letter, "REQUEUE_WAIT_S", 0.3)
+    redis_client.set(KEYS.requeue_lock, "another requeue's", ex=30)
+    requeue = ["dead-letter", "requeue", job, "--deadline-s", "120"]
+    held = CliRunner().invoke(main, requeue)
+    assert held.exit_code == 1 and "another dead-letter requeue is running" in held.output
+    assert len(queue_messages(redis_client, "dead_letter")) == 1
+    redis_client.delete(KEYS.requeue_lock)
+    done = CliRunner().invoke(main, requeue)
+    assert done.exit_code == 0 and "to defer (reason" in done.output, done.output
+    assert not redis_client.exists(KEYS.requeue_lock)  # given back
 
 
 def test_a_recall_to_free_while_the_path_is_closed_expires_to_reserved_charged_its_wait(

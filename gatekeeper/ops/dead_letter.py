@@ -24,6 +24,7 @@ from typing import Any
 
 import click
 import redis
+from redis.exceptions import LockError
 
 from gatekeeper.celery.broker import BROKER_ERRORS, Taken
 from gatekeeper.celery.deadletter import unanswered
@@ -47,7 +48,12 @@ from gatekeeper.redis.handoff import (
 )
 from gatekeeper.redis.runs import RunLedger
 
-__all__ = ["dead_letter"]
+__all__ = ["REQUEUE_LOCK_S", "REQUEUE_WAIT_S", "dead_letter"]
+
+REQUEUE_LOCK_S = 30
+"""How long a requeue holds its lock at most (it takes a second or so)."""
+REQUEUE_WAIT_S = 10.0
+"""How long a requeue waits for another's lock."""
 
 
 def _taken(ctx: click.Context, queue: str) -> tuple[Any, list[Taken]]:
@@ -133,6 +139,23 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
                                  f"{deadline_s!r}", param_hint="--deadline-s")  # fmt: skip
     settings = settings_of(ctx)
     gate = redis_client(ctx)
+    lock = gate.lock(RunLedger.from_settings(gate, settings).keys.requeue_lock,
+                     timeout=REQUEUE_LOCK_S, blocking_timeout=REQUEUE_WAIT_S)  # fmt: skip
+    try:
+        if not lock.acquire():
+            raise click.ClickException("another dead-letter requeue is running (waited "
+                                       f"{REQUEUE_WAIT_S:g} s): try again")  # fmt: skip
+    except redis.RedisError as exc:
+        raise click.ClickException(f"cannot reach the gate's Redis: {exc}") from exc
+    try:
+        _requeue(ctx, gate, job_id, deadline_s)
+    finally:
+        with contextlib.suppress(redis.RedisError, LockError):  # (expired: nothing to give back)
+            lock.release()
+
+
+def _requeue(ctx: click.Context, gate: redis.Redis, job_id: str, deadline_s: float) -> None:
+    settings = settings_of(ctx)
     broker, found = _taken(ctx, settings.dead_letter_queue)
     match = [t for t in found if ((t.message or {}).get("headers") or {}).get("id") == job_id]
     _give_back(broker, [t for t in found if t is not (match[0] if match else None)])

@@ -165,6 +165,10 @@ namespace's slot):
     ``worker_init`` and inherited by its pool children): the sweep writes ``killed`` for a
     stale run only once the heartbeat of the worker process it started in is gone. Each
     worker also refreshes ``worker:<hostname>``, which runs recorded by an earlier build name.
+``gatekeeper:{default}:dead_letter:lock`` - string, TTL 30 s
+    One ``gatekeeper dead-letter requeue`` at a time (redis-py's ``Lock``): two requeues of
+    one task would each take the other's decision for one cut short. Given back when the
+    command ends; a killed command's expires.
 ``gatekeeper:{default}:replayer:lock`` - string, TTL ``replay_lock_ttl_s`` (30 s)
     Only one replayer works a namespace at a time: redis-py's ``Lock`` (value: the holder's
     random token). The holder checks it before every claim, between a batch's steps and before
@@ -289,6 +293,10 @@ class Keys:
     @property
     def replayer_lock(self) -> str:
         return f"{self.base}:replayer:lock"
+
+    @property
+    def requeue_lock(self) -> str:
+        return f"{self.base}:dead_letter:lock"
 
     def window(self, window_id: int) -> str:
         return f"{self.base}:window:{window_id}"
