@@ -39,6 +39,7 @@ from gatekeeper.settings import GatekeeperSettings
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import REPO_ROOT, gate_settings, running_worker, wait_until
 from tests.moved import BlackHole
+from tests.test_replay_strikes import keeps_fail
 
 pytestmark = [pytest.mark.celery, pytest.mark.servers]
 SOON = {"gatekeeper_deadline_s": 1.5, "gatekeeper_expected_service_s": 0}
@@ -166,13 +167,13 @@ def test_the_scenario_on_either_broker(
     assert ("(broker amqp 127.0.0.1:" if amqp else "(broker 127.0.0.1:") in status.output
 
 
-def _cli(redis_url: str, broker_url: str, *args: str) -> Any:
-    env = {"GATEKEEPER_REDIS_URL": redis_url, "GATEKEEPER_BROKER_URL": broker_url}
+def _cli(redis_url: str, broker_url: str, *args: str, **env: str) -> Any:
+    env.update(GATEKEEPER_REDIS_URL=redis_url, GATEKEEPER_BROKER_URL=broker_url)
     return CliRunner().invoke(main, list(args), env=env)
 
 
 def test_not_due_work_waits_off_the_head_of_defer_and_a_dead_letter_is_requeued(
-    broker_url: str, redis_url: str, redis_client: redis.Redis
+    broker_url: str, redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = gate_settings(redis_url, broker_url=broker_url, max_queue_age_s=0.2,
                              replay_backoff_s=1.0)  # fmt: skip
@@ -205,6 +206,13 @@ def test_not_due_work_waits_off_the_head_of_defer_and_a_dead_letter_is_requeued(
     assert listed.exit_code == 0, listed.output
     assert f"job_id={lost.id}" in listed.output and "dead_lettered=1" in listed.output
     assert broker.length("dead_letter") == 1  # listing gives the message back
+    restore = keeps_fail(monkeypatch, redis_client, "refused")  # no copy leaves unkept
+    gated = {"GATEKEEPER_DWELL_GATE_ENABLED": "true", "GATEKEEPER_CANARY_PERCENT": "100"}
+    refused = _cli(redis_url, broker_url, "dead-letter", "requeue", lost.id, "--deadline-s", "600",
+                   **gated)  # fmt: skip
+    assert refused.exit_code == 1 and "refused the handoff of" in refused.output, refused.output
+    restore()
+    assert wait_until(lambda: broker.length("dead_letter") == 1)  # RabbitMQ: given back
     requeued = _cli(redis_url, broker_url, "dead-letter", "requeue", lost.id,
                     "--deadline-s", "600")  # fmt: skip
     assert requeued.exit_code == 0, requeued.output

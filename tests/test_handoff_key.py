@@ -6,7 +6,6 @@ record."""
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 import time
@@ -23,14 +22,13 @@ from gatekeeper.ops import dead_letter
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE, Handoff, packed, recalled
 from gatekeeper.redis.keys import ATTEMPTS, Keys
-from gatekeeper.redis.runs import RunLedger
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
 from tests.test_broker_faults import rows_of
 from tests.test_dead_letter_result import cli_settings, dead_lettered
 from tests.test_replay import claimed, defer_tasks, replay_once
 from tests.test_replay_batch import FailingMove
-from tests.test_replay_strikes import failing_keep, keep_fails, scored_by_a_killed_pass
+from tests.test_replay_strikes import keep_fails, keeps_fail, scored_by_a_killed_pass
 from tests.test_worker_ledger import runs as recorded_runs
 
 KEYS = Keys()
@@ -201,9 +199,7 @@ def test_a_requeue_whose_handoff_is_not_kept_leaves_its_task_listed_and_the_next
     assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
     (dead,) = queue_messages(redis_client, "dead_letter")
     cli_settings(redis_url, monkeypatch)
-    send_all = RunLedger.send_all
-    monkeypatch.setattr(RunLedger, "send_all", lambda self, commands: failing_keep(
-        functools.partial(send_all, self), redis_client, fault)(commands))  # fmt: skip
+    restore = keeps_fail(monkeypatch, redis_client, fault)
     requeue = ["dead-letter", "requeue", job, "--deadline-s", "120"]
     failed = CliRunner().invoke(main, requeue)
     assert failed.exit_code == 1, failed.output
@@ -217,7 +213,7 @@ def test_a_requeue_whose_handoff_is_not_kept_leaves_its_task_listed_and_the_next
         assert (record["nonce"], record["decision"]) == (dead["headers"]["gatekeeper_nonce"],
                                                          "defer")  # fmt: skip
         assert redis_client.hlen(KEYS.inflight) == 0 and admitted_free(redis_client) == 0
-    monkeypatch.setattr(RunLedger, "send_all", send_all)
+    restore()
     again = CliRunner().invoke(main, requeue)
     assert again.exit_code == 0 and " to free " in again.output, again.output
     (moved,) = queue_messages(redis_client, "free")

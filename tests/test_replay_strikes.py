@@ -6,6 +6,7 @@ replay hands it on; and a batch reads a record as the ledger reads it."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -301,6 +302,17 @@ def failing_keep(
             client.config_set("maxmemory", 0)
 
     return keep
+
+
+def keeps_fail(
+    monkeypatch: pytest.MonkeyPatch, client: redis.Redis, how: str
+) -> Callable[[], None]:
+    """Every run ledger's handoff keeps fail (:func:`failing_keep`), a CLI's too, until the
+    function returned is called."""
+    send_all = RunLedger.send_all
+    monkeypatch.setattr(RunLedger, "send_all", lambda self, commands: failing_keep(
+        functools.partial(send_all, self), client, how)(commands))  # fmt: skip
+    return lambda: monkeypatch.setattr(RunLedger, "send_all", send_all)
 
 
 def keep_fails(replayer: Replayer, client: redis.Redis, how: str = "refused") -> None:
