@@ -20,7 +20,15 @@ from click.testing import CliRunner
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.ops import dead_letter
 from gatekeeper.ops.cli import main
-from gatekeeper.redis.handoff import HANDOFF, HANDOFF_FROM, HANDOFF_NONCE, Handoff, packed, recalled
+from gatekeeper.redis.handoff import (
+    HANDOFF,
+    HANDOFF_FROM,
+    HANDOFF_NONCE,
+    Handoff,
+    as_scored,
+    packed,
+    recalled,
+)
 from gatekeeper.redis.keys import ATTEMPTS, Keys
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
@@ -208,18 +216,40 @@ def test_a_requeue_whose_handoff_is_not_kept_leaves_its_task_listed_and_the_next
     assert said in failed.output, failed.output
     assert queue_messages(redis_client, "dead_letter") == [dead]  # listed, as it was
     assert not any(redis_client.llen(q) for q in ("free", "defer", "reserved"))
-    if fault == "refused":  # undone at once: the record the message's, nothing held
+    if fault == "refused":  # undone at once: the record the message's, abandoned, none held
         record = record_of(redis_client, job)
-        assert (record["nonce"], record["decision"]) == (dead["headers"]["gatekeeper_nonce"],
-                                                         "defer")  # fmt: skip
+        assert (record["nonce"], record["decision"], record.get("abandoned")) == (
+            dead["headers"]["gatekeeper_nonce"], "defer", "1")  # fmt: skip
         assert redis_client.hlen(KEYS.inflight) == 0 and admitted_free(redis_client) == 0
     restore()
     again = CliRunner().invoke(main, requeue)
     assert again.exit_code == 0 and " to free " in again.output, again.output
+    # Its new deadline said (an unanswered keep was kept: handed on as that requeue decided)
+    assert "deadline in 1" in again.output and "event=deadline_moved" in again.output
     (moved,) = queue_messages(redis_client, "free")
     assert moved["headers"]["gatekeeper_nonce"] == record_of(redis_client, job)["nonce"]
     assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]
     assert admitted_free(redis_client) == 1 and not queue_messages(redis_client, "dead_letter")
+
+
+def test_a_decision_whose_handoff_was_kept_meanwhile_is_not_undone(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: a requeue of a twin in the dead letters (on RabbitMQ a replayer killed
+    # between publishing a dead letter and acking it leaves one) could undo the replayer's
+    # decision after its handoff was kept, and its copy then left with a nonce the record no
+    # longer held. unscore.lua now refuses once a handoff is kept for the message.
+    (job,) = defer_tasks(redis_url, redis_client, 1)
+    (parked,) = queue_messages(redis_client, "defer")
+    replayer = Replayer(gate_settings(redis_url), broker=redis_client, gate=redis_client)
+    keep_fails(replayer, redis_client, "unanswered")  # kept, its replies lost
+    assert dict(replayer.run(threading.Event(), once=True)) == {"pass_failed": 1}
+    record = record_of(redis_client, job)
+    decided = record["nonce"]
+    assert record[HANDOFF_NONCE] == parked["headers"]["gatekeeper_nonce"] != decided
+    as_scored(replayer.pipeline.store, job, 1, dict(record), dict(parked["headers"]))
+    assert record_of(redis_client, job)["nonce"] == decided  # not undone
+    assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]
 
 
 def test_one_requeue_at_a_time(

@@ -32,9 +32,10 @@ from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
 from gatekeeper.redis.decisions import read_records
 from gatekeeper.redis.gate_batch import route_all
-from gatekeeper.redis.handoff import HANDOFF_NONCE, Handoff, remember_all
+from gatekeeper.redis.handoff import HANDOFF_NONCE, KEEP_SHA, Handoff, Superseded, remember_all
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.scripts import load_lua
 from gatekeeper.settings import GatekeeperSettings
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, initialised, queue_messages, wait_until
@@ -156,16 +157,22 @@ def test_one_handoff_that_cannot_be_kept_fails_its_own_only(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
-    redis_client.set(KEYS.run("bad", 1), "not a hash")  # HSET: WRONGTYPE
-    handoff = Handoff("free", {"a": 1}, ())
-    kept = [(job, 1, f"nonce-{job}", handoff) for job in ("one", "bad", "two")]
-    first, bad, second = remember_all(runs, kept)
+    redis_client.set(KEYS.run("bad", 1), "not a hash")  # HGET: WRONGTYPE
+    for job in ("one", "two", "moved"):  # the decision's nonce, as gate.lua writes it
+        redis_client.hset(KEYS.run(job, 1), "nonce", "decided" if job != "moved" else "other")
+    handoff = Handoff("free", {"a": 1, "gatekeeper_nonce": "decided"}, ())
+    kept = [(job, 1, f"nonce-{job}", handoff) for job in ("one", "bad", "two", "moved")]
+    first, bad, second, moved = remember_all(runs, kept)
     assert first is None and second is None
     assert isinstance(bad, redis.ResponseError) and "WRONGTYPE" in str(bad)
+    assert isinstance(moved, Superseded)  # the record holds another decision: nothing kept
+    assert not redis_client.exists(KEYS.handoff("moved", 1))
+    assert redis_client.hget(KEYS.run("moved", 1), HANDOFF_NONCE) is None
     for job in ("one", "two"):  # the nonce in the record, the handoff in its own key
         assert redis_client.hget(KEYS.run(job, 1), HANDOFF_NONCE) == f"nonce-{job}".encode()
         kept_handoff = json.loads(redis_client.get(KEYS.handoff(job, 1)))
-        assert kept_handoff == {"q": "free", "s": {"/a": 1}, "d": [], "w": 0.0}
+        assert kept_handoff == {"q": "free", "s": {"/a": 1, "nonce": "decided"}, "d": [],
+                                "w": 0.0}  # fmt: skip
         assert 0 < redis_client.ttl(KEYS.handoff(job, 1)) <= RECORD_RETENTION_S
 
 
@@ -277,18 +284,24 @@ def test_a_batch_sent_to_a_server_that_lost_its_scripts_is_decided_once_each(
     assert scored == {job: 2 for job in jobs}  # deferred at publish, admitted once by the replay
 
 
+def keeps(commands: Any) -> bool:
+    """Whether a run ledger's round trip keeps handoffs (``keep.lua``)."""
+    return any(command[:2] == ["EVALSHA", KEEP_SHA] for command in commands)
+
+
 def failing_keep(
     send_all: Callable[[Any], list[Any]], client: redis.Redis, how: str
 ) -> Callable[[Any], list[Any]]:
-    """``send_all`` (a run ledger's round trip) whose handoff keeps (a round trip with its
-    ``SET``s) fail on the real server: ``refused`` (out of memory for that round trip: both
-    writes refused), ``unanswered`` (written, the replies lost), ``unsent`` (not sent: a
-    restart, no answer), ``cut_short`` (the process stops before it sends them)."""
+    """``send_all`` (a run ledger's round trip) whose handoff keeps (:func:`keeps`) fail on
+    the real server: ``refused`` (out of memory for that round trip: both writes refused),
+    ``unanswered`` (written, the replies lost), ``unsent`` (not sent: a restart, no answer),
+    ``cut_short`` (the process stops before it sends them)"""
 
     def keep(commands: Any) -> list[Any]:
-        if not any(command[0] == "SET" for command in commands):
+        if not keeps(commands):
             return send_all(commands)
         if how == "unanswered":
+            client.script_load(load_lua("keep.lua"))  # written (not refused as unknown)
             send_all(commands)
             return [redis.TimeoutError("Timeout reading from socket")] * len(commands)
         if how == "unsent":
@@ -351,7 +364,7 @@ def test_a_gate_redis_out_of_memory_sends_a_held_message_to_reserved_not_the_dea
             send_all = replayer.runs.send_all
 
             def full_from_the_keep_on(commands: Any) -> list[Any]:
-                if any(command[0] == "SET" for command in commands):
+                if keeps(commands):
                     gate.config_set("maxmemory", 1)
                 return send_all(commands)
 

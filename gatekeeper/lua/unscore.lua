@@ -18,19 +18,23 @@
 -- ARGV[1] the decision's nonce (the record's now)   ARGV[2] the message's nonce
 -- ARGV[3] free_admitted to write ('': left as it is)
 -- ARGV[4] member <job_id>:<attempt>   ARGV[5] '1': the decision admitted it to free
+-- ARGV[6] '1': the attempt was abandoned before the decision (a dead letter's requeue): it
+--         is again (`abandoned`, which the decision cleared)
 --
--- Returns 1 when undone; 0 when the record holds another nonce now (nothing changed).
+-- Returns 1 when undone; 0 when the record holds another nonce now, or a handoff was kept
+-- for the message meanwhile (its copy may have left: keep.lua), and nothing changed.
 
-if redis.call('HGET', KEYS[1], 'nonce') ~= ARGV[1] then
+local held = redis.call('HMGET', KEYS[1], 'nonce', 'handoff_nonce')
+if held[1] ~= ARGV[1] or held[2] == ARGV[2] then
   return 0
 end
 if ARGV[5] == '1' then  -- as release.lua, unpublished
   redis.call('ZREM', KEYS[3], ARGV[4])
-  local held = redis.call('HGET', KEYS[2], ARGV[4])
-  if held then
+  local entry = redis.call('HGET', KEYS[2], ARGV[4])
+  if entry then
     redis.call('HDEL', KEYS[2], ARGV[4])
     redis.call('HSET', KEYS[1], 'reserved', redis.call('HGET', KEYS[1], 'charged') or '0')
-    redis.call('HINCRBYFLOAT', KEYS[4], 'exposure', -tonumber(string.match(held, '^[^|]+')))
+    redis.call('HINCRBYFLOAT', KEYS[4], 'exposure', -tonumber(string.match(entry, '^[^|]+')))
   end
   -- Taken back from admitted_free also when the entry went before (the sweep's purge check
   -- or gate.lua's horizon gave back the exposure as published): no message was published.
@@ -41,5 +45,8 @@ end
 redis.call('HSET', KEYS[1], 'nonce', ARGV[2], 'decision', 'defer', 'prev_nonce', '', 'window', '')
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'free_admitted', ARGV[3])
+end
+if ARGV[6] == '1' then
+  redis.call('HSET', KEYS[1], 'abandoned', '1')
 end
 return 1

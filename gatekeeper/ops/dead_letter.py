@@ -7,11 +7,14 @@ explicitly (an operator's decision: it is the one place a deadline is ever moved
 pipeline as a publish, keeps how it hands it on (beside the record:
 :mod:`gatekeeper.redis.handoff`), then hands it to the queue decided: on Redis in one atomic
 step (``move.lua``), on RabbitMQ acked only once its new copy is confirmed. A requeue cut short
-between the keep and the move leaves the task listed; a second requeue of it hands it on exactly
-as the first did, and a worker runs one of the copies. Cut short before the keep (or the keep
-refused: the command then fails saying so, and undoes the decision), the task is listed with
-its decision in the record and no copy: the next requeue undoes that decision and scores it
-again (a second publish of a live attempt would be a ``duplicate_publish``).
+between the keep and the move (or whose keep got no answer, and was kept) leaves the task
+listed; a second requeue of it hands it on exactly as the first did (its deadline too), and a
+worker runs one of the copies. A keep refused fails the command, saying so, and undoes the
+decision: the task is listed as it was. Cut short before the keep, the task is listed with
+that decision in the record and no copy: the next requeue undoes it and scores the task again
+(a second publish of a live attempt would be a ``duplicate_publish``). Requeues take turns
+(``dead_letter:lock``); a keep is made only while the record still holds the requeue's decision
+(``keep.lua``: the replayer, handing on a twin of the task, may have undone it).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from gatekeeper.redis.attempt import carried_publish
 from gatekeeper.redis.gate import Pipeline
 from gatekeeper.redis.handoff import (
     Handoff,
+    Superseded,
     as_scored,
     handed_on,
     read,
@@ -79,12 +83,13 @@ def _unsent(record: dict[str, str], nonce: str) -> bool:
 
 
 def _keep(broker: Any, taken: Taken, gate: tuple[RunLedger, Pipeline],
-          kept: tuple[str, int, str], handoff: Handoff) -> None:  # fmt: skip
+          kept: tuple[str, int, str, bool], handoff: Handoff) -> None:  # fmt: skip
     """Keep the requeue's handoff before any copy leaves (a copy handed on with none kept
     could not be told from a message scored and never handed on). Not kept, the task stays
-    in the dead letters, its decision undone at once when it can be (else by the next
-    requeue), and the command fails saying so."""
-    (runs, pipeline), (job_id, attempt, nonce) = gate, kept
+    in the dead letters, its decision undone at once when it can be (abandoned again, when
+    it was: ``kept``'s last part; else by the next requeue), and the command fails saying
+    so."""
+    (runs, pipeline), (job_id, attempt, nonce, ended) = gate, kept
     try:
         remember(runs, job_id, attempt, nonce, handoff)
         return
@@ -96,11 +101,15 @@ def _keep(broker: Any, taken: Taken, gate: tuple[RunLedger, Pipeline],
         raise click.ClickException(
             f"no answer keeping the handoff of {job_id} ({error}): it may be kept; the task "
             f"stays in the dead letters, requeue it again")  # fmt: skip
+    if isinstance(error, Superseded):  # undone meanwhile (the replayer, for a twin of it)
+        raise click.ClickException(
+            f"the record of {job_id} holds another decision now: the task stays in the dead "
+            f"letters, requeue it again")  # fmt: skip
     with contextlib.suppress(GateUnreachable, LedgerUnavailable, redis.RedisError):
         record = runs.fields(job_id, attempt)
         if _unsent(record, nonce):
-            headers = (taken.message or {})["headers"]
-            as_scored(pipeline.store, job_id, attempt, record, {**headers, H_NONCE: nonce})
+            headers = {**(taken.message or {})["headers"], H_NONCE: nonce}
+            as_scored(pipeline.store, job_id, attempt, record, headers, ended)
     raise click.ClickException(
         f"the gate's Redis refused the handoff of {job_id} ({error}): the task stays in the "
         f"dead letters, requeue it again once it takes writes")  # fmt: skip
@@ -185,11 +194,16 @@ def _requeue(ctx: click.Context, gate: redis.Redis, job_id: str, deadline_s: flo
         handoff = Handoff(routing.queue or settings.reserved_queue, dict(routing.headers),
                           routing.drop)  # fmt: skip
         if H_NONCE in routing.headers and nonce:  # kept under the nonce it came with
-            _keep(broker, taken, (runs, pipeline), (job_id, publish.attempt, nonce), handoff)
+            ended = record.get("abandoned") == "1"
+            _keep(broker, taken, (runs, pipeline), (job_id, publish.attempt, nonce, ended),
+                  handoff)  # fmt: skip
         why = routing.reason.value
-    else:
-        deadline_s = float(headers.get(H_DEADLINE_AT) or 0) - time.time()
-        why = "handed_on_again: a requeue of it was cut short; its deadline is kept"
+    else:  # a requeue that kept its handoff and moved nothing (cut short, or unanswered)
+        given = handoff.set.get(H_DEADLINE_AT)
+        if isinstance(given, (int, float)) and given != was:
+            moved_to = given  # that requeue moved it: said now, as the move happens
+        deadline_s = float(moved_to or was or 0) - time.time()
+        why = "handed_on_again: a requeue of it kept its handoff and moved nothing"
     handoff.apply(headers)
     headers[H_COPY] = uuid.uuid4().hex  # a requeue cut short and redone: a worker runs one copy
     try:

@@ -26,7 +26,7 @@ the record a hash table (a value past
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
+from redis.exceptions import NoScriptError
 
 from gatekeeper.core.headers import H_DEADLINE_AT, H_NONCE
 from gatekeeper.defaults import RECORD_RETENTION_S
@@ -44,9 +45,9 @@ from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
 from gatekeeper.redis.store import NO_ANSWER, GateStore
 
-__all__ = ["HANDOFF", "HANDOFF_FROM", "HANDOFF_NONCE", "Handoff", "Kept", "Where", "as_scored",
-           "handed_on", "packed", "read", "recalled", "remember", "remember_all",
-           "scored_unsent"]  # fmt: skip
+__all__ = ["HANDOFF", "HANDOFF_FROM", "HANDOFF_NONCE", "KEEP_SHA", "Handoff", "Kept", "Superseded",
+           "Where", "as_scored", "handed_on", "packed", "read", "recalled", "remember",
+           "remember_all", "scored_unsent"]  # fmt: skip
 
 HANDOFF_NONCE = "handoff_nonce"
 """The record's field naming the message whose handoff its key keeps."""
@@ -90,34 +91,42 @@ def remember_all(
     runs: RunLedger, kept: Sequence[Kept], ttl_s: int = RECORD_RETENTION_S
 ) -> list[redis.RedisError | None]:
     """Keep each handoff in its key, and in its record the nonce of the message it hands on
-    (the record exists: the gate wrote it when it scored the message, and set its TTL, ``ttl_s``
-    from now: the key's), all in one round trip.
-    Returns, for each, None once kept or the error that kept it from being (one bad record
-    fails its own only). What got no answer (a connection error, a timeout, a ``READONLY``
-    after a failover) is asked once more, on a new connection (both writes can be made
-    twice); still unanswered, it gets that error (it may be kept). A message that comes back
-    with no handoff kept is scored again (:func:`as_scored`)."""
-    commands: list[list[str]] = []
-    for job_id, attempt, nonce, handoff in kept:
-        # The key before the nonce that points to it: a nonce in the record always has its
-        # handoff (or none at all, when the key's write failed: the nonce is taken back).
-        commands.append(["SET", runs.keys.handoff(job_id, attempt), packed(handoff),
-                         "EX", str(ttl_s)])  # fmt: skip
-        commands.append(["HSET", runs.keys.run(job_id, attempt), HANDOFF_NONCE, nonce])
-    replies = runs.send_all(commands)
+    (``keep.lua``: only while the record still holds the decision that made it, whose nonce
+    the handoff sets; the key's TTL, ``ttl_s`` from now, is the record's), all in one round
+    trip. Returns, for each, None once kept or why it was not: :class:`Superseded` (the record
+    holds another decision now), or the Redis error (one bad record fails its own only).
+    What got no answer (a connection error, a timeout, a ``READONLY`` after a failover) is
+    asked once more, on a new connection (a keep can be made twice); still unanswered, it
+    gets that error (it may be kept). A message that comes back with no handoff kept is
+    scored again (:func:`as_scored`)."""
+    commands = [
+        ["EVALSHA", KEEP_SHA, "2", runs.keys.handoff(job_id, attempt),
+         runs.keys.run(job_id, attempt), packed(handoff), str(ttl_s), nonce,
+         str(handoff.set.get(H_NONCE, ""))]
+        for job_id, attempt, nonce, handoff in kept
+    ]  # fmt: skip
+    replies = _sent(runs, commands)
     if again := [i for i, reply in enumerate(replies) if isinstance(reply, NO_ANSWER)]:
-        for i, reply in zip(again, runs.send_all([commands[i] for i in again]), strict=True):
+        for i, reply in zip(again, _sent(runs, [commands[i] for i in again]), strict=True):
             replies[i] = reply
-    # A key refused beside a nonce written (an ACL on the key alone): the nonce would name a
-    # handoff that is not there, and the message, held, would come back as handed on.
-    dangling = [commands[i + 1][1] for i in range(0, len(replies), 2)
-                if isinstance(replies[i], redis.RedisError)
-                and not isinstance(replies[i + 1], redis.RedisError)]  # fmt: skip
-    if dangling:  # best effort (failing too, the message comes back to reserved, unverified)
-        with contextlib.suppress(redis.RedisError):
-            runs.send_all([["HDEL", key, HANDOFF_NONCE] for key in dangling])
-    return [next((r for r in pair if isinstance(r, redis.RedisError)), None)
-            for pair in zip(replies[::2], replies[1::2], strict=True)]  # fmt: skip
+    return [reply if isinstance(reply, redis.RedisError) else None if int(reply) == 1
+            else Superseded(f"{command[4]} holds another decision now") for reply, command
+            in zip(replies, commands, strict=True)]  # fmt: skip
+
+
+def _sent(runs: RunLedger, commands: list[list[str]]) -> list[Any]:
+    """``runs.send_all``, ``keep.lua`` loaded first where the server did not have it."""
+    replies = runs.send_all(commands)
+    if missing := [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]:
+        runs.client.script_load(_KEEP)
+        for i, reply in zip(missing, runs.send_all([commands[i] for i in missing]), strict=True):
+            replies[i] = reply
+    return replies
+
+
+class Superseded(redis.ResponseError):
+    """A handoff not kept: the attempt's record no longer holds the decision that made it (a
+    requeue of a twin undid it, the record expired). Its copy must not leave."""
 
 
 def handed_on(record: Mapping[str, str], nonce: str) -> Where:
@@ -193,16 +202,24 @@ def scored_unsent(record: Mapping[str, str], headers: Mapping[str, Any]) -> bool
 
 
 def as_scored(
-    store: GateStore, job_id: str, attempt: int, record: dict[str, str], headers: dict[str, Any]
+    store: GateStore,
+    job_id: str,
+    attempt: int,
+    record: dict[str, str],
+    headers: dict[str, Any],
+    ended: bool = False,
 ) -> None:
     """A message the gate scored (its nonce is the record's ``prev_nonce``: the decision
     replaced it) with no handoff kept: its replayer died in between, or the handoff's write
     failed (the message then waits in defer), and no copy left. It is the gate's message
-    still: the decision is undone (``unscore.lua``, only while the record holds it: what it
-    admitted is given back, no message carries it, and the record's nonce is the message's
-    again, decided ``defer``), so the message is the record's as parked, in this pass and in
-    any later one it comes back to unmoved. When the record refuses (a Redis out of memory),
-    or holds another decision now, the message takes the record's nonce, for this pass."""
+    still: the decision is undone (``unscore.lua``, only while the record holds it and no
+    handoff is kept for the message, whose copy may have left: what it admitted is given
+    back, no message carries it, and the record's nonce is the message's again, decided
+    ``defer``), so the message is the record's as parked, in this pass and in any later one
+    it comes back to unmoved. When the record refuses (a Redis out of memory),
+    or holds another decision now, the message takes the record's nonce, for this pass.
+    ``ended``: the attempt was abandoned before the decision (a dead letter's requeue), and
+    is again once it is undone."""
     admitted = record.get("decision") == "admit_free" and record.get("window", "").isdigit()
     free = ""
     if admitted:  # its free_admitted was that admission's: the earlier attempt's again
@@ -215,7 +232,7 @@ def as_scored(
     try:
         undone = evalsha(store.client, store.client.register_script(_UNSCORE), keys,
                          [record["nonce"], mine, free, f"{job_id}:{attempt}",
-                          "1" if admitted else "0"])  # fmt: skip
+                          "1" if admitted else "0", "1" if ended else "0"])  # fmt: skip
     except redis.ResponseError as exc:  # refused (out of memory), or a replica's (no answer)
         if not_answering(exc):
             raise GateUnreachable(f"cannot undo {key}'s decision: {exc}") from exc
@@ -230,3 +247,6 @@ def as_scored(
 
 
 _UNSCORE = load_lua("unscore.lua")
+_KEEP = load_lua("keep.lua")
+KEEP_SHA = hashlib.sha1(_KEEP.encode()).hexdigest()
+"""``keep.lua``'s SHA1 (its ``EVALSHA``)."""

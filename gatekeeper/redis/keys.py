@@ -87,7 +87,8 @@ namespace's slot):
     How the replayer (or ``dead-letter requeue``) handed a deferred message on (JSON: the
     queue and the header changes, gatekeeper/redis/handoff.py), kept outside the record so
     that its length leaves the record a compact hash. The record's ``handoff_nonce`` names
-    the message it belongs to; its TTL is the record's, set when the handoff is kept.
+    the message it belongs to; its TTL is the record's, set when the handoff is kept
+    (``keep.lua``, only while the record holds the decision that made the handoff).
 ``gatekeeper:{default}:unverified:<job_id>:<attempt>`` - hash, TTL = 2 days
     The runs of an attempt whose message has no nonce (its rows are unverified):
     ``runs``, ``rowed`` (the last run with its row) and ``rowed_by`` (the token of the call
