@@ -17,6 +17,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from gatekeeper.celery.deadletter import unanswered
 from gatekeeper.celery.replay import Replayer
 from gatekeeper.ops import dead_letter
 from gatekeeper.ops.cli import main
@@ -25,18 +26,21 @@ from gatekeeper.redis.handoff import (
     HANDOFF_FROM,
     HANDOFF_NONCE,
     Handoff,
+    Superseded,
     as_scored,
     packed,
     recalled,
+    remember_all,
 )
 from gatekeeper.redis.keys import ATTEMPTS, Keys
+from gatekeeper.redis.runs import RunLedger
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
 from tests.test_broker_faults import rows_of
 from tests.test_dead_letter_result import cli_settings, dead_lettered
 from tests.test_replay import claimed, defer_tasks, replay_once
 from tests.test_replay_batch import FailingMove
-from tests.test_replay_strikes import keep_fails, keeps_fail, scored_by_a_killed_pass
+from tests.test_replay_strikes import keep_fails, keeps, keeps_fail, scored_by_a_killed_pass
 from tests.test_worker_ledger import runs as recorded_runs
 
 KEYS = Keys()
@@ -193,6 +197,20 @@ def test_a_requeue_keeps_its_handoff_and_a_second_one_hands_on_as_it_says(
     assert moved["headers"]["gatekeeper_nonce"] == "kept"
 
 
+def admissible_dead_letter(
+    redis_url: str, client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, dict[str, Any]]:
+    """A task deferred (the age cap), its deadline passed in defer: abandoned to the dead
+    letters, where a requeue admits it to free; its id and the dead letter. The CLI's
+    settings set."""
+    (job,) = defer_tasks(redis_url, client, 1, headers={"gatekeeper_deadline_s": 1})
+    time.sleep(1.2)
+    assert replay_once(redis_url, client) == {"dead_lettered": 1}
+    (dead,) = queue_messages(client, "dead_letter")
+    cli_settings(redis_url, monkeypatch)
+    return job, dead
+
+
 @pytest.mark.parametrize("fault", ["refused", "unanswered", "cut_short"])
 def test_a_requeue_whose_handoff_is_not_kept_leaves_its_task_listed_and_the_next_one_moves_it(
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, fault: str
@@ -202,11 +220,7 @@ def test_a_requeue_whose_handoff_is_not_kept_leaves_its_task_listed_and_the_next
     # then a duplicate_publish to reserved (as was one after a requeue cut short between its
     # decision and its handoff). Now the task stays in the dead letters, the decision undone
     # (refused: at once; cut short: by the next requeue), and the next requeue admits it once.
-    (job,) = defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 1})
-    time.sleep(1.2)
-    assert replay_once(redis_url, redis_client) == {"dead_lettered": 1}
-    (dead,) = queue_messages(redis_client, "dead_letter")
-    cli_settings(redis_url, monkeypatch)
+    job, dead = admissible_dead_letter(redis_url, redis_client, monkeypatch)
     restore = keeps_fail(monkeypatch, redis_client, fault)
     requeue = ["dead-letter", "requeue", job, "--deadline-s", "120"]
     failed = CliRunner().invoke(main, requeue)
@@ -230,6 +244,79 @@ def test_a_requeue_whose_handoff_is_not_kept_leaves_its_task_listed_and_the_next
     assert moved["headers"]["gatekeeper_nonce"] == record_of(redis_client, job)["nonce"]
     assert list(redis_client.hgetall(KEYS.inflight)) == [f"{job}:1".encode()]
     assert admitted_free(redis_client) == 1 and not queue_messages(redis_client, "dead_letter")
+
+
+@pytest.mark.parametrize("first", ["cut_short", "unsent", "out_of_memory"])
+def test_a_refused_requeue_leaves_the_attempt_abandoned_as_it_was(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    # A reviewer: the undo set `abandoned` again only from the record as the failed requeue
+    # read it, which a requeue cut short before (Ctrl-C, a restart) had cleared; and a Redis
+    # that stays out of memory refused the undo of a decision that admitted nothing (its
+    # first write could grow it). A publish of the id was then a duplicate_publish.
+    job, dead = admissible_dead_letter(redis_url, redis_client, monkeypatch)
+    requeue = ["dead-letter", "requeue", job, "--deadline-s", "120"]
+    if first == "out_of_memory":  # decided reserved (no admission); full from the keep on
+        redis_client.hset(KEYS.flags, "free_path_enabled", "false")
+        send_all = RunLedger.send_all
+
+        def full(self: RunLedger, commands: Any) -> list[Any]:
+            if keeps(commands):
+                redis_client.config_set("maxmemory", 1)
+            return send_all(self, commands)
+
+        monkeypatch.setattr(RunLedger, "send_all", full)
+        try:
+            refused = CliRunner().invoke(main, requeue)
+        finally:
+            redis_client.config_set("maxmemory", 0)
+    else:
+        restore = keeps_fail(monkeypatch, redis_client, first)
+        assert CliRunner().invoke(main, requeue).exit_code == 1
+        restore()
+        restore = keeps_fail(monkeypatch, redis_client, "refused")
+        refused = CliRunner().invoke(main, requeue)
+        restore()
+    assert "refused the handoff of" in refused.output, refused.output
+    record = record_of(redis_client, job)
+    assert (record["nonce"], record["decision"], record.get("abandoned")) == (
+        dead["headers"]["gatekeeper_nonce"], "defer", "1")  # fmt: skip
+    redis_client.hdel(KEYS.flags, "free_path_enabled")
+    create_app(gate_settings(redis_url), redis_url).tasks["tests.embed"].apply_async(
+        (0,), task_id=job)  # fmt: skip
+    assert record_of(redis_client, job)["reason"] != "duplicate_publish"
+    assert not [k for k in record_of(redis_client, job) if k.startswith("dup:")]
+
+
+def test_a_requeue_while_a_publish_of_the_id_is_live_says_so_and_changes_nothing(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reviewer: the requeue was decided a duplicate_publish, whose handoff keep.lua never
+    # keeps (the record holds the live publish's nonce): each requeue said "requeue it
+    # again", and left a dup:<nonce> in the live record. Now it says why, and decides nothing.
+    job, _ = admissible_dead_letter(redis_url, redis_client, monkeypatch)
+    create_app(gate_settings(redis_url), redis_url).tasks["tests.embed"].apply_async(
+        (0,), task_id=job)  # fmt: skip
+    before = record_of(redis_client, job)
+    requeue = ["dead-letter", "requeue", job, "--deadline-s", "120"]
+    for _ in range(2):
+        done = CliRunner().invoke(main, requeue)
+        assert done.exit_code == 1 and f"a publish of {job} is live" in done.output, done.output
+        assert "event=gate_decision" not in done.output
+    assert record_of(redis_client, job) == before
+    assert len(queue_messages(redis_client, "dead_letter")) == 1
+
+
+def test_a_superseded_keep_is_an_answer_whatever_the_job_id(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: the error named the record's key, so a task id holding LOADING or READONLY
+    # made it look like a replica's reply: no answer, the replayer's pass stopped.
+    runs = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+    job = "nightly-LOADING-report"
+    redis_client.hset(KEYS.run(job, 1), "nonce", "another decision")
+    (error,) = remember_all(runs, [(job, 1, "m", Handoff("free", {"gatekeeper_nonce": "d"}, ()))])
+    assert isinstance(error, Superseded) and not unanswered(error)
 
 
 def test_a_decision_whose_handoff_was_kept_meanwhile_is_not_undone(

@@ -28,6 +28,9 @@ local held = redis.call('HMGET', KEYS[1], 'nonce', 'handoff_nonce')
 if held[1] ~= ARGV[1] or held[2] == ARGV[2] then
   return 0
 end
+-- A first write that frees memory (prev_nonce is written '' below): a Redis out of memory
+-- lets a script go on once it has written, and refuses only a first write that may grow it.
+redis.call('HDEL', KEYS[1], 'prev_nonce')
 if ARGV[5] == '1' then  -- as release.lua, unpublished
   redis.call('ZREM', KEYS[3], ARGV[4])
   local entry = redis.call('HGET', KEYS[2], ARGV[4])

@@ -33,7 +33,7 @@ from gatekeeper.celery.broker import BROKER_ERRORS, Taken
 from gatekeeper.celery.deadletter import unanswered
 from gatekeeper.celery.expiry import unless_withdrawn
 from gatekeeper.celery.message import nonce_of
-from gatekeeper.core.headers import H_ATTEMPT, H_COPY, H_DEADLINE_AT, H_NONCE
+from gatekeeper.core.headers import H_ATTEMPT, H_COPY, H_DEADLINE_AT, H_DECISION, H_NONCE
 from gatekeeper.errors import GateUnreachable, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import settings_of
@@ -82,6 +82,15 @@ def _unsent(record: dict[str, str], nonce: str) -> bool:
     return bool(nonce) and record.get("prev_nonce") == nonce and handed_on(record, nonce) is None
 
 
+def _live(record: dict[str, str], nonce: Any) -> bool:
+    """Whether the record holds another publish of the attempt that has not run to its row
+    (gate.lua would decide this one a ``duplicate_publish``, with no record of its own)."""
+    if not record.get("nonce") or record["nonce"] == nonce or record.get("abandoned") == "1":
+        return False
+    runs, rowed = (record.get(name, "0") for name in ("runs", "rowed"))
+    return not (runs.isdigit() and rowed.isdigit()) or int(runs) == 0 or int(rowed) < int(runs)
+
+
 def _keep(broker: Any, taken: Taken, gate: tuple[RunLedger, Pipeline],
           kept: tuple[str, int, str, bool], handoff: Handoff) -> None:  # fmt: skip
     """Keep the requeue's handoff before any copy leaves (a copy handed on with none kept
@@ -97,14 +106,14 @@ def _keep(broker: Any, taken: Taken, gate: tuple[RunLedger, Pipeline],
         error = exc
     broker.leave(taken)
     broker.close()
-    if unanswered(error):  # it may be kept: the next requeue hands it on as decided, or not
-        raise click.ClickException(
-            f"no answer keeping the handoff of {job_id} ({error}): it may be kept; the task "
-            f"stays in the dead letters, requeue it again")  # fmt: skip
     if isinstance(error, Superseded):  # undone meanwhile (the replayer, for a twin of it)
         raise click.ClickException(
             f"the record of {job_id} holds another decision now: the task stays in the dead "
             f"letters, requeue it again")  # fmt: skip
+    if unanswered(error):  # it may be kept: the next requeue hands it on as decided, or not
+        raise click.ClickException(
+            f"no answer keeping the handoff of {job_id} ({error}): it may be kept; the task "
+            f"stays in the dead letters, requeue it again")  # fmt: skip
     with contextlib.suppress(GateUnreachable, LedgerUnavailable, redis.RedisError):
         record = runs.fields(job_id, attempt)
         if _unsent(record, nonce):
@@ -186,15 +195,22 @@ def _requeue(ctx: click.Context, gate: redis.Redis, job_id: str, deadline_s: flo
     moved_to: float | None = None
     if handoff is None:  # the first requeue of it: scored again, with its new deadline
         pipeline = Pipeline.create(settings, gate, time.time)
+        ended = record.get("abandoned") == "1" or headers.get(H_DECISION) == "abandoned"
         if type(attempt) is int and _unsent(record, nonce):  # an earlier requeue's, cut short
-            as_scored(pipeline.store, job_id, attempt, record, headers)  # before its handoff
+            as_scored(pipeline.store, job_id, attempt, record, headers, ended)  # before its keep
+        if _live(record, headers.get(H_NONCE)):
+            broker.leave(taken)
+            broker.close()
+            raise click.ClickException(
+                f"a publish of {job_id} is live (its record holds another message's decision): "
+                f"the task stays in the dead letters; requeue it once that run has its row, or "
+                f"drop it")  # fmt: skip
         headers[H_DEADLINE_AT] = moved_to = time.time() + deadline_s
         publish = carried_publish(headers, "requeue", record.get("label", ""))
         routing = pipeline.route(publish)
         handoff = Handoff(routing.queue or settings.reserved_queue, dict(routing.headers),
                           routing.drop)  # fmt: skip
         if H_NONCE in routing.headers and nonce:  # kept under the nonce it came with
-            ended = record.get("abandoned") == "1"
             _keep(broker, taken, (runs, pipeline), (job_id, publish.attempt, nonce, ended),
                   handoff)  # fmt: skip
         why = routing.reason.value

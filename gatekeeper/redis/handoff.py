@@ -109,9 +109,14 @@ def remember_all(
     if again := [i for i, reply in enumerate(replies) if isinstance(reply, NO_ANSWER)]:
         for i, reply in zip(again, _sent(runs, [commands[i] for i in again]), strict=True):
             replies[i] = reply
-    return [reply if isinstance(reply, redis.RedisError) else None if int(reply) == 1
-            else Superseded(f"{command[4]} holds another decision now") for reply, command
-            in zip(replies, commands, strict=True)]  # fmt: skip
+    return [_kept(reply) for reply in replies]
+
+
+def _kept(reply: Any) -> redis.RedisError | None:
+    """None when ``keep.lua`` kept the handoff; else why not."""
+    if isinstance(reply, redis.RedisError):
+        return reply
+    return None if int(reply) == 1 else Superseded("the record holds another decision now")
 
 
 def _sent(runs: RunLedger, commands: list[list[str]]) -> list[Any]:
@@ -124,9 +129,10 @@ def _sent(runs: RunLedger, commands: list[list[str]]) -> list[Any]:
     return replies
 
 
-class Superseded(redis.ResponseError):
+class Superseded(redis.RedisError):
     """A handoff not kept: the attempt's record no longer holds the decision that made it (a
-    requeue of a twin undid it, the record expired). Its copy must not leave."""
+    requeue of a twin undid it, the record expired). Its copy must not leave. An answer, never
+    taken for none (not an error reply: its text is not read for ``READONLY`` and the like)."""
 
 
 def handed_on(record: Mapping[str, str], nonce: str) -> Where:
