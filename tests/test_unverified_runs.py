@@ -176,11 +176,11 @@ def test_a_dead_runs_row_that_fails_costs_the_running_run_nothing_and_is_swept_l
     written: list[int] = []
     real = UnverifiedRuns.write
 
-    def flaky(self: UnverifiedRuns, row: Any, run: int, now_ms: int) -> bool:
+    def flaky(self: UnverifiedRuns, row: Any, run: int, now_ms: int, token: Any = None) -> bool:
         written.append(run)
-        if len(written) == 1:  # the dead run's row: Redis fails it, once
-            raise LedgerUnavailable("cannot write an unverified row: connection reset")
-        return real(self, row, run, now_ms)
+        if len(written) == 1:  # the dead run's row: Redis refuses it, once (an answer: dropped)
+            raise LedgerUnavailable("cannot write an unverified row: refused")
+        return real(self, row, run, now_ms, token)
 
     monkeypatch.setattr(UnverifiedRuns, "write", flaky)
     task.push_request(id="J", gatekeeper_decision="reserved", gatekeeper_attempt=1, retries=0,

@@ -32,6 +32,7 @@ from celery.signals import (
     task_revoked,
     task_success,
     worker_init,
+    worker_process_shutdown,
     worker_ready,
     worker_shutdown,
 )
@@ -60,6 +61,8 @@ SIGNALS = (
     (worker_init, "expiry", "on_worker_init"),
     (worker_init, "heartbeat", "on_init"),
     (worker_ready, "heartbeat", "on_ready"),
+    (worker_process_shutdown, "worker", "on_process_exit"),  # rows kept unanswered: once more
+    (worker_shutdown, "worker", "on_process_exit"),  # (before the heartbeat that keeps them)
     (worker_shutdown, "heartbeat", "on_shutdown"),
 )
 """The Celery signals an install listens to: (signal, part, method)."""

@@ -13,12 +13,14 @@ toward a freeze or against a clean hour (SPEC section 2).
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable
 from typing import Any
 
 from gatekeeper.celery.message import unverified
+from gatekeeper.celery.pending import PendingRows
 from gatekeeper.celery.running import Running
-from gatekeeper.core.ledger import Outcome
+from gatekeeper.core.ledger import LedgerRow, Outcome
 from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.unverified import ROW_FIELDS, UnverifiedRuns
@@ -32,11 +34,14 @@ OWN = ("time_limit_s",)
 class UnverifiedSide:
     """Unverified runs on one run ledger, their ``ledger_row`` lines on ``log``."""
 
-    def __init__(self, runs: RunLedger, log: Any, now_ms: Callable[[], int]) -> None:
+    def __init__(
+        self, runs: RunLedger, log: Any, now_ms: Callable[[], int], pending: PendingRows
+    ) -> None:
         self.runs = runs
         self.store = UnverifiedRuns(runs)
         self.log = log
         self.now_ms = now_ms
+        self.pending = pending
 
     def send_start(
         self, task: Any, job_id: str, attempt: int, headers: dict[str, Any],
@@ -86,12 +91,19 @@ class UnverifiedSide:
         self, job_id: str, running: Running, outcome: Outcome, reason: str,
         tokens_in: int | None = None, tokens_out: int | None = None,
     ) -> None:  # fmt: skip
-        """The run's row, and its line when this call wrote it (a signal may fire twice)."""
+        """The run's row, and its line when this call wrote it (a signal may fire twice); a
+        write Redis gave no answer to is kept and sent again, as it was (pending.py)."""
         now = self.now_ms()
         row = self.runs.row_for(job_id, running.attempt, running.record, outcome, now,
                                 tokens_in, tokens_out)  # fmt: skip
-        if self.store.write(row, running.run, now):
-            self.log.info("ledger_row", task=running.record.task, job_id=job_id,
-                          attempt=running.attempt, path=row.path.value,
+        token = secrets.token_hex(8)  # the same if sent again
+        self.pending.write(
+            job_id, running.run, lambda: self._write(row, running, reason, now, token)
+        )
+
+    def _write(self, row: LedgerRow, running: Running, reason: str, now: int, token: str) -> None:
+        if self.store.write(row, running.run, now, token):
+            self.log.info("ledger_row", task=running.record.task, job_id=row.job_id,
+                          attempt=row.attempt, path=row.path.value,
                           outcome=row.outcome.value, reason=reason, verified=False,
                           retry_tax=0.0)  # fmt: skip

@@ -46,6 +46,7 @@ is written before this run can die too.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,15 +58,16 @@ from gatekeeper.celery import message
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers
 from gatekeeper.celery.metering import take_metered
+from gatekeeper.celery.pending import PendingRows
 from gatekeeper.celery.postrun import ended_at_postrun, rejected_for_good, requeued_on_timeout
 from gatekeeper.celery.received import NOWHERE, RanIn, Received
 from gatekeeper.celery.running import Running, Starting, Starts
 from gatekeeper.celery.unverified import UnverifiedSide
-from gatekeeper.core.ledger import Outcome
+from gatekeeper.core.ledger import LedgerRow, Outcome
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.runs import RunLedger, RunRecord
+from gatekeeper.redis.runs import Finished, RunLedger, RunRecord
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
 
@@ -94,7 +96,8 @@ class WorkerSide:
         self.runs = RunLedger.from_settings(client, settings)
         self.store = GateStore(client, Keys(settings.key_prefix, settings.namespace))
         self.log = make_logger(settings, "worker")
-        self.unverified = UnverifiedSide(self.runs, self.log, self._now_ms)
+        self.pending = PendingRows(self.log, settings.worker_heartbeat_s)  # (pending.py)
+        self.unverified = UnverifiedSide(self.runs, self.log, self._now_ms, self.pending)
         self.alerts = make_logger(settings, "alert")
         self._running: dict[str, Running] = {}
         self._starts = Starts()
@@ -172,6 +175,10 @@ class WorkerSide:
         run, record = stored
         self._end(job_id, attempt, run, record, Outcome.KILLED, reason, True, final=final)
 
+    def on_process_exit(self, **_: Any) -> None:
+        """A pool child or the worker ends: its unanswered rows are sent once more."""
+        self.pending.at_exit()
+
     # -- pool child ---------------------------------------------------------------------
 
     def on_prerun(self, sender: Any = None, task_id: str | None = None, **_: Any) -> None:
@@ -179,6 +186,7 @@ class WorkerSide:
         if not self._ours(sender) or task_id is None:
             return
         take_metered(task_id)  # a meter left by an earlier run of this id is not this run's
+        self.pending.send("run_start")  # rows Redis did not answer for before (pending.py)
         headers = request_headers(sender.request)
         if not claims(headers):
             if message.forged_attempt(headers):  # no record can be its: start.lua is not asked
@@ -245,15 +253,11 @@ class WorkerSide:
         if not running.verified:
             self._guarded("finish", job_id, lambda: self.unverified.end(
                 job_id, running, outcome, reason, tokens_in, tokens_out))  # fmt: skip
-            return True
-        self._guarded(
-            "finish",
-            job_id,
-            lambda: self._end(
+        else:
+            self._guarded("finish", job_id, lambda: self._end(
                 job_id, running.attempt, running.run, running.record, outcome, reason, True,
-                tokens_in, tokens_out, final,
-            ),
-        )  # fmt: skip
+                tokens_in, tokens_out, final))  # fmt: skip
+        self.pending.send("run_end")  # (not at once after a row of its own just kept)
         return True
 
     def on_success(self, sender: Any = None, **_: Any) -> None:
@@ -309,18 +313,10 @@ class WorkerSide:
         return task in self.app.tasks
 
     def _end(
-        self,
-        job_id: str,
-        attempt: int,
-        run: int,
-        record: RunRecord,
-        outcome: Outcome,
-        reason: str,
-        current: bool,
-        tokens_in: int | None = None,
-        tokens_out: int | None = None,
+        self, job_id: str, attempt: int, run: int, record: RunRecord, outcome: Outcome,
+        reason: str, current: bool, tokens_in: int | None = None, tokens_out: int | None = None,
         final: bool = False,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """Write the run's row. A slack miss: an attempt admitted to free whose job ends after
         its deadline, ``ok`` or ``final`` (failed for good); a retry's job ends later."""
         now = self._now_ms()
@@ -328,13 +324,24 @@ class WorkerSide:
         ends = outcome is Outcome.OK or final
         miss = ends and record.decision == "admit_free" and now > record.deadline_ms
         learns = current and bool(record.started_ms) and self._learns(record.task, outcome, reason)
-        done = self.runs.finish(
-            row, run, record, now, slack_miss=miss, ends=ends, current=current,
-            service_s=(now - record.started_ms) / 1000 if learns else None,
-            lower_bound=outcome is not Outcome.OK,
-        )  # fmt: skip
-        if not done.written:
-            return
+        token = secrets.token_hex(4)  # the same if sent again (Redis gave no answer: pending.py)
+
+        def write() -> None:
+            done = self.runs.finish(
+                row, run, record, now, slack_miss=miss, ends=ends, current=current,
+                service_s=(now - record.started_ms) / 1000 if learns else None,
+                lower_bound=outcome is not Outcome.OK, token=token,
+            )  # fmt: skip
+            if done.written:
+                self._rowed(job_id, attempt, run, record, row, reason, done)
+
+        self.pending.write(job_id, run, write)
+
+    def _rowed(
+        self, job_id: str, attempt: int, run: int, record: RunRecord, row: LedgerRow,
+        reason: str, done: Finished,
+    ) -> None:  # fmt: skip
+        """A row written: its line, and its slack miss (which may freeze the free path)."""
         self.log.info(
             "ledger_row", task=record.task, job_id=job_id, attempt=attempt, run=run,
             path=row.path.value, outcome=row.outcome.value, reason=reason,

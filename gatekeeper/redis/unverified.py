@@ -111,18 +111,19 @@ class UnverifiedRuns:
         """Drop an attempt from ``unverified:started`` (its hash expired: nothing to row)."""
         self.runs.client.zrem(self.runs.keys.unverified_started, f"{job_id}:{attempt}")
 
-    def write(self, row: LedgerRow, run: int, now_ms: int) -> bool:
+    def write(self, row: LedgerRow, run: int, now_ms: int, token: str | None = None) -> bool:
         """Write the row of the attempt's run ``run`` (unpriced: no tax, no exposure, never
         counted toward a freeze or against a clean hour); False when it had one already. Run
         0 is no run: the attempt's abandonment by the replayer (gatekeeper/celery/deadletter.py). A
         connection lost on the way sends it once more: the run's row is written once, and
-        the call that wrote it is told so."""
+        the call that wrote it is told so (``token``, random unless given: the same call
+        sent again later, pending.py, is told so too)."""
         window = window_id(now_ms / 1000, self.runs.window_seconds)
         keys = self.runs.keys
         entry = {**row.to_json(), "retry_tax": 0.0, "verified": False}
         args = ["row", f"{row.job_id}:{row.attempt}", str(run), json.dumps(entry),
                 row.outcome.value, str(self.runs.retention_s), TOTALLED.get(row.outcome, ""),
-                self.ttl_s, secrets.token_hex(8)]  # fmt: skip
+                self.ttl_s, token or secrets.token_hex(8)]  # fmt: skip
         written = [keys.unverified(row.job_id, row.attempt), keys.window_rows(window),
                    keys.window(window), keys.totals, keys.unverified_started]  # fmt: skip
         try:

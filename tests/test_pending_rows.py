@@ -1,0 +1,93 @@
+"""A run's row that the gate's Redis did not answer for is sent again until it answers.
+
+A real worker runs a task while the gate's Redis (a server of its own, not the broker) stops
+answering for three seconds (``CLIENT PAUSE``) across the run's end: the finish gets no answer
+(the client's timeout, twice), is kept by the pool child and sent again once the server
+answers. The run gets its one row, ``ok`` as it ended, its exposure is released, and the sweep
+after the worker is gone finds nothing to write ``killed``. Gated and unverified runs alike
+(gatekeeper/celery/pending.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from gatekeeper.ops.cli import main
+from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis.keys import Keys
+from tests.apps.gated_app import create_app
+from tests.conftest import gate_settings, initialised, running_worker, unused_port, wait_until
+
+pytestmark = pytest.mark.celery
+KEYS = Keys()
+
+
+def rows(client: redis.Redis) -> list[dict[str, Any]]:
+    found = []
+    for key in sorted(client.scan_iter(match=f"{KEYS.base}:window:*:rows")):
+        found += [json.loads(raw) for raw in client.lrange(key, 0, -1)]
+    return found
+
+
+def exposure(client: redis.Redis) -> float:
+    return sum(
+        float(client.hget(key, "exposure") or 0)
+        for key in client.scan_iter(match=f"{KEYS.base}:window:*", _type="hash")
+    )
+
+
+def swept_after_the_worker(gate_url: str, broker_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``gatekeeper sweep`` once the worker's heartbeats are gone (every run counts as stale)."""
+    gate = redis.Redis.from_url(gate_url)
+    assert wait_until(lambda: not any(gate.scan_iter(match=KEYS.worker("*"))), 20)
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", gate_url)
+    monkeypatch.setenv("GATEKEEPER_BROKER_URL", broker_url)
+    return CliRunner().invoke(main, ["sweep", "--older-than-s", "0"]).output
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_a_row_the_gate_did_not_answer_for_as_the_run_ended_is_written_when_it_answers(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    verified: bool,
+) -> None:  # fmt: skip
+    with EmbeddedRedis() as gate:
+        gate_client = redis.Redis.from_url(gate.url)
+        initialised(gate_client)
+        if verified:  # the gate's decision (free, with a nonce)
+            app = create_app(gate_settings(gate.url), redis_url, recorder_url=redis_url)
+            queue, counted = "free", lambda job: KEYS.run(job, 1)
+        else:  # decided while the gate was unreachable: reserved, no nonce
+            down = f"redis://127.0.0.1:{unused_port()}/0"
+            app = create_app(gate_settings(down, redis_timeout_s=0.2), redis_url,
+                             recorder_url=redis_url)  # fmt: skip
+            queue, counted = "reserved", lambda job: KEYS.unverified(job, 1)
+        log = tmp_path / "w.log"
+        with running_worker(redis_url, log, queues=queue, GATEKEEPER_REDIS_URL=gate.url,
+                            GATEKEEPER_TEST_RECORDER_URL=redis_url,
+                            GATEKEEPER_WORKER_HEARTBEAT_S="1"):  # fmt: skip
+            job = app.tasks["tests.sleepy"].delay(sleep_s=2).id
+            assert wait_until(lambda: gate_client.hget(counted(job), "runs") == b"1")
+            time.sleep(1.0)
+            gate_client.execute_command("CLIENT", "PAUSE", "3000", "ALL")  # the run ends in it
+            time.sleep(3.5)
+            assert wait_until(lambda: len(rows(gate_client)) == 1, 10), log.read_text()
+            time.sleep(1.0)  # a second row, if any, would land now
+        text = log.read_text()
+        assert "event=ledger_row_pending " in text and "event=ledger_write_failed" not in text
+        (written,) = [line for line in text.splitlines() if "ledger_row_pending_written" in line]
+        assert f"job_id={job}" in written and "run=1" in written, written
+        swept = swept_after_the_worker(gate.url, redis_url, monkeypatch)
+        found = rows(gate_client)
+        assert [(r["job_id"], r["outcome"], r.get("verified", True)) for r in found] == [
+            (job, "ok", verified)
+        ], (swept, found)
+        assert "swept=0" in swept
+        assert exposure(gate_client) == 0
+        assert gate_client.zcard(KEYS.started) == gate_client.zcard(KEYS.unverified_started) == 0
