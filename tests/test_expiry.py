@@ -78,8 +78,9 @@ def test_a_free_message_within_its_allowance_runs_on_free(
 def test_a_forged_old_admission_is_not_moved_and_runs_as_an_ordinary_task(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    """A caller's message that claims an old free admission with a nonce of its own: the
-    record does not know it, so nothing is written for it, and it runs where it was sent."""
+    """A caller's message that claims an old free admission with a nonce of its own: no
+    record knows it, so it is not moved and runs where it was sent, with an unverified row
+    (unpriced), as a run whose record a failover lost gets."""
     app = create_app(gate_settings(redis_url, dwell_gate_enabled=False), redis_url)
     forged = {"gatekeeper_decision": "admit_free", "gatekeeper_nonce": uuid.uuid4().hex,
               "gatekeeper_attempt": 1, "gatekeeper_window": 1,
@@ -90,8 +91,10 @@ def test_a_forged_old_admission_is_not_moved_and_runs_as_an_ordinary_task(
         from tests.conftest import wait_until
 
         assert wait_until(lambda: len(runs(redis_client)) == 1)
+        assert wait_until(lambda: len(rows(redis_client)) == 1)
     assert [(r["id"], r["queue"]) for r in runs(redis_client)] == [(job, "free")]
-    assert rows(redis_client) == []
+    found = [(r["job_id"], r["outcome"], r["verified"], r["retry_tax"]) for r in rows(redis_client)]
+    assert found == [(job, "ok", False, 0.0)]
 
 
 def test_expire_sent_twice_writes_one_row_and_says_again(

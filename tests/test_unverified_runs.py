@@ -352,3 +352,35 @@ def test_an_unverified_child_killed_under_retry_on_worker_lost_is_one_killed_row
         killed = wait_rows(redis_client, 1, log)[0]
     assert shown(killed) == (job, 1, "killed", "reserved", False), log.read_text()
     assert [r["attempt"] for r in rows(redis_client) if r["outcome"] == "killed"] == [1]
+
+
+def lost_record_publish(redis_url: str, redis_client: redis.Redis, task: str, **kw: Any) -> str:
+    """Publish ``task`` through the gate (free, with a nonce), then drop its record, as a
+    failover drops what the old master had not replicated (README, Sentinel)."""
+    app = create_app(gate_settings(redis_url), redis_url)
+    job = str(app.tasks[task].apply_async(kwargs=kw).id)
+    (message,) = queue_messages(redis_client, "free")
+    assert message["headers"]["gatekeeper_nonce"]
+    assert redis_client.delete(KEYS.run(job, 1)) == 1
+    return job
+
+
+@pytest.mark.parametrize("killed", [False, True])
+def test_a_run_whose_record_a_failover_lost_gets_an_unverified_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, killed: bool
+) -> None:
+    # Its nonce names no record at all: not forged (a nonce that is not an existing record's),
+    # but a decision the gate's Redis no longer holds. Ended in its pool child, or SIGKILLed
+    # before it read its start (the main process then counts the run for its row).
+    job = lost_record_publish(redis_url, redis_client, "tests.sleepy", sleep_s=5 if killed else 0)
+    log = tmp_path / "w.log"
+    with running_worker(redis_url, log):
+        if killed:
+            kill_run(redis_client, 0)
+        (row,) = wait_rows(redis_client, 1, log)
+    outcome = "killed" if killed else "ok"
+    assert shown(row) == (job, 1, outcome, "free", False) and row["retry_tax"] == 0.0
+    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(KEYS.stats).items()}
+    assert stats == {"unverified_runs": 1}
+    assert "kind=unverified" in log.read_text()
+    assert redis_client.zcard(KEYS.unverified_started) == 0

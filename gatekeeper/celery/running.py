@@ -32,6 +32,8 @@ class Starting:
     attempt: int
     headers: dict[str, Any]
     now: int
+    again: bool = False
+    """The message was redelivered (a dead earlier run may be owed its row)."""
 
 
 class Starts(threading.local):

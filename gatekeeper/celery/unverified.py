@@ -17,9 +17,9 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from gatekeeper.celery.message import unverified
+from gatekeeper.celery.message import nonce_of, own_fields, unverified
 from gatekeeper.celery.pending import PendingRows
-from gatekeeper.celery.running import Running
+from gatekeeper.celery.running import Running, Starting
 from gatekeeper.core.ledger import LedgerRow, Outcome
 from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.runs import RunLedger
@@ -55,6 +55,18 @@ class UnverifiedSide:
         ran_in = (os.getpid(), own.get("worker", ""))
         return self.store.send_start(job_id, attempt, now_ms, fields, redelivered, ran_in)
 
+    def unrecorded(self, job_id: str, starting: Starting, started: Started) -> Started:
+        """``started``, unless ``start.lua`` found no record at all for a message with a
+        nonce (``unverified`` and no run: a failover lost what the old master had not
+        replicated, README's Sentinel section): its run is then counted as an unverified one,
+        started at ``starting.now``, and owed an unverified row as one with no nonce is."""
+        if started.refused != "unverified" or started.run:
+            return started
+        task, headers = starting.task, starting.headers
+        call = self.send_start(task, job_id, starting.attempt, headers,
+                               own_fields(task, headers), starting.now, starting.again)  # fmt: skip
+        return call.started()
+
     def refused(
         self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], started: Started,
         now_ms: int, running: dict[str, Running],
@@ -79,10 +91,22 @@ class UnverifiedSide:
                          kind="forged", reason="attempt_not_the_gates")  # fmt: skip
         self.runs.client.hincrby(self.runs.keys.stats, "forged_runs", 1)
 
-    def end_latest(self, job_id: str, attempt: int, reason: str, ran_in: tuple[int, str]) -> None:
+    def end_latest(
+        self, task: Any, job_id: str, attempt: int, headers: dict[str, Any], reason: str,
+        ran_in: tuple[int, str],
+    ) -> None:  # fmt: skip
         """From the main process: the run its pool child ran (``ran_in``: its pid and the
-        worker's name, gatekeeper/celery/received.py), killed, unless it has its row."""
+        worker's name, gatekeeper/celery/received.py), killed, unless it has its row. A
+        message with a nonce and no record whose child died before it read its start
+        (:meth:`unrecorded`) has no unverified run yet: one is counted now, for its row."""
         ended = self.store.ended_in(job_id, attempt, ran_in)
+        if ended is None and nonce_of(headers) and self.store.open_runs(job_id, attempt) is None:
+            self.log.warning("ledger_unverified_message", task=getattr(task, "name", ""),
+                             job_id=job_id, attempt=attempt, kind="unverified")  # fmt: skip
+            now = self.now_ms()
+            own = own_fields(task, headers)
+            started = self.send_start(task, job_id, attempt, headers, own, now, False).started()
+            ended = started.run, unverified(task, headers, now)
         if ended is not None:
             run, record = ended
             self.end(job_id, Running(attempt, run, record, False), Outcome.KILLED, reason)

@@ -166,13 +166,13 @@ class WorkerSide:
         if not claims(headers):
             return
         attempt = message.attempt_of(headers)
-        if not nonce_of(headers):  # unverified: the run its pool child ran, unless rowed
-            self.unverified.end_latest(job_id, attempt, reason, ran_in)
+        fields = self.runs.fields(job_id, attempt) if nonce_of(headers) else {}
+        if not fields:  # unverified (no nonce, or no record at all): the run its child ran
+            self.unverified.end_latest(task, job_id, attempt, headers, reason, ran_in)
             return
-        stored = self.runs.record(job_id, attempt)
-        if stored is None or stored[1].nonce != nonce_of(headers):
+        if "runs" not in fields or fields.get("nonce") != nonce_of(headers):
             return  # never started, or not the gate's message (a forged one: no row)
-        run, record = stored
+        run, record = int(fields["runs"]), RunRecord.from_fields(fields)
         self._end(job_id, attempt, run, record, Outcome.KILLED, reason, True, final=final)
 
     def on_process_exit(self, **_: Any) -> None:
@@ -207,7 +207,7 @@ class WorkerSide:
             else:  # no nonce: an unverified run (gatekeeper/celery/unverified.py)
                 call = self.unverified.send_start(sender, task_id, attempt, headers, own, now,
                                                   again)  # fmt: skip
-            self._starts.by_job[task_id] = Starting(call, sender, attempt, headers, now)
+            self._starts.by_job[task_id] = Starting(call, sender, attempt, headers, now, again)
             if again:  # its dead run's row now, not after this run
                 self._read_start(task_id)
 
@@ -221,7 +221,7 @@ class WorkerSide:
             return
 
         def read() -> None:
-            started = starting.call.started()
+            started = self.unverified.unrecorded(job_id, starting, starting.call.started())
             task, attempt = starting.task, starting.attempt
             if started.record is None:
                 self.unverified.refused(task, job_id, attempt, starting.headers, started,

@@ -5,7 +5,11 @@
 -- chooses task ids and headers, so neither proves anything. A message without a nonce (a
 -- publisher that predates records, or a decision made without Redis) is counted as
 -- unverified; one whose nonce is not the record's is counted as forged; neither touches the
--- record, the started set or the free queue's wait.
+-- record, the started set or the free queue's wait. One with a nonce and no record at all
+-- (a failover lost what the old master had not replicated; the record expired) is answered
+-- unverified, not counted here: the caller counts its run as an unverified one
+-- (unverified.lua), with the unverified row it is owed. A forger gains nothing by it: leaving
+-- the nonce out gets the same row.
 --
 -- For the gate's message: counts the run, adds what the worker knows of it to the record,
 -- marks it started (for the sweep) and drops the attempt from the free queue's waiting set.
@@ -35,7 +39,8 @@
 -- ARGV[5..] field, value pairs the worker knows itself: task, worker, and `own`, its
 --            retries, max_retries, time_limit_s and tokens_out as one (gatekeeper/redis/kept.py)
 --
--- Returns {0, 'unverified' | 'forged'} for a message that is not the gate's, else
+-- Returns {0, 'unverified' | 'forged'} for a message that is not the gate's ({0,
+-- 'unverified', 'none'} for one with a nonce and no record: not counted), else
 -- {1, run, dead_run, dead_started_ms, field, value, ...}: dead_run is 0 when no earlier run is
 -- missing its row; the fields are the gate's of the record (GATE below, those it has), not
 -- those the caller sent (ARGV[2], ARGV[5..]), which it adds itself.
@@ -43,6 +48,9 @@
 local held = redis.call('HMGET', KEYS[1], 'nonce', 'start_token', 'start_dead', 'runs', 'rowed',
   'started_ms')
 if ARGV[3] == '' or held[1] ~= ARGV[3] then
+  if ARGV[3] ~= '' and redis.call('EXISTS', KEYS[1]) == 0 then
+    return {0, 'unverified', 'none'}
+  end
   local kind = ARGV[3] == '' and 'unverified' or 'forged'
   redis.call('HINCRBY', KEYS[4], kind .. '_runs', '1')
   return {0, kind}

@@ -67,10 +67,11 @@ STATS = (
     ("gatekeeper_reruns_after_row_total", "reruns_after_row",
      "Runs of an attempt that already had its row (a finished message delivered again)."),
     ("gatekeeper_forged_runs_total", "forged_runs",
-     "Runs of messages whose nonce is not their record's, or whose attempt the gate never "
-     "writes (run unpriced, as ordinary tasks)."),
+     "Runs of messages whose nonce is not their existing record's, or whose attempt the gate "
+     "never writes (run unpriced, as ordinary tasks)."),
     ("gatekeeper_unverified_runs_total", "unverified_runs",
-     "Runs of messages with gatekeeper headers and no nonce (unpriced rows)."),
+     "Runs of messages with gatekeeper headers and no nonce, or no record at all (unpriced "
+     "rows)."),
 )  # fmt: skip
 """Counters kept in the ``stats`` hash (``gatekeeper status`` prints them)."""
 

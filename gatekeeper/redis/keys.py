@@ -115,10 +115,11 @@ namespace's slot):
     finished, e.g. an ack lost with ``acks_late``, or requeued by a task that raised
     ``Reject(requeue=True)``): Celery can run such a task twice, and gatekeeper counts it
     rather than hide it; ``forged_runs``, runs of messages whose ``gatekeeper_nonce`` is not
-    their record's, or that claim the gate's decision with an attempt it never writes (run as
-    ordinary tasks, priced nothing);
+    their existing record's, or that claim the gate's decision with an attempt it never
+    writes (run as ordinary tasks, priced nothing);
     ``unverified_runs``, runs of messages with gatekeeper headers and no nonce (an older
-    publisher, or a decision made without Redis: unpriced rows).
+    publisher, or a decision made without Redis), or with a nonce and no record at all (a
+    failover lost it): unpriced rows.
 ``gatekeeper:{default}:totals`` - hash, no TTL (lifetime counters, never reset)
     What ``gatekeeper metrics`` exports as Prometheus counters, each incremented by the script
     (or transaction) that records its event: ``decided:<decision>:<reason>:<task>`` (every
