@@ -384,3 +384,20 @@ def test_a_run_whose_record_a_failover_lost_gets_an_unverified_row(
     assert stats == {"unverified_runs": 1}
     assert "kind=unverified" in log.read_text()
     assert redis_client.zcard(KEYS.unverified_started) == 0
+
+
+def test_an_unverified_dead_run_whose_redelivered_copy_is_revoked_before_it_starts_is_killed(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    job = unverified_publish(redis_url, redis_client, "tests.lost_late")
+    log = tmp_path / "w.log"
+    with running_worker(redis_url, log, queues="reserved"):
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        gate_down(redis_url).control.revoke(job)  # not terminated: the run goes on
+        time.sleep(1)
+        kill_run(redis_client, 0)
+        (row,) = wait_rows(redis_client, 1, log)
+    assert len(runs(redis_client)) == 1  # the copy never ran
+    assert shown(row) == (job, 1, "killed", "reserved", False)
+    assert "reason=worker_lost_redelivered" in log.read_text()
+    assert redis_client.zcard(KEYS.unverified_started) == 0

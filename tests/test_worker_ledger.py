@@ -278,6 +278,32 @@ def test_a_redelivered_run_that_dies_too_leaves_both_dead_runs_their_rows(
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("how", ["revoked", "expires"])
+def test_a_dead_run_whose_redelivered_copy_is_discarded_before_it_starts_is_killed(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, how: str
+) -> None:
+    """``acks_late`` + ``reject_on_worker_lost``: the redelivered copy's start writes the dead
+    run's row. A copy revoked meanwhile (not terminated: the run went on), or past its
+    ``expires``, never starts: the main process writes the row as it discards the copy."""
+    app = app_for(redis_url)
+    log = tmp_path / "w.log"
+    with running_worker(redis_url, log):
+        options: dict[str, Any] = {"expires": 4} if how == "expires" else {}
+        job = app.tasks["tests.lost_late"].apply_async(**options).id
+        assert wait_until(lambda: len(runs(redis_client)) == 1)
+        if how == "revoked":
+            app.control.revoke(job)
+            time.sleep(1)
+        else:
+            time.sleep(4.5)  # past the message's expiry
+        os.kill(runs(redis_client)[0]["pid"], signal.SIGKILL)
+        (row,) = wait_rows(redis_client, 1)
+    assert len(runs(redis_client)) == 1  # the copy never ran
+    assert (row["job_id"], row["outcome"], row["attempt"]) == (job, "killed", 1)
+    assert "reason=worker_lost_redelivered" in log.read_text()
+    assert redis_client.zcard(KEYS.started) == 0 and window_totals(redis_client, "exposure") == 0
+
+
 def test_a_worker_that_vanishes_without_a_signal_is_swept(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,4 +1,5 @@
-"""The auto-freeze: slack misses over the error budget turn the free path off in Redis.
+"""What a run's written row says: its ``ledger_row`` line, its slack miss, and the auto-freeze
+(slack misses over the error budget turn the free path off in Redis).
 
 The rule is the core's (:func:`gatekeeper.core.health.should_freeze`); this writes the flag
 (with its reason, as actor ``gatekeeper:auto-freeze``, counting ``freezes`` in the lifetime
@@ -10,9 +11,33 @@ from __future__ import annotations
 from typing import Any
 
 from gatekeeper.core.health import WindowHealth, should_freeze
+from gatekeeper.core.ledger import LedgerRow
 from gatekeeper.redis.flags import FlagStore
+from gatekeeper.redis.runs import Finished, RunRecord
 
-__all__ = ["maybe_freeze"]
+__all__ = ["maybe_freeze", "row_written"]
+
+
+def row_written(
+    log: Any, alerts: Any, flags: FlagStore, now: float, record: RunRecord, row: LedgerRow,
+    run: int, reason: str, done: Finished,
+) -> None:  # fmt: skip
+    """A run's row was written (``done``, finish.lua's reply): its line, and a slack miss's
+    alert, which may freeze the free path."""
+    job_id, attempt = row.job_id, row.attempt
+    log.info(
+        "ledger_row", task=record.task, job_id=job_id, attempt=attempt, run=run,
+        path=row.path.value, outcome=row.outcome.value, reason=reason,
+        queue_wait_ms=row.queue_wait_ms, tokens_in=row.tokens_in, retry_tax=done.retry_tax,
+        deadline_slack_ms=row.deadline_slack_ms,
+    )  # fmt: skip
+    if done.slack_miss:  # not a rerun's after the attempt's ok row (finish.lua)
+        alerts.error(
+            "slack_miss", decision="admit_free", slack_miss=True, task=record.task,
+            job_id=job_id, attempt=attempt, dwell_s=record.dwell_s,
+            deadline_slack_s=row.deadline_slack_ms / 1000, retries=record.retries,
+        )  # fmt: skip
+        maybe_freeze(flags, alerts, record.window, done.slack_misses, done.admitted_free, now)
 
 
 def maybe_freeze(

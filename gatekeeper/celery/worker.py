@@ -27,7 +27,9 @@ revoked with ``terminate=True``        task_revoked    main process -> ``killed`
 child killed, and Celery 5.7's         task_retry      main process -> ``killed`` (the
 ``retry_on_worker_lost`` retries it                    retry is a new attempt)
 child killed with ``acks_late`` and    none            the redelivered copy's start finds
-``reject_on_worker_lost``                              the dead run -> ``killed``
+``reject_on_worker_lost``                              the dead run -> ``killed`` (a copy
+                                       task_revoked    discarded before it starts: the main
+                                                       process, as it discards it)
 worker gone, no signal at all          none            ``gatekeeper sweep`` -> ``killed``
 =====================================  ==============  ===================================
 
@@ -55,7 +57,7 @@ import redis
 from celery import Celery
 
 from gatekeeper.celery import message
-from gatekeeper.celery.freeze import maybe_freeze
+from gatekeeper.celery.freeze import maybe_freeze, row_written
 from gatekeeper.celery.message import claims, nonce_of, own_fields, request_headers
 from gatekeeper.celery.metering import take_metered
 from gatekeeper.celery.pending import PendingRows
@@ -63,11 +65,11 @@ from gatekeeper.celery.postrun import ended_at_postrun, rejected_for_good, reque
 from gatekeeper.celery.received import NOWHERE, RanIn, Received
 from gatekeeper.celery.running import Running, Starting, Starts
 from gatekeeper.celery.unverified import UnverifiedSide
-from gatekeeper.core.ledger import LedgerRow, Outcome
+from gatekeeper.core.ledger import Outcome
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.runs import Finished, RunLedger, RunRecord
+from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
 
@@ -129,7 +131,7 @@ class WorkerSide:
         self, sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
     ) -> None:
         """Revoked while running (``terminate=True``): killed. Before it ran: no row, and
-        the exposure its admission held is given back."""
+        the exposure its admission held is given back (:meth:`_release`)."""
         task = sender if self._ours(sender) else getattr(request, "task", None)
         if not self._ours(task) or request is None:
             return
@@ -149,16 +151,26 @@ class WorkerSide:
         return ended or request_headers(request), ran_in
 
     def _release(self, request: Any) -> None:
+        """Revoked (or past its ``expires``) before it ran: the exposure its admission held
+        goes back. A redelivered copy (``acks_late``) of a run that died unseen never starts
+        now: that run, the attempt's last, is written killed, as the copy's start would."""
         headers, _ = self._headers_of(request.id, request)
         if not claims(headers):
             return
-        attempt = message.attempt_of(headers)
-        fields = self.runs.fields(request.id, attempt)
-        if not fields or fields.get("nonce") != nonce_of(headers) or "runs" in fields:
-            return  # not the gate's message, or it started: its run ends it
+        job_id, attempt, lost = request.id, message.attempt_of(headers), "worker_lost_redelivered"
+        fields = self.runs.fields(job_id, attempt) if nonce_of(headers) else {}
+        if not fields:  # unverified: its one run without a row, if any ({}: none counted here)
+            self.unverified.end_latest(None, job_id, attempt, {}, lost, NOWHERE)
+            return
+        if fields.get("nonce") != nonce_of(headers):
+            return  # not the gate's message
         record = RunRecord.from_fields(fields)
-        if record.path == "free":
-            self.store.release(request.id, attempt, record.window)
+        if "runs" in fields:
+            if int(fields.get("rowed") or 0) < int(fields["runs"]):
+                self._end(job_id, attempt, int(fields["runs"]), record, Outcome.KILLED, lost,
+                          True, final=True)  # fmt: skip
+        elif record.path == "free":
+            self.store.release(job_id, attempt, record.window)
 
     def _finish_elsewhere(self, task: Any, job_id: str, reason: str, final: bool = False) -> None:
         """End the latest run of an attempt from the main process, where no run is in memory."""
@@ -333,28 +345,7 @@ class WorkerSide:
                 lower_bound=outcome is not Outcome.OK, token=token,
             )  # fmt: skip
             if done.written:
-                self._rowed(job_id, attempt, run, record, row, reason, done)
+                row_written(self.log, self.alerts, self.flags, self.clock(), record, row, run,
+                            reason, done)  # fmt: skip
 
         self.pending.write(job_id, run, write)
-
-    def _rowed(
-        self, job_id: str, attempt: int, run: int, record: RunRecord, row: LedgerRow,
-        reason: str, done: Finished,
-    ) -> None:  # fmt: skip
-        """A row written: its line, and its slack miss (which may freeze the free path)."""
-        self.log.info(
-            "ledger_row", task=record.task, job_id=job_id, attempt=attempt, run=run,
-            path=row.path.value, outcome=row.outcome.value, reason=reason,
-            queue_wait_ms=row.queue_wait_ms, tokens_in=row.tokens_in, retry_tax=done.retry_tax,
-            deadline_slack_ms=row.deadline_slack_ms,
-        )  # fmt: skip
-        if done.slack_miss:  # not a rerun's after the attempt's ok row (finish.lua)
-            self.alerts.error(
-                "slack_miss", decision="admit_free", slack_miss=True, task=record.task,
-                job_id=job_id, attempt=attempt, dwell_s=record.dwell_s,
-                deadline_slack_s=row.deadline_slack_ms / 1000, retries=record.retries,
-            )  # fmt: skip
-            maybe_freeze(
-                self.flags, self.alerts, record.window, done.slack_misses, done.admitted_free,
-                self.clock(),
-            )  # fmt: skip
