@@ -156,6 +156,25 @@ def test_the_workers_request_still_has_what_the_wait_allowance_check_uses() -> N
     check_request_shape()  # raises CeleryShapeError, naming what is gone
 
 
+def test_an_on_failure_that_no_longer_asks_whether_success_was_stored_fails_the_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Celery 5.7 sends no task_failure for a child lost after it stored SUCCESS, and the
+    # request class learns of it through _success_was_stored(): should on_failure stop asking
+    # it, such a run would silently get no row.
+    from celery.worker import request
+
+    from gatekeeper.celery.private import check_request_shape
+
+    def on_failure(self: Any, exc_info: Any, send_failed_event: bool = True) -> None:
+        return None
+
+    monkeypatch.setattr(request.Request, "_success_was_stored", lambda self: False, raising=False)
+    monkeypatch.setattr(request.Request, "on_failure", on_failure)
+    with pytest.raises(CeleryShapeError, match="_success_was_stored"):
+        check_request_shape()
+
+
 def test_a_task_promise_gives_its_function_name_and_options_without_being_made() -> None:
     app = Celery("p", broker="memory://")
 

@@ -304,6 +304,24 @@ def test_a_dead_run_whose_redelivered_copy_is_discarded_before_it_starts_is_kill
     assert redis_client.zcard(KEYS.started) == 0 and window_totals(redis_client, "exposure") == 0
 
 
+def test_a_child_killed_after_its_result_was_stored_is_one_killed_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Killed in ``on_success``, after its result was stored: Celery 5.7 sends no
+    ``task_failure`` then (it warns "succeeded before the worker was lost"), older ones do.
+    Either way the main process writes the run ``killed``, once."""
+    log = tmp_path / "w.log"
+    backend = redis_url.rsplit("/", 1)[0] + "/1"
+    with running_worker(redis_url, log, GATEKEEPER_TEST_RESULT_BACKEND=backend):
+        job = app_for(redis_url).tasks["tests.dies_after"].delay().id
+        (row,) = wait_rows(redis_client, 1)
+        time.sleep(1.0)  # a second row, if any, would land now
+    assert (row["job_id"], row["outcome"], row["attempt"]) == (job, "killed", 1)
+    assert len(rows(redis_client)) == 1 and "reason=WorkerLostError" in log.read_text()
+    assert redis_client.zcard(KEYS.started) == 0 and window_totals(redis_client, "exposure") == 0
+    redis.Redis.from_url(backend).flushdb()
+
+
 def test_a_worker_that_vanishes_without_a_signal_is_swept(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -68,8 +68,10 @@ class Expiry:
         client: redis.Redis,
         log: Any,
         clock: Callable[[], float] = time.time,
+        lost: Callable[[Any], None] | None = None,
     ) -> None:
         self.app = app
+        self.lost = lost  # a child lost after it stored SUCCESS (private.use_request_check)
         self.settings = settings
         self.keys = Keys(settings.key_prefix, settings.namespace)
         self.log = log
@@ -89,7 +91,7 @@ class Expiry:
             except BadDeclaredInput:
                 gated = True  # routed to reserved at publish; never free, checked anyway
             if gated:
-                use_request_check(task, self.check)
+                use_request_check(task, self.check, self.lost)
 
     def check(self, request: Any) -> str:
         """``run`` (here), ``skip`` (moved to reserved, or a spare copy of one moved before:

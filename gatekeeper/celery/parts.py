@@ -147,7 +147,7 @@ def build(
             make_logger(settings, "decision").warning("gate_unconfigured", reason=unconfigured)
     pipeline = Pipeline.create(settings, client, clock)
     worker = WorkerSide(app, settings, client, pipeline.flags, clock)
-    expiry = Expiry(app, settings, client, worker.log, clock)
+    expiry = Expiry(app, settings, client, worker.log, clock, worker.on_lost_after_success)
     heartbeat = Heartbeat(app, client, pipeline.store.keys, settings.worker_heartbeat_s)
     queues = (settings.free_queue, settings.defer_queue, settings.reserved_queue)
     return Parts(settings, client, pipeline, worker, expiry, heartbeat, unconfigured, queues)

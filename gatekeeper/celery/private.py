@@ -27,11 +27,14 @@ What is touched, and why (``docs/design.md`` has the longer story):
   when an ETA is due); a subclass whose ``revoked()`` also says "moved" (after acking it, as
   Celery's own revocation does, through ``acknowledge``, ``task_ready`` and
   ``_already_revoked``) lets a free message past its wait allowance go to reserved instead
-  of running (:func:`use_request_check`, checked by :func:`check_request_shape`).
-- kombu's virtual Redis channel (``_put``, ``_q_for_pri``, ``_get_message_priority``,
-  ``_expires``, ``global_keyprefix``) and the producer's publish batch: fast publish catches
-  the serialized message at ``_put`` (:func:`capture_message`) and stands aside where the
-  channel would not put it as one plain list push (:func:`channel_fits`).
+  of running (:func:`use_request_check`, checked by :func:`check_request_shape`). On Celery
+  5.7, whose ``on_failure`` asks ``_success_was_stored()`` of a lost pool child and then sends
+  no ``task_failure`` (the child stored SUCCESS, then died: in ``on_success``, a
+  ``task_postrun`` receiver), the same subclass notes that answer and tells the worker side
+  (``lost``) after ``on_failure``: that run ends killed all the same. Celery 5.5 has no such
+  method and sends ``task_failure``.
+- kombu's virtual Redis channel and the producer's publish batch (fast publish): their
+  touches are kombu's alone, in :mod:`gatekeeper.celery.private_kombu` (imported here).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from celery import Celery
 from celery.app.amqp import AMQP
 from celery.local import PromiseProxy
 
+from gatekeeper.celery.private_kombu import CHANNEL_API, capture_message, channel_fits
 from gatekeeper.errors import CeleryShapeError
 
 __all__ = [
@@ -68,8 +72,6 @@ __all__ = [
 
 SENDER_PARAMETERS = ("producer", "name", "message", "exchange", "routing_key", "queue", "headers")
 """Parameters of Celery's task sender that the wrapper relies on, in this order."""
-CHANNEL_API = ("_put", "_q_for_pri", "_get_message_priority")
-"""What fast publish uses of kombu's virtual Redis channel."""
 
 
 def check_celery_shape(app: Celery) -> None:
@@ -154,13 +156,19 @@ def check_request_shape() -> None:
     source = inspect.getsource(strategy.create_request_cls)
     if "self.revoked()" not in source:
         raise CeleryShapeError("celery's strategy no longer asks revoked() before it executes")
+    stored = hasattr(request.Request, "_success_was_stored")
+    if stored and "self._success_was_stored()" not in inspect.getsource(request.Request.on_failure):
+        raise CeleryShapeError("celery's Request.on_failure no longer asks _success_was_stored()")
 
 
-def use_request_check(task: Any, check: Callable[[Any], str]) -> bool:
+def use_request_check(
+    task: Any, check: Callable[[Any], str], lost: Callable[[Any], None] | None = None
+) -> bool:
     """Make ``task`` ask ``check(request)`` before a message of it runs (worker main
     process): ``"run"``, ``"skip"`` (moved elsewhere: acked and not run) or ``"requeue"``
-    (not run here, and given back to the broker to be asked again). False when the task
-    already has it."""
+    (not run here, and given back to the broker to be asked again); and call
+    ``lost(request)`` for a pool child lost after it stored SUCCESS, for which Celery 5.7
+    sends no ``task_failure``. False when the task already has it."""
     from celery.utils.imports import symbol_by_name
     from celery.worker.state import task_ready
 
@@ -187,6 +195,20 @@ def use_request_check(task: Any, check: Callable[[Any], str]) -> bool:
                 self.acknowledge()
             self._already_revoked = True
             return True
+
+        if hasattr(base, "_success_was_stored"):  # Celery 5.7 (checked: check_request_shape)
+
+            def _success_was_stored(self) -> Any:
+                stored = super()._success_was_stored()
+                self._gatekeeper_stored = bool(stored)
+                return stored
+
+            def on_failure(self, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return super().on_failure(*args, **kwargs)
+                finally:  # asked of a lost child alone: SUCCESS stored, no task_failure sent
+                    if lost is not None and self.__dict__.get("_gatekeeper_stored"):
+                        lost(self)
 
     GatekeeperRequest.__qualname__ = f"GatekeeperRequest({base.__qualname__})"
     task.Request = GatekeeperRequest
@@ -269,79 +291,6 @@ def task_functions(task: object) -> list[Any]:
         return []
     inner = getattr(function, "__wrapped__", None)
     return [function, inner] if inspect.isfunction(inner) else [function]
-
-
-def channel_fits(producer: Any, queues: tuple[str, ...]) -> bool:
-    """Whether kombu would put a message for any of ``queues`` as one plain list push on this
-    producer's channel: a virtual Redis channel with the API fast publish catches, no
-    ``global_keyprefix``, no queue expiry, and no publish batch under way."""
-    channel = getattr(producer, "channel", None)
-    if channel is None or not all(hasattr(channel, name) for name in CHANNEL_API):
-        return False
-    if getattr(channel, "global_keyprefix", ""):
-        return False
-    expires = getattr(channel, "_expires", None) or {}
-    if any(queue in expires for queue in queues):
-        return False
-    return getattr(getattr(producer, "_batch_local", None), "current", None) is None
-
-
-def capture_message(
-    sender: Callable[..., Any],
-    producer: Any,
-    args: tuple[Any, ...],
-    options: dict[str, Any],
-    queues: tuple[str, ...],
-    mark: tuple[str, str],
-    routing_key: str,
-    serialize: Callable[[Any], str],
-) -> tuple[str, tuple[str, ...]]:
-    """Run Celery's sender with kombu's final list push caught, and return what it would have
-    pushed: ``(text, lists)``, the message serialized with ``serialize`` after its
-    ``delivery_info.routing_key`` is set to ``routing_key``, and the broker list of each of
-    ``queues`` at the message's priority.
-
-    ``mark`` is a header and value only this publish's message carries (a placeholder with
-    its nonce). The producer must have passed :func:`channel_fits`. Celery merges
-    ``options['headers']``
-    into the message's own headers; they are put back afterwards, so a later publish of the
-    same message object carries none of them.
-    """
-    channel = producer.channel
-    caught: list[tuple[str, tuple[str, ...]]] = []
-    previous = channel.__dict__.get("_put")
-    forward = previous or type(channel)._put.__get__(channel)
-
-    def catch(queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        headers = message.get("headers")
-        if caught or not isinstance(headers, dict) or headers.get(mark[0]) != mark[1]:
-            # Not ours (another publish on a shared channel): on its way, untouched. Ours is
-            # told by a placeholder only this publish carries, not by its id, which a
-            # caller's ``id`` header can change.
-            forward(queue, message, **kwargs)
-            return
-        message["properties"]["delivery_info"]["routing_key"] = routing_key
-        priority = channel._get_message_priority(message, reverse=False)
-        lists = tuple(channel._q_for_pri(name, priority) for name in queues)
-        # Serialized here, before the headers (shared with Celery's message) are put back.
-        caught.append((serialize(message), lists))
-
-    headers = getattr(args[1], "headers", None) if len(args) > 1 else None
-    saved = dict(headers) if isinstance(headers, dict) else None
-    channel._put = catch
-    try:
-        sender(producer, *args, **options)
-    finally:
-        if previous is None:
-            del channel._put
-        else:
-            channel._put = previous
-        if saved is not None and isinstance(headers, dict):
-            headers.clear()
-            headers.update(saved)
-    if not caught:  # with the default exchange kombu always ends in _put
-        raise CeleryShapeError("kombu published without its Redis channel's _put")
-    return caught[0]
 
 
 def outstanding(request: Any) -> bool:

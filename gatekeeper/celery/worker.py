@@ -187,6 +187,14 @@ class WorkerSide:
         run, record = int(fields["runs"]), RunRecord.from_fields(fields)
         self._end(job_id, attempt, run, record, Outcome.KILLED, reason, True, final=final)
 
+    def on_lost_after_success(self, request: Any) -> None:
+        """A pool child lost after its task stored SUCCESS (killed in ``on_success``, a
+        ``task_postrun`` receiver): Celery 5.7 sends no ``task_failure`` (private.py)."""
+        task = getattr(request, "task", None)
+        if self._ours(task):
+            self._guarded("failure", request.id, lambda: self._finish_elsewhere(
+                task, request.id, "WorkerLostError", final=True))  # fmt: skip
+
     def on_process_exit(self, **_: Any) -> None:
         """A pool child or the worker ends: its unanswered rows are sent once more."""
         self.pending.at_exit()

@@ -234,6 +234,19 @@ def create_app(
         """Kills its own process at once, gated or not (tests/test_lines.py)."""
         os.kill(os.getpid(), signal.SIGKILL)
 
+    class DiesInOnSuccess(app.Task):  # type: ignore[misc, name-defined]
+        """Kills its pool child in ``on_success``: after the result is stored, before
+        ``task_success`` (an OOM kill there, say)."""
+
+        def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @app.task(bind=True, name="tests.dies_after", base=DiesInOnSuccess, max_retries=0,
+              shared=False, gatekeeper=kill_spec)  # fmt: skip
+    def dies_after(self: Any) -> str:
+        record(self)
+        return "ok"
+
     @app.task(bind=True, name="tests.held", shared=False)
     def held(self: Any) -> None:
         """Records the runs its process's worker side holds open (ungated: its start reads
@@ -257,6 +270,9 @@ def _from_environment() -> Celery:
     clock = (lambda: float(fixed)) if fixed else time.time
     recorder = os.environ.get("GATEKEEPER_TEST_RECORDER_URL")
     app = create_app(settings, os.environ["GATEKEEPER_BROKER_URL"], clock, recorder)
+    backend = os.environ.get("GATEKEEPER_TEST_RESULT_BACKEND")
+    if backend:  # results stored (tests.dies_after: Celery 5.7 asks whether SUCCESS was)
+        app.conf.result_backend = backend
     visibility = os.environ.get("GATEKEEPER_TEST_VISIBILITY_S")
     if visibility:  # kombu's Redis transport restores unacked messages older than this
         app.conf.broker_transport_options = {"visibility_timeout": float(visibility)}
