@@ -59,7 +59,7 @@ def unanswered(exc: BaseException) -> bool:
 class _Pending:
     job_id: str
     run: int
-    write: Callable[[], None]
+    write: Callable[[], bool]
     since: float
 
 
@@ -89,9 +89,10 @@ class PendingRows:
         self._mine()
         return len(self._rows)
 
-    def write(self, job_id: str, run: int, write: Callable[[], None]) -> None:
-        """Call ``write`` (a row's write, which logs the row); kept to send again when Redis
-        gave no answer, raised when it answered with an error."""
+    def write(self, job_id: str, run: int, write: Callable[[], bool]) -> None:
+        """Call ``write`` (a row's write, which logs the row and says whether this call
+        wrote it); kept to send again when Redis gave no answer, raised when it answered
+        with an error."""
         try:
             write()
         except LedgerUnavailable as exc:
@@ -134,15 +135,16 @@ class PendingRows:
             while self._rows:
                 pending = self._rows[0]
                 try:
-                    pending.write()
+                    written = pending.write()
                 except Exception as exc:  # a ledger fault must never end the worker
                     if unanswered(exc):
                         self._silent_at = time.monotonic()
                         return
                     self.log.warning("ledger_write_failed", step="pending", error=repr(exc),
                                      job_id=pending.job_id, run=pending.run)  # fmt: skip
-                else:
-                    self.log.info("ledger_row_pending_written", job_id=pending.job_id,
+                else:  # not written: the run had its row meanwhile (the sweep's, say)
+                    self.log.info("ledger_row_pending_written" if written else
+                                  "ledger_row_pending_rowed_already", job_id=pending.job_id,
                                   run=pending.run, via=via,
                                   waited_s=round(time.monotonic() - pending.since, 3))  # fmt: skip
                 with self._lock:

@@ -125,9 +125,11 @@ class UnverifiedSide:
             job_id, running.run, lambda: self._write(row, running, reason, now, token)
         )
 
-    def _write(self, row: LedgerRow, running: Running, reason: str, now: int, token: str) -> None:
-        if self.store.write(row, running.run, now, token):
+    def _write(self, row: LedgerRow, running: Running, reason: str, now: int, token: str) -> bool:
+        written = self.store.write(row, running.run, now, token)
+        if written:
             self.log.info("ledger_row", task=running.record.task, job_id=row.job_id,
                           attempt=row.attempt, path=row.path.value,
                           outcome=row.outcome.value, reason=reason, verified=False,
                           retry_tax=0.0)  # fmt: skip
+        return written

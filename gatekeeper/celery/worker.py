@@ -346,7 +346,7 @@ class WorkerSide:
         learns = current and bool(record.started_ms) and self._learns(record.task, outcome, reason)
         token = secrets.token_hex(4)  # the same if sent again (Redis gave no answer: pending.py)
 
-        def write() -> None:
+        def write() -> bool:
             done = self.runs.finish(
                 row, run, record, now, slack_miss=miss, ends=ends, current=current,
                 service_s=(now - record.started_ms) / 1000 if learns else None,
@@ -355,5 +355,6 @@ class WorkerSide:
             if done.written:
                 row_written(self.log, self.alerts, self.flags, self.clock(), record, row, run,
                             reason, done)  # fmt: skip
+            return done.written
 
         self.pending.write(job_id, run, write)
