@@ -16,7 +16,7 @@ import pytest
 import redis
 
 import gatekeeper
-from gatekeeper.celery.message import attempt_of, claims
+from gatekeeper.celery.message import attempt_of, claims, forged_attempt
 from gatekeeper.core.ledger import window_id
 from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import RUNS_KEY, create_app
@@ -222,6 +222,19 @@ def test_a_failed_closed_retry_is_its_retries_plus_one() -> None:
     for retries in (float("inf"), 1e300, 10**300, -1, "x", "1" * 12, True, [1]):
         assert not claims({**failed_closed, "retries": retries}), retries
     assert not claims({**failed_closed, "gatekeeper_attempt": 10**12})
+
+
+def test_attempt_zero_is_forged_never_read_as_attempt_one() -> None:
+    # The gate counts attempts from 1 (it refuses retries of -1): a message claiming attempt 0
+    # is not its own, and retries that would make attempt 10**9 are bounded as attempts are.
+    decided = {"gatekeeper_decision": "admit_free", "gatekeeper_attempt": 0}
+    assert not claims(decided) and forged_attempt(decided)
+    assert not claims({**decided, "gatekeeper_attempt": "0"})
+    assert claims({**decided, "gatekeeper_attempt": "7"}) and attempt_of(decided | {
+        "gatekeeper_attempt": "7"}) == 7  # fmt: skip
+    failed_closed = {"gatekeeper_decision": "reserved", "gatekeeper_reason": "gate_error"}
+    assert claims({**failed_closed, "retries": 10**9 - 2})
+    assert not claims({**failed_closed, "retries": 10**9 - 1})
 
 
 def test_a_second_publish_of_a_live_attempt_cannot_orphan_its_record(

@@ -48,6 +48,7 @@ from gatekeeper.core.headers import CLAIMS, H_ATTEMPT, H_DECISION, H_WINDOW, ear
 from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput, ConfigError, GatekeeperError, PublishFailed
 from gatekeeper.lines import flush_after_task
+from gatekeeper.redis.attempt import retries_of
 from gatekeeper.redis.durable import finish_pending
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.gate import Pipeline, Publish, Routing
@@ -203,15 +204,9 @@ class Installed:
             # The id the message will carry: a caller's ``id`` header overrides Celery's own
             # when Celery merges the headers, and the record must be the message's.
             headers = {**message.headers, **extra}
-            publish = Publish(
-                task=name,
-                job_id=str(headers["id"]),
-                retries=int(headers.get("retries") or 0),
-                max_retries=found.max_retries,
-                spec=found.spec,
-                headers=headers,
-                spec_error=found.error,
-            )
+            retries, bad = retries_of(headers)  # bad: reserved (bad_input), no attempt
+            publish = Publish(name, str(headers["id"]), retries, found.max_retries, found.spec,
+                              headers, spec_error=bad or found.error)  # fmt: skip
             render = self._renderer(producer, name, message, options)
             routing = self.pipeline.route(publish, render)
             if routing.decision is None and (

@@ -18,6 +18,7 @@ from typing import Any
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.heartbeat import worker_name
 from gatekeeper.core.headers import (
+    ATTEMPTS,
     H_ATTEMPT,
     H_ATTEMPT_PUBLISHED_AT,
     H_DEADLINE_AT,
@@ -59,7 +60,7 @@ def claims(headers: Mapping[str, Any]) -> bool:
     attempt = headers.get(H_ATTEMPT)
     if attempt is None:  # its attempt is then its retries plus one: bounded as an attempt is
         retries = headers.get("retries")
-        return retries is None or _the_gates(retries)
+        return retries is None or _the_gates(retries, least=0)
     return _the_gates(attempt)
 
 
@@ -69,7 +70,7 @@ def attempt_of(headers: Mapping[str, Any]) -> int:
     attempt = headers.get(H_ATTEMPT)
     if attempt is None:
         return _whole(headers.get("retries")) + 1
-    return int(attempt or 1)
+    return int(attempt)
 
 
 def forged_attempt(headers: Mapping[str, Any]) -> bool:
@@ -81,14 +82,13 @@ def forged_attempt(headers: Mapping[str, Any]) -> bool:
     return decided and attempt is not None and not _the_gates(attempt)
 
 
-def _the_gates(attempt: Any) -> bool:
-    """An attempt as the gate writes one: a whole number of a few digits (as an ``int``, or
-    as text)."""
-    if isinstance(attempt, bool):
-        return False
-    if isinstance(attempt, int):
-        return 0 <= attempt < 10**9
-    return isinstance(attempt, str) and attempt.isdecimal() and len(attempt) < 10
+def _the_gates(value: Any, least: int = 1) -> bool:
+    """An attempt as the gate writes one (``least`` 1: from 1, below :data:`ATTEMPTS`), or
+    the retries it counts one from (``least`` 0: one less), as an ``int`` or as text. The
+    gate never writes attempt 0 (it refuses ``retries`` of -1: ``bad_input``)."""
+    if isinstance(value, str) and value.isdecimal() and len(value) < 10:
+        value = int(value)
+    return type(value) is int and least <= value < ATTEMPTS - 1 + least
 
 
 def nonce_of(headers: Mapping[str, Any]) -> str:

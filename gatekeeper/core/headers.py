@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ATTEMPTS",
     "CLAIMS",
     "H_ATTEMPT",
     "H_ATTEMPT_PUBLISHED_AT",
@@ -61,6 +62,11 @@ H_COPY = "gatekeeper_copy"
 """A random value per copy the replayer (or a requeue, or the expiry) publishes: one decision
 handed on twice (a crash between publish and ack) is two copies, and a worker runs one."""
 """The random per-publish value of the gate's record of this attempt (``rec:<job>:<attempt>``)."""
+
+ATTEMPTS = 10**9
+"""Every attempt the gate writes is below this (1 to 999,999,999: retries 0 to 999,999,998);
+the worker side reads nothing else as the gate's (``int()`` of a caller's thousands of digits
+would raise in a signal handler)."""
 
 CLAIMS = (H_NONCE, H_ATTEMPT, H_ATTEMPT_PUBLISHED_AT, H_PUBLISHED_AT)
 """The headers that claim an attempt and its record: a routed publish carries them only as

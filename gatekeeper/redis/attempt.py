@@ -16,6 +16,7 @@ from typing import Any
 
 from gatekeeper.core.dwell import retry_tax_s
 from gatekeeper.core.headers import (
+    ATTEMPTS,
     H_ATTEMPT,
     H_ATTEMPT_PUBLISHED_AT,
     H_BAD_INPUT,
@@ -46,6 +47,7 @@ __all__ = [
     "identity",
     "label_of",
     "resolve",
+    "retries_of",
     "unrecorded",
 ]
 
@@ -119,10 +121,30 @@ def label_of(publish: Publish) -> str:
     return publish.task if publish.origin == "publish" else OTHER_TASK
 
 
+def retries_of(headers: Mapping[str, Any]) -> tuple[int, BadDeclaredInput | None]:
+    """A message's ``retries`` (0 when it has none), or 0 and why no attempt can be counted
+    from it: only a plain ``int`` from 0 to ``ATTEMPTS - 2`` makes an attempt the worker reads
+    as the gate's (:mod:`gatekeeper.celery.message`). Admitted under any other (-1 is attempt
+    0), no run could match its record, and its hold on the free queue would stay."""
+    retries = headers.get("retries")
+    if retries is None:
+        return 0, None
+    if type(retries) is int and 0 <= retries < ATTEMPTS - 1:
+        return retries, None
+    return 0, BadDeclaredInput("retries", f"a whole number from 0 to {ATTEMPTS - 2}", retries)
+
+
+def _no_attempt(publish: Publish) -> bool:
+    """Whether the publish's ``retries`` make no attempt (:func:`retries_of`)."""
+    return publish.spec_error is not None and publish.spec_error.field == "retries"
+
+
 def identity(publish: Publish) -> dict[str, Any]:
     """The fields every decision line starts with."""
     fields: dict[str, Any] = {"task": publish.task, "job_id": publish.job_id,
                               "attempt": publish.attempt, "retries": publish.retries}  # fmt: skip
+    if _no_attempt(publish):  # as the message said it: no attempt is counted from it
+        fields.update(attempt=None, retries=publish.headers.get("retries"))
     if publish.origin != "publish":
         fields["origin"] = publish.origin
     return fields
@@ -208,8 +230,9 @@ def bad_input_stamp(publish: Publish, now: float) -> dict[str, Any]:
         else carried_first,
         H_PUBLISHED_AT: now,
         H_ATTEMPT_PUBLISHED_AT: now,
-        H_ATTEMPT: publish.attempt,
     }  # fmt: skip
+    if not _no_attempt(publish):  # else no attempt is claimed: its run gets no row at all
+        stamp[H_ATTEMPT] = publish.attempt
     if H_DEADLINE_AT in publish.headers and H_DEADLINE_AT not in bad:
         stamp[H_DEADLINE_AT] = publish.headers[H_DEADLINE_AT]
     if bad or publish.headers.get(H_BAD_INPUT) is not None:

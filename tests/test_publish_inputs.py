@@ -1,0 +1,80 @@
+"""What a caller hands ``apply_async`` that the gate cannot take as it is.
+
+Each publish here still goes out (Celery alone would publish it), to reserved when the gate
+cannot decide it, with one decision line saying why; none is admitted under an attempt, a
+deadline or an id that a run or the gate's own Redis could not match.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from gatekeeper.redis.keys import WAITING_PAD, Keys
+from tests.apps.gated_app import RUNS_KEY, create_app
+from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
+
+pytestmark = pytest.mark.celery
+KEYS = Keys()
+QUEUES = ("free", "defer", "reserved")
+
+NO_ATTEMPT: list[dict[str, Any]] = [
+    {"retries": -1}, {"retries": 10**9 - 1}, {"retries": 10**12},
+    {"headers": {"retries": 10**40}}, {"headers": {"retries": "3"}},
+    {"headers": {"retries": [1]}}, {"headers": {"retries": 1e300}},
+    {"headers": {"retries": 1.0}}, {"headers": {"retries": True}},
+]  # fmt: skip
+"""``retries`` the worker reads no attempt of the gate's from: negative, ``10**9 - 1`` and
+above (attempt ``10**9``), anything but a plain ``int``."""
+
+
+def lengths(client: redis.Redis) -> dict[str, int]:
+    return {queue: client.llen(queue) for queue in QUEUES}
+
+
+def decision_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if "event=gate_decision" in line]
+
+
+def rows(client: redis.Redis) -> list[dict[str, Any]]:
+    return [json.loads(raw) for key in client.scan_iter(match=f"{KEYS.base}:window:*:rows")
+            for raw in client.lrange(key, 0, -1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("fast_publish", ["on", "off"])
+@pytest.mark.parametrize("options", NO_ATTEMPT)
+def test_retries_no_attempt_is_counted_from_is_a_bad_input_with_no_record(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str],
+    options: dict[str, Any], fast_publish: str,
+) -> None:  # fmt: skip
+    app = create_app(gate_settings(redis_url, fast_publish=fast_publish), redis_url)
+    app.tasks["tests.embed"].apply_async((1,), **options)
+    assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 1}
+    (line,) = decision_lines(capsys)
+    assert "reason=bad_input" in line and "field=retries" in line, line
+    (message,) = queue_messages(redis_client, "reserved")
+    assert "gatekeeper_attempt" not in message["headers"]  # it claims no attempt
+    assert "gatekeeper_nonce" not in message["headers"]
+    assert not list(redis_client.scan_iter(match=f"{KEYS.base}:run:*"))
+    assert set(redis_client.zrange(KEYS.free_waiting, 0, -1)) <= {WAITING_PAD.encode()}
+    assert not redis_client.hgetall(KEYS.inflight)
+
+
+def test_a_run_of_retries_minus_one_holds_nothing_on_the_free_queue(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # Once admitted to free as attempt 0 (read back as attempt 1 by the worker): no row, and
+    # its wait held in free:waiting until the horizon made the free queue look old.
+    app = create_app(gate_settings(redis_url, max_queue_age_s=1), redis_url)
+    app.tasks["tests.embed"].apply_async((1,), retries=-1)
+    with running_worker(redis_url, tmp_path / "w.log", queues="free,reserved"):
+        assert wait_until(lambda: redis_client.llen(RUNS_KEY) == 1)
+        time.sleep(1.5)  # older than max_queue_age_s, had it been held
+    assert rows(redis_client) == [] and not redis_client.hget(KEYS.stats, "forged_runs")
+    app.tasks["tests.embed"].delay(2)
+    assert lengths(redis_client) == {"free": 1, "defer": 0, "reserved": 0}
