@@ -10,10 +10,8 @@ cannot change the queue (Celery passes it by value), and routers see neither the
 headers, and takes ``queue=`` (:mod:`gatekeeper.celery.private` holds that touch of private
 API and its shape check).
 
-To make the message really land in the chosen queue whatever the caller or a router chose,
-it is addressed to the queue by name on the default exchange: ``exchange`` and
-``routing_key`` are cleared so that an explicit ``queue=``, a route, or a retry's previous
-``delivery_info`` cannot send it elsewhere.
+The message is addressed to the chosen queue by name on the default exchange, whatever the
+caller or a router chose (:mod:`gatekeeper.celery.address`).
 
 When the broker is the gate's Redis, fast publish (:mod:`gatekeeper.celery.fastpath`) lets
 ``gate.lua`` push the message Celery built in the same round trip as the decision: the
@@ -34,6 +32,7 @@ from celery import Celery
 from celery.signals import task_postrun, worker_process_shutdown
 from kombu.exceptions import OperationalError
 
+from gatekeeper.celery.address import address
 from gatekeeper.celery.bootstep import add_to_worker
 from gatekeeper.celery.expiry import Expiry
 from gatekeeper.celery.fastpath import FastRender, possible, publish_observed, same_server
@@ -44,7 +43,7 @@ from gatekeeper.celery.parts import SIGNALS, Parts, build
 from gatekeeper.celery.private import CelerySender, bound_for, replace_sender
 from gatekeeper.celery.worker import WorkerSide
 from gatekeeper.core.dwell import Decision, Reason
-from gatekeeper.core.headers import CLAIMS, H_ATTEMPT, H_DECISION, H_WINDOW, earlier_claims
+from gatekeeper.core.headers import H_DECISION, H_WINDOW
 from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput, ConfigError, GatekeeperError, PublishFailed
 from gatekeeper.lines import flush_after_task
@@ -169,7 +168,7 @@ class Installed:
         publish, routing = self._decide(found, producer, name, message, options)
         if routing.published:
             return None  # gate.lua (or fallback.lua) pushed it with its decision
-        self._address(message, options, routing, publish.attempt if publish else None)
+        address(message, options, routing, publish.attempt if publish else None)
         return self._send(producer, name, message, options, publish, routing)
 
     # -- the steps, in the order a publish takes them ---------------------------------------
@@ -275,33 +274,6 @@ class Installed:
         if routing.reason is Reason.FLAGS_UNREAD:
             self.pipeline.kept_own_route(publish)
         return routing
-
-    @staticmethod
-    def _address(
-        message: Any, options: dict[str, Any], routing: Routing, attempt: int | None = None
-    ) -> None:
-        """Point the publish at the chosen queue; bad inputs are not forwarded; :data:`CLAIMS`
-        go only as this decision wrote them (a retry copies its message's, a caller may set
-        any); a retry on its own route goes without its earlier ones."""
-        if routing.queue is None:  # untouched: its normal route (mostly: nothing to look at)
-            given = (options.get("headers") or {}).get(H_ATTEMPT, message.headers.get(H_ATTEMPT))
-            drop: tuple[str, ...] = earlier_claims(given, attempt)
-            if not drop:
-                return
-        else:
-            options.update(queue=routing.queue, exchange=None, routing_key=None)
-            options.pop("exchange_type", None)
-            if routing.decision is Decision.DEFER:
-                # Celery turns ``expires`` into the message's TTL too; in defer (no dead-letter
-                # exchange of its own) that would drop the task unseen. The worker enforces
-                # the ``expires`` header and stores the task's state.
-                options.pop("expiration", None)
-            drop = (*routing.drop, *(name for name in CLAIMS if name not in routing.headers))
-        headers = {**(options.get("headers") or {}), **routing.headers}
-        for name in drop:
-            headers.pop(name, None)
-            message.headers.pop(name, None)
-        options["headers"] = headers
 
     def _send(
         self,
