@@ -35,9 +35,12 @@ KEYS = Keys()
 QUEUES = ("free", "defer", "reserved", "dead_letter", "defer:replaying")
 
 
-def defer_tasks(redis_url: str, client: redis.Redis, count: int, **options: Any) -> list[str]:
+def defer_tasks(
+    redis_url: str, client: redis.Redis, count: int, fast_publish: str = "auto", **options: Any
+) -> list[str]:
     """Publish gated tasks that the age cap defers (a stale entry makes the free queue old)."""
-    app = create_app(gate_settings(redis_url, max_queue_age_s=1.0), redis_url)
+    app = create_app(gate_settings(redis_url, max_queue_age_s=1.0, fast_publish=fast_publish),
+                     redis_url)  # fmt: skip
     client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})
     ids = [app.tasks["tests.embed"].apply_async((n,), **options).id for n in range(count)]
     client.zrem(KEYS.free_waiting, "stale:1")
@@ -150,6 +153,57 @@ def test_a_callers_free_admitted_header_makes_no_slack_miss_when_abandoned(
     assert "event=task_abandoned" in err and "slack_miss=true" not in err
     windows = redis_client.scan_iter(match="gatekeeper:*:window:*", _type="hash")
     assert not any(int(redis_client.hget(key, "slack_misses") or 0) for key in windows)
+
+
+REPLAYERS_OWN = {"gatekeeper_replay_after": 1e15, "gatekeeper_replays": "many",
+                 "gatekeeper_copy": "mine", "gatekeeper_replay_errors": "x"}  # fmt: skip
+"""Headers only the replayer writes, as a caller might set them: held past its deadline, its
+replays failing (then dead-lettered), passed off as a copy."""
+
+
+@pytest.mark.parametrize("fast_publish", ["on", "off"])
+@pytest.mark.parametrize("header", sorted(REPLAYERS_OWN))
+def test_a_callers_replayer_headers_do_not_decide_a_deferred_tasks_fate(
+    redis_url: str, redis_client: redis.Redis, header: str, fast_publish: str
+) -> None:
+    given = {header: REPLAYERS_OWN[header]}
+    (job,) = defer_tasks(redis_url, redis_client, 1, fast_publish, headers=given)
+    (parked,) = queue_messages(redis_client, "defer")
+    assert header not in parked["headers"]  # not forwarded by the routed publish
+    assert replay_once(redis_url, redis_client) == {"to_free": 1}  # it fits now
+    assert ids_in(redis_client, "free") == [job]
+
+
+def test_a_task_held_for_its_backoff_is_abandoned_once_its_deadline_passes(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    (job,) = defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 2.5})
+    redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # still old
+    slow = {"max_queue_age_s": 1.0, "replay_backoff_s": 30.0}
+    assert replay_once(redis_url, redis_client, **slow) == {"deferred_again": 1}
+    time.sleep(2.6)  # its deadline passes while it waits out its backoff of 30 s
+    assert replay_once(redis_url, redis_client, **slow) == {"dead_lettered": 1}
+    assert ids_in(redis_client, "dead_letter") == [job]
+
+
+@pytest.mark.parametrize(("carried", "counted"), [("many", 1), (-1, 1), (1e6, 1), (5000, 5001)])
+def test_a_replays_count_is_read_defensively(
+    redis_url: str, redis_client: redis.Redis, carried: Any, counted: int
+) -> None:
+    # On a message in defer (an older publisher forwarded a caller's): a count the replayer
+    # never writes counts 0, and a long-replayed one's backoff is its maximum, not 2**4999 s.
+    defer_tasks(redis_url, redis_client, 1)
+    message = json.loads(redis_client.rpop("defer"))
+    message["headers"]["gatekeeper_replays"] = carried
+    redis_client.lpush("defer", json.dumps(message))
+    redis_client.zadd(KEYS.free_waiting, {"stale:1": (time.time() - 5) * 1000})  # still old
+    backoff = {"max_queue_age_s": 1.0, "replay_backoff_s": 0.2, "replay_backoff_max_s": 0.5}
+    before = time.time()
+    assert replay_once(redis_url, redis_client, **backoff) == {"deferred_again": 1}
+    (parked,) = queue_messages(redis_client, "defer")
+    assert parked["headers"]["gatekeeper_replays"] == counted
+    assert parked["headers"]["gatekeeper_replay_after"] <= time.time() + 0.5
+    assert parked["headers"]["gatekeeper_replay_after"] >= before + 0.2
 
 
 def test_nothing_goes_to_free_while_the_free_path_is_disabled(

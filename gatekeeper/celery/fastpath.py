@@ -54,6 +54,7 @@ import redis
 from celery import Celery, signals
 from kombu.utils.json import dumps
 
+from gatekeeper.celery.address import REPLAYERS
 from gatekeeper.celery.private import capture_message, channel_fits
 from gatekeeper.core.headers import H_DECISION, H_DWELL_S, H_FREE_ADMITTED, H_REASON, H_WINDOW
 from gatekeeper.redis.cluster import is_cluster
@@ -213,7 +214,9 @@ class FastRender:
         options = {**self.options, "queue": self.queues[0], "exchange": None, "routing_key": None}
         options.pop("exchange_type", None)
         filled = {header: marks[name] for header, name in FILLED_HEADERS.items()}
-        options["headers"] = {**(self.options.get("headers") or {}), **headers, **filled}
+        given = self.options.get("headers") or {}  # as address() forwards them: no REPLAYERS
+        given = {name: value for name, value in given.items() if name not in REPLAYERS}
+        options["headers"] = {**given, **headers, **filled}
         text, lists = capture_message(
             self.sender, self.producer, (self.name, self.message), options, self.queues,
             (H_DECISION, marks["decision"]), marks["queue"], dumps,

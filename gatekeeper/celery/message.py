@@ -26,6 +26,7 @@ from gatekeeper.core.headers import (
     H_DWELL_S,
     H_NONCE,
     H_PUBLISHED_AT,
+    H_REPLAYS,
     H_TOKENS_IN,
     H_TOKENS_OUT,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "forged_attempt",
     "nonce_of",
     "own_fields",
+    "replays_of",
     "request_headers",
     "unverified",
 ]
@@ -95,6 +97,13 @@ def nonce_of(headers: Mapping[str, Any]) -> str:
     """The message's nonce, '' when it has none (or one that is not text)."""
     nonce = headers.get(H_NONCE)
     return nonce if isinstance(nonce, str) else ""
+
+
+def replays_of(headers: Mapping[str, Any]) -> int:
+    """How many times the replayer scored the message again: a plain ``int`` below
+    :data:`ATTEMPTS` as it writes one; any other (not its own) counts 0."""
+    replays = headers.get(H_REPLAYS)
+    return replays if type(replays) is int and 0 <= replays < ATTEMPTS else 0
 
 
 def request_headers(request: Any) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 ``defer`` is a parking queue that no ordinary worker consumes. The replayer reads it from the
 broker itself (:mod:`gatekeeper.celery.broker`: kombu's lists on a Redis broker, or RabbitMQ
-through kombu with acks and confirms) and, for each message that is due:
+through kombu with acks and confirms) and, for each message that is due or past its deadline:
 
-- deadline passed -> the ``dead_letter`` queue, an ``abandoned`` row and an alert line (with
+- deadline passed (due or not) -> ``dead_letter``, an ``abandoned`` row and an alert line (with
   ``decision=admit_free slack_miss=true`` when an earlier attempt of the job ran free);
 - otherwise the same pipeline as at publish (same task id, deadline and attempt) -> ``free``
   or ``reserved``, or back to ``defer`` with a backoff in its headers (never as an ETA
@@ -50,7 +50,7 @@ from gatekeeper.celery.broker import Broker, RedisBroker, Taken, gone_for_good
 from gatekeeper.celery.deadletter import H_REPLAY_ERRORS, abandon, set_aside, unkept
 from gatekeeper.celery.expiry import EXPIRED_REASON, Expiry, closed_recall
 from gatekeeper.celery.lists import PRIORITY_SEP, PRIORITY_STEPS, queue_list
-from gatekeeper.celery.message import nonce_of
+from gatekeeper.celery.message import nonce_of, replays_of
 from gatekeeper.celery.taken import copy_message
 from gatekeeper.core.headers import (
     H_ATTEMPT,
@@ -244,9 +244,10 @@ class Replayer:
                               error="not a kombu message with headers and properties")  # fmt: skip
             return "malformed"
         headers: dict[str, Any] = message["headers"]
-        job_id = str(headers.get("id"))
+        job_id, deadline = str(headers.get("id")), headers.get(H_DEADLINE_AT)
+        passed = isinstance(deadline, (int, float)) and deadline <= now  # held or not: abandoned
         after = headers.get(H_REPLAY_AFTER)
-        if isinstance(after, (int, float)) and after > now:
+        if isinstance(after, (int, float)) and after > now and not passed:
             self.broker.hold(taken, None, after - now)
             return "not_due"
         if H_ATTEMPT not in headers:
@@ -273,8 +274,7 @@ class Replayer:
             self.log.warning("replay_scored_not_handed_on", job_id=job_id, attempt=attempt,
                              decision=record.get("decision"))  # fmt: skip
             as_scored(self.pipeline.store, job_id, attempt, record, headers)
-        deadline = headers.get(H_DEADLINE_AT)
-        if isinstance(deadline, (int, float)) and deadline <= now:
+        if passed:
             return abandon(self, taken, message, now, record)
         if not (gated and self._deferred_by_the_gate(record, headers)):
             # Not a message the gate parked here (put in defer by hand or by a caller, or by
@@ -288,12 +288,12 @@ class Replayer:
         except Exception as exc:  # never lose the message: park it where it can run
             self.log.warning("replay_route_failed", job_id=job_id, error=repr(exc))
             return self._send(taken, message, self.settings.reserved_queue, "gate_error")
-        replays = int(headers.get(H_REPLAYS) or 0) + 1
+        replays = replays_of(headers) + 1
         changes = {**routing.headers, H_REPLAYS: replays}
         drop, wait = (*routing.drop, H_REPLAY_ERRORS), 0.0  # replayed: its errors start again
         queue = routing.queue or self.settings.reserved_queue
         if queue == self.defer:
-            wait = min(self.settings.replay_backoff_s * 2 ** (replays - 1),
+            wait = min(self.settings.replay_backoff_s * 2 ** min(replays - 1, 64),
                        self.settings.replay_backoff_max_s)  # fmt: skip
             changes[H_REPLAY_AFTER] = now + wait
         else:
