@@ -257,6 +257,18 @@ def test_a_non_finite_declared_service_time_passes_through_for_the_guard_to_defe
     assert resolve_inputs(spec, {}, now=1.0).expected_service_s == math.inf
 
 
+@pytest.mark.parametrize(
+    ("declared", "field"),
+    [({"deadline_s": math.inf}, "deadline_s"), ({"deadline_s": "inf"}, "deadline_s"),
+     ({"deadline_at": -math.inf}, "deadline_at"), ({"deadline_at": math.inf}, "deadline_at")],
+)  # fmt: skip
+def test_an_infinite_declared_deadline_is_a_bad_input(declared: dict[str, Any], field: str) -> None:
+    # Unlike a service time, no record (milliseconds) or header could carry it on.
+    with pytest.raises(BadDeclaredInput) as caught:
+        resolve_inputs(GatedSpec(expected_service_s=1, **declared), {}, now=1.0)
+    assert caught.value.field == field
+
+
 def test_a_declaration_too_large_to_count_is_refused_at_import_and_at_publish() -> None:
     with pytest.raises(BadDeclaredInput, match="tokens_in: expected a number of at most"):
         gatekeeper.gated(expected_service_s=1, tokens_in=10**100, deadline_s=60)

@@ -8,6 +8,7 @@ deadline or an id that a run or the gate's own Redis could not match.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -78,3 +79,29 @@ def test_a_run_of_retries_minus_one_holds_nothing_on_the_free_queue(
     assert rows(redis_client) == [] and not redis_client.hget(KEYS.stats, "forged_runs")
     app.tasks["tests.embed"].delay(2)
     assert lengths(redis_client) == {"free": 1, "defer": 0, "reserved": 0}
+
+
+@pytest.mark.parametrize("fast_publish", ["on", "off"])
+@pytest.mark.parametrize(
+    ("declared", "field"),
+    [({"deadline_s": math.inf}, "deadline_s"), ({"deadline_at": -math.inf}, "deadline_at"),
+     ({"deadline_s": "inf"}, "deadline_s")],
+)  # fmt: skip
+def test_an_infinite_declared_deadline_is_a_bad_input_naming_its_field(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str],
+    declared: dict[str, Any], field: str, fast_publish: str,
+) -> None:  # fmt: skip
+    # Once an OverflowError in the gate's record (round(inf * 1000)): gate_error, unstamped.
+    app = create_app(gate_settings(redis_url, fast_publish=fast_publish), redis_url)
+
+    @app.task(name="tests.forever", shared=False, max_retries=1,
+              gatekeeper={"expected_service_s": 1, "tokens_in": 1, **declared})  # fmt: skip
+    def forever() -> None: ...
+
+    app.tasks["tests.forever"].delay()
+    assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 1}
+    (line,) = decision_lines(capsys)
+    assert "reason=bad_input" in line and f"field={field}" in line, line
+    (message,) = queue_messages(redis_client, "reserved")
+    assert "gatekeeper_deadline_at" not in message["headers"]
+    assert message["headers"]["gatekeeper_attempt"] == 1  # its run's unverified row

@@ -14,8 +14,10 @@ first-publish time, once written, are never changed (a deadline is never extende
 
 A header takes numbers only, as the decorator does: an ``int`` or a ``float``, finite and of
 at most :data:`MAX_MAGNITUDE` (text such as ``"60"``, booleans, ``nan`` and ``10**100`` are
-refused, naming the header). A declared value may be infinite (the gate's guard defers it),
-never larger than that.
+refused, naming the header). A declared service time may be infinite (the gate's guard
+defers it), never larger than that; a declared deadline may not: the gate's record keeps it in
+milliseconds and the message carries it on, and neither can hold an infinite one, so it is a
+bad input (reserved, ``bad_input``, naming the field).
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ def resolve_inputs(spec: GatedSpec, headers: Mapping[str, Any], now: float) -> D
     """Merge the spec, per-call overrides and carried headers; never extend a deadline.
 
     A deadline and first-publish time already in the headers (a retry, a replay) win over
-    everything. Non-finite service times pass through: the gate's guard defers them.
+    everything. Non-finite service times pass through: the gate's guard defers them; a
+    non-finite deadline is refused.
     Errors name where the bad value came from: a header, else the declaration's field.
     """
     first = headers.get(H_FIRST_PUBLISHED_AT)
@@ -139,7 +142,9 @@ def resolve_inputs(spec: GatedSpec, headers: Mapping[str, Any], now: float) -> D
         deadline_at = first_published_at + _number("deadline_s", spec.deadline_s)
     if math.isnan(deadline_at):
         raise BadDeclaredInput(field, "a number", deadline_at)
-    if math.isfinite(deadline_at) and abs(deadline_at) > MAX_MAGNITUDE:
+    if math.isinf(deadline_at):  # neither the record nor the message can carry it
+        raise BadDeclaredInput(field, "a finite deadline", deadline_at)
+    if abs(deadline_at) > MAX_MAGNITUDE:
         # Checked as the deadline it makes: the header that carries it on is held to this.
         raise BadDeclaredInput(field, f"a deadline before {MAX_MAGNITUDE:g} Unix seconds",
                                deadline_at)  # fmt: skip
