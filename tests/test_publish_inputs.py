@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+import gatekeeper.celery.hook
 from gatekeeper.redis.keys import WAITING_PAD, Keys
 from tests.apps.gated_app import RUNS_KEY, create_app
 from tests.conftest import gate_settings, queue_messages, running_worker, wait_until
@@ -105,3 +106,36 @@ def test_an_infinite_declared_deadline_is_a_bad_input_naming_its_field(
     (message,) = queue_messages(redis_client, "reserved")
     assert "gatekeeper_deadline_at" not in message["headers"]
     assert message["headers"]["gatekeeper_attempt"] == 1  # its run's unverified row
+
+
+@pytest.mark.parametrize("fast_publish", ["on", "off"])
+def test_headers_as_key_value_pairs_are_taken_as_celery_takes_them(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str],
+    fast_publish: str,
+) -> None:  # fmt: skip
+    # Celery's sender merges them with dict.update; the hook once raised TypeError merging
+    # them with ** (and on the ordinary path, after the gate had admitted the task).
+    app = create_app(gate_settings(redis_url, fast_publish=fast_publish), redis_url)
+    job = app.tasks["tests.embed"].apply_async((1,), headers=[("x-trace", "abc")]).id
+    assert lengths(redis_client) == {"free": 1, "defer": 0, "reserved": 0}
+    (message,) = queue_messages(redis_client, "free")
+    assert (message["headers"]["id"], message["headers"]["x-trace"]) == (job, "abc")
+    (line,) = decision_lines(capsys)
+    assert "decision=admit_free" in line
+
+
+def test_an_admission_whose_message_cannot_be_addressed_is_given_back(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ordinary path: the gate admits, then the publish fails before the broker has it.
+    app = create_app(gate_settings(redis_url, fast_publish="off"), redis_url)
+
+    def unaddressable(*_: Any, **__: Any) -> None:
+        raise TypeError("cannot address this message")
+
+    monkeypatch.setattr(gatekeeper.celery.hook, "address", unaddressable)
+    with pytest.raises(TypeError, match="cannot address"):
+        app.tasks["tests.embed"].delay(1)
+    assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 0}
+    assert not redis_client.hgetall(KEYS.inflight)
+    assert set(redis_client.zrange(KEYS.free_waiting, 0, -1)) <= {WAITING_PAD.encode()}

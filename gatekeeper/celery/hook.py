@@ -168,7 +168,6 @@ class Installed:
         publish, routing = self._decide(found, producer, name, message, options)
         if routing.published:
             return None  # gate.lua (or fallback.lua) pushed it with its decision
-        address(message, options, routing, publish.attempt if publish else None)
         return self._send(producer, name, message, options, publish, routing)
 
     # -- the steps, in the order a publish takes them ---------------------------------------
@@ -196,10 +195,12 @@ class Installed:
     ) -> tuple[Publish | None, Routing]:
         """The routing of one gated publish; never raises but for a fast publish that could
         not be pushed at all (the broker, the gate's own Redis, is down)."""
-        extra = dict(options.get("headers") or {})
         publish: Publish | None = None
         render: FastRender | None = None
         try:
+            # Celery's sender takes (key, value) pairs too (it merges them with dict.update):
+            # a dict from here on, for each step that merges them.
+            options["headers"] = extra = dict(options.get("headers") or {})
             # The id the message will carry: a caller's ``id`` header overrides Celery's own
             # when Celery merges the headers, and the record must be the message's.
             headers = {**message.headers, **extra}
@@ -284,9 +285,11 @@ class Installed:
         publish: Publish | None,
         routing: Routing,
     ) -> Any:
-        """Celery's own sender; if the broker refuses an admitted message, the admission is
-        given back before the caller sees the broker's error."""
+        """The publish addressed (:func:`~gatekeeper.celery.address.address`) and sent by
+        Celery's own sender; if either fails (the broker refuses the message), an admission is
+        given back before the caller sees the error: no admission is held without a message."""
         try:
+            address(message, options, routing, publish.attempt if publish else None)
             return self.original_sender(producer, name, message, **options)
         except Exception:
             if publish is not None and routing.decision is Decision.ADMIT_FREE:
