@@ -61,7 +61,10 @@ def _round_floats(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMa
     return event
 
 
-_NEEDS_QUOTES = re.compile(r'[\s="\\]')
+_NEEDS_QUOTES = re.compile(r'[\s="\\\ud800-\udfff]')
+"""Also a lone surrogate (a file name decoded with ``surrogateescape``): a stream that writes
+strict UTF-8 (a log file) cannot encode it, and the line, with the chunk written with it,
+would be lost; quoted, it is escaped (``\\udce9``)."""
 _CONSTANTS = {None: "", True: "true", False: "false"}
 
 

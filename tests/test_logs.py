@@ -47,6 +47,15 @@ def test_a_value_cannot_hold_a_key_value_pair_of_its_own() -> None:
     assert json.loads(line.split("job_id=", 1)[1]) == forged
 
 
+def test_a_lone_surrogate_is_escaped_so_a_strict_utf8_log_keeps_the_line() -> None:
+    # A task id from a file name decoded with surrogateescape: the line, and the lines
+    # written with it, would not encode; quoted, JSON escapes it and reads it back.
+    job = "embed-" + b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+    line = render(decision="reserved", job_id=job)
+    line.encode("utf-8")  # strict, as a log file writes
+    assert json.loads(line.split("job_id=", 1)[1]) == job
+
+
 def test_floats_to_the_millisecond_and_none_as_empty() -> None:
     assert render(dwell_s=28.00049, x=None) == "dwell_s=28.0 x="
 

@@ -139,3 +139,23 @@ def test_an_admission_whose_message_cannot_be_addressed_is_given_back(
     assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 0}
     assert not redis_client.hgetall(KEYS.inflight)
     assert set(redis_client.zrange(KEYS.free_waiting, 0, -1)) <= {WAITING_PAD.encode()}
+
+
+@pytest.mark.parametrize("fast_publish", ["auto", "on", "off"])
+def test_a_task_id_redis_cannot_be_sent_fails_closed_through_celerys_own_sender(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str],
+    fast_publish: str,
+) -> None:  # fmt: skip
+    # A file name decoded with surrogateescape (Celery publishes it: its JSON escapes it).
+    # Fast publish once raised UnicodeEncodeError from the gate's call and its fallback push:
+    # no message, no decision line.
+    job = "embed-" + b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+    app = create_app(gate_settings(redis_url, fast_publish=fast_publish), redis_url)
+    app.tasks["tests.embed"].apply_async((1,), task_id=job)
+    assert lengths(redis_client) == {"free": 0, "defer": 0, "reserved": 1}
+    (message,) = queue_messages(redis_client, "reserved")
+    assert message["headers"]["id"] == job
+    (line,) = decision_lines(capsys)
+    assert "reason=gate_error" in line and "UnicodeEncodeError" in line, line
+    app.tasks["tests.embed"].delay(2)  # the gate's connection is as good as before
+    assert lengths(redis_client) == {"free": 1, "defer": 0, "reserved": 1}

@@ -24,7 +24,8 @@ checks). It stands aside, and the ordinary path is taken, for: another transport
 (compared by the server's ``run_id`` and database), a gate Redis that is a Redis Cluster
 (kombu has no cluster transport: the broker is never the gate's server), kombu's
 ``global_keyprefix``, queues with an expiry or a non-direct exchange, queues whose settings
-differ (the message would not be the same on each), and kombu publish batches.
+differ (the message would not be the same on each), kombu publish batches, and a job id or
+task name that Redis cannot be sent (:func:`sendable`).
 
 When the script fails, or its reply is lost or late (a Redis stall past ``redis_timeout_s``),
 the message Celery already built goes to reserved through ``fallback.lua``, not through
@@ -60,7 +61,7 @@ from gatekeeper.core.headers import H_DECISION, H_DWELL_S, H_FREE_ADMITTED, H_RE
 from gatekeeper.redis.cluster import is_cluster
 from gatekeeper.redis.push import Push, placeholders
 
-__all__ = ["FastRender", "possible", "publish_observed", "same_server"]
+__all__ = ["FastRender", "possible", "publish_observed", "same_server", "sendable"]
 
 FILLED_HEADERS = {
     H_DECISION: "decision",
@@ -147,6 +148,20 @@ def same_server(broker: Any, gate: redis.Redis) -> bool | None:
         return None
     except Exception:  # INFO refused (ACLs), a cluster's reply: the ordinary path
         return False
+
+
+def sendable(*texts: str) -> bool:
+    """Whether Redis can be sent these (redis-py encodes text as UTF-8, which a lone surrogate,
+    as in a file name decoded with ``surrogateescape``, is not). A publish whose job id or task
+    name cannot be sent takes the ordinary path: the gate's call then fails before Celery has
+    built the message, and fails closed through Celery's own sender (whose JSON escapes it),
+    where the fallback push could not send it either."""
+    try:
+        for text in texts:
+            text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _queue_settings(queue: Any) -> tuple[Any, ...]:

@@ -35,7 +35,13 @@ from kombu.exceptions import OperationalError
 from gatekeeper.celery.address import address
 from gatekeeper.celery.bootstep import add_to_worker
 from gatekeeper.celery.expiry import Expiry
-from gatekeeper.celery.fastpath import FastRender, possible, publish_observed, same_server
+from gatekeeper.celery.fastpath import (
+    FastRender,
+    possible,
+    publish_observed,
+    same_server,
+    sendable,
+)
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.heartbeat import Heartbeat
 from gatekeeper.celery.offfree import OffFree
@@ -207,7 +213,8 @@ class Installed:
             retries, bad = retries_of(headers)  # bad: reserved (bad_input), no attempt
             publish = Publish(name, str(headers["id"]), retries, found.max_retries, found.spec,
                               headers, spec_error=bad or found.error)  # fmt: skip
-            render = self._renderer(producer, name, message, options)
+            if sendable(publish.job_id, name):  # else the gate cannot be asked (gate_error),
+                render = self._renderer(producer, name, message, options)  # and it is Celery's
             routing = self.pipeline.route(publish, render)
             if routing.decision is None and (
                 routing.reason is Reason.FLAGS_UNREAD
