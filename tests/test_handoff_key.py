@@ -392,6 +392,28 @@ def twin_in_free_original_back_path_closed(redis_url: str, client: redis.Redis) 
     return job
 
 
+def test_a_spare_recall_held_past_its_deadline_is_not_looked_at_every_pass(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # A reviewer: with a passed deadline skipping every hold, a twin recalled while the free
+    # path was closed (its copy already run) was recalled and held again on every pass,
+    # without a pause: 366 passes in 2 s. A hold is kept; a deferred task's backoff ends by
+    # its deadline instead (tests/test_replay.py).
+    defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 12})
+    (parked,) = queue_messages(redis_client, "defer")
+    assert replay_once(redis_url, redis_client) == {"to_free": 1}
+    with running_worker(redis_url, tmp_path / "w.log", queues="free"):
+        assert wait_until(lambda: len(recorded_runs(redis_client)) == 1)  # its copy ran
+    redis_client.lpush("defer", json.dumps(parked))  # its twin comes back
+    redis_client.hset(KEYS.flags, "free_path_enabled", "false")
+    time.sleep(max(0.0, parked["headers"]["gatekeeper_deadline_at"] - time.time()) + 0.2)
+    replayer = Replayer(gate_settings(redis_url), broker=redis_client, gate=redis_client)
+    stop = threading.Event()
+    threading.Timer(2.0, stop.set).start()
+    counts = replayer.run(stop)
+    assert counts["held_free_path_closed"] <= 2, dict(counts)
+
+
 def test_a_recall_withdrawn_while_its_twin_waits_in_free_runs_once(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -2,14 +2,14 @@
 
 ``defer`` is a parking queue that no ordinary worker consumes. The replayer reads it from the
 broker itself (:mod:`gatekeeper.celery.broker`: kombu's lists on a Redis broker, or RabbitMQ
-through kombu with acks and confirms) and, for each message that is due or past its deadline:
+through kombu with acks and confirms) and, for each message that is due:
 
-- deadline passed (due or not) -> ``dead_letter``, an ``abandoned`` row and an alert line (with
+- deadline passed -> the ``dead_letter`` queue, an ``abandoned`` row and an alert line (with
   ``decision=admit_free slack_miss=true`` when an earlier attempt of the job ran free);
 - otherwise the same pipeline as at publish (same task id, deadline and attempt) -> ``free``
-  or ``reserved``, or back to ``defer`` with a backoff in its headers (never as an ETA
-  message: an ETA past the visibility timeout would run twice; on RabbitMQ it waits in a
-  delay queue). While the free path is off, the pipeline never answers ``free``.
+  or ``reserved``, or back to ``defer`` with a backoff in its headers, due by its deadline at
+  the latest (never an ETA message: an ETA past the visibility timeout would run twice; on
+  RabbitMQ it waits in a delay queue). While the free path is off, it is never ``free``.
 
 On Redis it works in batches (``replay_batch_size``, :mod:`gatekeeper.celery.batch`): a
 batch is claimed, its records read, its decisions made, its handoffs kept and its messages
@@ -24,10 +24,9 @@ moves (:mod:`gatekeeper.redis.lock`; renewed once a third of its TTL has passed,
 batch keeps it): a replayer that lost it decides, moves and writes nothing more, and only
 dead tenures' claims are taken back. A message that comes back after it was scored (its
 move refused, or its replayer killed before the ack) is handed on again as it was the first
-time (no copy leaves before its handoff is kept: :mod:`gatekeeper.redis.handoff`), but never to
-free while the free path is closed (it expires to reserved:
-:func:`gatekeeper.celery.expiry.closed_recall`), and a worker runs one copy of the two
-(:mod:`gatekeeper.celery.duplicates`). ``abandon.lua`` writes one row per attempt.
+time (no copy leaves before its handoff is kept: :mod:`gatekeeper.redis.handoff`), never to
+free while the path is closed (``expiry.closed_recall``), and a worker runs one copy of the
+two (``duplicates``). ``abandon.lua`` writes one row per attempt.
 """
 
 from __future__ import annotations
@@ -245,9 +244,9 @@ class Replayer:
             return "malformed"
         headers: dict[str, Any] = message["headers"]
         job_id, deadline = str(headers.get("id")), headers.get(H_DEADLINE_AT)
-        passed = isinstance(deadline, (int, float)) and deadline <= now  # held or not: abandoned
+        passed = isinstance(deadline, (int, float)) and deadline <= now  # once due (a hold kept)
         after = headers.get(H_REPLAY_AFTER)
-        if isinstance(after, (int, float)) and after > now and not passed:
+        if isinstance(after, (int, float)) and after > now:
             self.broker.hold(taken, None, after - now)
             return "not_due"
         if H_ATTEMPT not in headers:
@@ -268,9 +267,8 @@ class Replayer:
             self.log.warning("replay_handed_on_again", job_id=job_id, attempt=attempt,
                              queue=again.queue)  # fmt: skip
             return self._hand_on(taken, message, again, "handed_on_again")
-        if gated and scored_unsent(record, headers):
-            # Scored, never handed on (a copy leaves only once its handoff is kept, below):
-            # the record's own, also past its deadline (its row, slack miss and end).
+        if gated and scored_unsent(record, headers):  # scored, never handed on (below): the
+            # record's own, also past its deadline (its row, slack miss and end)
             self.log.warning("replay_scored_not_handed_on", job_id=job_id, attempt=attempt,
                              decision=record.get("decision"))  # fmt: skip
             as_scored(self.pipeline.store, job_id, attempt, record, headers)
@@ -295,6 +293,8 @@ class Replayer:
         if queue == self.defer:
             wait = min(self.settings.replay_backoff_s * 2 ** min(replays - 1, 64),
                        self.settings.replay_backoff_max_s)  # fmt: skip
+            if isinstance(deadline, (int, float)):  # due again by its deadline: abandoned then
+                wait = max(0.0, min(wait, deadline - now))
             changes[H_REPLAY_AFTER] = now + wait
         else:
             drop = (*drop, H_REPLAY_AFTER)
