@@ -91,3 +91,24 @@ def test_a_row_the_gate_did_not_answer_for_as_the_run_ended_is_written_when_it_a
         assert "swept=0" in swept
         assert exposure(gate_client) == 0
         assert gate_client.zcard(KEYS.started) == gate_client.zcard(KEYS.unverified_started) == 0
+
+
+def test_a_written_row_whose_freeze_check_gets_no_answer_is_logged_and_alerted_once(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # A reviewer: the auto-freeze's flag read after a written row got no answer, and the row's
+    # write, kept to send again, was sent again: its ledger_row line and slack-miss alert came
+    # twice. A written row is not kept; the check says it failed.
+    app = create_app(gate_settings(redis_url), redis_url)
+    log = tmp_path / "w.log"
+    late = {"headers": {"gatekeeper_deadline_s": 1.3}}  # admitted (dwell 1 s), runs 1.5 s
+    with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="1",
+                        GATEKEEPER_TEST_FREEZE_READ_SILENT="1"):  # fmt: skip
+        job = app.tasks["tests.sleepy"].apply_async(kwargs={"sleep_s": 1.5}, **late).id
+        assert wait_until(lambda: len(rows(redis_client)) == 1, timeout_s=20)
+        time.sleep(2.5)  # a kept call's resend (1 s after), if any
+    lines = [ln for ln in log.read_text().splitlines() if f"job_id={job}" in ln]
+    assert len([ln for ln in lines if "event=ledger_row " in ln]) == 1, lines
+    assert len([ln for ln in lines if "event=slack_miss " in ln]) == 1, lines
+    assert [ln for ln in lines if "event=freeze_check_failed" in ln], lines
+    assert len(rows(redis_client)) == 1

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
+
 from gatekeeper.core.health import WindowHealth, should_freeze
 from gatekeeper.core.ledger import LedgerRow
+from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.runs import Finished, RunRecord
 
@@ -37,7 +40,11 @@ def row_written(
             job_id=job_id, attempt=attempt, dwell_s=record.dwell_s,
             deadline_slack_s=row.deadline_slack_ms / 1000, retries=record.retries,
         )  # fmt: skip
-        maybe_freeze(flags, alerts, record.window, done.slack_misses, done.admitted_free, now)
+        try:  # the row is written: a check that gets no answer never sends it again (pending)
+            maybe_freeze(flags, alerts, record.window, done.slack_misses, done.admitted_free,
+                         now)  # fmt: skip
+        except (LedgerUnavailable, redis.RedisError) as exc:
+            log.warning("freeze_check_failed", job_id=job_id, attempt=attempt, error=repr(exc))
 
 
 def maybe_freeze(

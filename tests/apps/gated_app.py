@@ -13,10 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
 import gatekeeper
+from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.connect import client_for
 from gatekeeper.settings import GatekeeperSettings, load_settings
 
@@ -279,5 +281,24 @@ def _from_environment() -> Celery:
     return app
 
 
+def _freeze_check_unanswered_once() -> None:
+    """The auto-freeze's first flag read gets no answer (a Redis gone silent right after
+    finish.lua answered): GATEKEEPER_TEST_FREEZE_READ_SILENT=1."""
+    from gatekeeper.celery import freeze
+
+    real, done = freeze.maybe_freeze, []
+
+    def maybe_freeze(*args: Any) -> bool:
+        if not done:
+            done.append(1)
+            silent = redis.TimeoutError("Timeout reading from socket")
+            raise LedgerUnavailable(f"cannot read flags: {silent}") from silent
+        return real(*args)
+
+    freeze.maybe_freeze = maybe_freeze  # type: ignore[assignment]
+
+
 if os.environ.get("GATEKEEPER_TEST_WORKER") == "1":
     app = _from_environment()
+    if os.environ.get("GATEKEEPER_TEST_FREEZE_READ_SILENT") == "1":
+        _freeze_check_unanswered_once()
