@@ -67,6 +67,17 @@ def test_retries_no_attempt_is_counted_from_is_a_bad_input_with_no_record(
     assert not redis_client.hgetall(KEYS.inflight)
 
 
+def test_a_bad_retries_decision_record_names_no_attempt(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A reviewer: its decision record named attempt 1, one never counted, which `tune` could
+    # take for a real attempt 1 of the job (its outcome, its slack miss).
+    app = create_app(gate_settings(redis_url), redis_url)
+    job = app.tasks["tests.embed"].apply_async((1,), retries=-1).id
+    (entry,) = redis_client.xrange(KEYS.decisions)
+    assert entry[1][b"j"].decode() == f"{job}:0"  # attempt 0: none has it
+
+
 def test_a_run_of_retries_minus_one_holds_nothing_on_the_free_queue(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "delay_of",
     "identity",
     "label_of",
+    "no_attempt",
     "resolve",
     "retries_of",
     "unrecorded",
@@ -134,7 +135,7 @@ def retries_of(headers: Mapping[str, Any]) -> tuple[int, BadDeclaredInput | None
     return 0, BadDeclaredInput("retries", f"a whole number from 0 to {ATTEMPTS - 2}", retries)
 
 
-def _no_attempt(publish: Publish) -> bool:
+def no_attempt(publish: Publish) -> bool:
     """Whether the publish's ``retries`` make no attempt (:func:`retries_of`)."""
     return publish.spec_error is not None and publish.spec_error.field == "retries"
 
@@ -143,7 +144,7 @@ def identity(publish: Publish) -> dict[str, Any]:
     """The fields every decision line starts with."""
     fields: dict[str, Any] = {"task": publish.task, "job_id": publish.job_id,
                               "attempt": publish.attempt, "retries": publish.retries}  # fmt: skip
-    if _no_attempt(publish):  # as the message said it: no attempt is counted from it
+    if no_attempt(publish):  # as the message said it: no attempt is counted from it
         fields.update(attempt=None, retries=publish.headers.get("retries"))
     if publish.origin != "publish":
         fields["origin"] = publish.origin
@@ -231,7 +232,7 @@ def bad_input_stamp(publish: Publish, now: float) -> dict[str, Any]:
         H_PUBLISHED_AT: now,
         H_ATTEMPT_PUBLISHED_AT: now,
     }  # fmt: skip
-    if not _no_attempt(publish):  # else no attempt is claimed: its run gets no row at all
+    if not no_attempt(publish):  # else no attempt is claimed: its run gets no row at all
         stamp[H_ATTEMPT] = publish.attempt
     if H_DEADLINE_AT in publish.headers and H_DEADLINE_AT not in bad:
         stamp[H_DEADLINE_AT] = publish.headers[H_DEADLINE_AT]

@@ -10,7 +10,8 @@
    task is then decided as if the gate were on, so ``free_path_enabled=false`` binds every
    gated task (SPEC section 4);
 2. :meth:`~Pipeline._resolved`: a declared input that cannot be scored -> reserved
-   (``bad_input``, unverified: the gate writes no record for it);
+   (``bad_input``, unverified: the gate writes no record for it; ``retries`` that make no
+   attempt are counted under attempt 0, which none has);
 3. :meth:`~Pipeline._in_process`: the settings turn the gate on but the flags are unread ->
    reserved (``gate_unavailable``); ``free_path_enabled`` off -> reserved; the dwell gate's
    guards (:func:`gatekeeper.core.dwell.decide`, no round trip) -> defer;
@@ -52,6 +53,7 @@ from gatekeeper.redis.attempt import (
     bad_input_stamp,
     identity,
     label_of,
+    no_attempt,
     resolve,
     unrecorded,
 )
@@ -97,14 +99,8 @@ class Routing:
 class Pipeline:
     """Scores publishes of gated tasks with the flags, the core and the gate's Redis."""
 
-    def __init__(
-        self,
-        settings: GatekeeperSettings,
-        store: GateStore,
-        flags: FlagStore,
-        logger: Any,
-        clock: Callable[[], float],
-    ) -> None:
+    def __init__(self, settings: GatekeeperSettings, store: GateStore, flags: FlagStore,
+                 logger: Any, clock: Callable[[], float]) -> None:  # fmt: skip
         self.settings = settings
         self.store = store
         self.flags = flags
@@ -193,9 +189,9 @@ class Pipeline:
             fields = identity(publish)
             marks = review_marks(Decision.RESERVED.value, Reason.BAD_INPUT.value, *[math.nan] * 4)
             win = window_id(now, self.settings.window_seconds)
-            self.store.record_decision(win, publish.job_id, publish.attempt, Decision.RESERVED,
-                                       Reason.BAD_INPUT, marks, {},
-                                       task=label_of(publish))  # fmt: skip
+            self.store.record_decision(win, publish.job_id, 0 if no_attempt(publish) else
+                                       publish.attempt, Decision.RESERVED, Reason.BAD_INPUT,
+                                       marks, {}, task=label_of(publish))  # fmt: skip
             stamp = bad_input_stamp(publish, now)
             routing = self._finish(Decision.RESERVED, Reason.BAD_INPUT, stamp, fields,
                                    error=str(exc), field=exc.field)  # fmt: skip
