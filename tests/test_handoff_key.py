@@ -399,7 +399,7 @@ def test_a_spare_recall_held_past_its_deadline_is_not_looked_at_every_pass(
     # path was closed (its copy already run) was recalled and held again on every pass,
     # without a pause: 366 passes in 2 s. A hold is kept; a deferred task's backoff ends by
     # its deadline instead (tests/test_replay.py).
-    defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 12})
+    defer_tasks(redis_url, redis_client, 1, headers={"gatekeeper_deadline_s": 5})
     (parked,) = queue_messages(redis_client, "defer")
     assert replay_once(redis_url, redis_client) == {"to_free": 1}
     with running_worker(redis_url, tmp_path / "w.log", queues="free"):
