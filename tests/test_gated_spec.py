@@ -267,6 +267,9 @@ def test_an_infinite_declared_deadline_is_a_bad_input(declared: dict[str, Any], 
     with pytest.raises(BadDeclaredInput) as caught:
         resolve_inputs(GatedSpec(expected_service_s=1, **declared), {}, now=1.0)
     assert caught.value.field == field
+    if not isinstance(declared[field], str):  # the decorator takes numbers only (above)
+        with pytest.raises(BadDeclaredInput, match=f"{field}: expected a finite deadline"):
+            gatekeeper.gated(expected_service_s=1, **declared)  # at import, not at each publish
 
 
 def test_a_declaration_too_large_to_count_is_refused_at_import_and_at_publish() -> None:

@@ -38,10 +38,10 @@ def gated(
 
     The task keeps its name, signature and ``max_retries``; only the ``gatekeeper`` attribute
     is set, on the task and on the function Celery made it from. Values of the wrong type
-    (text included), negative or fractional token counts, and a missing or
-    doubled deadline raise :class:`BadDeclaredInput` here, at import. Values that are numbers
-    but cannot be scored (a service time of 0, a deadline already past) are the gate's to
-    judge at publish time, where they fail closed.
+    (text included), negative or fractional token counts, a missing, doubled or infinite
+    deadline raise :class:`BadDeclaredInput` here, at import. Values that are numbers but
+    cannot be scored (a service time of 0 or infinite, a deadline already past) are the
+    gate's to judge at publish time, where they fail closed.
     """
     declared_number("expected_service_s", expected_service_s)
     whole_tokens("tokens_in", declared_number("tokens_in", tokens_in))
@@ -49,6 +49,8 @@ def gated(
     for name, value in (("deadline_s", deadline_s), ("deadline_at", deadline_at)):
         if value is not None and math.isnan(declared_number(name, value)):
             raise BadDeclaredInput(name, "a number", value)
+        if value is not None and math.isinf(value):  # every publish would refuse it
+            raise BadDeclaredInput(name, "a finite deadline", value)
     spec = GatedSpec(
         expected_service_s=expected_service_s,
         tokens_in=tokens_in,
