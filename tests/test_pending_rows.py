@@ -19,6 +19,8 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from gatekeeper.celery.pending import PendingRows
+from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.ops.cli import main
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.keys import Keys
@@ -112,3 +114,40 @@ def test_a_written_row_whose_freeze_check_gets_no_answer_is_logged_and_alerted_o
     assert len([ln for ln in lines if "event=slack_miss " in ln]) == 1, lines
     assert [ln for ln in lines if "event=freeze_check_failed" in ln], lines
     assert len(rows(redis_client)) == 1
+
+
+class Said:
+    """A log that keeps its events (the worker's log is a structlog logger)."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **fields: self.events.append(event)
+
+
+def test_a_resend_under_way_at_exit_is_waited_for_not_logged_lost() -> None:
+    # A reviewer: the process's clean exit while the retry thread was sending a kept row (its
+    # Redis slow to answer) took the row for lost at once, logged ledger_rows_lost, and never
+    # sent what was left. The exit's send now waits for the thread's to end.
+    with EmbeddedRedis() as server:
+        admin = redis.Redis.from_url(server.url)
+        slow = redis.Redis.from_url(server.url, socket_timeout=2.0)
+        said, written = Said(), []
+
+        def write() -> bool:  # a row's write: the pending list keeps it while Redis is silent
+            try:
+                written.append(slow.incr("row"))
+            except redis.RedisError as exc:
+                raise LedgerUnavailable("no answer") from exc
+            return True
+
+        pending = PendingRows(said, max_interval_s=1.0)
+        admin.execute_command("CLIENT", "PAUSE", "4000", "ALL")
+        begun = time.monotonic()
+        pending.write("job-1", 1, write)  # no answer in 2 s: kept; resent 1 s later, and waits
+        assert said.events == ["ledger_row_pending"] and len(pending) == 1
+        time.sleep(max(0.0, begun + 3.5 - time.monotonic()))  # the resend waits for the pause
+        pending.at_exit()
+        assert said.events == ["ledger_row_pending", "ledger_row_pending_written"]
+        assert len(pending) == 0 and admin.get("row") == b"1"

@@ -15,8 +15,9 @@ unchanged, until Redis answers (``event=ledger_row_pending``, then
   and every row of the threads, gevent, eventlet and solo pools);
 - before the start of the process's next run, and after the row of its next run;
 - at the process's clean exit (``worker_process_shutdown`` in a pool child,
-  ``worker_shutdown`` in the main process): once more, and what is still unanswered then is
-  logged as lost (``event=ledger_rows_lost``).
+  ``worker_shutdown`` in the main process): once more, after the retry thread's resend if one
+  is under way (up to :data:`EXIT_WAIT_S`), and what is still unanswered then is logged as
+  lost (``event=ledger_rows_lost``).
 
 What is not kept: a process killed outright (SIGKILL, the OOM killer) loses its list, and a
 row still unanswered at its exit is lost; the run is then still in ``started`` (or
@@ -47,6 +48,10 @@ long enough to pass it loses the newest rows, logged, and the sweep writes their
 
 FIRST_RETRY_S = 1.0
 """The first resend's delay after a write got no answer (then doubled, up to the heartbeat)."""
+
+EXIT_WAIT_S = 5.0
+"""At exit, how long the last send waits for a resend the retry thread has under way (a row
+with no answer takes it twice the gate's Redis timeout)."""
 
 
 def unanswered(exc: BaseException) -> bool:
@@ -120,16 +125,18 @@ class PendingRows:
             threading.Thread(target=self._retry, name="gatekeeper-pending-rows",
                              daemon=True).start()  # fmt: skip
 
-    def send(self, via: str) -> None:
+    def send(self, via: str, wait_s: float = 0.0) -> None:
         """Send the kept rows again, oldest first, until one gets no answer (Redis is still
-        silent: the rest wait too). Another thread sending them already, or a run's call
-        within half a second of a write Redis gave no answer to: nothing."""
+        silent: the rest wait too). Another thread sending them already (after ``wait_s``
+        for it to end), or a run's call within half a second of a write Redis gave no answer
+        to: nothing."""
         self._mine()
         if not self._rows or (
             via.startswith("run") and time.monotonic() - self._silent_at < FIRST_RETRY_S / 2
         ):
             return
-        if not self._sending.acquire(blocking=False):
+        if not (self._sending.acquire(timeout=wait_s) if wait_s > 0 else
+                self._sending.acquire(blocking=False)):  # fmt: skip
             return
         try:
             while self._rows:
@@ -154,8 +161,9 @@ class PendingRows:
             self._sending.release()
 
     def at_exit(self) -> None:
-        """The process ends: one last send; what is left is lost (the sweep's, later)."""
-        self.send("exit")
+        """The process ends: one last send, once a resend under way (the retry thread's)
+        has ended; what is left is lost (the sweep's, later)."""
+        self.send("exit", wait_s=EXIT_WAIT_S)
         self._mine()
         with self._lock:
             lost, self._rows = list(self._rows), deque()
