@@ -24,7 +24,7 @@ from gatekeeper.core.ledger import Path as RowPath
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.sweep import sweep
 from gatekeeper.redis.unverified import UnverifiedRuns
 from tests.apps.gated_app import RUNS_KEY, create_app
@@ -354,30 +354,46 @@ def test_an_unverified_child_killed_under_retry_on_worker_lost_is_one_killed_row
     assert [r["attempt"] for r in rows(redis_client) if r["outcome"] == "killed"] == [1]
 
 
-def lost_record_publish(redis_url: str, redis_client: redis.Redis, task: str, **kw: Any) -> str:
+def lost_record_publish(
+    redis_url: str, redis_client: redis.Redis, task: str, stub: bool = False, **kw: Any
+) -> str:
     """Publish ``task`` through the gate (free, with a nonce), then drop its record, as a
-    failover drops what the old master had not replicated (README, Sentinel)."""
+    failover drops what the old master had not replicated (README, Sentinel). ``stub``: then
+    an earlier run's row, kept by its worker while Redis was silent, is sent again and written
+    (finish.lua), leaving a record with its row's marks and no nonce."""
     app = create_app(gate_settings(redis_url), redis_url)
     job = str(app.tasks[task].apply_async(kwargs=kw).id)
     (message,) = queue_messages(redis_client, "free")
     assert message["headers"]["gatekeeper_nonce"]
+    record = RunRecord.from_fields(
+        {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.run(job, 1)).items()}
+    )
     assert redis_client.delete(KEYS.run(job, 1)) == 1
+    if stub:
+        ledger = RunLedger.from_settings(redis_client, gate_settings(redis_url))
+        now_ms = round(time.time() * 1000)
+        row = ledger.row_for(job, 1, record, Outcome.KILLED, now_ms)
+        assert ledger.finish(row, 1, record, now_ms, current=False).written
+        assert redis_client.hget(KEYS.run(job, 1), "rowed") == b"1"
+        assert redis_client.hget(KEYS.run(job, 1), "nonce") is None
     return job
 
 
-@pytest.mark.parametrize("killed", [False, True])
+@pytest.mark.parametrize(("killed", "stub"), [(False, False), (True, False), (False, True)])
 def test_a_run_whose_record_a_failover_lost_gets_an_unverified_row(
-    redis_url: str, redis_client: redis.Redis, tmp_path: Path, killed: bool
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, killed: bool, stub: bool
 ) -> None:
     # Its nonce names no record at all: not forged (a nonce that is not an existing record's),
     # but a decision the gate's Redis no longer holds. Ended in its pool child, or SIGKILLed
-    # before it read its start (the main process then counts the run for its row).
-    job = lost_record_publish(redis_url, redis_client, "tests.sleepy", sleep_s=5 if killed else 0)
+    # before it read its start (the main process then counts the run for its row). Or all
+    # that is left is the mark of a row written after the loss (a reviewer: it was forged).
+    job = lost_record_publish(redis_url, redis_client, "tests.sleepy", stub,
+                              sleep_s=5 if killed else 0)  # fmt: skip
     log = tmp_path / "w.log"
     with running_worker(redis_url, log):
         if killed:
             kill_run(redis_client, 0)
-        (row,) = wait_rows(redis_client, 1, log)
+        *_, row = wait_rows(redis_client, 1 + stub, log)
     outcome = "killed" if killed else "ok"
     assert shown(row) == (job, 1, outcome, "free", False) and row["retry_tax"] == 0.0
     stats = {k.decode(): int(v) for k, v in redis_client.hgetall(KEYS.stats).items()}

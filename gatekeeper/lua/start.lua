@@ -6,7 +6,8 @@
 -- publisher that predates records, or a decision made without Redis) is counted as
 -- unverified; one whose nonce is not the record's is counted as forged; neither touches the
 -- record, the started set or the free queue's wait. One with a nonce and no record at all
--- (a failover lost what the old master had not replicated; the record expired) is answered
+-- (a failover lost what the old master had not replicated; the record expired; only what a
+-- row written after the loss left, with no nonce) is answered
 -- unverified, not counted here: the caller counts its run as an unverified one
 -- (unverified.lua), with the unverified row it is owed. A forger gains nothing by it: leaving
 -- the nonce out gets the same row.
@@ -48,7 +49,10 @@
 local held = redis.call('HMGET', KEYS[1], 'nonce', 'start_token', 'start_dead', 'runs', 'rowed',
   'started_ms')
 if ARGV[3] == '' or held[1] ~= ARGV[3] then
-  if ARGV[3] ~= '' and redis.call('EXISTS', KEYS[1]) == 0 then
+  -- No nonce in the record: no record at all, or what another run's late row left of a record
+  -- Redis lost (finish.lua's rowed and rowed_by: a kept row sent again once Redis answered,
+  -- empty). The gate, record.lua and fallback.lua always write a nonce.
+  if ARGV[3] ~= '' and not held[1] then
     return {0, 'unverified', 'none'}
   end
   local kind = ARGV[3] == '' and 'unverified' or 'forged'
