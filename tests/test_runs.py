@@ -115,6 +115,34 @@ def test_a_second_start_after_a_row_is_just_another_run(redis_client: redis.Redi
     assert (again.run, again.dead) == (2, None)
 
 
+def test_a_dead_runs_row_overtaken_by_its_redelivered_runs_row_is_still_written_once(
+    redis_client: redis.Redis,
+) -> None:
+    """A reviewer: the dead run's row (written at the redelivered copy's start) got no answer
+    and was kept to send again; the redelivered run's own row came first, and the dead run's
+    was then refused for good (`rowed` read as a high-water mark). Each run has its row."""
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
+    again = start_run(runs, redis_client, "job", 1, record(), T0_MS + 60_000)
+    assert (again.run, again.dead_run) == (2, 1) and again.dead is not None
+    run, rec = runs.record("job", 1) or (0, record())
+    latest = runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 70_000)
+    dead = runs.row_for("job", 1, again.dead, Outcome.KILLED, T0_MS + 60_000)
+    assert runs.finish(latest, 2, rec, T0_MS + 70_000, token="t2").written  # overtakes
+    first, resent, other = (
+        runs.finish(dead, 1, again.dead, T0_MS + 80_000, current=False, token=token)
+        for token in ("t1", "t1", "t3")
+    )
+    assert first.written and resent == first and not other.written
+    written = read_rows(redis_client, KEYS, window_id(T0_MS / 1000, 900))
+    assert sorted(row["outcome"] for row in written) == ["killed", "ok"]
+    assert runs.finish(latest, 2, rec, T0_MS + 90_000, token="t2").written  # its reply kept
+    assert not runs.finish(dead, 1, again.dead, T0_MS + 90_000, current=False).written
+    assert redis_client.hget(KEYS.run("job", 1), "owed") is None
+    assert float(window_hash(redis_client, T0_MS)[b"exposure"]) == 0
+
+
 def test_reserved_rows_are_recorded_but_not_charged(redis_client: redis.Redis) -> None:
     runs = ledger(redis_client)
     rec = record(path="reserved", decision="reserved", started_ms=T0_MS + 100)

@@ -87,15 +87,23 @@ local function fmt17(x) return string.format('%.17g', x) end
 local run = tonumber(ARGV[2])
 -- The record read once: what this row needs, and what a cut keeps (below).
 local rec = redis.call('HMGET', KEYS[1], 'rowed', 'runs', 'reserved', 'charged', 'kept',
-  'published_ms', 'deadline_ms', 'tokens_in', 'window', 'free_admitted', 'prev_nonce', 'nonce')
+  'published_ms', 'deadline_ms', 'tokens_in', 'window', 'free_admitted', 'prev_nonce', 'nonce',
+  'owed')
 if ARGV[17] and ARGV[17] ~= '' and rec[12] and rec[12] ~= ARGV[17] then
   return {0, 0, 0, '0'}  -- another life of the attempt (gate.lua counts its runs anew)
 end
-if tonumber(rec[1] or '0') >= run then
+-- `rowed` is the last run with its row. A row that passes over earlier runs still without
+-- theirs (a dead run's row kept by its worker while Redis was silent, overtaken by the
+-- redelivered run's own) leaves them `owed`, ',<run>,<run>,', so that each still gets its
+-- one row when it comes (late: `rowed` stays, its reply is kept in `rowed_by:<run>`).
+local mark = tonumber(rec[1] or '0')
+local late = mark >= run and rec[13] and string.find(rec[13], ',' .. ARGV[2] .. ',', 1, true)
+if mark >= run and not late then
   -- The run has its row: nothing is written, and a duplicate is told so; the call that wrote
   -- it, sent again after its reply was lost, gets that reply (`rowed_by` is read here alone:
   -- a walk of the record a first call need not pay).
-  local by = redis.call('HGET', KEYS[1], 'rowed_by') or ''
+  local by = redis.call('HGET', KEYS[1], mark == run and 'rowed_by' or 'rowed_by:' .. ARGV[2])
+    or ''
   local token, missed, tax = string.match(by, '^([^|]*)|(%d)|?(.*)$')
   if token ~= ARGV[16] then
     return {0, 0, 0, '0'}
@@ -159,8 +167,21 @@ if free then
   end
 end
 -- Written once the tax is known: the run has its row, and what this call replies (above).
-redis.call('HSET', KEYS[1], 'rowed', ARGV[2], 'rowed_by', ARGV[16] .. '|'
-  .. (missed and '1' or '0') .. (written_tax ~= ARGV[6] and '|' .. written_tax or ''))
+local reply = ARGV[16] .. '|' .. (missed and '1' or '0')
+  .. (written_tax ~= ARGV[6] and '|' .. written_tax or '')
+if late then
+  local left = string.gsub(rec[13], ',' .. ARGV[2] .. ',', ',', 1)
+  if left == ',' then redis.call('HDEL', KEYS[1], 'owed') else
+    redis.call('HSET', KEYS[1], 'owed', left) end
+  redis.call('HSET', KEYS[1], 'rowed_by:' .. ARGV[2], reply)
+else
+  if run > mark + 1 then  -- the runs passed over, the nearest 16 (a run is a start: few)
+    local owed = rec[13] or ','
+    for r = math.max(mark + 1, run - 16), run - 1 do owed = owed .. r .. ',' end
+    redis.call('HSET', KEYS[1], 'owed', owed)
+  end
+  redis.call('HSET', KEYS[1], 'rowed', ARGV[2], 'rowed_by', reply)
+end
 redis.call('RPUSH', rows, row)
 redis.call('EXPIRE', rows, ARGV[8])
 redis.call('HINCRBY', window, 'rows:' .. ARGV[4], '1')
