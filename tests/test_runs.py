@@ -126,7 +126,7 @@ def test_a_dead_runs_row_overtaken_by_its_redelivered_runs_row_is_still_written_
     start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
     again = start_run(runs, redis_client, "job", 1, record(), T0_MS + 60_000)
     assert (again.run, again.dead_run) == (2, 1) and again.dead is not None
-    _, rec = runs.record("job", 1) or (0, record())
+    run, rec = runs.record("job", 1) or (0, record())
     latest = runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 70_000)
     dead = runs.row_for("job", 1, again.dead, Outcome.KILLED, T0_MS + 60_000)
     assert runs.finish(latest, 2, rec, T0_MS + 70_000, token="t2").written  # overtakes

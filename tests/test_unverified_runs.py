@@ -402,28 +402,6 @@ def test_a_run_whose_record_a_failover_lost_gets_an_unverified_row(
     assert redis_client.zcard(KEYS.unverified_started) == 0
 
 
-def test_a_task_replaced_by_a_gated_task_gets_an_unverified_row_for_the_replacement(
-    redis_url: str, redis_client: redis.Redis, tmp_path: Path
-) -> None:
-    # Task.replace publishes the replacement with the running task's id: its attempt's record
-    # is live, so the gate sends it to reserved as `duplicate_publish` with no record of its
-    # own (the live record keeps dup:<its nonce>). Its run is the gate's decision, priced
-    # nothing: an unverified row, not a forged run with none (a reviewer).
-    app = create_app(gate_settings(redis_url), redis_url)
-    job = app.tasks["tests.replaced"].delay().id
-    log = tmp_path / "w.log"
-    with running_worker(redis_url, log, queues="free,reserved"):
-        found = wait_rows(redis_client, 2, log)
-    by_task = {run["task"]: run["id"] for run in runs(redis_client)}
-    assert by_task == {"tests.replaced": job, "tests.sleepy": job}
-    seen = sorted((r["job_id"], r["attempt"], r["outcome"], r["path"], r.get("verified", True))
-                  for r in found)  # fmt: skip
-    assert seen == [(job, 1, "ok", "free", True), (job, 1, "ok", "reserved", False)], seen
-    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(KEYS.stats).items()}
-    assert stats == {"unverified_runs": 1}, stats
-    assert "reason=duplicate_publish" in log.read_text()
-
-
 def test_an_unverified_dead_run_whose_redelivered_copy_is_revoked_before_it_starts_is_killed(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -4,8 +4,7 @@
 -- attempt (written by gate.lua, record.lua or fallback.lua when it was decided): a caller
 -- chooses task ids and headers, so neither proves anything. A message without a nonce (a
 -- publisher that predates records, or a decision made without Redis) is counted as
--- unverified; one whose nonce is not the record's, nor one of its duplicates' (below), is
--- counted as forged; neither touches the
+-- unverified; one whose nonce is not the record's is counted as forged; neither touches the
 -- record, the started set or the free queue's wait. One with a nonce and no record at all
 -- (a failover lost what the old master had not replicated; the record expired; only what a
 -- row written after the loss left, with no nonce) is answered
@@ -42,8 +41,7 @@
 --            retries, max_retries, time_limit_s and tokens_out as one (gatekeeper/redis/kept.py)
 --
 -- Returns {0, 'unverified' | 'forged'} for a message that is not the gate's ({0,
--- 'unverified', 'none'} for one with a nonce and no record, {0, 'unverified', 'duplicate'}
--- for a publish the gate decided duplicate_publish: not counted here), else
+-- 'unverified', 'none'} for one with a nonce and no record: not counted), else
 -- {1, run, dead_run, dead_started_ms, field, value, ...}: dead_run is 0 when no earlier run is
 -- missing its row; the fields are the gate's of the record (GATE below, those it has), not
 -- those the caller sent (ARGV[2], ARGV[5..]), which it adds itself.
@@ -56,12 +54,6 @@ if ARGV[3] == '' or held[1] ~= ARGV[3] then
   -- empty). The gate, record.lua and fallback.lua always write a nonce.
   if ARGV[3] ~= '' and not held[1] then
     return {0, 'unverified', 'none'}
-  end
-  -- The gate's own decision, a duplicate_publish (gate.lua keeps dup:<nonce> in the live
-  -- record: a second publish of the attempt, Task.replace's with the running task's id): no
-  -- record of its own, priced nothing, its run owed the unverified row. Not forged.
-  if ARGV[3] ~= '' and redis.call('HEXISTS', KEYS[1], 'dup:' .. ARGV[3]) == 1 then
-    return {0, 'unverified', 'duplicate'}
   end
   local kind = ARGV[3] == '' and 'unverified' or 'forged'
   redis.call('HINCRBY', KEYS[4], kind .. '_runs', '1')

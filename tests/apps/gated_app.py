@@ -166,13 +166,6 @@ def create_app(
         time.sleep(sleep_s)
         return "slept"
 
-    @app.task(bind=True, name="tests.replaced", max_retries=0, shared=False, gatekeeper=kill_spec)
-    def replaced(self: Any) -> None:
-        """Replaced by ``tests.sleepy`` (gated too), which Celery publishes with this run's id
-        while this run is live: the gate decides it ``duplicate_publish``."""
-        record(self)
-        raise self.replace(sleepy.s(sleep_s=0))
-
     @app.task(
         bind=True, name="tests.lost_late", max_retries=0, acks_late=True,
         reject_on_worker_lost=True, shared=False, gatekeeper=kill_spec,
