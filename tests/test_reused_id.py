@@ -376,3 +376,56 @@ def test_a_redis_out_of_memory_still_forgets_what_left_defer(redis_client: redis
         forget_deferred(redis_client, KEYS, {"id": "K", "gatekeeper_attempt": 1,
                                              "gatekeeper_deadline_at": huge})  # fmt: skip
     assert redis_client.zrange(KEYS.deferred, 0, -1) == []
+
+
+def test_runs_owed_by_an_earlier_life_are_not_owed_by_the_next(redis_client: redis.Redis) -> None:
+    """A reviewer: life A's run 2 row passed over run 1 (`owed`), and the id published again
+    kept it: life B's run 1 then took two rows, one a second signal's."""
+    night = Night(redis_client)
+    decided, first = night.publish(T0, "j")
+    assert decided == ADMITTED
+    own = {"task": "t", "worker": "w"}
+    night.runs.start("j", 1, first, own, round((T0 + 1) * 1000))
+    again = night.runs.start("j", 1, first, own, round((T0 + 2) * 1000))
+    assert again.dead_run == 1 and again.record is not None
+    row = night.runs.row_for("j", 1, again.record, Outcome.OK, round((T0 + 3) * 1000))
+    assert night.runs.finish(row, 2, again.record, round((T0 + 3) * 1000)).written
+    assert redis_client.hget(KEYS.run("j", 1), "owed") == b",1,"
+    decided, second = night.publish(T0 + 5, "j")  # the id used again: its attempt anew
+    assert decided == ADMITTED and second != first
+    started = night.runs.start("j", 1, second, own, round((T0 + 6) * 1000))
+    assert started.run == 1 and started.record is not None
+    row = night.runs.row_for("j", 1, started.record, Outcome.KILLED, round((T0 + 7) * 1000))
+    written = [night.runs.finish(row, 1, started.record, round((T0 + 7) * 1000), token=token)
+               for token in ("a", "b")]  # fmt: skip
+    assert [w.written for w in written] == [True, False]
+    assert redis_client.hget(KEYS.run("j", 1), "owed") is None
+
+
+def test_a_late_row_sent_as_the_latest_run_leaves_the_live_run_its_reservation(
+    redis_client: redis.Redis,
+) -> None:
+    """A reviewer: a worker sends its own run's row as the latest; kept while Redis was silent,
+    it came after a later run's dead-run row had left it owed, while run 3 ran. Taken as
+    the latest, it closed the reservation, released all exposure and left `started`: run 3
+    was then charged nothing and never swept. A late row is a dead run's."""
+    night = Night(redis_client)
+    decided, nonce = night.publish(T0, "j")
+    assert decided == ADMITTED
+    own = {"task": "t", "worker": "gone"}
+    one, two, three = (night.runs.start("j", 1, nonce, own, round((T0 + s) * 1000))
+                       for s in (1, 2, 3))  # fmt: skip
+    assert (two.dead_run, three.dead_run) == (1, 2) and three.dead and one.record
+    dead = night.runs.row_for("j", 1, three.dead, Outcome.KILLED, round((T0 + 3) * 1000))
+    assert night.runs.finish(dead, 2, three.dead, round((T0 + 3) * 1000), current=False).written
+    held = float(redis_client.hget(KEYS.inflight, "j:1").split(b"|")[0])  # type: ignore[union-attr]
+    late = night.runs.row_for("j", 1, one.record, Outcome.KILLED, round((T0 + 4) * 1000))
+    assert night.runs.finish(late, 1, one.record, round((T0 + 4) * 1000)).written
+    rest = float(redis_client.hget(KEYS.inflight, "j:1").split(b"|")[0])  # type: ignore[union-attr]
+    assert rest == held - late.retry_tax > 0 and night.window(T0)[1] == rest
+    assert redis_client.zscore(KEYS.started, "j:1") is not None
+    assert redis_client.hget(KEYS.run("j", 1), "reserved") != redis_client.hget(
+        KEYS.run("j", 1), "charged")  # fmt: skip
+    swept = sweep(night.runs, round((T0 + 4000) * 1000), 60)  # run 3's worker is gone
+    assert [(s.row.attempt, s.row.outcome) for s in swept] == [(1, Outcome.KILLED)]
+    assert night.window(T0)[1] == 0

@@ -126,7 +126,7 @@ def test_a_dead_runs_row_overtaken_by_its_redelivered_runs_row_is_still_written_
     start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
     again = start_run(runs, redis_client, "job", 1, record(), T0_MS + 60_000)
     assert (again.run, again.dead_run) == (2, 1) and again.dead is not None
-    run, rec = runs.record("job", 1) or (0, record())
+    _, rec = runs.record("job", 1) or (0, record())
     latest = runs.row_for("job", 1, rec, Outcome.OK, T0_MS + 70_000)
     dead = runs.row_for("job", 1, again.dead, Outcome.KILLED, T0_MS + 60_000)
     assert runs.finish(latest, 2, rec, T0_MS + 70_000, token="t2").written  # overtakes
@@ -139,7 +139,9 @@ def test_a_dead_runs_row_overtaken_by_its_redelivered_runs_row_is_still_written_
     assert sorted(row["outcome"] for row in written) == ["killed", "ok"]
     assert runs.finish(latest, 2, rec, T0_MS + 90_000, token="t2").written  # its reply kept
     assert not runs.finish(dead, 1, again.dead, T0_MS + 90_000, current=False).written
-    assert redis_client.hget(KEYS.run("job", 1), "owed") is None
+    # Its reply, for that call sent again: written after run 2's row closed the reservation,
+    # it was charged nothing (the tax written, 0, follows the token).
+    assert redis_client.hget(KEYS.run("job", 1), "owed") == b",1=t1|0|0,"
     assert float(window_hash(redis_client, T0_MS)[b"exposure"]) == 0
 
 

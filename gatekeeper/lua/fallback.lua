@@ -41,7 +41,7 @@ if done[1] and done[1] ~= ARGV[6] and (runs == 0 or rowed < runs) and not done[7
   return false
 end
 if done[4] and done[1] ~= ARGV[6] then  -- a reused task id after its row: counted anew
-  redis.call('HDEL', KEYS[1], 'runs', 'rowed')  -- (as gate.lua does)
+  redis.call('HDEL', KEYS[1], 'runs', 'rowed', 'owed')  -- (as gate.lua does)
 end
 if done[7] then  -- an abandoned attempt live again (as gate.lua)
   redis.call('HDEL', KEYS[1], 'abandoned')

@@ -94,16 +94,21 @@ if ARGV[17] and ARGV[17] ~= '' and rec[12] and rec[12] ~= ARGV[17] then
 end
 -- `rowed` is the last run with its row. A row that passes over earlier runs still without
 -- theirs (a dead run's row kept by its worker while Redis was silent, overtaken by the
--- redelivered run's own) leaves them `owed`, ',<run>,<run>,', so that each still gets its
--- one row when it comes (late: `rowed` stays, its reply is kept in `rowed_by:<run>`).
+-- redelivered run's own) leaves them `owed`, ',<run>,', so that each still gets its one row
+-- when it comes: late, `rowed` stays, and its entry becomes ',<run>=<its reply>,'. A late
+-- row is a dead run's whatever its caller says (a worker's own run is sent as current):
+-- the attempt's latest run may still be going. gate.lua, record.lua and fallback.lua drop
+-- `owed` with `runs` and `rowed` when the attempt starts again.
 local mark = tonumber(rec[1] or '0')
-local late = mark >= run and rec[13] and string.find(rec[13], ',' .. ARGV[2] .. ',', 1, true)
+local owed = rec[13] or ','
+local late = mark >= run and string.find(owed, ',' .. ARGV[2] .. ',', 1, true)
+local current = ARGV[9] == '1' and not late
 if mark >= run and not late then
   -- The run has its row: nothing is written, and a duplicate is told so; the call that wrote
   -- it, sent again after its reply was lost, gets that reply (`rowed_by` is read here alone:
-  -- a walk of the record a first call need not pay).
-  local by = redis.call('HGET', KEYS[1], mark == run and 'rowed_by' or 'rowed_by:' .. ARGV[2])
-    or ''
+  -- a walk of the record a first call need not pay; a late row's, in `owed`).
+  local by = mark == run and redis.call('HGET', KEYS[1], 'rowed_by')
+    or string.match(owed, ',' .. ARGV[2] .. '=([^,]*)') or ''
   local token, missed, tax = string.match(by, '^([^|]*)|(%d)|?(.*)$')
   if token ~= ARGV[16] then
     return {0, 0, 0, '0'}
@@ -141,12 +146,14 @@ if free then
     end
   end
   local charged = '0'
-  if not cut then charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax) end
+  if not cut and not (late and not rec[3]) then  -- (late after the cut: closed, nothing)
+    charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
+  end
   redis.call('HINCRBYFLOAT', window, 'tax_units', tax)
   if ARGV[4] == 'killed' then
     redis.call('HINCRBY', window, 'killed_free', '1')
   end
-  if ARGV[9] ~= '1' and held[1] then
+  if not current and held[1] then
     -- A dead run's row, written when the redelivered copy starts: only its tax leaves the
     -- exposure; the rest stays reserved for the run that is going on.
     local entry = redis.call('HGET', KEYS[4], ARGV[1])
@@ -169,14 +176,11 @@ end
 -- Written once the tax is known: the run has its row, and what this call replies (above).
 local reply = ARGV[16] .. '|' .. (missed and '1' or '0')
   .. (written_tax ~= ARGV[6] and '|' .. written_tax or '')
-if late then
-  local left = string.gsub(rec[13], ',' .. ARGV[2] .. ',', ',', 1)
-  if left == ',' then redis.call('HDEL', KEYS[1], 'owed') else
-    redis.call('HSET', KEYS[1], 'owed', left) end
-  redis.call('HSET', KEYS[1], 'rowed_by:' .. ARGV[2], reply)
+if late then  -- its entry ',<run>,' becomes ',<run>=<reply>,' (no ',' in a reply)
+  redis.call('HSET', KEYS[1], 'owed', string.sub(owed, 1, late) .. ARGV[2] .. '=' .. reply
+    .. string.sub(owed, late + 1 + #ARGV[2]))
 else
   if run > mark + 1 then  -- the runs passed over, the nearest 16 (a run is a start: few)
-    local owed = rec[13] or ','
     for r = math.max(mark + 1, run - 16), run - 1 do owed = owed .. r .. ',' end
     redis.call('HSET', KEYS[1], 'owed', owed)
   end
@@ -193,7 +197,7 @@ if redis.call('TTL', KEYS[1]) == -1 then  -- a record that expired mid-run, writ
   redis.call('EXPIRE', KEYS[1], ARGV[8])
 end
 local held = redis.call('HGET', KEYS[4], ARGV[1])
-if held and (ARGV[9] == '1' or ARGV[5] ~= 'free') then
+if held and (current or (ARGV[5] ~= 'free' and not late)) then
   redis.call('HDEL', KEYS[4], ARGV[1])
   redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -tonumber(string.match(held, '^[^|]+')))
 end
@@ -208,7 +212,7 @@ if missed then
     end
   end
 end
-if ARGV[9] == '1' then
+if current then
   redis.call('ZREM', KEYS[5], ARGV[1])
 end
 if ARGV[12] ~= '' then

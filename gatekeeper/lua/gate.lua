@@ -219,7 +219,7 @@ local function decided(decision, reason, dwell, projected)
     if held[5] and held[1] ~= ARGV[24] then
       -- A publish after the attempt's row (a reused task id) starts it again: its runs are
       -- counted anew, so that a publish while this one is live is a duplicate (above).
-      redis.call('HDEL', KEYS[6], 'runs', 'rowed')
+      redis.call('HDEL', KEYS[6], 'runs', 'rowed', 'owed')
     end
     if held[8] then
       -- An abandoned attempt's record written again (a dead-letter requeue, or a publish

@@ -70,7 +70,7 @@ if held[1] and held[1] ~= ARGV[7] and (runs == 0 or rowed < runs) and not held[4
   return 'unrecorded'
 end
 if held[2] and held[1] ~= ARGV[7] then  -- a reused task id after its row: counted anew
-  redis.call('HDEL', KEYS[2], 'runs', 'rowed')  -- (as gate.lua does)
+  redis.call('HDEL', KEYS[2], 'runs', 'rowed', 'owed')  -- (as gate.lua does)
 end
 if held[4] then  -- an abandoned attempt live again (as gate.lua)
   redis.call('HDEL', KEYS[2], 'abandoned')

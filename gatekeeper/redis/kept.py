@@ -14,9 +14,9 @@ bench/memory.py; about 110 of them are the key itself). What stays, and who read
   reply of the finish that wrote the last row, for that call sent again after its reply was
   lost, so its worker still logs the row and its slack miss (finish.lua). It costs a record
   32 bytes on Redis 7.0 (an allocator size class: any field would; 22 on 6.2);
-- ``owed`` and ``rowed_by:<run>`` (only when a row passed over earlier runs still without
-  theirs: ``,<run>,...,`` and the late rows' replies): each of those runs still gets its one
-  row when it comes, once (finish.lua);
+- ``owed`` (only when a row passed over earlier runs still without theirs: ``,<run>,``
+  each, ``,<run>=<reply>,`` once it came late): each of those runs still gets its one row,
+  once, and that call sent again its reply (finish.lua);
 - ``free_admitted`` (only when ``1``): the next attempt's decision carries it (gate.lua);
 - ``prev_nonce`` (when not empty), ``dup:*``, ``taken:*`` and the replayer's handoff fields,
   untouched: a copy or a replay that comes back after the run finds what it found before;

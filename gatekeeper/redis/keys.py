@@ -51,8 +51,8 @@ namespace's slot):
     is then ``reserved``, reason ``free_wait_expired``). Then the
     worker's runs: ``runs`` (how many times a worker started it: more than one after a
     redelivery), ``rowed`` (the last run that has its row), ``rowed_by`` (what the finish that
-    wrote that row replied, for that call sent again; ``owed`` and ``rowed_by:<run>`` for
-    runs a later run's row passed over, which get theirs late), ``started_ms`` and what the worker
+    wrote that row replied, for that call sent again; ``owed`` for runs a later run's row
+    passed over, which get theirs late), ``started_ms`` and what the worker
     knows itself: ``task``, ``worker`` (the hostname of the worker it started on) and ``own``
     = ``<retries>|<max_retries>|<time_limit_s>|<tokens_out>``, read back laid out
     (gatekeeper/redis/kept.py; an older worker, or values too long to pack, wrote them as
