@@ -429,3 +429,27 @@ def test_a_late_row_sent_as_the_latest_run_leaves_the_live_run_its_reservation(
     swept = sweep(night.runs, round((T0 + 4000) * 1000), 60)  # run 3's worker is gone
     assert [(s.row.attempt, s.row.outcome) for s in swept] == [(1, Outcome.KILLED)]
     assert night.window(T0)[1] == 0
+
+
+def test_a_publish_onto_what_a_late_row_left_of_a_lost_record_is_rowed(
+    redis_client: redis.Redis,
+) -> None:
+    """A reviewer: Redis lost the record; a run's kept row, sent again, left its marks
+    (`rowed`, `charged`, no nonce and no `runs`); the task id published again kept them, and
+    its run was told it had its row already (none written)."""
+    night = Night(redis_client)
+    decided, first = night.publish(T0, "j")
+    assert decided == ADMITTED
+    own = {"task": "t", "worker": "w"}
+    started = night.runs.start("j", 1, first, own, round((T0 + 1) * 1000))
+    assert started.record is not None and redis_client.delete(KEYS.run("j", 1)) == 1  # lost
+    row = night.runs.row_for("j", 1, started.record, Outcome.KILLED, round((T0 + 2) * 1000))
+    assert night.runs.finish(row, 1, started.record, round((T0 + 2) * 1000)).written
+    assert redis_client.hget(KEYS.run("j", 1), "nonce") is None
+    decided, second = night.publish(T0 + 5, "j")
+    assert decided == ADMITTED
+    again = night.runs.start("j", 1, second, own, round((T0 + 6) * 1000))
+    assert again.run == 1 and again.record is not None
+    row = night.runs.row_for("j", 1, again.record, Outcome.OK, round((T0 + 7) * 1000))
+    finished = night.runs.finish(row, 1, again.record, round((T0 + 7) * 1000))
+    assert finished.written and finished.retry_tax == row.retry_tax > 0

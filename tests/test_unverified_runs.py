@@ -379,7 +379,8 @@ def lost_record_publish(
     return job
 
 
-@pytest.mark.parametrize(("killed", "stub"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(("killed", "stub"), [(False, False), (True, False), (False, True),
+                                               (True, True)])  # fmt: skip
 def test_a_run_whose_record_a_failover_lost_gets_an_unverified_row(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, killed: bool, stub: bool
 ) -> None:

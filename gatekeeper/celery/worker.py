@@ -98,7 +98,7 @@ class WorkerSide:
         self.runs = RunLedger.from_settings(client, settings)
         self.store = GateStore(client, Keys(settings.key_prefix, settings.namespace))
         self.log = make_logger(settings, "worker")
-        self.pending = PendingRows(self.log, settings.worker_heartbeat_s)  # (pending.py)
+        self.pending = PendingRows.for_settings(self.log, settings)  # (pending.py)
         self.unverified = UnverifiedSide(self.runs, self.log, self._now_ms, self.pending)
         self.alerts = make_logger(settings, "alert")
         self._running: dict[str, Running] = {}
@@ -159,7 +159,7 @@ class WorkerSide:
             return
         job_id, attempt, lost = request.id, message.attempt_of(headers), "worker_lost_redelivered"
         fields = self.runs.fields(job_id, attempt) if nonce_of(headers) else {}
-        if not fields:  # unverified: its one run without a row, if any ({}: none counted here)
+        if "nonce" not in fields:  # unverified (a late row's marks only: no record either)
             self.unverified.end_latest(None, job_id, attempt, {}, lost, NOWHERE)
             return
         if fields.get("nonce") != nonce_of(headers):
@@ -179,7 +179,7 @@ class WorkerSide:
             return
         attempt = message.attempt_of(headers)
         fields = self.runs.fields(job_id, attempt) if nonce_of(headers) else {}
-        if not fields:  # unverified (no nonce, or no record at all): the run its child ran
+        if "nonce" not in fields:  # unverified (no nonce, no record: a late row's marks at most)
             self.unverified.end_latest(task, job_id, attempt, headers, reason, ran_in)
             return
         if "runs" not in fields or fields.get("nonce") != nonce_of(headers):

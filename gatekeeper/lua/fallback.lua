@@ -40,8 +40,8 @@ if done[1] and done[1] ~= ARGV[6] and (runs == 0 or rowed < runs) and not done[7
   redis.call('HSET', KEYS[1], 'dup:' .. ARGV[1], ARGV[2] .. '|' .. ARGV[3])
   return false
 end
-if done[4] and done[1] ~= ARGV[6] then  -- a reused task id after its row: counted anew
-  redis.call('HDEL', KEYS[1], 'runs', 'rowed', 'owed')  -- (as gate.lua does)
+if (done[4] or done[5]) and done[1] ~= ARGV[6] then  -- a reused id after its row: anew
+  redis.call('HDEL', KEYS[1], 'runs', 'rowed', 'owed', 'charged')  -- (as gate.lua does)
 end
 if done[7] then  -- an abandoned attempt live again (as gate.lua)
   redis.call('HDEL', KEYS[1], 'abandoned')

@@ -216,10 +216,11 @@ local function decided(decision, reason, dwell, projected)
   if duplicate then  -- remembered in the live record, for a re-sent request or fallback.lua
     redis.call('HSET', KEYS[6], 'dup:' .. ARGV[18], decision .. '|' .. reason)
   else
-    if held[5] and held[1] ~= ARGV[24] then
-      -- A publish after the attempt's row (a reused task id) starts it again: its runs are
-      -- counted anew, so that a publish while this one is live is a duplicate (above).
-      redis.call('HDEL', KEYS[6], 'runs', 'rowed', 'owed')
+    if (held[5] or held[6]) and held[1] ~= ARGV[24] then
+      -- A publish after the attempt's row (a reused task id, or a record Redis lost of which
+      -- a late row left its marks) starts it again: its runs are counted anew, so that a
+      -- publish while this one is live is a duplicate (above).
+      redis.call('HDEL', KEYS[6], 'runs', 'rowed', 'owed', 'charged')
     end
     if held[8] then
       -- An abandoned attempt's record written again (a dead-letter requeue, or a publish

@@ -69,8 +69,8 @@ local runs, rowed = tonumber(held[2] or '0'), tonumber(held[3] or '0')
 if held[1] and held[1] ~= ARGV[7] and (runs == 0 or rowed < runs) and not held[4] then
   return 'unrecorded'
 end
-if held[2] and held[1] ~= ARGV[7] then  -- a reused task id after its row: counted anew
-  redis.call('HDEL', KEYS[2], 'runs', 'rowed', 'owed')  -- (as gate.lua does)
+if (held[2] or held[3]) and held[1] ~= ARGV[7] then  -- a reused id after its row: anew
+  redis.call('HDEL', KEYS[2], 'runs', 'rowed', 'owed', 'charged')  -- (as gate.lua does)
 end
 if held[4] then  -- an abandoned attempt live again (as gate.lua)
   redis.call('HDEL', KEYS[2], 'abandoned')
