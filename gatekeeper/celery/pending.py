@@ -16,8 +16,8 @@ unchanged, until Redis answers (``event=ledger_row_pending``, then
 - before the start of the process's next run, and after the row of its next run;
 - at the process's clean exit (``worker_process_shutdown`` in a pool child,
   ``worker_shutdown`` in the main process): once more, after the retry thread's resend if one
-  is under way (up to :data:`EXIT_WAIT_S`), and what is still unanswered then is logged as
-  lost (``event=ledger_rows_lost``).
+  is under way (as long as a row with no answer takes, at least :data:`EXIT_WAIT_S`), and
+  what is still unanswered then is logged as lost (``event=ledger_rows_lost``).
 
 What is not kept: a process killed outright (SIGKILL, the OOM killer) loses its list, and a
 row still unanswered at its exit is lost; the run is then still in ``started`` (or
@@ -39,6 +39,7 @@ from typing import Any
 
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.store import NO_ANSWER
+from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["PENDING_ROWS_MAX", "PendingRows", "unanswered"]
 
@@ -50,8 +51,9 @@ FIRST_RETRY_S = 1.0
 """The first resend's delay after a write got no answer (then doubled, up to the heartbeat)."""
 
 EXIT_WAIT_S = 5.0
-"""At exit, how long the last send waits for a resend the retry thread has under way (a row
-with no answer takes it twice the gate's Redis timeout)."""
+"""At exit, the least the last send waits for a resend the retry thread has under way (a row
+with no answer takes it twice the gate's Redis timeout: the worker waits that, plus a second,
+when it is longer)."""
 
 
 def unanswered(exc: BaseException) -> bool:
@@ -71,11 +73,22 @@ class _Pending:
 class PendingRows:
     """One process's unanswered row writes (thread-safe; see the module's docstring)."""
 
-    def __init__(self, log: Any, max_interval_s: float, limit: int = PENDING_ROWS_MAX) -> None:
+    def __init__(
+        self, log: Any, max_interval_s: float, limit: int = PENDING_ROWS_MAX,
+        exit_wait_s: float = EXIT_WAIT_S,
+    ) -> None:  # fmt: skip
         self.log = log
         self.max_interval_s = max(FIRST_RETRY_S, max_interval_s)
         self.limit = limit
+        self.exit_wait_s = exit_wait_s
         self._fresh()
+
+    @classmethod
+    def for_settings(cls, log: Any, settings: GatekeeperSettings) -> PendingRows:
+        """Resent up to every ``worker_heartbeat_s``; at exit, a resend under way waited for
+        as long as a row with no answer takes (twice ``redis_timeout_s``), and a second."""
+        wait = max(EXIT_WAIT_S, 2 * settings.redis_timeout_s + 1)
+        return cls(log, settings.worker_heartbeat_s, exit_wait_s=wait)
 
     def _fresh(self) -> None:
         """New, empty state for this process (a forked child's locks may be held)."""
@@ -125,48 +138,58 @@ class PendingRows:
             threading.Thread(target=self._retry, name="gatekeeper-pending-rows",
                              daemon=True).start()  # fmt: skip
 
-    def send(self, via: str, wait_s: float = 0.0) -> None:
+    def send(self, via: str) -> None:
         """Send the kept rows again, oldest first, until one gets no answer (Redis is still
-        silent: the rest wait too). Another thread sending them already (after ``wait_s``
-        for it to end), or a run's call within half a second of a write Redis gave no answer
-        to: nothing."""
+        silent: the rest wait too). Another thread sending them already, or a run's call
+        within half a second of a write Redis gave no answer to: nothing."""
         self._mine()
         if not self._rows or (
             via.startswith("run") and time.monotonic() - self._silent_at < FIRST_RETRY_S / 2
         ):
             return
-        if not (self._sending.acquire(timeout=wait_s) if wait_s > 0 else
-                self._sending.acquire(blocking=False)):  # fmt: skip
+        if not self._sending.acquire(blocking=False):
             return
         try:
-            while self._rows:
-                pending = self._rows[0]
-                try:
-                    written = pending.write()
-                except Exception as exc:  # a ledger fault must never end the worker
-                    if unanswered(exc):
-                        self._silent_at = time.monotonic()
-                        return
-                    self.log.warning("ledger_write_failed", step="pending", error=repr(exc),
-                                     job_id=pending.job_id, run=pending.run)  # fmt: skip
-                else:  # not written: the run had its row meanwhile (the sweep's, say)
-                    self.log.info("ledger_row_pending_written" if written else
-                                  "ledger_row_pending_rowed_already", job_id=pending.job_id,
-                                  run=pending.run, via=via,
-                                  waited_s=round(time.monotonic() - pending.since, 3))  # fmt: skip
-                with self._lock:
-                    if self._rows and self._rows[0] is pending:  # (at_exit may have taken it)
-                        self._rows.popleft()
+            self._send_held(via)
         finally:
             self._sending.release()
 
+    def _send_held(self, via: str) -> None:
+        """:meth:`send`'s loop, ``_sending`` held."""
+        while self._rows:
+            pending = self._rows[0]
+            try:
+                written = pending.write()
+            except Exception as exc:  # a ledger fault must never end the worker
+                if unanswered(exc):
+                    self._silent_at = time.monotonic()
+                    return
+                self.log.warning("ledger_write_failed", step="pending", error=repr(exc),
+                                 job_id=pending.job_id, run=pending.run)  # fmt: skip
+            else:  # not written: the run had its row meanwhile (the sweep's, say)
+                self.log.info("ledger_row_pending_written" if written else
+                              "ledger_row_pending_rowed_already", job_id=pending.job_id,
+                              run=pending.run, via=via,
+                              waited_s=round(time.monotonic() - pending.since, 3))  # fmt: skip
+            with self._lock:
+                if self._rows and self._rows[0] is pending:  # (at_exit may have taken it)
+                    self._rows.popleft()
+
     def at_exit(self) -> None:
         """The process ends: one last send, once a resend under way (the retry thread's)
-        has ended; what is left is lost (the sweep's, later)."""
-        self.send("exit", wait_s=EXIT_WAIT_S)
+        has ended (``exit_wait_s`` at most); what is left is lost (the sweep's, later). The
+        retry thread sends nothing more meanwhile (unless the wait ran out: then it may
+        still write a row logged lost)."""
         self._mine()
-        with self._lock:
-            lost, self._rows = list(self._rows), deque()
+        held = self._sending.acquire(timeout=self.exit_wait_s)
+        try:
+            if held:
+                self._send_held("exit")
+            with self._lock:
+                lost, self._rows = list(self._rows), deque()
+        finally:
+            if held:
+                self._sending.release()
         if lost:
             self.log.error("ledger_rows_lost", reason="exit", rows=len(lost),
                            job_ids=",".join(p.job_id for p in lost[:20]))  # fmt: skip
