@@ -128,8 +128,11 @@ def test_an_auto_freeze_made_while_a_snapshot_ran_is_on_disk_when_its_pool_child
     url = snapshotting.url
     server = redis.Redis.from_url(url)
     cli(url, monkeypatch, "init", "--open")
-    server.mset({f"filler:{n}": "x" * 100 for n in range(20)})
-    server.config_set("rdb-key-save-delay", 50_000)  # 50 ms a key: about a second a snapshot
+    # 50 ms a key: about five seconds a snapshot, so that it still runs when the child, a new
+    # Python process, has imported Celery and writes (a second was too short on a loaded CI
+    # machine: the write's own snapshot then began, rdb_started).
+    server.mset({f"filler:{n}": "x" * 100 for n in range(100)})
+    server.config_set("rdb-key-save-delay", 50_000)
     server.execute_command("BGSAVE")  # begun before the freeze's write: holds none of it
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     child = subprocess.run([sys.executable, "-c", CHILD, url, ends], capture_output=True,
