@@ -453,3 +453,29 @@ def test_a_publish_onto_what_a_late_row_left_of_a_lost_record_is_rowed(
     row = night.runs.row_for("j", 1, again.record, Outcome.OK, round((T0 + 7) * 1000))
     finished = night.runs.finish(row, 1, again.record, round((T0 + 7) * 1000))
     assert finished.written and finished.retry_tax == row.retry_tax > 0
+
+
+def test_a_row_of_a_run_before_the_latest_start_leaves_the_latest_its_reservation(
+    redis_client: redis.Redis,
+) -> None:
+    """A reviewer: run 1's own row (sent as the latest, kept while Redis was silent) came
+    after run 2 had started and before any row of it: taken as the latest run's, it closed
+    the reservation, released all exposure and left `started` while run 2 ran."""
+    night = Night(redis_client)
+    decided, nonce = night.publish(T0, "j")
+    assert decided == ADMITTED
+    own = {"task": "t", "worker": "gone"}
+    one = night.runs.start("j", 1, nonce, own, round((T0 + 1) * 1000))
+    two = night.runs.start("j", 1, nonce, own, round((T0 + 2) * 1000))
+    assert two.dead_run == 1 and two.dead and one.record
+    held = float(redis_client.hget(KEYS.inflight, "j:1").split(b"|")[0])  # type: ignore[union-attr]
+    mine = night.runs.row_for("j", 1, one.record, Outcome.KILLED, round((T0 + 4) * 1000))
+    assert night.runs.finish(mine, 1, one.record, round((T0 + 4) * 1000), token="a").written
+    dead = night.runs.row_for("j", 1, two.dead, Outcome.KILLED, round((T0 + 4) * 1000))
+    assert not night.runs.finish(dead, 1, two.dead, round((T0 + 4) * 1000), current=False).written
+    rest = float(redis_client.hget(KEYS.inflight, "j:1").split(b"|")[0])  # type: ignore[union-attr]
+    assert rest == held - mine.retry_tax > 0 and night.window(T0)[1] == rest
+    assert redis_client.zscore(KEYS.started, "j:1") is not None
+    swept = sweep(night.runs, round((T0 + 4000) * 1000), 60)  # run 2's worker is gone
+    assert [(s.row.attempt, s.row.outcome) for s in swept] == [(1, Outcome.KILLED)]
+    assert night.window(T0)[1] == 0

@@ -95,14 +95,15 @@ end
 -- `rowed` is the last run with its row. A row that passes over earlier runs still without
 -- theirs (a dead run's row kept by its worker while Redis was silent, overtaken by the
 -- redelivered run's own) leaves them `owed`, ',<run>,', so that each still gets its one row
--- when it comes: late, `rowed` stays, and its entry becomes ',<run>=<its reply>,'. A late
--- row is a dead run's whatever its caller says (a worker's own run is sent as current):
--- the attempt's latest run may still be going. gate.lua, record.lua and fallback.lua drop
--- `owed` with `runs` and `rowed` when the attempt starts again.
+-- when it comes: late, `rowed` stays, and its entry becomes ',<run>=<its reply>,'. The row of
+-- a run that is not the attempt's latest start is a dead run's whatever its caller says (a
+-- worker sends its own run as current, and a kept row may come after a later run started):
+-- the latest run may still be going. gate.lua, record.lua and fallback.lua drop `owed` with
+-- `runs` and `rowed` when the attempt starts again.
 local mark = tonumber(rec[1] or '0')
 local owed = rec[13] or ','
 local late = mark >= run and string.find(owed, ',' .. ARGV[2] .. ',', 1, true)
-local current = ARGV[9] == '1' and not late
+local current = ARGV[9] == '1' and not late and not (rec[2] and tonumber(rec[2]) > run)
 if mark >= run and not late then
   -- The run has its row: nothing is written, and a duplicate is told so; the call that wrote
   -- it, sent again after its reply was lost, gets that reply (`rowed_by` is read here alone:
