@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import types
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -275,6 +276,11 @@ def test_an_infinite_declared_deadline_is_a_bad_input(declared: dict[str, Any], 
 def test_a_declaration_too_large_to_count_is_refused_at_import_and_at_publish() -> None:
     with pytest.raises(BadDeclaredInput, match="tokens_in: expected a number of at most"):
         gatekeeper.gated(expected_service_s=1, tokens_in=10**100, deadline_s=60)
+    for past_a_float in (10**400, Fraction(10**400), -(10**400)):  # OverflowError, before
+        with pytest.raises(BadDeclaredInput, match="expected_service_s: expected a number of"):
+            gatekeeper.gated(expected_service_s=past_a_float, deadline_s=60)
+        with pytest.raises(BadDeclaredInput, match="deadline_s: expected a number of at most"):
+            gatekeeper.gated(expected_service_s=1, deadline_s=past_a_float)
     with pytest.raises(BadDeclaredInput) as caught:
         resolve_inputs(GatedSpec(expected_service_s=1, deadline_s=1e308), {}, now=1.0)
     assert caught.value.field == "deadline_s"

@@ -170,6 +170,10 @@ def declared_number(name: str, value: Any) -> Any:
     """``value`` when it is a number in the code that declares it ("8" and True are not)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise BadDeclaredInput(name, "a number", value)
-    if math.isfinite(value) and abs(float(value)) > MAX_MAGNITUDE:
+    try:
+        too_large = math.isfinite(value) and abs(float(value)) > MAX_MAGNITUDE
+    except OverflowError:  # an int or a Fraction past a float's range (10**400)
+        too_large = True
+    if too_large:
         raise BadDeclaredInput(name, f"a number of at most {MAX_MAGNITUDE:g}", value)
     return value
