@@ -47,10 +47,8 @@ def gated(
     whole_tokens("tokens_in", declared_number("tokens_in", tokens_in))
     whole_tokens("tokens_out", declared_number("tokens_out", tokens_out))
     for name, value in (("deadline_s", deadline_s), ("deadline_at", deadline_at)):
-        if value is not None and math.isnan(declared_number(name, value)):
-            raise BadDeclaredInput(name, "a number", value)
-        if value is not None and math.isinf(value):  # every publish would refuse it
-            raise BadDeclaredInput(name, "a finite deadline", value)
+        if value is not None and not math.isfinite(declared_number(name, value)):
+            raise BadDeclaredInput(name, "a finite deadline", value)  # (publishes refuse it)
     spec = GatedSpec(
         expected_service_s=expected_service_s,
         tokens_in=tokens_in,
