@@ -213,6 +213,8 @@ class Installed:
             retries, bad = retries_of(headers)  # bad: reserved (bad_input), no attempt
             publish = Publish(name, str(headers["id"]), retries, found.max_retries, found.spec,
                               headers, spec_error=bad or found.error)  # fmt: skip
+            if headers.get("replaced_task_nesting"):  # Celery's Task.replace (or a caller's)
+                self._replacing(publish.job_id, headers["replaced_task_nesting"])
             if sendable(publish.job_id, name):  # else the gate cannot be asked (gate_error),
                 render = self._renderer(producer, name, message, options)  # and it is Celery's
             routing = self.pipeline.route(publish, render)
@@ -234,6 +236,18 @@ class Installed:
             except PublishFailed as failed:
                 raise OperationalError(str(failed)) from failed
         return publish, routing
+
+    def _replacing(self, job_id: str, nesting: Any) -> None:
+        """``Task.replace``: Celery publishes the replacement with the id of the task this
+        thread runs, one nesting level deeper, before that run ends (it raises ``Ignore``
+        next). The run ends first, with its row (:meth:`WorkerSide.on_replaced`), so that the
+        gate decides the replacement as its attempt begun again, not as a duplicate."""
+        current = self.app.current_worker_task
+        request = getattr(current, "request", None)
+        if request is None or getattr(request, "id", None) != job_id:
+            return
+        if type(nesting) is int and nesting > (getattr(request, "replaced_task_nesting", 0) or 0):
+            self.worker.on_replaced(current, job_id)
 
     def _renderer(
         self, producer: Any, name: str, message: Any, options: dict[str, Any]

@@ -16,7 +16,8 @@ how the run ended                      signal          process
 returned                               task_success    pool child -> ``ok``
 raised (soft time limit included)      task_failure    pool child -> ``killed``
 asked for a retry                      task_retry      pool child -> ``killed``
-raised ``Ignore`` (``Task.replace``)   task_postrun    pool child -> ``ok`` (``ignored``)
+raised ``Ignore``                     task_postrun    pool child -> ``ok`` (``ignored``)
+``Task.replace`` by a gated task      its publish     pool child -> ``ok`` (``replaced``)
 raised ``Reject``, requeued or not     task_postrun    pool child -> ``killed``
 (or ``on_success`` raised it)                          (``reject``); a requeued copy is
                                                        a new run of the attempt
@@ -63,7 +64,7 @@ from gatekeeper.celery.metering import take_metered
 from gatekeeper.celery.pending import PendingRows
 from gatekeeper.celery.postrun import ended_at_postrun, rejected_for_good, requeued_on_timeout
 from gatekeeper.celery.received import NOWHERE, RanIn, Received
-from gatekeeper.celery.running import Running, Starting, Starts
+from gatekeeper.celery.running import REPLACED, Running, Starting, Starts, another_run, learns_from
 from gatekeeper.celery.unverified import UnverifiedSide
 from gatekeeper.core.ledger import Outcome
 from gatekeeper.logs import make_logger
@@ -73,10 +74,7 @@ from gatekeeper.redis.runs import RunLedger, RunRecord
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["TIME_LIMIT_REASONS", "WorkerSide", "maybe_freeze"]
-
-TIME_LIMIT_REASONS = frozenset({"TimeLimitExceeded", "SoftTimeLimitExceeded"})
-"""The failures that mean a run was cut off by its time limit: it ran at least that long."""
+__all__ = ["WorkerSide", "maybe_freeze"]
 
 
 class WorkerSide:
@@ -280,6 +278,13 @@ class WorkerSide:
         self.pending.send("run_end")  # (not at once after a row of its own just kept)
         return True
 
+    def on_replaced(self, task: Any, job_id: str) -> None:
+        """``Task.replace`` is publishing a gated replacement with this run's task id (the
+        hook): the run ends now, ``ok``, so the gate takes the replacement for the attempt
+        begun again (a record, run and row of its own), not a duplicate of a live one."""
+        if self._ours(task):
+            self._end_running(job_id, Outcome.OK, REPLACED)
+
     def on_success(self, sender: Any = None, **_: Any) -> None:
         if self._ours(sender):
             self._end_running(sender.request.id, Outcome.OK, "ok")
@@ -305,6 +310,8 @@ class WorkerSide:
         all; one that runs is a new run of the attempt (start.lua)."""
         if task_id not in self._running and task_id not in self._starts.by_job:
             return  # ended by its own signal (most runs), or not ours: two lookups, at once
+        if another_run(self._running.get(task_id), getattr(sender, "request", None)):
+            return  # (a threads pool: Task.replace's replacement; this run ended at its publish)
         if self._ours(sender):
             outcome, reason = ended_at_postrun(state)
             self._end_running(task_id, outcome, reason, final=rejected_for_good(retval))
@@ -324,14 +331,6 @@ class WorkerSide:
 
     # -- both ---------------------------------------------------------------------------
 
-    def _learns(self, task: str, outcome: Outcome, reason: str) -> bool:
-        """Whether a run's time counts toward its task's learned service time: an ``ok`` run,
-        or one killed by its time limit (a lower bound), of a task this app registers (so
-        the tasks tracked are bounded by the app's own gated tasks)."""
-        if outcome is not Outcome.OK and reason not in TIME_LIMIT_REASONS:
-            return False
-        return task in self.app.tasks
-
     def _end(
         self, job_id: str, attempt: int, run: int, record: RunRecord, outcome: Outcome,
         reason: str, current: bool, tokens_in: int | None = None, tokens_out: int | None = None,
@@ -343,7 +342,7 @@ class WorkerSide:
         row = self.runs.row_for(job_id, attempt, record, outcome, now, tokens_in, tokens_out)
         ends = outcome is Outcome.OK or final
         miss = ends and record.decision == "admit_free" and now > record.deadline_ms
-        learns = current and bool(record.started_ms) and self._learns(record.task, outcome, reason)
+        learns = current and learns_from(self.app, record, outcome, reason)
         token = secrets.token_hex(4)  # the same if sent again (Redis gave no answer: pending.py)
 
         def write() -> bool:

@@ -103,6 +103,13 @@ def create_app(
         record(self)
         raise Ignore()  # no end signal but task_postrun (Task.replace raises it too)
 
+    @app.task(bind=True, name="tests.replaces", max_retries=0, shared=False, gatekeeper=kill_spec)
+    def replaces(self: Any, chunk: Any, sleep_s: float = 0.0) -> Any:
+        """Replaced by ``tests.embed`` (gated too), which Celery publishes with this task's id
+        while this run is still going (then raises ``Ignore``)."""
+        record(self)
+        raise self.replace(embed.s(chunk, sleep_s))
+
     @app.task(bind=True, name="tests.rejects", max_retries=0, shared=False, gatekeeper=kill_spec,
               acks_late=True)  # fmt: skip
     def rejects(self: Any, requeue: bool = True, sleep_s: float = 0.0) -> str:
