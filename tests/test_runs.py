@@ -301,6 +301,32 @@ def test_a_redelivery_after_a_killed_row_that_ends_late_is_one_slack_miss_reruns
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
 
 
+def test_a_late_ok_row_after_the_cut_ends_the_job_so_a_late_rerun_is_no_slack_miss(
+    redis_client: redis.Redis,
+) -> None:
+    """A reviewer: run 1 ended ok in time, its row kept (no answer); its redelivered copy,
+    run 2, was killed and requeued, and its row cut the record with the job not ended. Run
+    1's row then came, late: the job had ended, in time, so a third copy ending past the
+    deadline is a rerun, no slack miss (`kept` did not say the job ended)."""
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
+    again = start_run(runs, redis_client, "job", 1, record(), T0_MS + 60_000)
+    assert again.dead is not None
+    _, rec = runs.record("job", 1) or (0, record())
+    killed = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 70_000)
+    assert runs.finish(killed, 2, rec, T0_MS + 70_000).written  # requeued: the job goes on
+    assert not redis_client.hget(KEYS.run("job", 1), "kept").endswith(b"|ok")  # type: ignore[union-attr]
+    ok = runs.row_for("job", 1, again.dead, Outcome.OK, T0_MS + 200)
+    late = runs.finish(ok, 1, again.dead, T0_MS + 200, current=False, ends=True)
+    assert late.written and not late.slack_miss
+    assert redis_client.hget(KEYS.run("job", 1), "kept").endswith(b"|ok")  # type: ignore[union-attr]
+    runs.start("job", 1, "nonce-job-1", {"task": "t"}, T0_MS + 120_000)  # a third copy
+    rerun = ok_late(runs, T0_MS + 120_000)
+    assert rerun.written and not rerun.slack_miss
+    assert redis_client.hget(KEYS.totals, "slack_misses") is None
+
+
 def test_a_rerun_after_a_late_final_failure_counts_no_second_miss(
     redis_client: redis.Redis,
 ) -> None:

@@ -177,9 +177,14 @@ end
 -- Written once the tax is known: the run has its row, and what this call replies (above).
 local reply = ARGV[16] .. '|' .. (missed and '1' or '0')
   .. (written_tax ~= ARGV[6] and '|' .. written_tax or '')
+-- What `kept` ends with once the job's end has its row: '|ok', or '|end' (failed for good).
+local ending = ARGV[4] == 'ok' and '|ok' or (ARGV[7] ~= '0' and '|end' or '')
 if late then  -- its entry ',<run>,' becomes ',<run>=<reply>,' (no ',' in a reply)
   redis.call('HSET', KEYS[1], 'owed', string.sub(owed, 1, late) .. ARGV[2] .. '=' .. reply
     .. string.sub(owed, late + 1 + #ARGV[2]))
+  if ending ~= '' and rec[5] and not rec[6] and not ended(rec[5]) then
+    redis.call('HSET', KEYS[1], 'kept', rec[5] .. ending)  -- the job ended at this run, as
+  end  -- the cut would say had this row come first: a rerun after it is no slack miss
 else
   if run > mark + 1 then  -- the runs passed over, the nearest 16 (a run is a start: few)
     for r = math.max(mark + 1, run - 16), run - 1 do owed = owed .. r .. ',' end
@@ -229,12 +234,11 @@ if cut then
     'task', 'own', 'worker'}
   if rec[10] ~= '1' then gone[#gone + 1] = 'free_admitted' end
   if rec[11] == '' then gone[#gone + 1] = 'prev_nonce' end
-  local mark = ARGV[4] == 'ok' and '|ok' or (ARGV[7] ~= '0' and '|end' or '')
   if rec[6] or not rec[5] then  -- (a publish of the attempt after a cut writes its fields anew)
     redis.call('HSET', KEYS[1], 'kept', (rec[6] or '') .. '|' .. (rec[7] or '') .. '|'
-      .. (rec[8] or '') .. '|' .. (rec[9] or '') .. mark)
-  elseif mark ~= '' and not ended(rec[5]) then  -- the job's end after a killed row's cut
-    redis.call('HSET', KEYS[1], 'kept', rec[5] .. mark)
+      .. (rec[8] or '') .. '|' .. (rec[9] or '') .. ending)
+  elseif ending ~= '' and not ended(rec[5]) then  -- the job's end after a killed row's cut
+    redis.call('HSET', KEYS[1], 'kept', rec[5] .. ending)
   end
   redis.call('HDEL', KEYS[1], unpack(gone))
   -- A value longer than a compact hash holds (`hash-max-ziplist-value`, 64 bytes by default:
