@@ -27,7 +27,7 @@ def lines(log: Path, event: str) -> list[str]:
     return [line for line in log.read_text().splitlines() if f"event={event} " in line]
 
 
-@pytest.mark.parametrize(("pool", "concurrency"), [("prefork", 1), ("threads", 2)])
+@pytest.mark.parametrize(("pool", "concurrency"), [("prefork", 1), ("threads", 2), ("gevent", 4)])
 def test_a_gated_replacement_is_decided_anew_and_each_run_has_its_verified_row(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, pool: str, concurrency: int
 ) -> None:
