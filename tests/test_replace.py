@@ -86,3 +86,25 @@ def test_a_runs_end_at_postrun_leaves_another_run_of_its_task_id_alone(
         assert "J" not in side._running  # its own run: ended here
     finally:
         task.pop_request()
+
+
+def test_a_chain_that_replaces_a_run_has_each_run_rowed_once_the_last_decided_anew(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A chain's last task takes the replaced task's id, but Celery publishes it only once
+    the first has run: the replaced run ends at its ``Ignore`` (``ignored``), as before."""
+    log = tmp_path / "w.log"
+    with running_worker(redis_url, log, queues="free,reserved"):
+        job = app_for(redis_url).tasks["tests.replaces"].delay(7, chained=True).id
+        assert wait_until(lambda: len(rows(redis_client)) >= 3, 20), rows(redis_client)
+        time.sleep(0.5)
+    ran = [(r["task"], r["id"] == job, r["queue"]) for r in runs(redis_client)]
+    assert ran == [("tests.replaces", True, "free"), ("tests.embed", False, "free"),
+                   ("tests.embed", True, "free")]  # fmt: skip
+    found = [(r["job_id"] == job, r["outcome"], r["path"]) for r in rows(redis_client)]
+    assert found == [(True, "ok", "free"), (False, "ok", "free"), (True, "ok", "free")]
+    ended = lines(log, "ledger_row")
+    assert [re.search(r" reason=(\S+) ", line).group(1) for line in ended] == [  # type: ignore[union-attr]
+        "ignored", "ok", "ok",
+    ]  # fmt: skip
+    assert lines(log, "ledger_unverified_message") == []

@@ -104,10 +104,13 @@ def create_app(
         raise Ignore()  # no end signal but task_postrun (Task.replace raises it too)
 
     @app.task(bind=True, name="tests.replaces", max_retries=0, shared=False, gatekeeper=kill_spec)
-    def replaces(self: Any, chunk: Any, sleep_s: float = 0.0) -> Any:
+    def replaces(self: Any, chunk: Any, sleep_s: float = 0.0, chained: bool = False) -> Any:
         """Replaced by ``tests.embed`` (gated too), which Celery publishes with this task's id
-        while this run is still going (then raises ``Ignore``)."""
+        while this run is still going (then raises ``Ignore``); ``chained``: by a chain of
+        two, whose last task takes this task's id (published once the first has run)."""
         record(self)
+        if chained:
+            raise self.replace(embed.s(chunk, sleep_s) | embed.s())
         raise self.replace(embed.s(chunk, sleep_s))
 
     @app.task(bind=True, name="tests.rejects", max_retries=0, shared=False, gatekeeper=kill_spec,
