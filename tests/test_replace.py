@@ -5,7 +5,9 @@ verified run and row, never a duplicate publish run as a forged message."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -108,3 +110,33 @@ def test_a_chain_that_replaces_a_run_has_each_run_rowed_once_the_last_decided_an
         "ignored", "ok", "ok",
     ]  # fmt: skip
     assert lines(log, "ledger_unverified_message") == []
+
+
+@pytest.mark.parametrize("how", ["sigkill", "revoked"])
+def test_a_replacement_ended_by_the_main_process_gets_its_row(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, how: str
+) -> None:
+    """A reviewer: the main process holds both requests of the task id (the replacement came
+    while the replaced run was going), so a replacement it ended itself (its pool child
+    SIGKILLed, or revoked before it started) was an ambiguous end: no row, its exposure held.
+    The request whose nonce the attempt's record holds now is the one that ended."""
+    log = tmp_path / "w.log"
+    app = app_for(redis_url)
+    with running_worker(redis_url, log, queues="free,reserved"):
+        if how == "sigkill":
+            job = app.tasks["tests.replaces"].delay(7, sleep_s=30).id
+            assert wait_until(lambda: len(runs(redis_client)) >= 2, 20)
+            os.kill(runs(redis_client)[1]["pid"], signal.SIGKILL)
+        else:  # a countdown: held by the worker, revoked before it runs (discarded when due)
+            job = app.tasks["tests.replaces"].delay(7, countdown=3).id
+            assert wait_until(lambda: len(rows(redis_client)) >= 1, 20)
+            assert wait_until(lambda: window_totals(redis_client, "exposure") > 0, 10)
+            app.control.revoke(job)
+        expected = 2 if how == "sigkill" else 1
+        assert wait_until(lambda: len(rows(redis_client)) >= expected, 20), rows(redis_client)
+        assert wait_until(lambda: window_totals(redis_client, "exposure") == 0, 10)
+        time.sleep(0.5)
+    found = [(r["job_id"], r["outcome"]) for r in rows(redis_client)]
+    assert found == [(job, "ok"), (job, "killed")][:expected]
+    assert lines(log, "ledger_ambiguous_end") == []
+    assert redis_client.zcard(KEYS.started) == 0 and redis_client.hlen(KEYS.inflight) == 0

@@ -15,7 +15,7 @@ from contextlib import suppress
 from typing import Any
 
 from gatekeeper.celery.heartbeat import worker_name
-from gatekeeper.celery.message import claims, nonce_of
+from gatekeeper.celery.message import attempt_of, claims, nonce_of
 from gatekeeper.celery.private import outstanding
 
 __all__ = ["NOWHERE", "RECEIVED_CACHE_SIZE", "RanIn", "Received"]
@@ -51,11 +51,14 @@ class Received:
         while len(self._by_id) > RECEIVED_CACHE_SIZE:
             self._by_id.popitem(last=False)
 
-    def ended(self, job_id: str) -> tuple[dict[str, Any] | None, RanIn]:
+    def ended(self, job_id: str, runs: Any = None) -> tuple[dict[str, Any] | None, RanIn]:
         """The gatekeeper headers of the request with this id that just ended; ``{}`` when
-        none of ours claims any; None when the ended ones disagree (two messages with one
-        id, both ended since the last prune): nothing may be attributed then. And where it
-        ran, when one request ended (:data:`NOWHERE`: unknown)."""
+        none of ours claims any. When the ended ones disagree (two messages with one id, both
+        ended since the last prune), the one whose nonce its attempt's record holds now, read
+        through ``runs`` (a ``RunLedger``), when exactly one does: ``Task.replace``'s
+        replacement, which came while the run it replaced was going; else None: nothing may
+        be attributed then. And where it ran, when one request is told (:data:`NOWHERE`:
+        unknown)."""
         held = self._by_id.get(job_id)
         if not held:
             return {}, NOWHERE
@@ -73,7 +76,7 @@ class Received:
         if not any(claims(h) for h in headers):
             return {}, ran_in
         if len({nonce_of(h) for h in headers}) != 1 or not all(claims(h) for h in headers):
-            return None, NOWHERE
+            return _recorded(job_id, ended, runs)
         return headers[0], ran_in
 
     def _prune(self) -> None:
@@ -85,6 +88,25 @@ class Received:
             return
         for job_id in gone:
             del self._by_id[job_id]
+
+
+def _recorded(
+    job_id: str, ended: list[tuple[Any, dict[str, Any]]], runs: Any
+) -> tuple[dict[str, Any] | None, RanIn]:
+    """Of ended requests that disagree, the one whose nonce is its attempt's record's now
+    (the gate's record is the truth: a caller's copy with another nonce is never taken for
+    it), or None when not exactly one is, or the records cannot be read."""
+    if runs is None:
+        return None, NOWHERE
+    try:
+        mine = [(request, headers) for request, headers in ended if claims(headers)
+                and nonce_of(headers) and runs.fields(job_id, attempt_of(headers)).get("nonce")
+                == nonce_of(headers)]  # fmt: skip
+    except Exception:  # (LedgerUnavailable: Redis silent) nothing attributed, as before
+        return None, NOWHERE
+    if len(mine) != 1:
+        return None, NOWHERE
+    return mine[0][1], _ran_in(mine[0][0])
 
 
 def _ran_in(request: Any) -> RanIn:

@@ -142,7 +142,7 @@ class WorkerSide:
 
     def _headers_of(self, job_id: str, request: Any) -> tuple[dict[str, Any], RanIn]:
         """The headers of the request that just ended, and where it ran (:class:`Received`)."""
-        ended, ran_in = self._received.ended(job_id)
+        ended, ran_in = self._received.ended(job_id, self.runs)  # (the record's nonce decides)
         if ended is None:
             self.log.warning("ledger_ambiguous_end", job_id=job_id)
             return {}, NOWHERE

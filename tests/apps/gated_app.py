@@ -104,14 +104,16 @@ def create_app(
         raise Ignore()  # no end signal but task_postrun (Task.replace raises it too)
 
     @app.task(bind=True, name="tests.replaces", max_retries=0, shared=False, gatekeeper=kill_spec)
-    def replaces(self: Any, chunk: Any, sleep_s: float = 0.0, chained: bool = False) -> Any:
+    def replaces(
+        self: Any, chunk: Any, sleep_s: float = 0.0, chained: bool = False, countdown: float = 0
+    ) -> Any:
         """Replaced by ``tests.embed`` (gated too), which Celery publishes with this task's id
         while this run is still going (then raises ``Ignore``); ``chained``: by a chain of
         two, whose last task takes this task's id (published once the first has run)."""
         record(self)
         if chained:
             raise self.replace(embed.s(chunk, sleep_s) | embed.s())
-        raise self.replace(embed.s(chunk, sleep_s))
+        raise self.replace(embed.s(chunk, sleep_s).set(countdown=countdown or None))
 
     @app.task(bind=True, name="tests.rejects", max_retries=0, shared=False, gatekeeper=kill_spec,
               acks_late=True)  # fmt: skip
