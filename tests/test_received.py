@@ -7,9 +7,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from celery.worker import state
 
-from gatekeeper.celery.received import PRUNE_EVERY, Received
+from gatekeeper.celery.received import NOWHERE, PRUNE_EVERY, Received
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger
 
 
 class Request:
@@ -72,3 +75,35 @@ def test_two_requests_with_one_id_the_one_that_ended_is_named(held: list[Any]) -
         held.append(request)
     state.active_requests.discard(mine)
     assert received.ended("J") == (headers(1), (21, "w@host"))
+
+
+@pytest.mark.parametrize("recorded", ["new", "old", "other", None])
+def test_two_ended_requests_of_one_id_the_records_nonce_names_the_one(
+    redis_client: redis.Redis, recorded: str | None
+) -> None:
+    """``Task.replace``: the replaced request and its replacement (another nonce) both ended
+    by the time the main process ends the replacement; the gate's record holds the nonce of
+    the one still owed its end. No record's nonce among them (or none read): nothing told."""
+    keys = Keys()
+    if recorded is not None:
+        redis_client.hset(keys.run("J", 1), "nonce", recorded)
+    received = Received()
+    replaced, replacement = Request("J", pid=31), Request("J", pid=32)
+    received.add(replaced, {**headers(1), "gatekeeper_nonce": "old"})
+    received.add(replacement, {**headers(1), "gatekeeper_nonce": "new"})
+    for request in (replaced, replacement):
+        request.time_start = 1.0  # both ran, and Celery holds neither
+    runs = RunLedger(redis_client, keys, window_seconds=900, queue_wait_unit_per_second=200)
+    told = {"new": ({**headers(1), "gatekeeper_nonce": "new"}, (32, "w@host")),
+            "old": ({**headers(1), "gatekeeper_nonce": "old"}, (31, "w@host"))}  # fmt: skip
+    assert received.ended("J", runs) == told.get(recorded or "", (None, NOWHERE))
+
+
+def test_two_ended_requests_of_one_id_with_no_ledger_tell_nothing() -> None:
+    received = Received()
+    requests = [Request("J"), Request("J")]
+    for request, nonce in zip(requests, ("old", "new"), strict=True):
+        received.add(request, {**headers(1), "gatekeeper_nonce": nonce})
+    for request in requests:
+        request.time_start = 1.0
+    assert received.ended("J") == (None, NOWHERE)
