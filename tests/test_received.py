@@ -107,3 +107,46 @@ def test_two_ended_requests_of_one_id_with_no_ledger_tell_nothing() -> None:
     for request in requests:
         request.time_start = 1.0
     assert received.ended("J") == (None, NOWHERE)
+
+
+def ledger(client: redis.Redis) -> RunLedger:
+    return RunLedger(client, Keys(), window_seconds=900, queue_wait_unit_per_second=200)
+
+
+def test_a_request_that_never_started_is_never_told_for_a_forged_copys_end(
+    redis_client: redis.Redis, held: list[Any]
+) -> None:
+    """A reviewer: the gate's free message moved to reserved by the request check (acked,
+    never started, in no set of Celery's) holds the record's nonce; its copy runs on
+    reserved; a caller's copy with no headers ends past its hard limit. That end is not the
+    gate's run's: told to the moved request, its live run was written killed."""
+    redis_client.hset(Keys().run("J", 1), mapping={"nonce": "N", "runs": 1})
+    received = Received()
+    moved_away, running, forged = Request("J"), Request("J", pid=2), Request("J", pid=3)
+    received.add(moved_away, headers(1) | {"gatekeeper_nonce": "N"})
+    received.add(running, headers(1) | {"gatekeeper_nonce": "N", "gatekeeper_decision": "x"})
+    running.time_start = 1.0
+    state.active_requests.add(running)
+    held.append(running)
+    received.add(forged, {})
+    forged.time_start = 2.0  # ran; Celery let go of it
+    assert received.ended("J", ledger(redis_client)) == (None, NOWHERE)
+
+
+def test_a_retry_come_before_the_run_it_retries_was_let_go_is_told_by_its_owed_row(
+    redis_client: redis.Redis, held: list[Any]
+) -> None:
+    """A reviewer: both requests' nonces are their own attempts' records'; the retried run
+    has its row (its child wrote it), the retry's run, SIGKILLed, is owed one."""
+    redis_client.hset(Keys().run("R", 1), mapping={"nonce": "n1", "runs": 1, "rowed": 1})
+    redis_client.hset(Keys().run("R", 2), mapping={"nonce": "n2", "runs": 1})
+    received = Received()
+    first, retry = Request("R", pid=1), Request("R", pid=1)
+    first.time_start = 1.0
+    state.active_requests.add(first)
+    held.append(first)
+    received.add(first, headers(1))
+    received.add(retry, headers(2))  # came while the first was still held: both kept
+    state.active_requests.discard(first)
+    retry.time_start = 2.0  # ran; its child SIGKILLed: Celery let go of it
+    assert received.ended("R", ledger(redis_client)) == (headers(2), (1, "w@host"))

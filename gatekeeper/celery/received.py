@@ -93,17 +93,27 @@ class Received:
 def _recorded(
     job_id: str, ended: list[tuple[Any, dict[str, Any]]], runs: Any
 ) -> tuple[dict[str, Any] | None, RanIn]:
-    """Of ended requests that disagree, the one whose nonce is its attempt's record's now
-    (the gate's record is the truth: a caller's copy with another nonce is never taken for
-    it), or None when not exactly one is, or the records cannot be read."""
+    """Of ended requests that disagree, the one that ran (a request that never started, a
+    message moved to reserved or one waiting outside Celery's sets, is no run that ended)
+    whose nonce is its attempt's record's now (the gate's record is the truth: a caller's
+    copy with another nonce is never taken for it); of several such (a retry's, come before
+    the run it retries was let go), the one whose run is still owed its row. None when not
+    exactly one is, or the records cannot be read."""
     if runs is None:
         return None, NOWHERE
+    mine: list[tuple[Any, dict[str, Any], bool]] = []
     try:
-        mine = [(request, headers) for request, headers in ended if claims(headers)
-                and nonce_of(headers) and runs.fields(job_id, attempt_of(headers)).get("nonce")
-                == nonce_of(headers)]  # fmt: skip
+        for request, headers in ended:
+            if getattr(request, "time_start", None) is None or not nonce_of(headers):
+                continue
+            fields = runs.fields(job_id, attempt_of(headers)) if claims(headers) else {}
+            if fields.get("nonce") == nonce_of(headers):
+                owed = int(fields.get("runs") or 0) > int(fields.get("rowed") or 0)
+                mine.append((request, headers, owed))
     except Exception:  # (LedgerUnavailable: Redis silent) nothing attributed, as before
         return None, NOWHERE
+    if len(mine) > 1:
+        mine = [entry for entry in mine if entry[2]]
     if len(mine) != 1:
         return None, NOWHERE
     return mine[0][1], _ran_in(mine[0][0])

@@ -152,7 +152,8 @@ class WorkerSide:
         """Revoked (or past its ``expires``) before it ran: the exposure its admission held
         goes back. A redelivered copy (``acks_late``) of a run that died unseen never starts
         now: that run, the attempt's last, is written killed, as the copy's start would."""
-        headers, _ = self._headers_of(request.id, request)
+        self._received.ended(request.id)  # (forgotten: the revoked message itself is here)
+        headers = request_headers(request)  # its own (Celery's context of it), not a guess
         if not claims(headers):
             return
         job_id, attempt, lost = request.id, message.attempt_of(headers), "worker_lost_redelivered"
