@@ -123,6 +123,7 @@ def test_a_request_that_never_started_is_never_told_for_a_forged_copys_end(
     redis_client.hset(Keys().run("J", 1), mapping={"nonce": "N", "runs": 1})
     received = Received()
     moved_away, running, forged = Request("J"), Request("J", pid=2), Request("J", pid=3)
+    moved_away._already_revoked = True  # type: ignore[attr-defined]  # (the request check's)
     received.add(moved_away, headers(1) | {"gatekeeper_nonce": "N"})
     received.add(running, headers(1) | {"gatekeeper_nonce": "N", "gatekeeper_decision": "x"})
     running.time_start = 1.0
@@ -150,3 +151,24 @@ def test_a_retry_come_before_the_run_it_retries_was_let_go_is_told_by_its_owed_r
     state.active_requests.discard(first)
     retry.time_start = 2.0  # ran; its child SIGKILLed: Celery let go of it
     assert received.ended("R", ledger(redis_client)) == (headers(2), (1, "w@host"))
+
+
+def test_a_request_waiting_to_run_outlives_another_requests_end_of_its_id(
+    held: list[Any],
+) -> None:
+    """A reviewer: a gated request waiting on a rate limit or an ETA (in no set of Celery's,
+    never started) was forgotten when a caller's copy of its id ended first, so its own end
+    in the main process later (its child SIGKILLed) found no headers: no row."""
+    received = Received()
+    waiting, copy = Request("J", pid=41), Request("J", pid=42)
+    received.add(waiting, headers(1))
+    received.add(copy, {})
+    copy.time_start = 1.0  # the copy ran and ended (its hard time limit, say)
+    assert received.ended("J") == ({}, (42, "w@host"))  # not ours to row
+    revoked = Request("J")
+    revoked._already_revoked = True  # type: ignore[attr-defined]  # Celery's, when it revokes
+    received.add(revoked, headers(1) | {"gatekeeper_nonce": "other"})  # (_release's ended())
+    other = headers(1) | {"gatekeeper_nonce": "other"}
+    assert received.ended("J") == (other, (0, "w@host"))  # the revoked one, alone: not waiting
+    waiting.time_start = 2.0  # its turn came; it ran, and its child was SIGKILLed
+    assert received.ended("J") == (headers(1), (41, "w@host"))

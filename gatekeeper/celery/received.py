@@ -63,7 +63,8 @@ class Received:
         if not held:
             return {}, NOWHERE
         try:
-            ended = [entry for entry in held if not outstanding(entry[0])]
+            ended = [entry for entry in held if not outstanding(entry[0]) and not
+                     _waiting(entry[0])]  # fmt: skip
         except Exception:  # a changed Celery: only a lone request can be told
             ended = held if len(held) == 1 else []
         left = [entry for entry in held if entry not in ended]
@@ -124,6 +125,15 @@ def _ran_in(request: Any) -> RanIn:
     return (
         pid if isinstance(pid, int) else 0,
         worker_name(hostname) if isinstance(hostname, str) else "",
+    )
+
+
+def _waiting(request: Any) -> bool:
+    """Never started and not revoked (nor moved by the request check, which marks it so): a
+    request waiting on a rate limit or an ETA, held in no set of Celery's, whose run is still
+    to come. Another request's end never forgets it."""
+    return getattr(request, "time_start", None) is None and not getattr(
+        request, "_already_revoked", False
     )
 
 
