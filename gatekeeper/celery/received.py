@@ -52,12 +52,12 @@ class Received:
             self._by_id.popitem(last=False)
 
     def ended(self, job_id: str, runs: Any = None) -> tuple[dict[str, Any] | None, RanIn]:
-        """The gatekeeper headers of the request with this id that just ended; ``{}`` when
-        none of ours claims any. When the ended ones disagree (two messages with one id, both
-        ended since the last prune), the one whose nonce its attempt's record holds now, read
-        through ``runs`` (a ``RunLedger``), when exactly one does: ``Task.replace``'s
-        replacement, which came while the run it replaced was going; else None: nothing may
-        be attributed then. And where it ran, when one request is told (:data:`NOWHERE`:
+        """The gatekeeper headers of the request with this id that just ended (a request
+        waiting to run is none); ``{}`` when none of ours claims any. When the ended ones
+        disagree (two messages with one id, both ended since the last prune: a
+        ``Task.replace`` replacement came while the run it replaced was going), the one
+        :func:`_recorded` tells through ``runs`` (a ``RunLedger``); else None: nothing may be
+        attributed then. And where it ran, when one request is told (:data:`NOWHERE`:
         unknown)."""
         held = self._by_id.get(job_id)
         if not held:
