@@ -63,6 +63,24 @@ def test_a_free_message_past_its_allowance_runs_on_reserved_with_an_expired_row(
     assert b"event=free_wait_expired" in (tmp_path / "w.log").read_bytes()
 
 
+def test_a_message_with_expires_that_waits_past_its_allowance_in_the_worker_is_moved(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A reviewer: Celery asks ``revoked()`` at a message's receipt when it has an
+    ``expires``; the check, asked once, was spent there (within the allowance), and the
+    message then waited on its task's rate limit past the allowance and ran late on free."""
+    app = create_app(gate_settings(redis_url, free_wait_allowance_s=1.0), redis_url)
+    with running_worker(redis_url, tmp_path / "w.log", queues="free,reserved",
+                        GATEKEEPER_FREE_WAIT_ALLOWANCE_S="1"):  # fmt: skip
+        first, second = (app.tasks["tests.limited"].apply_async(expires=3600).id for _ in "12")
+        found = wait_rows(redis_client, 3, timeout_s=40)
+    shown = sorted((r["job_id"] == second, r["path"], r["outcome"]) for r in found)
+    assert shown == [(False, "free", "ok"), (True, "free", "expired"), (True, "reserved", "ok")]
+    assert [(r["id"], r["queue"]) for r in runs(redis_client)] == [
+        (first, "free"), (second, "reserved"),
+    ]  # fmt: skip
+
+
 def test_a_free_message_within_its_allowance_runs_on_free(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -170,7 +170,7 @@ def use_request_check(
     ``lost(request)`` for a pool child lost after it stored SUCCESS, for which Celery 5.7
     sends no ``task_failure``. False when the task already has it."""
     from celery.utils.imports import symbol_by_name
-    from celery.worker.state import task_ready
+    from celery.worker.state import reserved_requests, task_ready
 
     base = symbol_by_name(task.Request)
     if getattr(base, "gatekeeper_check", None) is not None:
@@ -182,7 +182,10 @@ def use_request_check(
         def revoked(self) -> bool:
             if super().revoked():
                 return True
-            if self.__dict__.get("_gatekeeper_asked"):
+            # Asked once, as it is handed to the pool (Celery reserved it then): not at its
+            # receipt, where Celery asks too when it has an ``expires``, before a wait on its
+            # ETA or a rate limit that the check is there to catch.
+            if self.__dict__.get("_gatekeeper_asked") or self not in reserved_requests:
                 return False
             self._gatekeeper_asked = True
             verdict = self.gatekeeper_check(self)

@@ -115,6 +115,12 @@ def create_app(
             raise self.replace(embed.s(chunk, sleep_s) | embed.s())
         raise self.replace(embed.s(chunk, sleep_s).set(countdown=countdown or None))
 
+    @gatekeeper.gated(expected_service_s=1, tokens_in=100, deadline_s=600)
+    @app.task(bind=True, name="tests.limited", max_retries=0, shared=False, rate_limit="12/m")
+    def limited(self: Any) -> None:
+        """One run every five seconds in a worker: the next waits there, received."""
+        record(self)
+
     @app.task(bind=True, name="tests.rejects", max_retries=0, shared=False, gatekeeper=kill_spec,
               acks_late=True)  # fmt: skip
     def rejects(self: Any, requeue: bool = True, sleep_s: float = 0.0) -> str:
