@@ -119,6 +119,7 @@ from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis import wire
 from gatekeeper.redis.gate import Routing
 from gatekeeper.redis.keys import ATTEMPTS
+from gatekeeper.redis.later import settle_all
 from gatekeeper.settings import GatekeeperSettings
 
 COUNTERS = ("total_reads_processed", "total_commands_processed")
@@ -184,6 +185,8 @@ class Phase:
     """Untimed passes measured again because a connection opened or closed during them."""
     unsteady: bool = False
     """No untimed pass of ``COUNT_TRIES`` was free of a connection opening or closing."""
+    later: int = 0
+    """Gated publishes (of all passes) sent with their replies read later."""
 
     @property
     def rate(self) -> float:
@@ -199,7 +202,11 @@ class Probes:
     hook_ns: list[int] = field(default_factory=list)
     sender_ns: list[int] = field(default_factory=list)
     routings: list[Routing] = field(default_factory=list)
-    """Every routing the pipeline returned to the hook, in order: one per gated publish."""
+    """Every routing the pipeline returned to the hook, in order: one per gated publish, but
+    for those sent with their reply read later (``publish_replies``), counted in ``owed``."""
+    owed: int = 0
+    settled: list[Routing | None] = field(default_factory=list)
+    """The routings of the publishes in ``owed``, as their replies were read (None: held)."""
 
     def take(self, phase: Phase) -> None:
         """Move what was seen into ``phase``."""
@@ -207,9 +214,14 @@ class Probes:
         phase.hook_ns.extend(self.hook_ns)
         phase.sender_ns.extend(self.sender_ns)
         phase.routings.extend(self.routings)
-        self.clear()
+        self.clear(owed=False)
 
-    def clear(self) -> None:
+    def clear(self, owed: bool = True) -> None:
+        """Forget what was seen; ``owed``: the replies read later too (their count and
+        routings belong to the gated phase as a whole, whichever call read them)."""
+        if owed:
+            self.owed = 0
+            self.settled.clear()
         self.route_ns.clear()
         self.hook_ns.clear()
         self.sender_ns.clear()
@@ -250,7 +262,10 @@ def install_probes(app: Celery, installed: gatekeeper.Installed) -> Probes:
         start = clock()
         routing = route(*args, **kwargs)
         probes.route_ns.append(clock() - start - celery_ns(senders))
-        probes.routings.append(routing)
+        if routing.is_owed:  # its reply read later
+            probes.owed += 1
+        else:
+            probes.routings.append(routing)
         return routing
 
     def recorded_fail_closed(*args: Any, **kwargs: Any) -> Routing:
@@ -272,6 +287,16 @@ def install_probes(app: Celery, installed: gatekeeper.Installed) -> Probes:
         probes.hook_ns.append(clock() - start - celery_ns(senders))
         return result
 
+    later = pipeline.later
+    if later is not None:
+        settled = later.settled
+
+        def recorded_settled(*args: Any, **kwargs: Any) -> Routing | None:
+            routing = settled(*args, **kwargs)
+            probes.settled.append(routing)
+            return routing
+
+        later.settled = recorded_settled  # type: ignore[method-assign]
     pipeline.route = timed_route  # type: ignore[method-assign]
     pipeline.fail_closed = recorded_fail_closed  # type: ignore[method-assign]
     installed.original_sender = timed_inner
@@ -295,7 +320,18 @@ def check(bench: Bench, phases: dict[str, Phase]) -> list[str]:
     """Why the timed phases do not measure what the run claims; empty when they do."""
     gated = phases["gated"]
     problems = []
+    settle_all()
     flush_lines()
+    probes = bench.probes
+    if probes.owed != len(probes.settled):
+        problems.append(f"{probes.owed} publishes sent with their replies read later, "
+                        f"{len(probes.settled)} replies read")  # fmt: skip
+    held = sum(routing is None for routing in probes.settled)
+    if held:
+        problems.append(f"{held} publishes held: their fallback push could not reach Redis")
+    gated.routings.extend(routing for routing in probes.settled if routing is not None)
+    gated.later, probes.owed = probes.owed, 0
+    probes.settled.clear()
     if bench.sink.decisions != bench.gated_published:
         problems.append(
             f"{bench.sink.decisions} gate_decision log lines written for "
@@ -357,6 +393,8 @@ def checked_lines(bench: Bench, phases: dict[str, Phase]) -> list[str]:
         f"decisions: {decisions}",
         f"fast_publish={bench.installed.settings.fast_publish} path={path} taken for "
         f"{taken}/{gated.count} timed gated publishes ({how}; {bench.path_note})",
+        f"publish_replies={bench.installed.settings.publish_replies} read later for "
+        f"{gated.later}/{gated.count} timed gated publishes",
     ]
 
 
@@ -459,6 +497,7 @@ class Bench:
                 delay(i)
                 append(clock() - t0)
         if kind == "gated":
+            settle_all()
             flush_lines()
             self.gated_published += count
         return time.perf_counter() - start
@@ -572,6 +611,7 @@ class Bench:
                 spent[phase.name] += took
                 self.take_probes(phase)
         t0 = clock()
+        settle_all()  # the round's last reply read, charged to the gated phase
         flush_lines()  # the round's lines not yet written, charged to the gated phase
         spent["gated"] += clock() - t0
         self.gated_published += size

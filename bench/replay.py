@@ -81,7 +81,7 @@ from gatekeeper.defaults import REPLAY_BATCH_SIZE
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.wire import Line
+from gatekeeper.redis.wire import Channel
 from gatekeeper.settings import GatekeeperSettings
 
 TASK = "bench.deferred_noop"
@@ -123,7 +123,7 @@ class RoundTrips:
     def counting(self) -> Iterator[None]:
         send: Callable[..., Any] = AbstractConnection.send_packed_command
         read: Callable[..., Any] = AbstractConnection.read_response
-        line_send, line_read = Line.send, Line.read
+        line_send, line_read = Channel.send, Channel.read
 
         def sent(conn: Any) -> None:
             self._sent.add(id(conn))
@@ -141,18 +141,18 @@ class RoundTrips:
             waited(conn)
             return read(conn, *args, **kwargs)
 
-        def counted_line_send(line: Line, parts: Any) -> None:
+        def counted_line_send(line: Channel, parts: Any) -> None:
             sent(line)
             line_send(line, parts)
 
-        def counted_line_read(line: Line) -> Any:
+        def counted_line_read(line: Channel) -> Any:
             waited(line)
             return line_read(line)
 
         patches = [(AbstractConnection, "send_packed_command", counted_send, send),
                    (AbstractConnection, "read_response", counted_read, read),
-                   (Line, "send", counted_line_send, line_send),
-                   (Line, "read", counted_line_read, line_read)]  # fmt: skip
+                   (Channel, "send", counted_line_send, line_send),
+                   (Channel, "read", counted_line_read, line_read)]  # fmt: skip
         for owner, name, patched, _ in patches:
             setattr(owner, name, patched)
         try:

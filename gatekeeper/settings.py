@@ -179,6 +179,12 @@ class GatekeeperSettings(BaseSettings):
     overridden); ``on`` takes it whenever it can; ``off`` never. ``true``/``false`` mean
     ``on``/``off``."""
 
+    publish_replies: Literal["later", "now"] = "later"
+    """Fast publish outside a worker's task: ``later`` returns once ``gate.lua``'s call is
+    sent and reads its reply at the thread's next publish, or within about 5 ms
+    (:mod:`gatekeeper.redis.later`); ``now`` waits for it, as a plain publish waits for its
+    ``LPUSH``."""
+
     redis_timeout_s: float = Field(defaults.REDIS_TIMEOUT_S, gt=0, le=30, allow_inf_nan=False)
     """Connect and read timeout of the gate's Redis client: past it a publish fails closed."""
     breaker_open_s: float = Field(defaults.BREAKER_OPEN_S, ge=0, le=60, allow_inf_nan=False)
@@ -204,7 +210,7 @@ class GatekeeperSettings(BaseSettings):
     simulate: NightSettings = NightSettings()
     """The declared night of ``gatekeeper simulate`` (:mod:`gatekeeper.night`)."""
 
-    @field_validator("log_format", "log_level", "service_time", mode="before")
+    @field_validator("log_format", "log_level", "service_time", "publish_replies", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value

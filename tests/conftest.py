@@ -24,6 +24,7 @@ import redis
 from gatekeeper.lines import flush as flush_lines
 from gatekeeper.ops.embedded import EmbeddedRedis, find_redis_server
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.later import settle_all
 from gatekeeper.settings import GatekeeperSettings
 from tests.processes import stop
 
@@ -150,6 +151,7 @@ def capsys(capsys: pytest.CaptureFixture[str]) -> pytest.CaptureFixture[str]:
     read = capsys.readouterr
 
     def readouterr() -> Any:
+        settle_all()  # replies read later (gatekeeper/redis/later.py): their lines written
         flush_lines()
         return read()
 

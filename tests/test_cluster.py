@@ -218,7 +218,7 @@ def test_fast_publish_on_with_a_cluster_takes_celerys_own_publish(
         app.tasks["tests.embed"].delay(n)
     assert reasons(redis_client, "free") == ["fits"] * 3  # in the broker, decided
     assert admin.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 3 and not admin.exists("free")
-    assert gatekeeper.install(app).store._line.conn is None  # no line: redis-py's cluster client
+    assert gatekeeper.install(app).store._line.channel is None  # no line: redis-py's cluster client
 
 
 def away_from_home(client: redis.Redis) -> None:

@@ -266,7 +266,8 @@ def test_the_line_talks_through_the_socket_when_hiredis_is_there(
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
     assert store.score(gate_call(**_inputs("raw"))).decision is Decision.ADMIT_FREE
     if wire.RAW:
-        assert store._line.sock is not None and store._line.sock is store._line.conn._sock
+        channel = store._line.channel
+        assert channel.sock is not None and channel.sock is channel.conn._sock
 
 
 def test_the_line_without_hiredis_uses_redis_pys_own_calls(
@@ -276,7 +277,7 @@ def test_the_line_without_hiredis_uses_redis_pys_own_calls(
     redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
     assert store.score(gate_call(**_inputs("plain"))).decision is Decision.ADMIT_FREE
-    assert store._line.sock is None
+    assert store._line.channel.sock is None
     redis_client.script_flush()
     assert store.score(gate_call(**_inputs("again"))).decision is Decision.ADMIT_FREE
 
@@ -380,7 +381,7 @@ def test_a_line_out_of_step_with_its_replies_fails_closed_once_then_recovers(
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
     store.score(gate_call(**_inputs("first")))
     # Something nobody asked for ahead of the next reply (a push message, a stray reply).
-    store._line.reader.feed(b">2\r\n$7\r\nmessage\r\n$4\r\njunk\r\n")
+    store._line.channel.reader.feed(b">2\r\n$7\r\nmessage\r\n$4\r\njunk\r\n")
     with pytest.raises(LedgerUnavailable):
         store.score(gate_call(**_inputs("second")))
     over = {**_inputs("third"), "tokens_in": 10_000}  # over the budget: must not read a stale yes
@@ -393,16 +394,16 @@ def test_an_interrupted_send_leaves_the_line_usable(
 ) -> None:
     redis_client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
     store = GateStore(redis_client, KEYS, horizon_s=1e9)
-    send = wire.Line.send
+    send = wire.Channel.send
 
     def interrupted(self: wire.Line, parts: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(wire.Line, "send", interrupted)
+    monkeypatch.setattr(wire.Channel, "send", interrupted)
     with pytest.raises(KeyboardInterrupt):
         store.score(gate_call(**_inputs("interrupted")))
-    monkeypatch.setattr(wire.Line, "send", send)
-    assert not store._line.busy
+    monkeypatch.setattr(wire.Channel, "send", send)
+    assert not store._line.channel.busy
     assert store.score(gate_call(**_inputs("after"))).decision is Decision.ADMIT_FREE
 
 
@@ -411,7 +412,7 @@ def test_a_single_connection_client_is_called_directly(redis_url: str) -> None:
     client.delete(KEYS.window(WINDOW), KEYS.free_waiting)
     store = GateStore(client, KEYS, horizon_s=1e9)
     assert store.score(gate_call(**_inputs("single"))).decision is Decision.ADMIT_FREE
-    assert store._line.conn is None
+    assert store._line.channel is None
     client.close()
 
 

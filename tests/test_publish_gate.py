@@ -30,6 +30,7 @@ from gatekeeper.logs import DECISION_FIELDS
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.flags import in_canary
 from gatekeeper.redis.keys import ATTEMPTS, Keys
+from gatekeeper.redis.later import settle_all
 from tests.apps.gated_app import create_app
 from tests.conftest import clear_of_a_window_edge, gate_settings, queue_messages
 
@@ -550,6 +551,7 @@ def test_a_task_id_published_twice_is_published_twice(
     embed.apply_async((1,), task_id="twice")
     redis_client.script_flush()
     embed.apply_async((2,), task_id="twice")
+    settle_all()  # a NOSCRIPT reply read later: the script loaded and run again then
     assert [m["headers"]["id"] for m in queue_messages(redis_client, "free")] == ["twice"]
     (second,) = queue_messages(redis_client, "reserved")
     assert second["headers"]["id"] == "twice"

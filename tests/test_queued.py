@@ -51,7 +51,7 @@ def test_an_error_reply_leaves_the_line_closed_and_the_next_batch_connects_again
     )
     assert (echo, after_it) == (b"a", b"b")  # every reply read, each in its place
     assert isinstance(refused, redis.ResponseError) and "WRONGTYPE" in str(refused)
-    assert not line.busy
+    assert not line.channel.busy
     assert client_id(line, redis_client) != before
 
 
@@ -72,7 +72,7 @@ def test_a_command_that_cannot_be_packed_sends_nothing_and_frees_the_line(
         queued.add(command)  # a lone surrogate: no UTF-8 for it
     replies = list(queued.replies())
     assert len(replies) == 3 and all(isinstance(r, redis.ConnectionError) for r in replies)
-    assert not line.busy and redis_client.exists("sent", "bad", "after") == 0
+    assert not line.channel.busy and redis_client.exists("sent", "bad", "after") == 0
     assert send_all(line, redis_client, [["ECHO", "ok"]]) == [b"ok"]
 
 

@@ -217,9 +217,9 @@ def stalled(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "redis-py":
         monkeypatch.setattr(wire, "RAW", False)
         return request.param
-    send_many = wire.Line.send_many
+    send_many = wire.Channel.send_many
 
-    def stalling(line: wire.Line, commands: Any, first: bool) -> None:
+    def stalling(line: wire.Channel, commands: Any, first: bool) -> None:
         side = StallsTheFirstBatch.side
         if side is not None and sum(c[0] == "EVALSHA" for c in commands) > 1:
             StallsTheFirstBatch.side = None
@@ -227,7 +227,7 @@ def stalled(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
             time.sleep(0.02)  # asleep before the batch arrives
         send_many(line, commands, first)
 
-    monkeypatch.setattr(wire.Line, "send_many", stalling)
+    monkeypatch.setattr(wire.Channel, "send_many", stalling)
     return request.param
 
 

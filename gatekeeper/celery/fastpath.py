@@ -36,7 +36,9 @@ fallback pushes only if this request's message is not already there, and a stall
 that runs after it pushes nothing, so a message is pushed once whichever comes first, and
 the fallback can be sent again safely (once more after a timeout, and by the client's
 retry policy). The decision line then names whichever push happened. If it
-fails, the caller gets kombu's ``OperationalError`` (the broker is that Redis).
+fails, the caller gets kombu's ``OperationalError`` (the broker is that Redis). With
+``publish_replies = "later"`` (the default) the reply is read after the publish has returned,
+and all this happens then (:mod:`gatekeeper.redis.later`).
 
 Tracers that wrap kombu's ``Producer.publish`` or ``Producer._publish`` instead of connecting
 Celery's signals (ddtrace's kombu integration; Sentry's Celery integration, whenever it is on)

@@ -58,6 +58,7 @@ from gatekeeper.redis.durable import finish_pending
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.gate import Pipeline, Publish, Routing
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.later import settle_all
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
 
@@ -107,7 +108,9 @@ class Installed:
         """Listen to the worker signals; each reaches its part when it fires."""
         for signal, part, method in SIGNALS:
             signal.connect(self._forward(part, method), weak=False)
+        task_postrun.connect(settle_all, weak=False)  # replies owed read, then the lines
         task_postrun.connect(flush_after_task, weak=False)  # a task's lines written as it ends
+        worker_process_shutdown.connect(settle_all, weak=False)
         worker_process_shutdown.connect(flush_after_task, weak=False)  # a child's os._exit
         worker_process_shutdown.connect(finish_pending, weak=False)  # an auto-freeze's disk
 
@@ -217,11 +220,16 @@ class Installed:
                 self._replacing(publish.job_id, headers["replaced_task_nesting"])
             if sendable(publish.job_id, name):  # else the gate cannot be asked (gate_error),
                 render = self._renderer(producer, name, message, options)  # and it is Celery's
-            routing = self.pipeline.route(publish, render)
-            if routing.decision is None and (
-                routing.reason is Reason.FLAGS_UNREAD
-                or (publish.retries and H_DECISION in headers)  # a retry: sent where it ran
-                or not self.flags.current().free_path_enabled
+            later = render is not None and self.app.current_worker_task is None
+            routing = self.pipeline.route(publish, render, later=later)
+            if (
+                not routing.published
+                and routing.decision is None
+                and (
+                    routing.reason is Reason.FLAGS_UNREAD
+                    or (publish.retries and H_DECISION in headers)  # a retry: sent where it ran
+                    or not self.flags.current().free_path_enabled
+                )
             ):
                 routing = self._own_route(publish, options, routing)
         except PublishFailed as exc:

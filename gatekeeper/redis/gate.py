@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -62,7 +61,9 @@ from gatekeeper.redis.cluster import probe_of
 from gatekeeper.redis.decisions import in_process_inputs
 from gatekeeper.redis.flags import Flags, FlagStore, in_canary
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.later import Later
 from gatekeeper.redis.push import Push, new_nonce, values_for
+from gatekeeper.redis.routing import Routing
 from gatekeeper.redis.service_times import LearnedService, ServiceTimes
 from gatekeeper.redis.store import GateCall, GateStore, ScoredAttempt
 from gatekeeper.settings import GatekeeperSettings
@@ -82,20 +83,6 @@ _LINE_DEFAULTS: dict[str, Any] = dict.fromkeys(
 """Fields every decision line carries, empty when the decision did not get that far."""
 
 
-@dataclass(slots=True)
-class Routing:
-    """Where the publish goes; ``decision`` None means untouched (its normal route)."""
-
-    queue: str | None
-    decision: Decision | None
-    reason: Reason
-    headers: dict[str, Any] = field(default_factory=dict)
-    published: bool = False
-    """True when a script already pushed the message (fast publish)."""
-    drop: tuple[str, ...] = ()
-    """Headers not to forward (gatekeeper headers that were not numbers: ``bad_input``)."""
-
-
 class Pipeline:
     """Scores publishes of gated tasks with the flags, the core and the gate's Redis."""
 
@@ -108,6 +95,8 @@ class Pipeline:
         self.clock = clock
         times = ServiceTimes(store.client, store.keys, store.breaker)
         self.learned = LearnedService(times, settings, logger, wall=clock)
+        self.later = Later(self, 2 * settings.redis_timeout_s) if (
+            settings.publish_replies == "later") else None  # fmt: skip
         self._queues = {
             Decision.ADMIT_FREE: settings.free_queue,
             Decision.DEFER: settings.defer_queue,
@@ -131,19 +120,25 @@ class Pipeline:
         return cls(settings, store, flags, log, clock)
 
     def route(
-        self, publish: Publish, render: Render | None = None, *, off_free: bool = False
-    ) -> Routing:
+        self, publish: Publish, render: Render | None = None, *, off_free: bool = False,
+        later: bool = False,
+    ) -> Routing:  # fmt: skip
         """Decide one publish; never raises for a bad input or an unreachable Redis.
 
         ``render`` (fast publish) builds the message for the gate script to push with its
         decision; it is called only when the decision needs the script. ``off_free``: the
         task's own route is the free queue and the free path is closed (or the flags are
         unread), so it is decided as if the gate were on (reserved, its headers stamped).
+        ``later``: fast publish may return before the script's reply (:mod:`.later`).
         """
         attempt = self.unscripted(publish, off_free)
         if isinstance(attempt, Routing):
             return attempt
         push = render(attempt.headers, attempt.nonce) if render is not None else None
+        if push is not None and later and self.later is not None:
+            routing = self.later.route(attempt, push)  # None: asked the ordinary way
+            if routing is not None:
+                return routing
         try:
             scored = self.store.score(self.gate_call(attempt, push))
         except LedgerUnavailable as exc:

@@ -159,6 +159,8 @@ class GateStore:
             if not (isinstance(reply, list) and len(reply) == 6):
                 # Not gate.lua's answer: this channel is out of step with its replies.
                 raise redis.ResponseError(f"unexpected reply {reply!r}")
+            if channel.known is not None:  # answered here: a later call may be read later
+                channel.known.add(self._gate.sha)
         except NoScriptError:  # a restarted or flushed Redis: load it and call again
             reply = self._reply_now(keys, args, load=True)
         except redis.RedisError as exc:
@@ -229,6 +231,7 @@ class GateStore:
         when it was not recorded (Redis failed or the breaker is open, a bad input, or
         another publish of the attempt holds a live record): the decision stands, and its
         row will be unverified."""
+        self._line.settle()  # a gate call of this thread's still unanswered runs first
         if self.breaker is not None and self.breaker.is_open:
             return None
         keys = [self.keys.window(window_id), *self._records(job_id, attempt), self.keys.totals,
@@ -301,6 +304,7 @@ class GateStore:
         failed, and at once while the breaker is open.
         """
         member = f"{job_id}:{attempt}"
+        self._line.settle()  # a gate call of this thread's still unanswered runs first
         if self.breaker is not None:
             self.breaker.check(f"cannot release {member}")
         keys = [self.keys.inflight, self.keys.free_waiting, self.keys.window(window_id),

@@ -23,7 +23,6 @@ it. The replayer's batches take the line too (:mod:`gatekeeper.redis.queued`).
 
 from __future__ import annotations
 
-import inspect
 import os
 import select
 import threading
@@ -44,7 +43,7 @@ try:
 except ImportError:  # pragma: no cover - hiredis is optional
     hiredis = None
 
-__all__ = ["Line", "Sent", "call_script", "has_lines", "send_script"]
+__all__ = ["Channel", "Line", "Sent", "call_script", "has_lines", "send_script"]
 
 RAW = hiredis is not None and hasattr(hiredis, "pack_command")
 """hiredis packs and parses; without it, redis-py's connection does both."""
@@ -55,37 +54,97 @@ forgotten (nothing closes it, nothing answers): a call sent on it is not taken a
 
 
 class Line(threading.local):
-    """This thread's own connection for the gate script; dropped (not closed) after a fork."""
+    """This thread's :class:`Channel` to the gate's Redis; a new one after a fork (the
+    parent's is the parent's to read and close)."""
 
-    conn: Any = None
-    sock: Any = None
-    reader: Any = None
-    poller: Any = None
-    pid: int = 0
-    busy: bool = False
-    answered_at: float = 0.0
-    """``time.monotonic()`` of the last reply read on this line."""
-    known: set[str] | None = None
-    """The scripts (SHA1s) this connection has had answered: a new one (perhaps to another
-    server, after a restart or a failover) knows none, and its server may lack them."""
+    channel: Channel | None = None
 
-    def take(self, pool: redis.ConnectionPool) -> Line | None:
-        """This line, marked busy; None when a call on it still awaits its reply."""
+    def take(self, pool: redis.ConnectionPool, keep_owed: bool = False) -> Channel | None:
+        """This thread's channel, marked busy; None when a call on it still awaits its reply.
+        A reply owed on it (:mod:`gatekeeper.redis.later`) is read and settled first, unless
+        ``keep_owed`` (the caller reads it, after sending its own call)."""
+        channel = self.channel
+        if channel is None or channel.pid != os.getpid():
+            channel = self.channel = Channel()
+        return channel.take(pool, keep_owed)
+
+    def settle(self) -> None:
+        """Read the reply owed on this thread's channel now: this thread's calls run in order."""
+        channel = self.channel
+        if channel is not None and channel.owed is not None and channel.pid == os.getpid():
+            channel.settle_owed()
+
+
+class Channel:
+    """One thread's connection for the gate script. Only its thread sends on it; the
+    process's settler (:mod:`gatekeeper.redis.later`) may read a reply owed on it, under
+    :attr:`lock`, while its thread is between calls."""
+
+    def __init__(self) -> None:
+        self.conn: Any = None
+        self.sock: Any = None
+        self.reader: Any = None
+        self.poller: Any = None
+        self.pid = os.getpid()
+        self.busy = False
+        self.answered_at = 0.0
+        """``time.monotonic()`` of the last reply read on this line."""
+        self.known: set[str] | None = None
+        """The scripts (SHA1s) this connection has had answered: a new one (perhaps to another
+        server, after a restart or a failover) knows none, and its server may lack them."""
+        self.lock = threading.Lock()
+        self.owed: Any = None
+        """A gate call sent whose reply is read later (:class:`gatekeeper.redis.later.Owed`)."""
+
+    def take(self, pool: redis.ConnectionPool, keep_owed: bool = False) -> Channel | None:
+        """This channel, marked busy; None when a call on it still awaits its reply."""
         if self.busy:
             return None
-        if self.conn is None or self.pid != os.getpid():
+        if self.owed is not None and not keep_owed:
+            self.settle_owed()
+        if self.conn is None:
             # RESP2 whatever the client asked for: RESP3 lets the server interleave push
             # messages (redis-py 8 turns on maintenance notifications with it, and they need
             # RESP3, so their settings stay behind), and this line takes the first reply it
             # sees as the script's.
             kwargs = {k: v for k, v in pool.connection_kwargs.items() if k not in _RESP3_ONLY}
-            self.conn, self.sock, self.pid = None, None, os.getpid()
             try:
                 self.conn = pool.connection_class(**kwargs, protocol=2)
             except Exception:  # settings this line cannot take: the pool's own connections
                 return None
         self.busy = True
         return self
+
+    def settle_owed(self) -> None:
+        """Read the reply owed on this channel, if any, and settle its call (never raises)."""
+        reply: Any = None
+        with self.lock:
+            owed, self.owed = self.owed, None
+            if owed is None:
+                return
+            try:
+                reply, alive = self.owed_reply()
+            except BaseException:  # an interrupt mid-read: the line is unusable, the reply lost
+                self.close()
+                owed.settle(redis.ConnectionError("interrupted while its reply was read"))
+                raise
+            if alive and isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
+                self.close()  # a replica now (READONLY), a script's error: a new connection
+        owed.settle(reply)
+
+    def owed_reply(self) -> tuple[Any, bool]:
+        """The next reply, as a gate call's (a table of six) or the error in its place, and
+        whether the channel is still up: it is closed when no reply came or it was not a gate
+        call's. Under :attr:`lock`."""
+        try:
+            reply = self._next()
+            table = isinstance(reply, list) and len(reply) == 6
+            if not table and not isinstance(reply, Exception):
+                raise redis.ResponseError(f"unexpected reply {reply!r}")
+            return reply, True
+        except redis.RedisError as exc:
+            self.close()
+            return exc, False
 
     def send(self, parts: Sequence[str]) -> None:
         """Send one command: through the socket when hiredis packs it, else through redis-py."""
@@ -116,7 +175,10 @@ class Line(threading.local):
 
     def _went_stale(self) -> bool:
         """Readable while idle: the server closed it (a timeout, a restart, CLIENT KILL) or
-        sent what nobody asked for. Reconnect before the request, as redis-py's pool does."""
+        sent what nobody asked for. Reconnect before the request, as redis-py's pool does.
+        Not while a reply is owed on it: that reply is what it has to read."""
+        if self.owed is not None:
+            return False
         if self.sock is not None:
             return bool(self.poller.poll(0))
         return getattr(self.conn, "_sock", None) is not None and _stale(self.conn)
@@ -210,10 +272,10 @@ class Sent:
     until then the thread's line stays taken, so calls made meanwhile go through redis-py."""
 
     def __init__(
-        self, line: Line, client: redis.Redis, script: Script, keys: Sequence[str],
+        self, line: Channel, client: redis.Redis, script: Script, keys: Sequence[str],
         args: Sequence[str],
     ) -> None:  # fmt: skip
-        self._line: Line | None = line
+        self._line: Channel | None = line
         idle = time.monotonic() - line.answered_at > IDLE_PROVEN_S
         self.unproven = idle or script.sha not in (line.known or ())
         """Sent on a connection that has not had this script answered: its server may not
@@ -283,14 +345,9 @@ def call_script(
     return sent.reply()
 
 
-_RESP3_ONLY = frozenset(
-    {
-        "protocol",
-        "maint_notifications_config",
-        "maint_notifications_pool_handler",
-        "oss_cluster_maint_notifications_handler",
-    }
-)
+_RESP3_ONLY = frozenset(("protocol", "maint_notifications_config",
+                         "maint_notifications_pool_handler",
+                         "oss_cluster_maint_notifications_handler"))  # fmt: skip
 """Connection settings a RESP2 line must not pass on (redis-py 8 refuses them with RESP2)."""
 
 
@@ -300,19 +357,3 @@ def _stale(conn: Any) -> bool:
         return bool(conn.can_read())
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return True
-
-
-def _get_connection(pool: redis.ConnectionPool) -> Any:
-    """A connected connection from ``pool``, across redis-py 5 to 8's ``get_connection``."""
-    if _GET_CONNECTION_TAKES_NAME:
-        return pool.get_connection("EVALSHA")
-    return pool.get_connection()
-
-
-def _takes_name() -> bool:
-    param = inspect.signature(redis.ConnectionPool.get_connection).parameters.get("command_name")
-    return param is not None and param.default is inspect.Parameter.empty
-
-
-_GET_CONNECTION_TAKES_NAME = _takes_name()
-"""redis-py 5 requires a command name (unused); later versions deprecate passing one."""

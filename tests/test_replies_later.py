@@ -1,0 +1,368 @@
+"""Fast publish's replies read later (``publish_replies = "later"``, gatekeeper/redis/later.py):
+each message pushed once whatever happens to the reply, each decision logged once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from gatekeeper.celery.hook import install
+from gatekeeper.core.ledger import window_id
+from gatekeeper.redis import later, wire
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.later import OWING, settle_all
+from tests.apps.gated_app import create_app
+from tests.conftest import REPO_ROOT, gate_settings, queue_messages
+
+QUEUES = ("free", "defer", "reserved", "celery")
+
+
+@pytest.fixture(autouse=True)
+def read_by_the_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replies are read by the next publish or the test (``settle_all``), not the settler
+    thread, unless a test asks for it: a test looks at what is owed between its calls."""
+    monkeypatch.setattr(later, "SETTLE_AFTER_S", 3600.0)
+
+
+def make_app(redis_url: str, **overrides: Any) -> Celery:
+    values = {"flag_cache_s": 60, "budget_units": 1e9, **overrides}
+    return create_app(gate_settings(redis_url, **values), redis_url)
+
+
+def copies(client: redis.Redis, ids: list[str]) -> dict[str, Counter[str]]:
+    """For each id, the queues holding a message with it (a Counter: queue -> copies)."""
+    found: dict[str, Counter[str]] = {job: Counter() for job in ids}
+    for queue in QUEUES:
+        for message in queue_messages(client, queue):
+            job = message["headers"]["id"]
+            if job in found:
+                found[job][queue] += 1
+    return found
+
+
+def elsewhere(found: dict[str, Counter[str]]) -> dict[str, Counter[str]]:
+    """The ids not found exactly once, in free."""
+    return {job: queues for job, queues in found.items() if queues != {"free": 1}}
+
+
+def decision_lines(err: str) -> Counter[str]:
+    """``job_id`` -> how many ``gate_decision`` lines name it."""
+    return Counter(
+        part.removeprefix("job_id=")
+        for line in err.splitlines()
+        if "event=gate_decision" in line
+        for part in line.split()
+        if part.startswith("job_id=")
+    )
+
+
+def owed(app: Celery) -> Any:
+    channel = install(app).store._line.channel
+    return channel.owed if channel is not None else None
+
+
+def test_a_run_of_publishes_reads_each_reply_at_the_next_and_logs_each_once(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app = make_app(redis_url)
+    embed = app.tasks["tests.embed"]
+    ids = [embed.delay(i).id for i in range(30)]
+    assert owed(app) is not None  # the last one's reply is still to be read
+    settle_all()
+    assert owed(app) is None
+    found = copies(redis_client, ids)
+    assert all(c == {"free": 1} for c in found.values()), {
+        k: v for k, v in found.items() if v != {"free": 1}
+    }
+    lines = decision_lines(capsys.readouterr().err)
+    assert all(lines[job] == 1 for job in ids), lines
+    for message in queue_messages(redis_client, "free"):
+        assert message["headers"]["gatekeeper_decision"] == "admit_free"
+        assert "__gk_" not in str(message)
+
+
+def test_an_idle_publishers_reply_is_read_by_the_settler_thread(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    app = make_app(redis_url)
+    embed = app.tasks["tests.embed"]
+    embed.delay(0)
+    last = embed.delay(1).id
+    assert owed(app) is not None
+    monkeypatch.setattr(later, "SETTLE_AFTER_S", 0.005)
+    deadline = time.monotonic() + 2
+    while owed(app) is not None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert owed(app) is None  # read within milliseconds, no other publish needed
+    assert decision_lines(capsys.readouterr().err)[last] == 1
+
+
+def test_a_script_error_in_a_reply_read_later_sends_that_message_to_reserved_once(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The window's key turned into a string between two publishes: the script fails for the
+    publish whose reply is owed; read at the next publish, its message goes to reserved
+    through fallback.lua, and the next publish (whose script fails too) is answered at once."""
+    app = make_app(redis_url)
+    embed = app.tasks["tests.embed"]
+    first = embed.delay(0).id  # the line's first call: answered at once
+    redis_client.delete(*[Keys().window(w) for w in _windows()])
+    for win in _windows():
+        redis_client.set(Keys().window(win), "not a hash")
+    second = embed.delay(1).id
+    assert owed(app) is not None
+    third = embed.delay(2).id
+    assert owed(app) is None  # after an error reply: one call at a time again
+    settle_all()
+    found = copies(redis_client, [first, second, third])
+    assert found[second] == {"reserved": 1} and found[third] == {"reserved": 1}, found
+    assert found[first] == {"free": 1}
+    for message in queue_messages(redis_client, "reserved"):
+        assert message["headers"]["gatekeeper_reason"] == "gate_unavailable"
+        assert "__gk_" not in str(message)
+    lines = decision_lines(capsys.readouterr().err)
+    assert [lines[job] for job in (first, second, third)] == [1, 1, 1]
+
+
+def _windows() -> list[int]:
+    now = window_id(time.time(), 900)
+    return [now, now + 1]
+
+
+@pytest.mark.parametrize("breaker_open_s", [0.0, 1.0])
+def test_a_connection_killed_with_a_reply_owed_loses_no_message_and_pushes_none_twice(
+    redis_url: str, redis_client: redis.Redis, breaker_open_s: float,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Every other client is killed while a reply is owed. The next publish's call goes out
+    on the dead socket: both replies are lost. The owed one's script ran (its message is in
+    free, and fallback.lua finds it there); the new one's never did (fallback.lua pushes it
+    to reserved), unless the breaker, opened by the lost reply, refuses it: then it is held
+    and sent once the breaker lets calls through again."""
+    app = make_app(redis_url, breaker_open_s=breaker_open_s)
+    embed = app.tasks["tests.embed"]
+    ids = [embed.delay(0).id, embed.delay(1).id]
+    assert owed(app) is not None
+    time.sleep(0.001)  # (the owed script runs meanwhile, or not: either way one copy)
+    redis_client.client_kill_filter(_type="normal", skipme=True)
+    try:
+        ids.append(embed.delay(2).id)
+    except Exception as exc:  # the caller's own publish may fail: it is then not sent
+        pytest.fail(f"the publish raised {exc!r}")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        settle_all()
+        found = copies(redis_client, ids)
+        if all(sum(c.values()) for c in found.values()):
+            break
+        time.sleep(0.05)
+    found = copies(redis_client, ids)
+    assert all(sum(c.values()) == 1 for c in found.values()), found
+    assert found[ids[0]] == {"free": 1}
+    err = capsys.readouterr().err
+    assert all(decision_lines(err)[job] == 1 for job in ids), err
+
+
+@pytest.mark.parametrize("breaker_open_s", [0.0, 1.0])
+def test_a_message_whose_fallback_cannot_reach_redis_is_held_and_sent_once_later(
+    redis_url: str, redis_client: redis.Redis, breaker_open_s: float,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Redis pauses every client for 1.5 s just as a publish returns: its reply times out
+    (0.3 s), its fallback push too (or the breaker refuses it): the message is held. When
+    Redis wakes, the paused script and fallback run (one of them pushes, the other finds that
+    push), and the held message's fallback, sent again, finds it too: one copy."""
+    app = make_app(redis_url, breaker_open_s=breaker_open_s, redis_timeout_s=0.3)
+    embed = app.tasks["tests.embed"]
+    first = embed.delay(0).id
+    pauser = redis.Redis.from_url(redis_url)
+    pauser.execute_command("CLIENT", "PAUSE", "1500", "ALL")
+    started = time.monotonic()
+    second = embed.delay(1).id
+    assert time.monotonic() - started < 0.3  # the caller did not wait for the paused server
+    settle_all()  # the reply times out; the fallback cannot be pushed: held (and sent again)
+    deadline = time.monotonic() + 10
+    while OWING._held and time.monotonic() < deadline:
+        time.sleep(0.05)
+        settle_all()
+    assert not OWING._held
+    found = copies(redis_client, [first, second])
+    assert found[first] == {"free": 1} and sum(found[second].values()) == 1, found
+    err = capsys.readouterr().err
+    assert "event=held_publish_sent" in err and "held_publish_lost" not in err
+    assert decision_lines(err)[second] == 1
+
+
+def test_the_noscript_of_a_flushed_script_cache_is_answered_by_loading_it(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app = make_app(redis_url)
+    embed = app.tasks["tests.embed"]
+    ids = [embed.delay(0).id, embed.delay(1).id]
+    redis_client.script_flush()
+    ids += [embed.delay(i).id for i in range(2, 6)]
+    settle_all()
+    found = copies(redis_client, ids)
+    assert all(c == {"free": 1} for c in found.values()), {
+        k: v for k, v in found.items() if v != {"free": 1}
+    }
+    lines = decision_lines(capsys.readouterr().err)
+    assert all(lines[job] == 1 for job in ids)
+
+
+def test_publishes_from_inside_a_task_wait_for_their_replies(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """A worker's task that publishes (retries, canvas, ``Task.replace``) waits, as before:
+    the worker side's own scripts must come after those decisions."""
+    app = make_app(redis_url)
+    embed = app.tasks["tests.embed"]
+    embed.delay(0)  # the line proven
+    settle_all()
+
+    @app.task(name="tests.fan_out", shared=False)
+    def fan_out() -> list[str]:
+        sent = [embed.delay(i).id for i in range(3)]
+        assert owed(app) is None
+        return sent
+
+    ids = fan_out.apply().get()
+    assert all(c == {"free": 1} for c in copies(redis_client, ids).values())
+
+
+def test_publish_replies_now_waits_for_every_reply(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = make_app(redis_url, publish_replies="now")
+    embed = app.tasks["tests.embed"]
+    ids = [embed.delay(i).id for i in range(5)]
+    assert owed(app) is None and not OWING._channels
+    assert all(c == {"free": 1} for c in copies(redis_client, ids).values())
+
+
+@pytest.mark.parametrize("ending", ["return", "sys.exit(3)"])
+def test_a_process_that_exits_reads_its_last_reply_and_logs_it(
+    redis_url: str, redis_client: redis.Redis, ending: str
+) -> None:
+    script = textwrap.dedent(f"""
+        import sys
+        from tests.apps.gated_app import create_app
+        from tests.conftest import gate_settings
+        app = create_app(gate_settings({redis_url!r}, flag_cache_s=60), {redis_url!r})
+        ids = [app.tasks["tests.embed"].delay(i).id for i in range(5)]
+        print(" ".join(ids))
+        def main():
+            {ending}
+        main()
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=60, env=env)  # fmt: skip
+    ids = done.stdout.split()
+    assert len(ids) == 5, done.stderr
+    assert all(c == {"free": 1} for c in copies(redis_client, ids).values())
+    lines = decision_lines(done.stderr)
+    assert all(lines[job] == 1 for job in ids), done.stderr
+
+
+def test_a_forked_child_leaves_the_parents_owed_reply_to_the_parent(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app = make_app(redis_url)
+    embed = app.tasks["tests.embed"]
+    ids = [embed.delay(0).id, embed.delay(1).id]
+    assert owed(app) is not None
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: publishes on a line of its own, never reads the parent's
+        code = 1
+        try:
+            os.close(read)
+            child = [embed.delay(i).id for i in (2, 3)]
+            settle_all()
+            os.write(write, " ".join(child).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    with os.fdopen(read) as pipe:
+        ids += pipe.read().split()
+    settle_all()
+    assert all(c == {"free": 1} for c in copies(redis_client, ids).values())
+    lines = decision_lines(capsys.readouterr().err)
+    assert [lines[job] for job in ids[:2]] == [1, 1], lines
+
+
+def test_an_interrupt_while_a_reply_is_read_loses_no_message_and_pushes_none_twice(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Ctrl-C lands while a publish reads the reply owed before its own: the line is closed,
+    both calls settled as lost (fallback.lua finds each script's push, or pushes to reserved
+    the message whose script never ran), and the interrupt reaches the caller."""
+    app = make_app(redis_url)
+    embed = app.tasks["tests.embed"]
+    ids = [embed.delay(0).id, embed.delay(1).id]
+    assert owed(app) is not None
+    read = wire.Channel._next
+
+    def interrupted(self: wire.Channel) -> Any:
+        monkeypatch.setattr(wire.Channel, "_next", read)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(wire.Channel, "_next", interrupted)
+    third = embed.s(2).freeze().id
+    with pytest.raises(KeyboardInterrupt):
+        embed.apply_async((2,), task_id=third)
+    ids.append(third)
+    settle_all()
+    found = copies(redis_client, ids)
+    assert all(sum(c.values()) == 1 for c in found.values()), found
+    assert found[ids[0]] == {"free": 1}
+    ids.append(embed.delay(3).id)  # the line is usable again
+    settle_all()
+    assert copies(redis_client, ids[-1:])[ids[-1]] == {"free": 1}
+    lines = decision_lines(capsys.readouterr().err)
+    assert all(lines[job] == 1 for job in ids), lines
+
+
+def test_threads_publishing_at_once_each_on_its_own_line_push_every_message_once(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Four threads publish fifty each while the settler reads what they leave owed."""
+    monkeypatch.setattr(later, "SETTLE_AFTER_S", 0.0005)
+    app = make_app(redis_url)
+    embed = app.tasks["tests.embed"]
+    ids: list[str] = []
+
+    def publish(offset: int) -> None:
+        for i in range(50):
+            ids.append(embed.delay(offset + i).id)
+            if i % 10 == 0:
+                time.sleep(0.002)  # idle now and then: the settler reads a reply first
+
+    threads = [threading.Thread(target=publish, args=(n * 100,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    settle_all()
+    assert len(ids) == 200
+    found = copies(redis_client, ids)
+    assert not elsewhere(found), elsewhere(found)
+    lines = decision_lines(capsys.readouterr().err)
+    assert all(lines[job] == 1 for job in ids)
