@@ -50,10 +50,21 @@ def debug_allowed() -> tuple[str, ...]:
     return ("--enable-debug-command", "local") if major.isdigit() and int(major) >= 7 else ()
 
 
+class AfterOwnPublishes(redis.Redis):
+    """A test's view of Redis: each command first reads the gate replies this process still
+    owes (gatekeeper/redis/later.py), so that what a test's publish sent has run when the
+    test looks. Without it another connection may see a message a moment after ``delay()``
+    returned (README, Cost); tests/test_replies_later.py looks at that state itself."""
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        settle_all()
+        return super().execute_command(*args, **options)
+
+
 @pytest.fixture()
 def redis_client(redis_url: str) -> Iterator[redis.Redis]:
-    """A client on an empty database."""
-    client = redis.Redis.from_url(redis_url)
+    """A client on an empty database, seeing what this process's publishes sent."""
+    client = AfterOwnPublishes.from_url(redis_url)
     client.flushdb()
     initialised(client)
     try:
