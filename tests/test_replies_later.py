@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.signals import before_task_publish
 
 from gatekeeper.celery.hook import install
 from gatekeeper.core.ledger import window_id
 from gatekeeper.redis import later, wire
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.later import OWING, settle_all
+from gatekeeper.redis.store import GateStore
 from tests.apps.gated_app import create_app
 from tests.conftest import REPO_ROOT, gate_settings, queue_messages
 
@@ -35,8 +37,15 @@ def read_by_the_tests(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make_app(redis_url: str, **overrides: Any) -> Celery:
+    """An app whose line is warm: the gate script loaded and answered on it (a line's first
+    call, and one that meets ``NOSCRIPT``, are answered at once), so each publish from here
+    on is sent with its reply read later."""
     values = {"flag_cache_s": 60, "budget_units": 1e9, **overrides}
-    return create_app(gate_settings(redis_url, **values), redis_url)
+    app = create_app(gate_settings(redis_url, **values), redis_url)
+    app.tasks["tests.embed"].delay("warm")
+    app.tasks["tests.embed"].delay("warm")
+    settle_all()
+    return app
 
 
 def copies(client: redis.Redis, ids: list[str]) -> dict[str, Counter[str]]:
@@ -48,6 +57,15 @@ def copies(client: redis.Redis, ids: list[str]) -> dict[str, Counter[str]]:
             if job in found:
                 found[job][queue] += 1
     return found
+
+
+def wait_for_held(seconds: float) -> None:
+    """Until no message is held or being sent again (the settler's pass), and nothing owed."""
+    deadline = time.monotonic() + seconds
+    while (OWING._held or OWING._sending.locked()) and time.monotonic() < deadline:
+        settle_all()
+        time.sleep(0.01)
+    settle_all()
 
 
 def elsewhere(found: dict[str, Counter[str]]) -> dict[str, Counter[str]]:
@@ -116,7 +134,8 @@ def test_a_script_error_in_a_reply_read_later_sends_that_message_to_reserved_onc
     through fallback.lua, and the next publish (whose script fails too) is answered at once."""
     app = make_app(redis_url)
     embed = app.tasks["tests.embed"]
-    first = embed.delay(0).id  # the line's first call: answered at once
+    first = embed.delay(0).id
+    settle_all()
     raw = redis.Redis.from_url(redis_url)
     raw.delete(*[Keys().window(w) for w in _windows()])
     for win in _windows():
@@ -189,16 +208,14 @@ def test_a_message_whose_fallback_cannot_reach_redis_is_held_and_sent_once_later
     app = make_app(redis_url, breaker_open_s=breaker_open_s, redis_timeout_s=0.3)
     embed = app.tasks["tests.embed"]
     first = embed.delay(0).id
+    settle_all()
     pauser = redis.Redis.from_url(redis_url)
     pauser.execute_command("CLIENT", "PAUSE", "1500", "ALL")
     started = time.monotonic()
     second = embed.delay(1).id
     assert time.monotonic() - started < 0.3  # the caller did not wait for the paused server
     settle_all()  # the reply times out; the fallback cannot be pushed: held (and sent again)
-    deadline = time.monotonic() + 10
-    while OWING._held and time.monotonic() < deadline:
-        time.sleep(0.05)
-        settle_all()
+    wait_for_held(10)
     assert not OWING._held
     found = copies(redis_client, [first, second])
     assert found[first] == {"free": 1} and sum(found[second].values()) == 1, found
@@ -331,12 +348,12 @@ def test_an_interrupt_while_a_reply_is_read_loses_no_message_and_pushes_none_twi
     with pytest.raises(KeyboardInterrupt):
         embed.apply_async((2,), task_id=third)
     ids.append(third)
-    settle_all()
+    wait_for_held(5)  # the interrupted call's message is held, sent again by the settler
     found = copies(redis_client, ids)
     assert all(sum(c.values()) == 1 for c in found.values()), found
     assert found[ids[0]] == {"free": 1}
     ids.append(embed.delay(3).id)  # the line is usable again
-    settle_all()
+    wait_for_held(5)
     assert copies(redis_client, ids[-1:])[ids[-1]] == {"free": 1}
     lines = decision_lines(capsys.readouterr().err)
     assert all(lines[job] == 1 for job in ids), lines
@@ -369,3 +386,111 @@ def test_threads_publishing_at_once_each_on_its_own_line_push_every_message_once
     assert not elsewhere(found), elsewhere(found)
     lines = decision_lines(capsys.readouterr().err)
     assert all(lines[job] == 1 for job in ids)
+
+
+def test_an_ordinary_publish_waits_while_the_settler_reads_the_reply_owed_on_its_line(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """The server stalls (DEBUG SLEEP 0.3) with a reply owed; the settler takes it and waits
+    for it under the channel's lock. The same thread then makes an ordinary gated publish
+    (a publish-signal receiver makes ``auto`` stand aside): it must wait for that lock, not
+    read the owed reply as its own."""
+    monkeypatch.setattr(later, "SETTLE_AFTER_S", 0.0)
+    app = make_app(redis_url)
+    embed, store = app.tasks["tests.embed"], install(app).store
+    sleeper = redis.Redis.from_url(redis_url)
+    stall = threading.Thread(target=sleeper.execute_command, args=("DEBUG", "SLEEP", "0.3"))
+    stall.start()
+    time.sleep(0.05)
+    owed_one = embed.delay(2).id
+    time.sleep(0.03)  # the settler is reading it
+    channel = store._line.channel
+    assert channel.owed is None and channel.lock.locked()
+
+    def observer(**_: Any) -> None:
+        pass
+
+    before_task_publish.connect(observer, weak=False)
+    try:
+        ordinary = embed.delay(3).id
+    finally:
+        before_task_publish.disconnect(observer)
+    stall.join()
+    settle_all()
+    assert store.breaker is not None and store.breaker.trips == 0
+    found = copies(redis_client, [owed_one, ordinary])
+    assert found == {owed_one: {"free": 1}, ordinary: {"free": 1}}, found
+    err = capsys.readouterr().err
+    for job in (owed_one, ordinary):
+        (line,) = [ln for ln in err.splitlines() if "gate_decision" in ln and job in ln]
+        assert "decision=admit_free" in line and "error=" not in line, line
+
+
+def test_messages_held_by_several_threads_are_each_sent_once_and_the_settler_lives(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Six threads' replies time out while Redis is paused, and so do their fallbacks: six
+    held messages, sent again by the settler (while the test settles too) once Redis wakes."""
+    monkeypatch.setattr(later, "PASS_S", 0.0005)
+    app = make_app(redis_url, breaker_open_s=0, redis_timeout_s=0.1)
+    embed = app.tasks["tests.embed"]
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    ready, go, ids = threading.Barrier(7), threading.Event(), []
+
+    def publisher() -> None:
+        embed.delay("warm")
+        embed.delay("warm")  # this thread's line proven
+        settle_all()
+        ready.wait()
+        go.wait()
+        ids.append(embed.delay(2).id)  # owed
+
+    threads = [threading.Thread(target=publisher) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", "3000", "ALL")
+    go.set()
+    for thread in threads:
+        thread.join()
+    settle_all()  # each reply and each fallback times out: held
+    wait_for_held(10)
+    assert not OWING._held and not died
+    assert OWING._thread is not None and OWING._thread.is_alive()
+    found = copies(redis_client, ids)
+    assert len(ids) == 6 and all(sum(c.values()) == 1 for c in found.values()), found
+    assert capsys.readouterr().err.count("event=held_publish_sent") == 6
+
+
+def test_an_interrupt_while_an_earlier_reply_is_settled_holds_that_message(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """An earlier publish returned; its script fails; Ctrl-C lands in its fallback push,
+    made by the next publish: the earlier message is held and sent, with one decision line."""
+    app = make_app(redis_url)
+    embed = app.tasks["tests.embed"]
+    raw = redis.Redis.from_url(redis_url)
+    for win in _windows():
+        raw.delete(Keys().window(win))
+        raw.set(Keys().window(win), "not a hash")
+    earlier = embed.delay(2).id  # sent, owed: its script fails
+    push_fallback = GateStore.push_fallback
+
+    def interrupted(self: GateStore, *args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(GateStore, "push_fallback", push_fallback)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(GateStore, "push_fallback", interrupted)
+    later_one = embed.s(3).freeze().id
+    with pytest.raises(KeyboardInterrupt):
+        embed.apply_async((3,), task_id=later_one)
+    raw.delete(*[Keys().window(win) for win in _windows()])
+    wait_for_held(5)
+    found = copies(redis_client, [earlier, later_one])
+    assert all(sum(c.values()) == 1 for c in found.values()), found
+    lines = decision_lines(capsys.readouterr().err)
+    assert lines[earlier] == 1 and lines[later_one] <= 1, lines

@@ -58,6 +58,7 @@ from gatekeeper.redis.durable import finish_pending
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.gate import Pipeline, Publish, Routing
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.later import finish as finish_later
 from gatekeeper.redis.later import settle_all
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
@@ -110,7 +111,7 @@ class Installed:
             signal.connect(self._forward(part, method), weak=False)
         task_postrun.connect(settle_all, weak=False)  # replies owed read, then the lines
         task_postrun.connect(flush_after_task, weak=False)  # a task's lines written as it ends
-        worker_process_shutdown.connect(settle_all, weak=False)
+        worker_process_shutdown.connect(finish_later, weak=False)  # held ones: sent or logged
         worker_process_shutdown.connect(flush_after_task, weak=False)  # a child's os._exit
         worker_process_shutdown.connect(finish_pending, weak=False)  # an auto-freeze's disk
 

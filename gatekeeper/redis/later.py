@@ -3,31 +3,29 @@
 With ``publish_replies = "later"`` (the default) a fast publish made outside a worker's task
 sends its ``EVALSHA`` on the thread's line (:mod:`gatekeeper.redis.wire`) and returns: the
 script decides and pushes the message while the caller builds its next one. Its reply is read
-by whichever comes first:
-
-- the thread's next fast publish, just after it has sent its own call (two calls in flight
-  on one socket at most: replies come back in order);
-- any other use of the thread's line (the channel settles what it owes before it is taken);
-- the process's settler thread, once the reply has been owed :data:`SETTLE_AFTER_S`;
-- the end of a task (``task_postrun``), a pool child's exit (``worker_process_shutdown``) and
-  the process's exit (atexit, before the log lines' last flush).
+by whichever comes first: the thread's next fast publish, just after it has sent its own call
+(two calls in flight on a socket at most); any other use of the thread's line or of the
+store's other scripts (``record.lua``, ``release.lua``: this thread's calls run in order);
+the process's settler thread, once the reply has been owed :data:`SETTLE_AFTER_S`; a task's
+end (``task_postrun``), a pool child's exit (``worker_process_shutdown``), the process's exit
+(atexit, before the log lines' last flush). A reader takes the channel's lock.
 
 Reading it settles the publish as the ordinary fast publish would have at once: the decision
 line is written then (the decision is the script's), or, when the script failed or no reply
 came, ``fallback.lua`` pushes the message Celery built to reserved unless the script pushed it
 for this request (the nonce): a message is pushed once whichever ran. When the fallback
-cannot reach Redis either, the message is *held*: its line says so (``error``), each settler
-pass sends it again, and the process's exit tries for ``2 x redis_timeout_s`` more, logging
-``held_publish_lost`` (an error, with the job id) for each one it could not send. That is the
-promise this gives up against ``now``: a returned publish has been sent, not answered, and a
-process that dies (SIGKILL) while Redis refused its last call loses that call's message.
+cannot reach Redis either, or an interrupt (Ctrl-C, ``SystemExit``) cuts the settling short,
+the message is *held*: each settler pass sends it again (``held_publish_sent``), and the
+process's exit tries for ``2 x redis_timeout_s`` more, then logs ``held_publish_lost`` (an
+error, with the job id). That is the promise this gives up against ``now``: a returned
+publish has been sent, not answered, and a process killed by a signal it does not handle
+while its last call is unanswered loses that call's message if Redis refused it.
 
 After an error reply the line goes back to one call at a time for that publish (the later
 call's reply is read at once, and the line closed unless it was a ``NOSCRIPT``). A first call
 on a new connection, or one idle for :data:`~gatekeeper.redis.wire.IDLE_PROVEN_S`, is asked
-as before (``NOSCRIPT`` loads the script; a flow a NAT forgot is found out by the caller).
-Publishes from inside a worker's task (retries, canvas, ``Task.replace``) wait as before: the
-worker side's own scripts come after their decisions.
+as before. Publishes from inside a worker's task (retries, canvas, ``Task.replace``) wait as
+before: the worker side's own scripts come after their decisions.
 """
 
 from __future__ import annotations
@@ -38,8 +36,6 @@ import math
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -57,7 +53,7 @@ from gatekeeper.redis.wire import IDLE_PROVEN_S, Channel
 if TYPE_CHECKING:
     from gatekeeper.redis.gate import Pipeline
 
-__all__ = ["OWING", "SETTLE_AFTER_S", "Later", "Owed", "send", "settle_all"]
+__all__ = ["OWING", "SETTLE_AFTER_S", "Later", "Owed", "finish", "send", "settle_all"]
 
 SETTLE_AFTER_S = 0.005
 """A reply owed this long is read by the settler thread rather than by the next publish."""
@@ -65,22 +61,37 @@ PASS_S = 0.005
 """The settler's pass interval while anything is owed or held (none else: it waits)."""
 
 Result = ScoredAttempt | LedgerUnavailable
-Settle = Callable[[Result], Any]
 
 
 class Owed:
-    """A gate call sent whose reply is read later, and what settles it."""
+    """A gate call sent whose reply is read later, and the publish it settles."""
 
-    __slots__ = ("args", "keys", "sent_at", "store", "then")
+    __slots__ = ("args", "attempt", "keys", "later", "logged", "push", "sent_at")
 
-    def __init__(self, store: GateStore, keys: list[str], args: list[str], then: Settle) -> None:
-        self.store, self.keys, self.args, self.then = store, keys, args, then
+    def __init__(
+        self, later: Later, attempt: Attempt, push: Push, keys: list[str], args: list[str]
+    ) -> None:
+        self.later, self.attempt, self.push, self.keys, self.args = later, attempt, push, keys, args
         self.sent_at = time.monotonic()
+        self.logged = False
+        """Its decision line written (settled, or its fallback refused)."""
 
     def settle(self, reply: Any) -> None:
-        """Hand the reply (a table, or the error in its place) on as a decision; never raises."""
-        with contextlib.suppress(Exception):  # settled in another publish, or the settler
-            self.then(self.store._answer(self.keys, self.args, reply))
+        """Hand the reply (a table, or the error in its place) on as a decision. Raises only
+        an interrupt (Ctrl-C, ``SystemExit``), the message held first."""
+        try:
+            self.later.settled(self.attempt, self.push,
+                               self.later.store._answer(self.keys, self.args, reply))  # fmt: skip
+            self.logged = True
+        except Exception:  # (settled logs its own faults) in another publish, or the settler
+            pass
+        except BaseException:
+            self.hold()
+            raise
+
+    def hold(self) -> None:
+        """Keep the message to be sent again (``fallback.lua``): no I/O here."""
+        OWING.hold(Held(self.later, self.attempt, self.push, self.logged))
 
 
 class Later:
@@ -95,7 +106,7 @@ class Later:
         on the line); None when it must be asked the ordinary way (nothing sent)."""
         pipeline = self.pipeline
         keys, args = self.store.gate_call(pipeline.gate_call(attempt, push))
-        sent = send(self.store, keys, args, lambda result: self.settled(attempt, push, result))
+        sent = send(self.store, Owed(self, attempt, push, keys, args))
         if sent is None:
             return None
         if sent is True:
@@ -112,7 +123,7 @@ class Later:
                 return self.pipeline.unscored(attempt, result, push)
             return self.pipeline.scored(attempt, result, published=True)
         except PublishFailed:  # its line is written (with the error): held, sent again
-            OWING.hold(Held(self, attempt, push))
+            OWING.hold(Held(self, attempt, push, logged=True))
         except Exception as exc:
             self.pipeline.log.error("held_publish_lost", job_id=attempt.publish.job_id,
                                     error=repr(exc))  # fmt: skip
@@ -122,24 +133,32 @@ class Later:
 class Held:
     """A message whose fast publish failed and whose fallback push could not reach Redis."""
 
-    def __init__(self, later: Later, attempt: Attempt, push: Push) -> None:
-        self.later, self.attempt, self.push = later, attempt, push
+    def __init__(self, later: Later, attempt: Attempt, push: Push, logged: bool) -> None:
+        self.later, self.attempt, self.push, self.logged = later, attempt, push, logged
 
     def send(self) -> bool:
-        """``fallback.lua`` again (it pushes nothing if a push for this nonce landed); False
-        while Redis cannot be reached."""
+        """``fallback.lua`` again (it pushes nothing if a push for this nonce landed), and a
+        ``held_publish_sent`` line naming where the message is; False while Redis cannot be
+        reached."""
         attempt, store = self.attempt, self.later.store
         publish, reserved = attempt.publish, self.later.pipeline.settings.reserved_queue
         reason = Reason.GATE_UNAVAILABLE
         text = self.push.filled(values_for(Decision.RESERVED.value, reason.value, None, False,
                                            None, reserved))  # fmt: skip
         try:
-            store.push_fallback(self.push, publish.job_id, publish.attempt, Decision.RESERVED,
-                                reason, text, attempt.record(math.nan), attempt.prev_nonce,
-                                label_of(publish))  # fmt: skip
+            earlier = store.push_fallback(self.push, publish.job_id, publish.attempt,
+                                          Decision.RESERVED, reason, text,
+                                          attempt.record(math.nan), attempt.prev_nonce,
+                                          label_of(publish))  # fmt: skip
         except LedgerUnavailable:
             return False
-        self.later.pipeline.log.warning("held_publish_sent", job_id=publish.job_id)
+        decision, why = earlier if earlier is not None else (Decision.RESERVED, reason)
+        pipeline = self.later.pipeline
+        if not self.logged:  # interrupted before its line: the line of where it is, now
+            pipeline._finish(decision, why, {}, attempt.fields, published=True, recovered=True,
+                             error="interrupted; its message sent again")  # fmt: skip
+        pipeline.log.warning("held_publish_sent", job_id=publish.job_id,
+                             decision=decision.value, reason=why.value)  # fmt: skip
         return True
 
     def lost(self) -> None:
@@ -147,45 +166,49 @@ class Held:
                                       task=self.attempt.publish.task)  # fmt: skip
 
 
-def send(store: GateStore, keys: list[str], args: list[str], then: Settle) -> Any:
+def send(store: GateStore, owed: Owed) -> Any:
     """Send the gate call on this thread's line without reading its reply: True (owed), or
     the call's decision or :class:`LedgerUnavailable` when it had to be answered now, or None
     when nothing was sent (no line, the breaker open, the line busy, a new or idle
-    connection: asked the ordinary way)."""
+    connection: asked the ordinary way). The reply owed on the line before it is read after
+    it is sent, and settled."""
     if store._direct or (store.breaker is not None and store.breaker.is_open):
         return None
     channel = store._line.take(store.client.connection_pool, keep_owed=True)
     if channel is None:
         return None
-    owed, earlier = Owed(store, keys, args, then), None
-    exchange = _Exchange()
+    earlier, exchange = None, _Exchange()
+    command = ["EVALSHA", store._gate.sha, str(len(owed.keys)), *owed.keys, *owed.args]
     try:
-        with channel.lock:
+        with channel.lock:  # the settler may be reading the reply owed
             earlier = channel.owed  # cleared once sent: the line is not stale for its reply
             if earlier is None and not _proven(channel, store._gate.sha):
                 return None
             try:
-                exchange.run(channel, ["EVALSHA", store._gate.sha, str(len(keys)), *keys, *args])
-            except BaseException as exc:  # a send refused, an interrupt: the line is unusable
+                exchange.run(channel, command)
+            except Exception as exc:  # a send refused, a reply unreadable: the line unusable
                 channel.owed = None
                 channel.close()
-                lost = exc if isinstance(exc, redis.RedisError) else redis.ConnectionError(
-                    f"the gate's line was interrupted: {exc!r}")  # fmt: skip
-                exchange.lost(lost)
-                if exchange.sent:
-                    owed.settle(lost)  # it may have run: fallback.lua finds its push, or pushes
-                if exchange.sent or not isinstance(exc, redis.RedisError):
-                    raise
-                return None  # never sent whole, never run: asked the ordinary way
+                exchange.lost(exc)  # this call may have run: fallback.lua finds its push
+            except BaseException:  # an interrupt: this call may have run; held, sent again
+                channel.owed = None
+                channel.close()
+                owed.hold()
+                raise
             if exchange.now is None:
                 channel.owed = owed
+                OWING.owe(channel)
     finally:
         channel.release()
-        if earlier is not None:
-            earlier.settle(exchange.reply)
+        try:
+            if earlier is not None:
+                earlier.settle(exchange.reply)
+        except BaseException:  # an interrupt: this call's reply, read already, is settled later
+            if exchange.now is not None:
+                owed.hold()
+            raise
     if exchange.now is not None:
-        return store._answer(keys, args, exchange.now)
-    OWING.owe(channel)
+        return store._answer(owed.keys, owed.args, exchange.now)
     return True
 
 
@@ -194,8 +217,7 @@ class _Exchange:
     own reply read at once when that one was an error."""
 
     def __init__(self) -> None:
-        self.sent = False
-        self.reply: Any = redis.ConnectionError("the gate's line was closed before this reply")
+        self.reply: Any = redis.ConnectionError("the gate's line failed before this reply")
         """The earlier call's reply, or the error standing for it."""
         self.now: Any = None
         """This call's reply when it was read now (else it is owed)."""
@@ -203,7 +225,6 @@ class _Exchange:
     def run(self, channel: Channel, command: list[str]) -> None:
         earlier = channel.owed
         channel.send(command)
-        self.sent = True
         channel.owed = None
         if earlier is None:
             return
@@ -216,11 +237,10 @@ class _Exchange:
             if alive and not flushed:
                 channel.close()  # a replica now, a script's error: a new connection
 
-    def lost(self, error: redis.RedisError) -> None:
-        """The line failed mid-exchange: this call's reply, if it was sent, is lost (the
-        earlier one's stands for itself unless it was read)."""
-        if self.sent and self.now is None:
-            self.now = error
+    def lost(self, exc: Exception) -> None:
+        """The line failed mid-exchange: this call's reply is lost (the earlier one's too)."""
+        failed = redis.ConnectionError(f"the gate's line failed: {exc!r}")
+        self.now = self.now if self.now is not None else failed
 
 
 def _proven(channel: Channel, sha: str) -> bool:
@@ -234,44 +254,47 @@ class Owing:
 
     def __init__(self) -> None:
         self._channels: dict[Channel, None] = {}
-        self._held: deque[Held] = deque()
-        self._wake = threading.Event()
-        self._starting = threading.Lock()
+        self._held: list[Held] = []
+        self._guard, self._sending = threading.Lock(), threading.Lock()  # _sending: held ones
+        self._wake, self._pid = threading.Event(), os.getpid()
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
 
-    def owe(self, channel: Channel) -> None:
+    def owe(self, channel: Channel) -> None:  # under the channel's lock
         self._channels[channel] = None
-        if not self._wake.is_set():
-            self._wake.set()
-            thread = self._thread
-            if thread is None or not thread.is_alive():
-                self._start()
+        self._awake()
 
     def hold(self, held: Held) -> None:
-        self._held.append(held)
-        self._wake.set()
+        with self._guard:
+            self._held.append(held)
+        self._awake()
 
-    def _start(self) -> None:
-        with self._starting:
-            thread = self._thread
-            if thread is None or not thread.is_alive():
-                thread = threading.Thread(target=self._run, name="gatekeeper-later", daemon=True)
-                thread.start()
-                self._thread = thread
+    def _awake(self) -> None:
+        if not self._wake.is_set():
+            self._wake.set()
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            with self._guard:
+                thread = self._thread
+                if thread is None or not thread.is_alive():
+                    thread = threading.Thread(target=self._run, name="gatekeeper-later",
+                                              daemon=True)  # fmt: skip
+                    thread.start()
+                    self._thread = thread
 
     def _run(self) -> None:
         while True:
             self._wake.wait()
             time.sleep(PASS_S)
-            self.settle(SETTLE_AFTER_S)
+            with contextlib.suppress(Exception):  # never dies: the next pass tries again
+                self.settle(SETTLE_AFTER_S)
             if not self._channels and not self._held:
                 self._wake.clear()
-                if self._channels or self._held:  # owed meanwhile
+                if self._channels or self._held:  # owed or held meanwhile
                     self._wake.set()
 
-    def settle(self, older_than: float = 0.0) -> None:
-        """Read every reply owed at least ``older_than`` seconds; send held messages again."""
+    def settle(self, older_than: float = 0.0, held: bool = True) -> None:
+        """Read every reply owed at least ``older_than`` seconds; ``held``: send the held
+        messages again."""
         if os.getpid() != self._pid:
             self._forked()
             return
@@ -280,37 +303,57 @@ class Owing:
             owed = channel.owed
             if owed is not None and now - owed.sent_at >= older_than:
                 channel.settle_owed()
-            with channel.lock:
+            with channel.lock:  # its thread sets owed and registers it under this lock
                 if channel.owed is None:
                     self._channels.pop(channel, None)
-        for _ in range(len(self._held)):
-            held = self._held.popleft()
-            if not held.send():
-                self._held.append(held)
+        if held and self._held:
+            with self._sending:
+                self._send_held()
+
+    def _send_held(self) -> None:
+        with self._guard:
+            batch, self._held = self._held, []
+        kept, done = [], 0
+        try:
+            for message in batch:
+                if not message.send():
+                    kept.append(message)
+                done += 1
+        finally:
+            with self._guard:
+                self._held[:0] = kept + batch[done:]
 
     def finish(self) -> None:
-        """At exit: every reply read, held messages sent for a while, then given up."""
+        """At exit (a pool child's too): every reply read, held messages sent for a while,
+        then given up with a ``held_publish_lost`` line each."""
         self.settle()
-        deadline = time.monotonic() + max((h.later.exit_wait_s for h in self._held), default=0)
+        wait = max((message.later.exit_wait_s for message in self._held), default=0.0)
+        deadline = time.monotonic() + wait
         while self._held and time.monotonic() < deadline:
             time.sleep(0.05)
             self.settle()
-        while self._held:
-            self._held.popleft().lost()
+        with self._sending, self._guard:
+            lost, self._held = self._held, []
+        for message in lost:
+            message.lost()
 
     def _forked(self) -> None:
         """In a new child: the parent reads and sends what it owed and held."""
-        self._channels, self._held = {}, deque()
-        self._wake, self._starting = threading.Event(), threading.Lock()
-        self._thread, self._pid = None, os.getpid()
+        self._channels, self._held = {}, []
+        self._guard, self._sending = threading.Lock(), threading.Lock()
+        self._wake, self._thread, self._pid = threading.Event(), None, os.getpid()
 
 
 OWING = Owing()
 
 
 def settle_all(sender: Any = None, **_: Any) -> None:
-    """Every reply owed in this process read now (a task's end, a pool child's exit)."""
-    OWING.settle()
+    """Every reply owed in this process read now (a task's end, a test)."""
+    OWING.settle(held=False)
+
+
+def finish(sender: Any = None, **_: Any) -> None:  # worker_process_shutdown: os._exit next
+    OWING.finish()
 
 
 atexit.register(OWING.finish)

@@ -28,7 +28,7 @@ import select
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.commands.core import Script
@@ -71,7 +71,7 @@ class Line(threading.local):
     def settle(self) -> None:
         """Read the reply owed on this thread's channel now: this thread's calls run in order."""
         channel = self.channel
-        if channel is not None and channel.owed is not None and channel.pid == os.getpid():
+        if channel is not None and channel.pid == os.getpid():
             channel.settle_owed()
 
 
@@ -85,23 +85,20 @@ class Channel:
         self.sock: Any = None
         self.reader: Any = None
         self.poller: Any = None
-        self.pid = os.getpid()
-        self.busy = False
+        self.pid, self.busy = os.getpid(), False
         self.answered_at = 0.0
         """``time.monotonic()`` of the last reply read on this line."""
         self.known: set[str] | None = None
         """The scripts (SHA1s) this connection has had answered: a new one (perhaps to another
         server, after a restart or a failover) knows none, and its server may lack them."""
-        self.lock = threading.Lock()
-        self.owed: Any = None
-        """A gate call sent whose reply is read later (:class:`gatekeeper.redis.later.Owed`)."""
+        self.lock, self.owed = threading.Lock(), cast(Any, None)  # a later.Owed: reply unread
 
     def take(self, pool: redis.ConnectionPool, keep_owed: bool = False) -> Channel | None:
         """This channel, marked busy; None when a call on it still awaits its reply."""
         if self.busy:
             return None
-        if self.owed is not None and not keep_owed:
-            self.settle_owed()
+        if not keep_owed:
+            self.settle_owed()  # under the lock: it waits while the settler reads one
         if self.conn is None:
             # RESP2 whatever the client asked for: RESP3 lets the server interleave push
             # messages (redis-py 8 turns on maintenance notifications with it, and they need
@@ -116,7 +113,8 @@ class Channel:
         return self
 
     def settle_owed(self) -> None:
-        """Read the reply owed on this channel, if any, and settle its call (never raises)."""
+        """Read the reply owed on this channel, if any (waiting while another thread reads
+        it), and settle its call. Raises only an interrupt (its message then held)."""
         reply: Any = None
         with self.lock:
             owed, self.owed = self.owed, None
@@ -124,9 +122,12 @@ class Channel:
                 return
             try:
                 reply, alive = self.owed_reply()
-            except BaseException:  # an interrupt mid-read: the line is unusable, the reply lost
+            except Exception as exc:  # a reply that cannot be parsed: the line is unusable
                 self.close()
-                owed.settle(redis.ConnectionError("interrupted while its reply was read"))
+                reply, alive = redis.ConnectionError(f"unreadable reply: {exc!r}"), False
+            except BaseException:  # an interrupt mid-read: the reply lost, the message held
+                self.close()
+                owed.hold()
                 raise
             if alive and isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
                 self.close()  # a replica now (READONLY), a script's error: a new connection
@@ -241,7 +242,7 @@ class Channel:
 
     def close(self) -> None:
         """After an error: the socket may hold half a reply, never reuse it."""
-        self.sock = self.reader = self.poller = None
+        self.sock = self.reader = self.poller = self.known = None
         self.conn.disconnect()
 
     def release(self) -> None:
