@@ -119,7 +119,7 @@ from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis import wire
 from gatekeeper.redis.gate import Routing
 from gatekeeper.redis.keys import ATTEMPTS
-from gatekeeper.redis.later import settle_all
+from gatekeeper.redis.owing import settle_all
 from gatekeeper.settings import GatekeeperSettings
 
 COUNTERS = ("total_reads_processed", "total_commands_processed")

@@ -24,7 +24,7 @@ import redis
 from gatekeeper.lines import flush as flush_lines
 from gatekeeper.ops.embedded import EmbeddedRedis, find_redis_server
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.later import settle_all
+from gatekeeper.redis.owing import settle_all
 from gatekeeper.settings import GatekeeperSettings
 from tests.processes import stop
 

@@ -30,7 +30,7 @@ from gatekeeper.logs import DECISION_FIELDS
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.flags import in_canary
 from gatekeeper.redis.keys import ATTEMPTS, Keys
-from gatekeeper.redis.later import settle_all
+from gatekeeper.redis.owing import settle_all
 from tests.apps.gated_app import create_app
 from tests.conftest import clear_of_a_window_edge, gate_settings, queue_messages
 

@@ -19,9 +19,10 @@ from celery.signals import before_task_publish
 
 from gatekeeper.celery.hook import install
 from gatekeeper.core.ledger import window_id
-from gatekeeper.redis import later, wire
+from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.redis import owing, wire
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.later import OWING, settle_all
+from gatekeeper.redis.owing import OWING, settle_all
 from gatekeeper.redis.store import GateStore
 from tests.apps.gated_app import create_app
 from tests.conftest import REPO_ROOT, gate_settings, queue_messages
@@ -33,7 +34,7 @@ QUEUES = ("free", "defer", "reserved", "celery")
 def read_by_the_tests(monkeypatch: pytest.MonkeyPatch) -> None:
     """Replies are read by the next publish or the test (``settle_all``), not the settler
     thread, unless a test asks for it: a test looks at what is owed between its calls."""
-    monkeypatch.setattr(later, "SETTLE_AFTER_S", 3600.0)
+    monkeypatch.setattr(owing, "SETTLE_AFTER_S", 3600.0)
 
 
 def make_app(redis_url: str, **overrides: Any) -> Celery:
@@ -118,7 +119,7 @@ def test_an_idle_publishers_reply_is_read_by_the_settler_thread(
     embed.delay(0)
     last = embed.delay(1).id
     assert owed(app) is not None
-    monkeypatch.setattr(later, "SETTLE_AFTER_S", 0.005)
+    monkeypatch.setattr(owing, "SETTLE_AFTER_S", 0.005)
     deadline = time.monotonic() + 2
     while owed(app) is not None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -364,7 +365,7 @@ def test_threads_publishing_at_once_each_on_its_own_line_push_every_message_once
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     """Four threads publish fifty each while the settler reads what they leave owed."""
-    monkeypatch.setattr(later, "SETTLE_AFTER_S", 0.0005)
+    monkeypatch.setattr(owing, "SETTLE_AFTER_S", 0.0005)
     app = make_app(redis_url)
     embed = app.tasks["tests.embed"]
     ids: list[str] = []
@@ -396,7 +397,7 @@ def test_an_ordinary_publish_waits_while_the_settler_reads_the_reply_owed_on_its
     for it under the channel's lock. The same thread then makes an ordinary gated publish
     (a publish-signal receiver makes ``auto`` stand aside): it must wait for that lock, not
     read the owed reply as its own."""
-    monkeypatch.setattr(later, "SETTLE_AFTER_S", 0.0)
+    monkeypatch.setattr(owing, "SETTLE_AFTER_S", 0.0)
     app = make_app(redis_url)
     embed, store = app.tasks["tests.embed"], install(app).store
     sleeper = redis.Redis.from_url(redis_url)
@@ -406,7 +407,7 @@ def test_an_ordinary_publish_waits_while_the_settler_reads_the_reply_owed_on_its
     owed_one = embed.delay(2).id
     time.sleep(0.03)  # the settler is reading it
     channel = store._line.channel
-    assert channel.owed is None and channel.lock.locked()
+    assert channel.owed is None and channel.holder not in (0, threading.get_ident())
 
     def observer(**_: Any) -> None:
         pass
@@ -431,10 +432,10 @@ def test_messages_held_by_several_threads_are_each_sent_once_and_the_settler_liv
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
-    """Six threads' replies time out while Redis is paused, and so do their fallbacks: six
-    held messages, sent again by the settler (while the test settles too) once Redis wakes."""
-    monkeypatch.setattr(later, "PASS_S", 0.0005)
-    app = make_app(redis_url, breaker_open_s=0, redis_timeout_s=0.1)
+    """Six threads' scripts fail, and their first fallbacks cannot reach Redis: six held
+    messages, sent again by the settler while the test settles too."""
+    monkeypatch.setattr(owing, "PASS_S", 0.0005)
+    app = make_app(redis_url)
     embed = app.tasks["tests.embed"]
     died: list[BaseException | None] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
@@ -446,23 +447,45 @@ def test_messages_held_by_several_threads_are_each_sent_once_and_the_settler_liv
         settle_all()
         ready.wait()
         go.wait()
-        ids.append(embed.delay(2).id)  # owed
+        ids.append(embed.delay(2).id)  # owed: its script fails
 
     threads = [threading.Thread(target=publisher) for _ in range(6)]
     for thread in threads:
         thread.start()
     ready.wait()
-    redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", "3000", "ALL")
+    _break_the_windows(redis_url)
+    refused_once: set[str] = set()
+    guard, push_fallback = threading.Lock(), GateStore.push_fallback
+
+    def refused(self: GateStore, push: Any, job_id: str, *args: Any, **kwargs: Any) -> Any:
+        with guard:  # each job's first fallback cannot reach Redis; its next one can
+            first = job_id not in refused_once
+            refused_once.add(job_id)
+        if first:
+            raise LedgerUnavailable("the gate's Redis did not answer (a test)")
+        return push_fallback(self, push, job_id, *args, **kwargs)
+
+    monkeypatch.setattr(GateStore, "push_fallback", refused)
     go.set()
     for thread in threads:
         thread.join()
-    settle_all()  # each reply and each fallback times out: held
+    settle_all()  # each script failed; each fallback refused: held
     wait_for_held(10)
-    assert not OWING._held and not died
+    assert not OWING._held and not died and refused_once == set(ids)
     assert OWING._thread is not None and OWING._thread.is_alive()
     found = copies(redis_client, ids)
-    assert len(ids) == 6 and all(sum(c.values()) == 1 for c in found.values()), found
-    assert capsys.readouterr().err.count("event=held_publish_sent") == 6
+    assert len(ids) == 6 and all(c == {"reserved": 1} for c in found.values()), found
+    err = capsys.readouterr().err
+    assert err.count("event=held_publish_sent") == 6
+    assert all(decision_lines(err)[job] == 1 for job in ids)
+
+
+def _break_the_windows(redis_url: str) -> None:
+    """The window keys made strings: gate.lua fails (an error reply)."""
+    raw = redis.Redis.from_url(redis_url)
+    for win in _windows():
+        raw.delete(Keys().window(win))
+        raw.set(Keys().window(win), "not a hash")
 
 
 def test_an_interrupt_while_an_earlier_reply_is_settled_holds_that_message(
@@ -494,3 +517,113 @@ def test_an_interrupt_while_an_earlier_reply_is_settled_holds_that_message(
     assert all(sum(c.values()) == 1 for c in found.values()), found
     lines = decision_lines(capsys.readouterr().err)
     assert lines[earlier] == 1 and lines[later_one] <= 1, lines
+
+
+@pytest.mark.parametrize("inside", ["send", "settle"])
+def test_a_publish_made_by_a_handler_on_a_thread_inside_its_lines_lock_does_not_deadlock(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, inside: str
+) -> None:
+    """A signal handler publishes while its thread reads a reply under the line's lock:
+    ``send``, a fast publish reading the reply owed before its own; ``settle``, an in-process
+    decision's ``record.lua`` reading it first. The handler's publishes (one decided in
+    process, one ordinary) go through redis-py; each message lands once."""
+    app = make_app(redis_url)
+    embed = app.tasks["tests.embed"]
+    ids = [embed.delay(0).id]  # owed
+    handled: list[str] = []
+    read = wire.Channel.owed_reply
+
+    def handler_runs(self: wire.Channel) -> Any:
+        if not handled:
+            handled.append("x")
+            handled.append(embed.apply_async((1,), headers={"gatekeeper_tokens_in": "x"}).id)
+            before_task_publish.connect(observer, weak=False)
+            try:
+                handled.append(embed.delay(2).id)  # the ordinary path
+            finally:
+                before_task_publish.disconnect(observer)
+        return read(self)
+
+    def observer(**_: Any) -> None:
+        pass
+
+    monkeypatch.setattr(wire.Channel, "owed_reply", handler_runs)
+
+    def publish() -> None:
+        if inside == "send":
+            ids.append(embed.delay(3).id)
+        else:
+            ids.append(embed.apply_async((3,), headers={"gatekeeper_tokens_in": "x"}).id)
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "deadlocked"
+    settle_all()
+    found = copies(redis_client, ids + handled[1:])
+    assert len(found) == 4 and all(sum(c.values()) == 1 for c in found.values()), found
+
+
+def test_an_exit_while_the_settler_settles_a_reply_waits_for_it(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """The settler has read a failed reply and is in its fallback push (the server paused)
+    when the process exits: the exit waits for it; the message lands once, with its line."""
+    script = textwrap.dedent(f"""
+        import time, redis
+        from tests.test_replies_later import _break_the_windows, make_app
+        app = make_app({redis_url!r})
+        _break_the_windows({redis_url!r})
+        print(app.tasks["tests.embed"].delay("victim").id, flush=True)
+        time.sleep(0.005)  # its error reply is back
+        redis.Redis.from_url({redis_url!r}).execute_command("CLIENT", "PAUSE", "1500", "ALL")
+        time.sleep(0.2)  # the settler has read it and waits in fallback.lua's round trip
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=60, env=env)  # fmt: skip
+    (victim,) = done.stdout.split()
+    found = copies(redis_client, [victim])
+    assert found[victim] == {"reserved": 1}, (found, done.stderr)
+    assert decision_lines(done.stderr)[victim] == 1, done.stderr
+
+
+def test_with_the_breaker_open_no_reply_owed_is_waited_for(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Eight threads owe a reply when the server hangs: the first read times out and opens
+    the breaker; the others are settled as lost at once (held), not one timeout each, and
+    sent once the server answers again."""
+    app = make_app(redis_url, redis_timeout_s=0.3, breaker_open_s=0.5)
+    embed = app.tasks["tests.embed"]
+    ready, go, ids = threading.Barrier(9), threading.Event(), []
+
+    def publisher() -> None:
+        embed.delay("warm")
+        embed.delay("warm")
+        settle_all()
+        ready.wait()
+        go.wait()
+        ids.append(embed.delay(2).id)
+
+    threads = [threading.Thread(target=publisher) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    sleeper = redis.Redis.from_url(redis_url)
+    stall = threading.Thread(target=sleeper.execute_command, args=("DEBUG", "SLEEP", "2"))
+    stall.start()
+    time.sleep(0.05)
+    go.set()
+    for thread in threads:
+        thread.join()
+    started = time.monotonic()
+    settle_all()
+    assert time.monotonic() - started < 1.5  # about one timeout, not eight
+    stall.join()
+    wait_for_held(10)
+    found = copies(redis_client, ids)
+    assert len(ids) == 8 and all(sum(c.values()) == 1 for c in found.values()), found
+    lines = decision_lines(capsys.readouterr().err)
+    assert all(lines[job] == 1 for job in ids), lines

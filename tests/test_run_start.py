@@ -17,7 +17,7 @@ from gatekeeper.core.ledger import window_id
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.run_start import StartCall
 from gatekeeper.redis.runs import RunLedger
-from gatekeeper.redis.wire import call_script
+from gatekeeper.redis.sent import call_script
 
 KEYS = Keys()
 T0_MS = 1_800_000_000_000

@@ -58,8 +58,8 @@ from gatekeeper.redis.durable import finish_pending
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.gate import Pipeline, Publish, Routing
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.later import finish as finish_later
-from gatekeeper.redis.later import settle_all
+from gatekeeper.redis.owing import finish as finish_later
+from gatekeeper.redis.owing import settle_all
 from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
 
@@ -107,9 +107,9 @@ class Installed:
 
     def connect(self) -> None:
         """Listen to the worker signals; each reaches its part when it fires."""
+        task_postrun.connect(settle_all, weak=False)  # replies owed read before the run ends
         for signal, part, method in SIGNALS:
             signal.connect(self._forward(part, method), weak=False)
-        task_postrun.connect(settle_all, weak=False)  # replies owed read, then the lines
         task_postrun.connect(flush_after_task, weak=False)  # a task's lines written as it ends
         worker_process_shutdown.connect(finish_later, weak=False)  # held ones: sent or logged
         worker_process_shutdown.connect(flush_after_task, weak=False)  # a child's os._exit

@@ -30,10 +30,7 @@ before: the worker side's own scripts come after their decisions.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import math
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -41,24 +38,20 @@ from typing import TYPE_CHECKING, Any
 import redis
 from redis.exceptions import NoScriptError
 
-import gatekeeper.lines  # noqa: F401  its atexit flush is registered first, so it runs after ours
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.errors import LedgerUnavailable, PublishFailed
+from gatekeeper.redis import wire
 from gatekeeper.redis.attempt import Attempt, label_of
+from gatekeeper.redis.owing import OWING
 from gatekeeper.redis.push import Push, values_for
 from gatekeeper.redis.routing import Routing
 from gatekeeper.redis.store import GateStore, ScoredAttempt
-from gatekeeper.redis.wire import IDLE_PROVEN_S, Channel
+from gatekeeper.redis.wire import Channel
 
 if TYPE_CHECKING:
     from gatekeeper.redis.gate import Pipeline
 
-__all__ = ["OWING", "SETTLE_AFTER_S", "Later", "Owed", "finish", "send", "settle_all"]
-
-SETTLE_AFTER_S = 0.005
-"""A reply owed this long is read by the settler thread rather than by the next publish."""
-PASS_S = 0.005
-"""The settler's pass interval while anything is owed or held (none else: it waits)."""
+__all__ = ["Held", "Later", "Owed", "send"]
 
 Result = ScoredAttempt | LedgerUnavailable
 
@@ -181,23 +174,14 @@ def send(store: GateStore, owed: Owed) -> Any:
     command = ["EVALSHA", store._gate.sha, str(len(owed.keys)), *owed.keys, *owed.args]
     try:
         with channel.lock:  # the settler may be reading the reply owed
-            earlier = channel.owed  # cleared once sent: the line is not stale for its reply
-            if earlier is None and not _proven(channel, store._gate.sha):
-                return None
+            channel.holder = threading.get_ident()
             try:
-                exchange.run(channel, command)
-            except Exception as exc:  # a send refused, a reply unreadable: the line unusable
-                channel.owed = None
-                channel.close()
-                exchange.lost(exc)  # this call may have run: fallback.lua finds its push
-            except BaseException:  # an interrupt: this call may have run; held, sent again
-                channel.owed = None
-                channel.close()
-                owed.hold()
-                raise
-            if exchange.now is None:
-                channel.owed = owed
-                OWING.owe(channel)
+                earlier = channel.owed  # cleared once sent: the line is not stale for its reply
+                if earlier is None and not _proven(channel, store._gate.sha):
+                    return None
+                _exchange(channel, owed, exchange, command)
+            finally:
+                channel.holder = 0
     finally:
         channel.release()
         try:
@@ -210,6 +194,24 @@ def send(store: GateStore, owed: Owed) -> Any:
     if exchange.now is not None:
         return store._answer(owed.keys, owed.args, exchange.now)
     return True
+
+
+def _exchange(channel: Channel, owed: Owed, exchange: _Exchange, command: list[str]) -> None:
+    """Under the channel's lock: the call sent, the reply owed before it read."""
+    try:
+        exchange.run(channel, command)
+    except Exception as exc:  # a send refused, a reply unreadable: the line unusable
+        channel.owed = None
+        channel.close()
+        exchange.lost(exc)  # this call may have run: fallback.lua finds its push
+    except BaseException:  # an interrupt: this call may have run; held, sent again
+        channel.owed = None
+        channel.close()
+        owed.hold()
+        raise
+    if exchange.now is None:
+        channel.owed = owed
+        OWING.owe(channel)
 
 
 class _Exchange:
@@ -245,116 +247,5 @@ class _Exchange:
 
 def _proven(channel: Channel, sha: str) -> bool:
     """Whether a call sent on this channel now is known to reach a server with the script."""
-    fresh = time.monotonic() - channel.answered_at <= IDLE_PROVEN_S
+    fresh = time.monotonic() - channel.answered_at <= wire.IDLE_PROVEN_S
     return fresh and sha in (channel.known or ()) and not channel._went_stale()
-
-
-class Owing:
-    """The process's channels with a reply owed, its held messages, and the settler."""
-
-    def __init__(self) -> None:
-        self._channels: dict[Channel, None] = {}
-        self._held: list[Held] = []
-        self._guard, self._sending = threading.Lock(), threading.Lock()  # _sending: held ones
-        self._wake, self._pid = threading.Event(), os.getpid()
-        self._thread: threading.Thread | None = None
-
-    def owe(self, channel: Channel) -> None:  # under the channel's lock
-        self._channels[channel] = None
-        self._awake()
-
-    def hold(self, held: Held) -> None:
-        with self._guard:
-            self._held.append(held)
-        self._awake()
-
-    def _awake(self) -> None:
-        if not self._wake.is_set():
-            self._wake.set()
-        thread = self._thread
-        if thread is None or not thread.is_alive():
-            with self._guard:
-                thread = self._thread
-                if thread is None or not thread.is_alive():
-                    thread = threading.Thread(target=self._run, name="gatekeeper-later",
-                                              daemon=True)  # fmt: skip
-                    thread.start()
-                    self._thread = thread
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            time.sleep(PASS_S)
-            with contextlib.suppress(Exception):  # never dies: the next pass tries again
-                self.settle(SETTLE_AFTER_S)
-            if not self._channels and not self._held:
-                self._wake.clear()
-                if self._channels or self._held:  # owed or held meanwhile
-                    self._wake.set()
-
-    def settle(self, older_than: float = 0.0, held: bool = True) -> None:
-        """Read every reply owed at least ``older_than`` seconds; ``held``: send the held
-        messages again."""
-        if os.getpid() != self._pid:
-            self._forked()
-            return
-        now = time.monotonic()
-        for channel in list(self._channels):
-            owed = channel.owed
-            if owed is not None and now - owed.sent_at >= older_than:
-                channel.settle_owed()
-            with channel.lock:  # its thread sets owed and registers it under this lock
-                if channel.owed is None:
-                    self._channels.pop(channel, None)
-        if held and self._held:
-            with self._sending:
-                self._send_held()
-
-    def _send_held(self) -> None:
-        with self._guard:
-            batch, self._held = self._held, []
-        kept, done = [], 0
-        try:
-            for message in batch:
-                if not message.send():
-                    kept.append(message)
-                done += 1
-        finally:
-            with self._guard:
-                self._held[:0] = kept + batch[done:]
-
-    def finish(self) -> None:
-        """At exit (a pool child's too): every reply read, held messages sent for a while,
-        then given up with a ``held_publish_lost`` line each."""
-        self.settle()
-        wait = max((message.later.exit_wait_s for message in self._held), default=0.0)
-        deadline = time.monotonic() + wait
-        while self._held and time.monotonic() < deadline:
-            time.sleep(0.05)
-            self.settle()
-        with self._sending, self._guard:
-            lost, self._held = self._held, []
-        for message in lost:
-            message.lost()
-
-    def _forked(self) -> None:
-        """In a new child: the parent reads and sends what it owed and held."""
-        self._channels, self._held = {}, []
-        self._guard, self._sending = threading.Lock(), threading.Lock()
-        self._wake, self._thread, self._pid = threading.Event(), None, os.getpid()
-
-
-OWING = Owing()
-
-
-def settle_all(sender: Any = None, **_: Any) -> None:
-    """Every reply owed in this process read now (a task's end, a test)."""
-    OWING.settle(held=False)
-
-
-def finish(sender: Any = None, **_: Any) -> None:  # worker_process_shutdown: os._exit next
-    OWING.finish()
-
-
-atexit.register(OWING.finish)
-os.register_at_fork(after_in_child=OWING._forked)

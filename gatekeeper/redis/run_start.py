@@ -1,7 +1,7 @@
 """A run's ``start.lua`` call, sent as the run begins and read as it ends.
 
 The task does not wait for the start: its request goes out on the run ledger's line before
-the task's body runs (:func:`gatekeeper.redis.wire.send_script`), Redis applies it meanwhile,
+the task's body runs (:func:`gatekeeper.redis.sent.send_script`), Redis applies it meanwhile,
 and the worker reads the reply when the run ends, before its row. A worker killed in between
 has still recorded the start (the request left before the body ran), so the sweep finds the
 run as before. The call is safe to send twice (its token), so a reply lost to a connection
@@ -37,7 +37,8 @@ import redis
 from redis.commands.core import Script
 
 from gatekeeper.errors import LedgerUnavailable
-from gatekeeper.redis.wire import Line, Sent, send_script
+from gatekeeper.redis.sent import Sent, send_script
+from gatekeeper.redis.wire import Line
 
 if TYPE_CHECKING:
     from gatekeeper.redis.runs import RunRecord

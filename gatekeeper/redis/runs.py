@@ -28,7 +28,8 @@ from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.queued import send_all
 from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
-from gatekeeper.redis.wire import Line, call_script, has_lines
+from gatekeeper.redis.sent import call_script
+from gatekeeper.redis.wire import Line, has_lines
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["Finished", "RunLedger", "RunRecord", "Started"]

@@ -14,11 +14,11 @@ A call made while this thread's line awaits a reply (a signal handler that publi
 mid-decision) goes through redis-py instead (the store's fallback): replies come back in
 order, so two calls in flight on one socket could swap answers.
 
-The worker's two scripts of a run (``start.lua``, ``finish.lua``) take the same way
-(:func:`call_script`), on a line of their own; where a line cannot be had (:func:`has_lines`:
-a cluster, a client of one connection) they go through redis-py. ``start.lua`` is sent as the
-run starts and its reply read as it ends (:func:`send_script`), so the task does not wait for
-it. The replayer's batches take the line too (:mod:`gatekeeper.redis.queued`).
+The worker's two scripts of a run (``start.lua``, ``finish.lua``) take the same way, on a
+line of their own (:mod:`gatekeeper.redis.sent`); where a line cannot be had
+(:func:`has_lines`: a cluster, a client of one connection) they go through redis-py. The
+replayer's batches take the line too (:mod:`gatekeeper.redis.queued`). Fast publish's gate
+call may leave its reply owed on the line (:mod:`gatekeeper.redis.later`).
 """
 
 from __future__ import annotations
@@ -31,11 +31,9 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import redis
-from redis.commands.core import Script
 from redis.exceptions import NoScriptError, ReadOnlyError
 
 from gatekeeper.redis.cluster import is_cluster
-from gatekeeper.redis.scripts import evalsha
 
 hiredis: Any
 try:
@@ -43,7 +41,7 @@ try:
 except ImportError:  # pragma: no cover - hiredis is optional
     hiredis = None
 
-__all__ = ["Channel", "Line", "Sent", "call_script", "has_lines", "send_script"]
+__all__ = ["IDLE_PROVEN_S", "Channel", "Line", "has_lines"]
 
 RAW = hiredis is not None and hasattr(hiredis, "pack_command")
 """hiredis packs and parses; without it, redis-py's connection does both."""
@@ -91,11 +89,12 @@ class Channel:
         self.known: set[str] | None = None
         """The scripts (SHA1s) this connection has had answered: a new one (perhaps to another
         server, after a restart or a failover) knows none, and its server may lack them."""
-        self.lock, self.owed = threading.Lock(), cast(Any, None)  # a later.Owed: reply unread
+        self.lock, self.owed = threading.RLock(), cast(Any, None)  # a later.Owed: reply unread
+        self.holder = 0  # the thread inside the lock: a signal handler of its own stays out
 
     def take(self, pool: redis.ConnectionPool, keep_owed: bool = False) -> Channel | None:
         """This channel, marked busy; None when a call on it still awaits its reply."""
-        if self.busy:
+        if self.busy or self.holder == threading.get_ident():
             return None
         if not keep_owed:
             self.settle_owed()  # under the lock: it waits while the settler reads one
@@ -112,26 +111,37 @@ class Channel:
         self.busy = True
         return self
 
-    def settle_owed(self) -> None:
-        """Read the reply owed on this channel, if any (waiting while another thread reads
-        it), and settle its call. Raises only an interrupt (its message then held)."""
-        reply: Any = None
+    def settle_owed(self, abandon: bool = False) -> None:
+        """Read the reply owed on this channel, if any, and settle its call, all under the
+        lock (another reader, an exit, a task's end wait for it); ``abandon``: not waited for
+        (the breaker is open), settled as lost. Raises only an interrupt (its message held)."""
         with self.lock:
-            owed, self.owed = self.owed, None
-            if owed is None:
+            if self.holder:  # this thread, inside already (a signal handler): not now
                 return
+            self.holder = threading.get_ident()
             try:
-                reply, alive = self.owed_reply()
-            except Exception as exc:  # a reply that cannot be parsed: the line is unusable
-                self.close()
-                reply, alive = redis.ConnectionError(f"unreadable reply: {exc!r}"), False
-            except BaseException:  # an interrupt mid-read: the reply lost, the message held
-                self.close()
-                owed.hold()
-                raise
-            if alive and isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
-                self.close()  # a replica now (READONLY), a script's error: a new connection
-        owed.settle(reply)
+                owed, self.owed = self.owed, None
+                if owed is not None:
+                    owed.settle(self._owed_reply(owed, abandon))
+            finally:
+                self.holder = 0
+
+    def _owed_reply(self, owed: Any, abandon: bool) -> Any:
+        if abandon:
+            self.close()  # its reply still to come: the line cannot be used again
+            return redis.ConnectionError("the gate's Redis did not answer: reply not awaited")
+        try:
+            reply, alive = self.owed_reply()
+        except Exception as exc:  # a reply that cannot be parsed: the line is unusable
+            self.close()
+            return redis.ConnectionError(f"unreadable reply: {exc!r}")
+        except BaseException:  # an interrupt mid-read: the reply lost, the message held
+            self.close()
+            owed.hold()
+            raise
+        if alive and isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
+            self.close()  # a replica now (READONLY), a script's error: a new connection
+        return reply
 
     def owed_reply(self) -> tuple[Any, bool]:
         """The next reply, as a gate call's (a table of six) or the error in its place, and
@@ -266,84 +276,6 @@ def has_lines(client: redis.Redis) -> bool:
     if is_cluster(client) or getattr(client, "connection", None) is not None:
         return False
     return getattr(client, "connection_pool", None) is not None
-
-
-class Sent:
-    """A script call whose request is on its way and whose reply :meth:`reply` reads later:
-    until then the thread's line stays taken, so calls made meanwhile go through redis-py."""
-
-    def __init__(
-        self, line: Channel, client: redis.Redis, script: Script, keys: Sequence[str],
-        args: Sequence[str],
-    ) -> None:  # fmt: skip
-        self._line: Channel | None = line
-        idle = time.monotonic() - line.answered_at > IDLE_PROVEN_S
-        self.unproven = idle or script.sha not in (line.known or ())
-        """Sent on a connection that has not had this script answered: its server may not
-        have it (``NOSCRIPT``: nothing applied until :meth:`reply` loads it); or on one idle
-        past :data:`IDLE_PROVEN_S`, which may no longer reach the server at all."""
-        self._client, self._script = client, script
-        self._keys, self._args = list(keys), list(args)
-
-    def reply(self) -> Any:
-        """The script's table; a server without the script has it loaded first. Raises
-        redis-py's errors (the line is then closed: it may hold half a reply)."""
-        channel, self._line = self._line, None
-        if channel is None:
-            raise RuntimeError("this call's reply was read already")
-        if channel.pid != os.getpid():  # forked since: the socket is the parent's to read
-            channel.release()
-            raise redis.ConnectionError("the process forked before the reply was read")
-        sha = self._script.sha
-        try:
-            reply = channel.read()
-            if not isinstance(reply, list):  # not a script's table: out of step with its replies
-                raise redis.ResponseError(f"unexpected reply {reply!r}")
-            if channel.known is not None:
-                channel.known.add(sha)
-            return reply
-        except NoScriptError:
-            pass  # a restarted or flushed Redis: loaded below, once the line is free again
-        except BaseException:
-            channel.close()
-            raise
-        finally:
-            channel.release()
-        self._client.script_load(self._script.script)
-        reply = evalsha(self._client, self._script, self._keys, self._args)
-        if channel.known is not None:  # loaded on the line's server (the client's)
-            channel.known.add(sha)
-        return reply
-
-
-def send_script(
-    line: Line, client: redis.Redis, script: Script, keys: Sequence[str], args: Sequence[str]
-) -> Sent | None:
-    """Send ``script``'s call on this thread's ``line`` without waiting for its reply; None
-    when the line awaits another reply (call through redis-py then). Raises redis-py's
-    errors (the line is closed and free again)."""
-    channel = line.take(client.connection_pool)
-    if channel is None:
-        return None
-    try:
-        channel.send(["EVALSHA", script.sha, str(len(keys)), *keys, *args])
-    except BaseException:
-        channel.close()
-        channel.release()
-        raise
-    return Sent(channel, client, script, keys, args)
-
-
-def call_script(
-    line: Line, client: redis.Redis, script: Script, keys: Sequence[str], args: Sequence[str]
-) -> Any:
-    """``script``'s reply (a table) through this thread's ``line``, or through redis-py when
-    the line awaits another reply; a server without the script has it loaded first. Raises
-    redis-py's errors (the line is then closed: it may hold half a reply)."""
-    sent = send_script(line, client, script, keys, args)
-    if sent is None:
-        return evalsha(client, script, list(keys), args)
-    return sent.reply()
 
 
 _RESP3_ONLY = frozenset(("protocol", "maint_notifications_config",
