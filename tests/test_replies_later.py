@@ -3,6 +3,7 @@ each message pushed once whatever happens to the reply, each decision logged onc
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from celery.signals import before_task_publish
 from gatekeeper.celery.hook import install
 from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.lines import flush as flush_lines
 from gatekeeper.redis import owing, wire
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.owing import OWING, settle_all
@@ -627,3 +629,58 @@ def test_with_the_breaker_open_no_reply_owed_is_waited_for(
     assert len(ids) == 8 and all(sum(c.values()) == 1 for c in found.values()), found
     lines = decision_lines(capsys.readouterr().err)
     assert all(lines[job] == 1 for job in ids), lines
+
+
+def _publish_in_a_child(url: str, broken: bool, conn: Any) -> None:
+    app = make_app(url)
+    ids = [app.tasks["tests.embed"].delay(i).id for i in range(2)]
+    if broken:  # the last publish's script fails: fallback.lua must push it to reserved
+        _break_the_windows(url)
+    ids.append(app.tasks["tests.embed"].delay(2).id)
+    conn.send(ids)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_multiprocessing_child_reads_its_last_reply_before_it_leaves(
+    redis_url: str, redis_client: redis.Redis, capfd: pytest.CaptureFixture[str], broken: bool
+) -> None:
+    """A ``multiprocessing`` child leaves by ``os._exit`` after its finalizers (no atexit)."""
+    context = multiprocessing.get_context("fork")
+    parent, child_end = context.Pipe()
+    child = context.Process(target=_publish_in_a_child, args=(redis_url, broken, child_end))
+    child.start()
+    ids = parent.recv()
+    child.join(30)
+    assert child.exitcode == 0
+    found = copies(redis_client, ids)
+    assert all(sum(c.values()) == 1 for c in found.values()), found
+    flush_lines()
+    lines = decision_lines(capfd.readouterr().err)
+    assert [lines[job] for job in ids] == [1, 1, 1], lines
+
+
+@pytest.mark.parametrize("breaker_open_s", [2.0, 0.0])
+def test_a_message_held_at_exit_is_tried_even_with_the_breaker_open(
+    redis_url: str, redis_client: redis.Redis, breaker_open_s: float
+) -> None:
+    """The settler's fallback timed out while Redis was paused, which opened the breaker;
+    Redis answers again just as the process exits, before the breaker's probe: the exit's
+    last tries go through all the same, and the message lands once."""
+    script = textwrap.dedent(f"""
+        import time, redis
+        from gatekeeper.redis import owing
+        from tests.test_replies_later import _break_the_windows, make_app
+        owing.SETTLE_AFTER_S = 0.005
+        app = make_app({redis_url!r}, redis_timeout_s=0.3, breaker_open_s={breaker_open_s})
+        _break_the_windows({redis_url!r})
+        print(app.tasks["tests.embed"].delay("victim").id, flush=True)
+        time.sleep(0.002)
+        redis.Redis.from_url({redis_url!r}).execute_command("CLIENT", "PAUSE", "1300", "ALL")
+        time.sleep(1.25)  # held: its fallback and a first try again timed out
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=60, env=env)  # fmt: skip
+    (victim,) = done.stdout.split()
+    assert copies(redis_client, [victim])[victim] == {"reserved": 1}, done.stderr
+    assert "held_publish_lost" not in done.stderr, done.stderr

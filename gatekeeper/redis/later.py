@@ -82,6 +82,11 @@ class Owed:
             self.hold()
             raise
 
+    def unanswerable(self) -> bool:
+        """Its store's breaker is open: a reply is not waited for."""
+        breaker = self.later.store.breaker
+        return breaker is not None and breaker.is_open
+
     def hold(self) -> None:
         """Keep the message to be sent again (``fallback.lua``): no I/O here."""
         OWING.hold(Held(self.later, self.attempt, self.push, self.logged))
@@ -129,10 +134,10 @@ class Held:
     def __init__(self, later: Later, attempt: Attempt, push: Push, logged: bool) -> None:
         self.later, self.attempt, self.push, self.logged = later, attempt, push, logged
 
-    def send(self) -> bool:
+    def send(self, force: bool = False) -> bool:
         """``fallback.lua`` again (it pushes nothing if a push for this nonce landed), and a
         ``held_publish_sent`` line naming where the message is; False while Redis cannot be
-        reached."""
+        reached (``force``: asked even while the breaker is open)."""
         attempt, store = self.attempt, self.later.store
         publish, reserved = attempt.publish, self.later.pipeline.settings.reserved_queue
         reason = Reason.GATE_UNAVAILABLE
@@ -142,7 +147,7 @@ class Held:
             earlier = store.push_fallback(self.push, publish.job_id, publish.attempt,
                                           Decision.RESERVED, reason, text,
                                           attempt.record(math.nan), attempt.prev_nonce,
-                                          label_of(publish))  # fmt: skip
+                                          label_of(publish), force)  # fmt: skip
         except LedgerUnavailable:
             return False
         decision, why = earlier if earlier is not None else (Decision.RESERVED, reason)
@@ -173,7 +178,7 @@ def send(store: GateStore, owed: Owed) -> Any:
     earlier, exchange = None, _Exchange()
     command = ["EVALSHA", store._gate.sha, str(len(owed.keys)), *owed.keys, *owed.args]
     try:
-        with channel.lock:  # the settler may be reading the reply owed
+        with channel.lock:  # the settler may be reading the reply owed; an exit waits
             channel.holder = threading.get_ident()
             try:
                 earlier = channel.owed  # cleared once sent: the line is not stale for its reply
@@ -181,16 +186,17 @@ def send(store: GateStore, owed: Owed) -> Any:
                     return None
                 _exchange(channel, owed, exchange, command)
             finally:
-                channel.holder = 0
+                try:
+                    if earlier is not None:  # settled under the lock: an exit waits for it
+                        earlier.settle(exchange.reply)
+                except BaseException:  # an interrupt: this call's reply, read, settled later
+                    if exchange.now is not None:
+                        owed.hold()
+                    raise
+                finally:
+                    channel.holder = 0
     finally:
         channel.release()
-        try:
-            if earlier is not None:
-                earlier.settle(exchange.reply)
-        except BaseException:  # an interrupt: this call's reply, read already, is settled later
-            if exchange.now is not None:
-                owed.hold()
-            raise
     if exchange.now is not None:
         return store._answer(owed.keys, owed.args, exchange.now)
     return True

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ class Owing:
         self._guard, self._sending = threading.Lock(), threading.Lock()  # _sending: held ones
         self._wake, self._pid = threading.Event(), os.getpid()
         self._thread: threading.Thread | None = None
+        self._exit_wait_s = 0.0
 
     def owe(self, channel: Channel) -> None:  # under the channel's lock
         self._channels[channel] = None
@@ -50,6 +52,7 @@ class Owing:
     def hold(self, held: Held) -> None:
         with self._guard:
             self._held.append(held)
+            self._exit_wait_s = max(self._exit_wait_s, held.later.exit_wait_s)
         self._awake()
 
     def _awake(self) -> None:
@@ -76,9 +79,9 @@ class Owing:
                 if self._channels or self._held:  # owed or held meanwhile
                     self._wake.set()
 
-    def settle(self, older_than: float = 0.0, held: bool = True) -> None:
+    def settle(self, older_than: float = 0.0, held: bool = True, force: bool = False) -> None:
         """Read every reply owed at least ``older_than`` seconds; ``held``: send the held
-        messages again."""
+        messages again (``force``: even through an open breaker)."""
         if os.getpid() != self._pid:
             self._forked()
             return
@@ -86,22 +89,21 @@ class Owing:
         for channel in list(self._channels):
             owed = channel.owed
             if owed is not None and now - owed.sent_at >= older_than:
-                breaker = owed.later.store.breaker  # open: no reply awaited, one by one
-                channel.settle_owed(abandon=breaker is not None and breaker.is_open)
+                channel.settle_owed(abandon=True)  # none awaited while its breaker is open
             with channel.lock:  # its thread sets owed and registers it under this lock
                 if channel.owed is None:
                     self._channels.pop(channel, None)
         if held and self._held:
             with self._sending:
-                self._send_held()
+                self._send_held(force)
 
-    def _send_held(self) -> None:
+    def _send_held(self, force: bool) -> None:
         with self._guard:
             batch, self._held = self._held, []
         kept, done = [], 0
         try:
             for message in batch:
-                if not message.send():
+                if not message.send(force):
                     kept.append(message)
                 done += 1
         finally:
@@ -111,12 +113,11 @@ class Owing:
     def finish(self) -> None:
         """At exit (a pool child's too): every reply read, held messages sent for a while,
         then given up with a ``held_publish_lost`` line each."""
-        self.settle()
-        wait = max((message.later.exit_wait_s for message in self._held), default=0.0)
-        deadline = time.monotonic() + wait
-        while self._held and time.monotonic() < deadline:
+        self.settle(force=True)
+        deadline = time.monotonic() + self._exit_wait_s
+        while (self._held or self._sending.locked()) and time.monotonic() < deadline:
             time.sleep(0.05)
-            self.settle()
+            self.settle(force=True)
         with self._sending, self._guard:
             lost, self._held = self._held, []
         for message in lost:
@@ -127,9 +128,17 @@ class Owing:
         self._channels, self._held = {}, []
         self._guard, self._sending = threading.Lock(), threading.Lock()
         self._wake, self._thread, self._pid = threading.Event(), None, os.getpid()
+        util = sys.modules.get("multiprocessing.util")
+        if util is not None:  # a multiprocessing child leaves by os._exit, after its finalizers
+            util.register_after_fork(self, _finish_at_the_end)
 
 
 OWING = Owing()
+
+
+def _finish_at_the_end(owing: Owing) -> None:
+    """In a ``multiprocessing`` child: its replies read when it ends (its finalizers)."""
+    sys.modules["multiprocessing.util"].Finalize(None, owing.finish, exitpriority=110)
 
 
 def settle_all(sender: Any = None, **_: Any) -> None:

@@ -231,9 +231,9 @@ class GateStore:
         when it was not recorded (Redis failed or the breaker is open, a bad input, or
         another publish of the attempt holds a live record): the decision stands, and its
         row will be unverified."""
-        self._line.settle()  # a gate call of this thread's still unanswered runs first
         if self.breaker is not None and self.breaker.is_open:
             return None
+        self._line.settle()  # a gate call of this thread's still unanswered runs first
         keys = [self.keys.window(window_id), *self._records(job_id, attempt), self.keys.totals,
                 self.keys.deferred, self.keys.decisions]  # fmt: skip
         member = f"{job_id}:{attempt}"
@@ -256,6 +256,7 @@ class GateStore:
     def push_fallback(
         self, push: Push, job_id: str, attempt: int, decision: Decision, reason: Reason,
         text: str, record: dict[str, str], prev_nonce: str = "", task: str = OTHER_TASK,
+        force: bool = False,
     ) -> tuple[Decision, Reason] | None:  # fmt: skip
         """Push a fast publish's message that gate.lua did not push, as ``text``; None when
         pushed now, else (decision, reason) of the push this request already made.
@@ -264,10 +265,11 @@ class GateStore:
         is sent again after a connection error or a timeout (once here, besides the client's
         own retry policy), and a stalled gate.lua that runs later pushes nothing. Raises
         :class:`LedgerUnavailable` when it failed, and at once while the breaker is open,
-        unless this request's own gate script opened it (it finishes its push, as before).
+        unless this request's own gate script opened it (it finishes its push, as before),
+        or ``force`` (a held message's last tries at exit).
         """
         breaker = self.breaker
-        if breaker is not None and not breaker.opened_here():
+        if breaker is not None and not breaker.opened_here() and not force:
             breaker.check(f"cannot push {job_id}")
         index = {Decision.ADMIT_FREE: 0, Decision.DEFER: 1, Decision.RESERVED: 2}[decision]
         keys = [self.keys.run(job_id, attempt), push.lists[index], self.keys.totals]
@@ -285,6 +287,7 @@ class GateStore:
         except redis.RedisError as exc:
             if breaker is not None:
                 breaker.failed(exc)
+                breaker.opened_here()  # asked: this thread's next push is refused, not tried
             raise LedgerUnavailable(f"cannot push {job_id}: {exc}") from exc
         if breaker is not None:
             breaker.answered()
@@ -304,9 +307,9 @@ class GateStore:
         failed, and at once while the breaker is open.
         """
         member = f"{job_id}:{attempt}"
-        self._line.settle()  # a gate call of this thread's still unanswered runs first
         if self.breaker is not None:
             self.breaker.check(f"cannot release {member}")
+        self._line.settle()  # a gate call of this thread's still unanswered runs first
         keys = [self.keys.inflight, self.keys.free_waiting, self.keys.window(window_id),
                 self.keys.run(job_id, attempt)]  # fmt: skip
         args = [member, "1" if unpublished else "0"]

@@ -114,7 +114,7 @@ class Channel:
     def settle_owed(self, abandon: bool = False) -> None:
         """Read the reply owed on this channel, if any, and settle its call, all under the
         lock (another reader, an exit, a task's end wait for it); ``abandon``: not waited for
-        (the breaker is open), settled as lost. Raises only an interrupt (its message held)."""
+        while its store's breaker is open, settled as lost. Raises only an interrupt."""
         with self.lock:
             if self.holder:  # this thread, inside already (a signal handler): not now
                 return
@@ -127,9 +127,9 @@ class Channel:
                 self.holder = 0
 
     def _owed_reply(self, owed: Any, abandon: bool) -> Any:
-        if abandon:
+        if abandon and owed.unanswerable():  # (an error reply, which keeps the breaker as is)
             self.close()  # its reply still to come: the line cannot be used again
-            return redis.ConnectionError("the gate's Redis did not answer: reply not awaited")
+            return redis.ResponseError("not awaited: the gate's breaker is open")
         try:
             reply, alive = self.owed_reply()
         except Exception as exc:  # a reply that cannot be parsed: the line is unusable
