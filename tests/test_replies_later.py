@@ -632,12 +632,31 @@ def test_with_the_breaker_open_no_reply_owed_is_waited_for(
 
 
 def _publish_in_a_child(url: str, broken: bool, conn: Any) -> None:
+    owing.SETTLE_AFTER_S = 3600.0  # its last reply left to the exit
     app = make_app(url)
     ids = [app.tasks["tests.embed"].delay(i).id for i in range(2)]
     if broken:  # the last publish's script fails: fallback.lua must push it to reserved
         _break_the_windows(url)
     ids.append(app.tasks["tests.embed"].delay(2).id)
     conn.send(ids)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_forkserver_child_that_imports_the_gate_itself_reads_its_last_reply(
+    redis_url: str, redis_client: redis.Redis, broken: bool
+) -> None:
+    """A child that imports gatekeeper only after it started (``forkserver``, Python 3.14's
+    default on Linux; ``spawn``) leaves by ``os._exit`` too: the settler registers its exit
+    pass as a finalizer when it starts there."""
+    context = multiprocessing.get_context("forkserver")
+    parent, child_end = context.Pipe()
+    child = context.Process(target=_publish_in_a_child, args=(redis_url, broken, child_end))
+    child.start()
+    ids = parent.recv()
+    child.join(60)
+    assert child.exitcode == 0
+    found = copies(redis_client, ids)
+    assert all(sum(c.values()) == 1 for c in found.values()), found
 
 
 @pytest.mark.parametrize("broken", [False, True])

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import gatekeeper.lines  # noqa: F401  its atexit flush is registered first, so it runs after ours
+import gatekeeper.lines  # its atexit flush is registered first, so it runs after ours
 from gatekeeper.redis.wire import Channel
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class Owing:
         self._guard, self._sending = threading.Lock(), threading.Lock()  # _sending: held ones
         self._wake, self._pid = threading.Event(), os.getpid()
         self._thread: threading.Thread | None = None
-        self._exit_wait_s = 0.0
+        self._exit_wait_s, self._finalized = 0.0, 0
 
     def owe(self, channel: Channel) -> None:  # under the channel's lock
         self._channels[channel] = None
@@ -67,6 +67,7 @@ class Owing:
                                               daemon=True)  # fmt: skip
                     thread.start()
                     self._thread = thread
+                    _finish_in_a_child(self)
 
     def _run(self) -> None:
         while True:
@@ -98,30 +99,34 @@ class Owing:
                 self._send_held(force)
 
     def _send_held(self, force: bool) -> None:
+        """One try each, in order, until one finds Redis unreachable: the rest wait for the
+        next pass (each try may cost two timeouts)."""
         with self._guard:
             batch, self._held = self._held, []
         kept, done = [], 0
         try:
             for message in batch:
+                done += 1
                 if not message.send(force):
                     kept.append(message)
-                done += 1
+                    break
         finally:
             with self._guard:
                 self._held[:0] = kept + batch[done:]
 
     def finish(self) -> None:
         """At exit (a pool child's too): every reply read, held messages sent for a while,
-        then given up with a ``held_publish_lost`` line each."""
-        self.settle(force=True)
+        then given up with a ``held_publish_lost`` line each; the lines written."""
+        self.settle(held=False)
         deadline = time.monotonic() + self._exit_wait_s
         while (self._held or self._sending.locked()) and time.monotonic() < deadline:
-            time.sleep(0.05)
             self.settle(force=True)
+            time.sleep(0.05 if self._held else 0)
         with self._sending, self._guard:
             lost, self._held = self._held, []
         for message in lost:
             message.lost()
+        gatekeeper.lines.flush()  # (a multiprocessing child may have no other flush)
 
     def _forked(self) -> None:
         """In a new child: the parent reads and sends what it owed and held."""
@@ -134,6 +139,16 @@ class Owing:
 
 
 OWING = Owing()
+
+
+def _finish_in_a_child(owing: Owing) -> None:
+    """In a process that ``multiprocessing`` started (it leaves by ``os._exit``, after its
+    finalizers), whatever imported gatekeeper: the exit pass as a finalizer, once."""
+    processes = sys.modules.get("multiprocessing")
+    child = processes is not None and processes.parent_process() is not None
+    if child and owing._finalized != os.getpid():
+        owing._finalized = os.getpid()
+        _finish_at_the_end(owing)
 
 
 def _finish_at_the_end(owing: Owing) -> None:

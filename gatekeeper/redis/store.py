@@ -291,6 +291,7 @@ class GateStore:
             raise LedgerUnavailable(f"cannot push {job_id}: {exc}") from exc
         if breaker is not None:
             breaker.answered()
+            breaker.opened_here()  # asked: a mark its retry left is not the next push's
         if not reply:
             return None
         return DECISIONS.get(reply[0], Decision.RESERVED), REASONS.get(
