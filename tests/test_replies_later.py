@@ -641,6 +641,18 @@ def _publish_in_a_child(url: str, broken: bool, conn: Any) -> None:
     conn.send(ids)
 
 
+def _published_by_a_child(method: str, redis_url: str, broken: bool) -> list[str]:
+    """The ids a ``multiprocessing`` child started by ``method`` published, once it ended."""
+    context = multiprocessing.get_context(method)
+    parent, child_end = context.Pipe()
+    child = context.Process(target=_publish_in_a_child, args=(redis_url, broken, child_end))
+    child.start()
+    ids: list[str] = parent.recv()
+    child.join(60)
+    assert child.exitcode == 0
+    return ids
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_a_forkserver_child_that_imports_the_gate_itself_reads_its_last_reply(
     redis_url: str, redis_client: redis.Redis, broken: bool
@@ -648,13 +660,7 @@ def test_a_forkserver_child_that_imports_the_gate_itself_reads_its_last_reply(
     """A child that imports gatekeeper only after it started (``forkserver``, Python 3.14's
     default on Linux; ``spawn``) leaves by ``os._exit`` too: the settler registers its exit
     pass as a finalizer when it starts there."""
-    context = multiprocessing.get_context("forkserver")
-    parent, child_end = context.Pipe()
-    child = context.Process(target=_publish_in_a_child, args=(redis_url, broken, child_end))
-    child.start()
-    ids = parent.recv()
-    child.join(60)
-    assert child.exitcode == 0
+    ids = _published_by_a_child("forkserver", redis_url, broken)
     found = copies(redis_client, ids)
     assert all(sum(c.values()) == 1 for c in found.values()), found
 
@@ -664,13 +670,7 @@ def test_a_multiprocessing_child_reads_its_last_reply_before_it_leaves(
     redis_url: str, redis_client: redis.Redis, capfd: pytest.CaptureFixture[str], broken: bool
 ) -> None:
     """A ``multiprocessing`` child leaves by ``os._exit`` after its finalizers (no atexit)."""
-    context = multiprocessing.get_context("fork")
-    parent, child_end = context.Pipe()
-    child = context.Process(target=_publish_in_a_child, args=(redis_url, broken, child_end))
-    child.start()
-    ids = parent.recv()
-    child.join(30)
-    assert child.exitcode == 0
+    ids = _published_by_a_child("fork", redis_url, broken)
     found = copies(redis_client, ids)
     assert all(sum(c.values()) == 1 for c in found.values()), found
     flush_lines()
