@@ -300,13 +300,8 @@ class Pipeline:
         late): ``fallback.lua`` pushes the message Celery already built to reserved, unless
         the script pushed it for this request after all, whose decision is then the one
         logged. Raises :class:`PublishFailed` when Redis cannot be reached for it."""
-        reserved = self._queues[Decision.RESERVED]
-        text = push.filled(values_for(Decision.RESERVED.value, reason.value, None, False, None,
-                                      reserved))  # fmt: skip
         try:
-            earlier = self.store.push_fallback(push, publish.job_id, publish.attempt,
-                                               Decision.RESERVED, reason, text, record,
-                                               prev_nonce, label_of(publish))  # fmt: skip
+            earlier = self.push_reserved(push, publish, reason, record, prev_nonce)
         except LedgerUnavailable as down:
             self._finish(Decision.RESERVED, reason, headers, fields, error=f"{error}; {down}")
             raise PublishFailed(f"cannot publish {publish.job_id}: {down}") from down
@@ -314,6 +309,19 @@ class Pipeline:
             return self._finish(Decision.RESERVED, reason, headers, fields, published=True,
                                 error=error)  # fmt: skip
         return self._finish(*earlier, headers, fields, published=True, recovered=True)
+
+    def push_reserved(
+        self, push: Push, publish: Publish, reason: Reason, record: dict[str, str],
+        prev_nonce: str = "", force: bool = False,
+    ) -> tuple[Decision, Reason] | None:  # fmt: skip
+        """``fallback.lua`` with fast publish's message filled in for reserved: None when it
+        pushed it, else the decision of this request's push that landed first. Raises
+        :class:`LedgerUnavailable` (``force``: asked through an open breaker)."""
+        text = push.filled(values_for(Decision.RESERVED.value, reason.value, None, False, None,
+                                      self._queues[Decision.RESERVED]))  # fmt: skip
+        return self.store.push_fallback(push, publish.job_id, publish.attempt, Decision.RESERVED,
+                                        reason, text, record, prev_nonce, label_of(publish),
+                                        force)  # fmt: skip
 
     def _finish(
         self, decision: Decision, reason: Reason, headers: Mapping[str, Any],

@@ -41,9 +41,9 @@ from redis.exceptions import NoScriptError
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.errors import LedgerUnavailable, PublishFailed
 from gatekeeper.redis import wire
-from gatekeeper.redis.attempt import Attempt, label_of
+from gatekeeper.redis.attempt import Attempt
 from gatekeeper.redis.owing import OWING
-from gatekeeper.redis.push import Push, values_for
+from gatekeeper.redis.push import Push
 from gatekeeper.redis.routing import Routing
 from gatekeeper.redis.store import GateStore, ScoredAttempt
 from gatekeeper.redis.wire import Channel
@@ -138,20 +138,14 @@ class Held:
         """``fallback.lua`` again (it pushes nothing if a push for this nonce landed), and a
         ``held_publish_sent`` line naming where the message is; False while Redis cannot be
         reached (``force``: asked even while the breaker is open)."""
-        attempt, store = self.attempt, self.later.store
-        publish, reserved = attempt.publish, self.later.pipeline.settings.reserved_queue
-        reason = Reason.GATE_UNAVAILABLE
-        text = self.push.filled(values_for(Decision.RESERVED.value, reason.value, None, False,
-                                           None, reserved))  # fmt: skip
+        attempt, pipeline, reason = self.attempt, self.later.pipeline, Reason.GATE_UNAVAILABLE
+        publish = attempt.publish
         try:
-            earlier = store.push_fallback(self.push, publish.job_id, publish.attempt,
-                                          Decision.RESERVED, reason, text,
-                                          attempt.record(math.nan), attempt.prev_nonce,
-                                          label_of(publish), force)  # fmt: skip
+            earlier = pipeline.push_reserved(self.push, publish, reason, attempt.record(math.nan),
+                                             attempt.prev_nonce, force)  # fmt: skip
         except LedgerUnavailable:
             return False
         decision, why = earlier if earlier is not None else (Decision.RESERVED, reason)
-        pipeline = self.later.pipeline
         if not self.logged:  # interrupted before its line: the line of where it is, now
             pipeline._finish(decision, why, {}, attempt.fields, published=True, recovered=True,
                              error="interrupted; its message sent again")  # fmt: skip
