@@ -91,6 +91,8 @@ class Owing:
             owed = channel.owed
             if owed is not None and now - owed.sent_at >= older_than:
                 channel.settle_owed(abandon=True)  # none awaited while its breaker is open
+            elif owed is not None:
+                continue  # young: not even the lock taken (a publisher waits for it)
             with channel.lock:  # its thread sets owed and registers it under this lock
                 if channel.owed is None:
                     self._channels.pop(channel, None)
