@@ -217,6 +217,11 @@ class DeferredLogger:
         self._render = render
         LINES.want(interval)
 
+    def queue(self, event: MutableMapping[str, Any]) -> None:
+        """An event already stamped, queued as :meth:`msg` queues it (the decision line's
+        shorter way: :class:`gatekeeper.logs.LineWriter`)."""
+        LINES.put(self._file, self._render, event)
+
     def defer(
         self, _: Any, __: str, event: MutableMapping[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:

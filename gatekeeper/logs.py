@@ -20,16 +20,17 @@ import logging
 import re
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any, TextIO
 
 import structlog
+from structlog.processors import add_log_level
 from structlog.typing import Processor
 
 from gatekeeper.lines import DeferredLogger
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["DECISION_FIELDS", "KeyValueRenderer", "configure_logging", "make_logger"]
+__all__ = ["DECISION_FIELDS", "KeyValueRenderer", "LineWriter", "configure_logging", "make_logger"]
 
 DECISION_FIELDS = (
     "event",
@@ -66,6 +67,8 @@ _NEEDS_QUOTES = re.compile(r'[\s="\\\ud800-\udfff]')
 strict UTF-8 (a log file) cannot encode it, and the line, with the chunk written with it,
 would be lost; quoted, it is escaped (``\\udce9``)."""
 _CONSTANTS = {None: "", True: "true", False: "false"}
+TEXTS_KEPT = 512
+"""A renderer's text values kept as written at most (:class:`KeyValueRenderer`)."""
 
 
 def _quoted(text: str) -> str:
@@ -118,12 +121,30 @@ class KeyValueRenderer:
 
     def __init__(self, key_order: tuple[str, ...]) -> None:
         self.key_order = key_order
+        self._texts: dict[str, str] = {}
+        """Text values as written, for the ones that repeat line after line (the task's name,
+        the decision, the reason, the queue): emptied when full (unique ones fill it)."""
 
     def __call__(self, _: Any, __: str, event: MutableMapping[str, Any]) -> str:
-        pop = event.pop
-        parts = [key + "=" + _kv_value(pop(key)) for key in self.key_order if key in event]
-        parts += [key + "=" + _kv_value(value) for key, value in event.items()]
+        get, pop, text = self._texts.get, event.pop, self._text
+        parts = []
+        for key in self.key_order:
+            if key in event:
+                value = pop(key)
+                written = get(value) if type(value) is str else None
+                parts.append(key + "=" + (text(value) if written is None else written))
+        for key, value in event.items():
+            written = get(value) if type(value) is str else None
+            parts.append(key + "=" + (text(value) if written is None else written))
         return " ".join(parts)
+
+    def _text(self, value: Any) -> str:
+        written = _kv_value(value)
+        if type(value) is str:
+            if len(self._texts) >= TEXTS_KEPT:
+                self._texts.clear()
+            self._texts[value] = written
+        return written
 
 
 def _renderer(fmt: str) -> Processor:
@@ -132,13 +153,46 @@ def _renderer(fmt: str) -> Processor:
     return KeyValueRenderer(("ts", "level", "logger", *DECISION_FIELDS))
 
 
+class LineWriter:
+    """``write(level, event, fields)``: the line ``getattr(log, level)(event, **fields)``
+    writes, in fewer steps when ``log`` is one :func:`make_logger` built for the lines'
+    thread (the decision line, once per gated publish: about half the cost of structlog's
+    own call). The same fields in the same order, the same level filter and stamps; any
+    other logger is called as it is."""
+
+    def __init__(self, log: Any) -> None:
+        self._log = log
+        target = getattr(log, "_logger", None)
+        processors = list(getattr(log, "_processors", ()))
+        self._queue: Callable[[MutableMapping[str, Any]], None] | None = None
+        if isinstance(target, DeferredLogger) and len(processors) >= 2:
+            chain = processors[0] is add_log_level and processors[-1] == target.defer
+            self._queue = target.queue if chain else None  # (its chain: level, stamps, defer)
+        self._context = dict(getattr(log, "_context", {}))
+        self._stamps = processors[1:-1]
+        self._enabled = {name: log.is_enabled_for(level) for name, level in _LEVELS.items()
+                         if self._queue is not None}  # fmt: skip
+
+    def write(self, level: str, event: str, fields: dict[str, Any]) -> None:
+        if self._queue is None:
+            getattr(self._log, level)(event, **fields)
+            return
+        if not self._enabled[level]:
+            return
+        stamped: MutableMapping[str, Any] = {**self._context, **fields}
+        stamped["event"], stamped["level"] = event, level
+        for stamp in self._stamps:
+            stamped = stamp(None, level, stamped)
+        self._queue(stamped)
+
+
 def make_logger(
     settings: GatekeeperSettings, name: str = "decision", stream: TextIO | None = None
 ) -> Any:
     """A bound logger for ``gatekeeper.<name>`` with the format and level from settings."""
     fmt = "kv" if settings.log_format == "stdlib" else settings.log_format
     processors: list[Processor] = [
-        structlog.processors.add_log_level,
+        add_log_level,
         _UtcTimestamp(),
     ]
     if fmt == "json":

@@ -16,7 +16,7 @@ from celery import Celery
 
 import gatekeeper
 from gatekeeper.lines import flush
-from gatekeeper.logs import KeyValueRenderer, make_logger
+from gatekeeper.logs import TEXTS_KEPT, KeyValueRenderer, LineWriter, make_logger
 from gatekeeper.settings import GatekeeperSettings
 
 
@@ -58,6 +58,59 @@ def test_a_lone_surrogate_is_escaped_so_a_strict_utf8_log_keeps_the_line() -> No
 
 def test_floats_to_the_millisecond_and_none_as_empty() -> None:
     assert render(dwell_s=28.00049, x=None) == "dwell_s=28.0 x="
+
+
+def test_a_text_value_renders_the_same_once_the_renderers_kept_texts_are_full() -> None:
+    renderer = KeyValueRenderer(("event",))
+    for n in range(3 * TEXTS_KEPT):  # unique values fill and empty what it keeps
+        assert (
+            renderer(None, "info", {"event": "e", "job_id": f"j {n}"}) == f'event=e job_id="j {n}"'
+        )
+        assert renderer(None, "info", {"reason": "a=b"}) == 'reason="a\\u003db"'
+    assert len(renderer._texts) <= TEXTS_KEPT
+
+
+FIELDS = {"task": "t x", "job_id": "j=1", "attempt": 1, "queue_age_s": 0.0123456,
+          "dwell_s": None, "slack_miss": True, "extra": [1, 2]}  # fmt: skip
+
+
+@pytest.mark.parametrize("log_format", ["kv", "json", "stdlib"])
+@pytest.mark.parametrize("log_level", ["info", "warning"])
+@pytest.mark.parametrize("log_buffer_s", [0.1, 0.0])
+def test_the_decision_lines_writer_writes_what_the_loggers_own_call_writes(
+    log_format: str, log_level: str, log_buffer_s: float, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    settings = GatekeeperSettings(log_format=log_format, log_level=log_level,
+                                  log_buffer_s=log_buffer_s)  # fmt: skip
+    written = []
+    for way in ("own", "writer"):
+        stream = io.StringIO()
+        log = make_logger(settings, "decision", stream=stream)
+        monkeypatch.setattr("time.time", lambda: 1_700_000_000.25)  # the same ts= in both
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="gatekeeper"):
+            for level in ("debug", "info", "warning", "error"):
+                if way == "own":
+                    getattr(log, level)("gate_decision", **FIELDS)
+                else:
+                    LineWriter(log).write(level, "gate_decision", dict(FIELDS))
+            monkeypatch.undo()
+            flush()
+        written.append(stream.getvalue() + "".join(r.getMessage() for r in caplog.records))
+    assert written[0] == written[1]
+    assert written[0].count("gate_decision") == (3 if log_level == "info" else 2)
+
+
+def test_the_decision_lines_writer_calls_any_other_logger_as_it_is() -> None:
+    calls = []
+
+    class Logger:
+        def warning(self, event: str, **fields: object) -> None:
+            calls.append((event, fields))
+
+    LineWriter(Logger()).write("warning", "gate_decision", {"job_id": "j"})
+    assert calls == [("gate_decision", {"job_id": "j"})]
 
 
 def test_make_logger_writes_one_line_with_logger_name() -> None:

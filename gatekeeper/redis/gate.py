@@ -44,7 +44,7 @@ from gatekeeper.core.headers import (
 from gatekeeper.core.ledger import window_id
 from gatekeeper.core.review import review_marks
 from gatekeeper.errors import BadDeclaredInput, LedgerUnavailable, PublishFailed
-from gatekeeper.logs import make_logger
+from gatekeeper.logs import LineWriter, make_logger
 from gatekeeper.redis.attempt import (
     Attempt,
     Publish,
@@ -92,6 +92,7 @@ class Pipeline:
         self.store = store
         self.flags = flags
         self.log = logger
+        self.lines = LineWriter(logger)
         self.clock = clock
         times = ServiceTimes(store.client, store.keys, store.breaker)
         self.learned = LearnedService(times, settings, logger, wall=clock)
@@ -345,13 +346,8 @@ class Pipeline:
         line["token_pressure"] = tokens * dwell if finite and tokens is not None else None
         if extra:
             line.update(extra)
-        try:  # a closed or full log stream must not change where the task goes
-            if reason in _WARN:
-                self.log.warning("gate_decision", **line)
-            else:
-                self.log.info("gate_decision", **line)
-        except Exception:
-            pass
+        with contextlib.suppress(Exception):  # a closed or full log stream: the route holds
+            self.lines.write("warning" if reason in _WARN else "info", "gate_decision", line)
         return Routing(queue, decision, reason, headers, published)
 
 
