@@ -35,13 +35,7 @@ from kombu.exceptions import OperationalError
 from gatekeeper.celery.address import address
 from gatekeeper.celery.bootstep import add_to_worker
 from gatekeeper.celery.expiry import Expiry
-from gatekeeper.celery.fastpath import (
-    FastRender,
-    possible,
-    publish_observed,
-    same_server,
-    sendable,
-)
+from gatekeeper.celery.fastpath import FastRender, possible, publish_observed, same_server, sendable
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.heartbeat import Heartbeat
 from gatekeeper.celery.offfree import OffFree
@@ -52,6 +46,7 @@ from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.headers import H_DECISION, H_WINDOW
 from gatekeeper.core.spec import GatedSpec
 from gatekeeper.errors import BadDeclaredInput, ConfigError, GatekeeperError, PublishFailed
+from gatekeeper.forks import renew_in_children
 from gatekeeper.lines import flush_after_task
 from gatekeeper.redis.attempt import retries_of
 from gatekeeper.redis.durable import finish_pending
@@ -94,6 +89,11 @@ class Installed:
         self._specs: dict[str, _Gated | None] = {}
         self._same_server: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._off_free = OffFree(app, self.parts)
+        renew_in_children(self)
+
+    def _forked(self) -> None:
+        """In a forked child: a lock of its own (the parent's may be held mid-build)."""
+        self._building = threading.Lock()
 
     # -- the parts, built at first use (gatekeeper/celery/parts.py) ------------------------
 

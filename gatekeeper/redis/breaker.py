@@ -32,11 +32,9 @@ safe to send twice (``fallback.lua``, ``start.lua``: keyed by the request).
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +45,7 @@ from redis.retry import Retry
 
 from gatekeeper.defaults import BREAKER_OPEN_S
 from gatekeeper.errors import GateUnreachable
+from gatekeeper.forks import renew_in_children
 from gatekeeper.redis.cluster import is_cluster
 
 __all__ = ["NOT_ANSWERING", "Breaker", "no_retry", "not_answering"]
@@ -106,7 +105,7 @@ class Breaker:
         self._probe: threading.Thread | None = None
         self._mine = threading.local()
         """``opened``: this thread's call opened the breaker (see :meth:`opened_here`)."""
-        _track(self)
+        renew_in_children(self)
 
     @property
     def is_open(self) -> bool:
@@ -197,31 +196,9 @@ class Breaker:
             with contextlib.suppress(Exception):  # a closed log stream changes nothing here
                 self.log.warning(event, **fields)
 
-    def _reset(self) -> None:
+    def _forked(self) -> None:
         """In a forked child: closed, no probe (its thread is the parent's), a fresh lock (the
         parent's may have been held by a thread the child does not have)."""
         self._lock = threading.Lock()
         self._mine = threading.local()
         self.error, self._probe, self.trips = None, None, 0
-
-
-_breakers: weakref.WeakSet[Breaker] = weakref.WeakSet()
-_fork_hook = threading.Lock()
-_hooked = False
-
-
-def _track(breaker: Breaker) -> None:
-    """Remember a breaker for :func:`_after_fork`; the fork hook is registered with the first."""
-    global _hooked
-    with _fork_hook:
-        _breakers.add(breaker)
-        if not _hooked and hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=_after_fork)
-            _hooked = True
-
-
-def _after_fork() -> None:
-    global _fork_hook
-    _fork_hook = threading.Lock()
-    for breaker in list(_breakers):
-        breaker._reset()

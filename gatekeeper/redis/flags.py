@@ -28,6 +28,7 @@ from gatekeeper.core.flagvalues import FLAG_NAMES, Flags, in_canary, parse_flag
 from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_windows
 from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
+from gatekeeper.forks import renew_in_children
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.cluster import home
 from gatekeeper.redis.durable import on_disk, replicated
@@ -118,6 +119,7 @@ class FlagStore:
         self.keys = keys or Keys(settings.key_prefix, settings.namespace)
         self._clock = clock
         self._lock = threading.Lock()
+        renew_in_children(self)
         self._cached: Flags | None = None
         self._read_at = -math.inf
         self.disk_wait_s = 0.0
@@ -180,6 +182,10 @@ class FlagStore:
                 read_at -= max(0.0, self.settings.flag_cache_s - UNREAD_RETRY_S)
             self._cached, self._read_at = flags, read_at
             return flags
+
+    def _forked(self) -> None:
+        """In a forked child: a lock of its own (the parent's may be held mid-read)."""
+        self._lock = threading.Lock()
 
     def invalidate(self) -> None:
         """Forget the cached flags (the next decision reads Redis)."""

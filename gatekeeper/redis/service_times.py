@@ -26,6 +26,7 @@ import redis
 from gatekeeper.core.ledger import window_id
 from gatekeeper.core.service import ServiceHistogram, bucket_of, choose_service, drifted
 from gatekeeper.errors import LedgerUnavailable
+from gatekeeper.forks import renew_in_children
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.cluster import home
 from gatekeeper.redis.keys import Keys
@@ -104,6 +105,11 @@ class LearnedService:
         self._wall = wall
         self._lock = threading.Lock()
         self._cached: dict[str, tuple[float, ServiceHistogram | None]] = {}
+        renew_in_children(self)
+
+    def _forked(self) -> None:
+        """In a forked child: a lock of its own (the parent's may be held mid-read)."""
+        self._lock = threading.Lock()
 
     def histogram(self, task: str, declared_s: float) -> ServiceHistogram | None:
         """The task's histogram, at most ``flag_cache_s`` old (None before any read)."""

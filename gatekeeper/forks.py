@@ -1,0 +1,46 @@
+"""Locks that a forked child gets fresh.
+
+A lock held by another thread at a fork is copied held into the child, which has no such
+thread to release it: the child's first use of it waits for ever. A prefork pool forks new
+children at any time, while its parent's threads may be waiting on Redis inside one of
+gatekeeper's locks (the flags' refresh, the learned service times', the install's first
+build). Each object that holds such a lock across I/O registers here and gets
+``_forked()`` called in every child forked after that; the hook is registered with the
+first object (nothing happens at import time).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Protocol
+
+__all__ = ["Forked", "renew_in_children"]
+
+
+class Forked(Protocol):
+    def _forked(self) -> None:
+        """In a new child, its only thread: new locks (and whatever else the parent keeps)."""
+
+
+_owners: weakref.WeakSet[Forked] = weakref.WeakSet()
+_hook = threading.Lock()
+_hooked = False
+
+
+def renew_in_children(owner: Forked) -> None:
+    """Call ``owner._forked()`` in every child forked from now on (held weakly)."""
+    global _hooked
+    with _hook:
+        _owners.add(owner)
+        if not _hooked and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork)
+            _hooked = True
+
+
+def _after_fork() -> None:
+    global _hook
+    _hook = threading.Lock()
+    for owner in list(_owners):
+        owner._forked()

@@ -1,0 +1,116 @@
+"""A child forked while another thread of its parent waits on Redis inside one of gatekeeper's
+locks (the flags' or the learned service times' refresh, the install's first build) gets
+that lock fresh: a lock copied held would never be released in the child, whose first
+refresh would then wait for ever (a prefork pool forks new children at any time)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import redis
+
+import gatekeeper
+from gatekeeper.errors import EmbeddedRedisError
+from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis.flags import FlagStore
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.service_times import LearnedService, ServiceTimes
+from gatekeeper.settings import GatekeeperSettings
+from tests.apps.gated_app import create_app
+from tests.conftest import gate_settings, initialised, missing_server, wait_until
+from tests.processes import stopped
+
+
+@pytest.fixture
+def gate_server() -> Iterator[EmbeddedRedis]:
+    """A redis-server of its own, to be hung."""
+    try:
+        server = EmbeddedRedis().start()
+    except EmbeddedRedisError as exc:
+        missing_server(str(exc))
+    initialised(redis.Redis.from_url(server.url))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _flags(settings: GatekeeperSettings) -> tuple[Callable[[], Any], threading.Lock]:
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=settings.redis_timeout_s)
+    flags = FlagStore(client, settings, Keys(settings.key_prefix, settings.namespace))
+    return flags.current, flags._lock
+
+
+def _service(settings: GatekeeperSettings) -> tuple[Callable[[], Any], threading.Lock]:
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=settings.redis_timeout_s)
+    times = ServiceTimes(client, Keys(settings.key_prefix, settings.namespace), None)
+    learned = LearnedService(times, settings, None)
+    return lambda: learned.histogram("tests.embed", 30.0), learned._lock
+
+
+def _refresh_in_child(refresh: Callable[[], Any], pipe: Connection) -> None:
+    refresh()  # the server is still stopped: its own timeout, then stale or unread
+    pipe.send("refreshed")
+
+
+@pytest.mark.parametrize("make", [_flags, _service], ids=["flags", "learned_service"])
+def test_a_child_forked_mid_refresh_refreshes_on_its_own(
+    gate_server: EmbeddedRedis, make: Callable[[GatekeeperSettings], Any]
+) -> None:
+    settings = gate_settings(gate_server.url, redis_timeout_s=2.0, flag_cache_s=0)
+    refresh, lock = make(settings)
+    ours, theirs = multiprocessing.Pipe()
+    with stopped(gate_server.process):
+        reading = threading.Thread(target=refresh, daemon=True)
+        reading.start()  # waits on the stopped server, inside the lock
+        assert wait_until(lock.locked, timeout_s=5)
+        child = multiprocessing.get_context("fork").Process(
+            target=_refresh_in_child, args=(refresh, theirs)
+        )
+        child.start()
+        try:
+            refreshed = ours.poll(4 * settings.redis_timeout_s)
+        finally:
+            child.kill()
+            child.join(5)
+        reading.join(10)
+    assert refreshed, "the child waited for a lock its parent's thread held at the fork"
+    assert ours.recv() == "refreshed"
+
+
+def _build_in_child(installed: Any, pipe: Connection) -> None:
+    installed.parts()
+    pipe.send("built")
+
+
+def test_a_child_forked_mid_build_of_the_install_builds_its_own(
+    redis_url: str, gate_server: EmbeddedRedis
+) -> None:
+    app = create_app(gate_settings(gate_server.url), redis_url)
+    installed = gatekeeper.install(app)
+    held, release = threading.Event(), threading.Event()
+
+    def building() -> None:  # stands for a first build waiting on a server, in its lock
+        with installed._building:
+            held.set()
+            release.wait(30)
+
+    threading.Thread(target=building, daemon=True).start()
+    assert held.wait(5)
+    ours, theirs = multiprocessing.Pipe()
+    child = multiprocessing.get_context("fork").Process(
+        target=_build_in_child, args=(installed, theirs)
+    )
+    child.start()
+    try:
+        built = ours.poll(15)
+    finally:
+        release.set()
+        child.kill()
+        child.join(5)
+    assert built, "the child waited for a lock its parent's thread held at the fork"
