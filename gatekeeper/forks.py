@@ -12,11 +12,12 @@ first object (nothing happens at import time).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 from typing import Protocol
 
-__all__ = ["Forked", "renew_in_children"]
+__all__ = ["Forked", "in_a_multiprocessing_child", "renew_in_children"]
 
 
 class Forked(Protocol):
@@ -44,3 +45,10 @@ def _after_fork() -> None:
     _hook = threading.Lock()
     for owner in list(_owners):
         owner._forked()
+
+
+def in_a_multiprocessing_child() -> bool:
+    """Whether ``multiprocessing`` started this process: it leaves by ``os._exit`` (after
+    its finalizers, without atexit) when it was forked or started by ``forkserver``."""
+    processes = sys.modules.get("multiprocessing")
+    return processes is not None and processes.parent_process() is not None

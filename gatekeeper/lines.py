@@ -38,6 +38,8 @@ from typing import Any, TextIO
 
 from structlog.typing import Processor
 
+from gatekeeper.forks import in_a_multiprocessing_child
+
 __all__ = [
     "LINES",
     "MIN_INTERVAL_S",
@@ -73,6 +75,7 @@ class Lines:
         self._thread: threading.Thread | None = None
         self._draining = threading.local()
         self.interval = math.inf
+        self._finalized = 0  # the pid whose multiprocessing finalizer flushes (if any)
 
     def want(self, interval: float) -> None:
         """A logger needs its lines written within ``interval`` seconds: the smallest any
@@ -94,6 +97,16 @@ class Lines:
                 thread = threading.Thread(target=self._run, name="gatekeeper-lines", daemon=True)
                 thread.start()
                 self._thread = thread
+                self._flush_in_a_child()
+
+    def _flush_in_a_child(self) -> None:
+        """In a process ``multiprocessing`` started (by ``forkserver``: it leaves by
+        ``os._exit``, after its finalizers) that imported gatekeeper itself: the lines
+        written at its end, once (a fork of a process that had them registers in
+        :meth:`_forked`)."""
+        if in_a_multiprocessing_child() and self._finalized != os.getpid():
+            self._finalized = os.getpid()
+            _flush_at_the_end(self)
 
     def _run(self) -> None:
         while True:
@@ -160,6 +173,7 @@ class Lines:
         self._thread = None
         util = sys.modules.get("multiprocessing.util")
         if util is not None:  # a multiprocessing child leaves by os._exit, after its finalizers
+            self._finalized = os.getpid()
             util.register_after_fork(self, _flush_at_the_end)  # (which it clears first)
 
 

@@ -268,3 +268,22 @@ def test_lines_are_written_while_a_producer_never_pauses() -> None:
         written_during = logged % 100 == 0 and "event=steady" in stream.getvalue()
     assert written_during  # a pass writes what was queued when it began, not all that follows
     flush()
+
+
+def _log_and_return(path: str) -> None:
+    stream = open(path, "w")  # noqa: SIM115 (the child's own: left open, as a log file is)
+    make_logger(GatekeeperSettings(), "decision", stream=stream).info("spawned_child_line")
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_multiprocessing_child_that_imported_gatekeeper_itself_writes_its_last_lines(
+    tmp_path: Path, method: str
+) -> None:
+    # It leaves by os._exit after its finalizers, without atexit: a line queued in its
+    # last log_buffer_s would be lost with its queue.
+    path = tmp_path / "child.log"
+    child = multiprocessing.get_context(method).Process(target=_log_and_return, args=(str(path),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert "event=spawned_child_line" in path.read_text()

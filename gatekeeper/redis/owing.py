@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import gatekeeper.lines  # its atexit flush is registered first, so it runs after ours
+from gatekeeper.forks import in_a_multiprocessing_child
 from gatekeeper.redis.wire import Channel
 
 if TYPE_CHECKING:
@@ -146,9 +147,7 @@ OWING = Owing()
 def _finish_in_a_child(owing: Owing) -> None:
     """In a process that ``multiprocessing`` started (it leaves by ``os._exit``, after its
     finalizers), whatever imported gatekeeper: the exit pass as a finalizer, once."""
-    processes = sys.modules.get("multiprocessing")
-    child = processes is not None and processes.parent_process() is not None
-    if child and owing._finalized != os.getpid():
+    if in_a_multiprocessing_child() and owing._finalized != os.getpid():
         owing._finalized = os.getpid()
         _finish_at_the_end(owing)
 
