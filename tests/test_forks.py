@@ -1,11 +1,14 @@
 """A child forked while another thread of its parent waits on Redis inside one of gatekeeper's
-locks (the flags' or the learned service times' refresh, the install's first build) gets
-that lock fresh: a lock copied held would never be released in the child, whose first
-refresh would then wait for ever (a prefork pool forks new children at any time)."""
+locks (the flags' or the learned service times' refresh, the install's first build, a cluster
+client's first connect) gets that lock fresh, and a connect under way is started over: a lock
+copied held would never be released in the child, whose first refresh would then wait for
+ever (a prefork pool forks new children at any time)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -17,6 +20,7 @@ import redis
 import gatekeeper
 from gatekeeper.errors import EmbeddedRedisError
 from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis.cluster import cluster_client
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.service_times import LearnedService, ServiceTimes
@@ -114,3 +118,51 @@ def test_a_child_forked_mid_build_of_the_install_builds_its_own(
         child.kill()
         child.join(5)
     assert built, "the child waited for a lock its parent's thread held at the fork"
+
+
+def _ping_in_child(client: Any, pipe: Connection) -> None:
+    answers = []
+
+    def ping() -> None:  # from a new thread too: its id may be the parent's connecting one
+        try:
+            client.ping()
+            answers.append("ok")
+        except redis.ConnectionError:
+            answers.append("refused")  # what a new client of that address says
+        except Exception as exc:
+            answers.append(repr(exc))
+
+    ping()
+    pinging = threading.Thread(target=ping)
+    pinging.start()
+    pinging.join(10)
+    pipe.send(answers)
+
+
+def test_a_child_forked_mid_connect_of_a_cluster_client_connects_on_its_own() -> None:
+    listener = socket.socket()  # accepts, never answers: a first connect waits its timeout
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    client = cluster_client(f"redis+cluster://127.0.0.1:{listener.getsockname()[1]}", 3.0, {})
+    connecting = threading.Thread(target=_quietly, args=(client.ping,), daemon=True)
+    connecting.start()
+    assert wait_until(lambda: client.__dict__["_gk_state"] == "connecting", timeout_s=5)
+    listener.close()  # the child's own connect is refused at once
+    ours, theirs = multiprocessing.Pipe()
+    child = multiprocessing.get_context("fork").Process(
+        target=_ping_in_child, args=(client, theirs)
+    )
+    child.start()
+    try:
+        answered = ours.poll(15)
+    finally:
+        child.kill()
+        child.join(5)
+    connecting.join(10)
+    assert answered, "the child waited for a lock its parent's thread held at the fork"
+    assert ours.recv() == ["refused", "refused"]
+
+
+def _quietly(call: Callable[[], Any]) -> None:
+    with contextlib.suppress(Exception):
+        call()

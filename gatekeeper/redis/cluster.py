@@ -42,6 +42,7 @@ from redis.connection import parse_url
 from redis.exceptions import RedisClusterException
 
 from gatekeeper.errors import ConfigError
+from gatekeeper.forks import renew_in_children
 from gatekeeper.urls import CLUSTER_URL_SCHEMES
 
 __all__ = ["CLUSTER_URL_SCHEMES", "GateCluster", "cluster_client", "home", "is_cluster", "probe_of",
@@ -68,6 +69,19 @@ class GateCluster(RedisCluster):
 
     def __init__(self, **options: Any) -> None:  # RedisCluster.__init__ runs in _connect
         self.__dict__.update(_gk_options=options, _gk_state=_IDLE, _gk_lock=threading.RLock())
+        renew_in_children(self)
+
+    def _forked(self) -> None:
+        """In a forked child: a lock of its own, and a connect that another thread of the
+        parent had under way (its lock held, half of redis-py's attributes set) started over."""
+        if self.__dict__["_gk_state"] == _CONNECTING:
+            self._forget()
+        self.__dict__["_gk_lock"] = threading.RLock()
+
+    def _forget(self) -> None:
+        for name in [name for name in self.__dict__ if not name.startswith("_gk_")]:
+            del self.__dict__[name]  # nothing half-made is used: the next call starts over
+        self.__dict__["_gk_state"] = _IDLE
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith(("_gk_", "__")) or name in ONE_SERVER_ONLY:
@@ -84,9 +98,7 @@ class GateCluster(RedisCluster):
         try:
             super().__init__(**self._gk_options)
         except BaseException as exc:
-            for name in [name for name in self.__dict__ if not name.startswith("_gk_")]:
-                del self.__dict__[name]  # nothing half-made is used: the next call starts over
-            self.__dict__["_gk_state"] = _IDLE
+            self._forget()
             if isinstance(exc, RedisClusterException):
                 raise redis.ConnectionError(f"no Redis Cluster node answered: {exc}") from exc
             raise
