@@ -97,18 +97,20 @@ class _UtcTimestamp:
     utc=True)`` writes it, formatting the date and time once per second."""
 
     def __init__(self) -> None:
-        self._second = -1
-        self._prefix = ""
+        self._formatted = (-1, "")
+        """The second last formatted and its text, one object: threads stamping either side
+        of a second's turn never pair one second with the other's text."""
 
     def __call__(
         self, _: Any, __: str, event: MutableMapping[str, Any]
     ) -> MutableMapping[str, Any]:
         now = time.time()
         second = int(now)
-        if second != self._second:
-            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-            self._second = second
-        event["ts"] = f"{self._prefix}.{int((now - second) * 1e6):06d}Z"
+        formatted = self._formatted
+        if formatted[0] != second:
+            formatted = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+            self._formatted = formatted
+        event["ts"] = f"{formatted[1]}.{int((now - second) * 1e6):06d}Z"
         return event
 
 
