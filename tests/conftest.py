@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import redis
 
+from gatekeeper.errors import EmbeddedRedisError
 from gatekeeper.lines import flush as flush_lines
 from gatekeeper.ops.embedded import EmbeddedRedis, find_redis_server
 from gatekeeper.redis.keys import Keys
@@ -195,6 +196,21 @@ def missing_server(reason: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason} (CI=true: .ci/run must install it)")
     pytest.skip(reason)
+
+
+@pytest.fixture()
+def gate_server() -> Iterator[EmbeddedRedis]:
+    """The gate's own redis-server, apart from the broker (the suite's Redis), initialised
+    long ago: one a test may stop (``tests.processes.stopped``) or hang."""
+    try:
+        server = EmbeddedRedis().start()
+    except EmbeddedRedisError as exc:
+        missing_server(str(exc))
+    initialised(redis.Redis.from_url(server.url))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def gate_settings(redis_url: str, **overrides: Any) -> GatekeeperSettings:

@@ -12,7 +12,6 @@ import multiprocessing
 import shutil
 import time
 from collections import Counter
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -27,30 +26,15 @@ from redis.retry import Retry
 import gatekeeper
 from gatekeeper.core.dwell import Decision, Reason
 from gatekeeper.core.ledger import window_id
-from gatekeeper.errors import EmbeddedRedisError, LedgerUnavailable
+from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis import wire
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.store import GateStore
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, initialised, missing_server, queue_messages, wait_until
+from tests.conftest import gate_settings, initialised, queue_messages, wait_until
 from tests.processes import stopped
-
-
-@pytest.fixture()
-def gate_server() -> Iterator[EmbeddedRedis]:
-    """The gate's own redis-server, apart from the broker (the suite's Redis)."""
-    try:
-        server = EmbeddedRedis().start()
-    except EmbeddedRedisError as exc:
-        missing_server(str(exc))
-    initialised(redis.Redis.from_url(server.url))  # a deployment initialised long ago
-    try:
-        yield server
-    finally:
-        server.stop()
-
 
 QUEUES = ("free", "defer", "reserved")
 

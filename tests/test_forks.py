@@ -10,7 +10,7 @@ import contextlib
 import multiprocessing
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -18,7 +18,6 @@ import pytest
 import redis
 
 import gatekeeper
-from gatekeeper.errors import EmbeddedRedisError
 from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.cluster import cluster_client
 from gatekeeper.redis.flags import FlagStore
@@ -26,22 +25,29 @@ from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.service_times import LearnedService, ServiceTimes
 from gatekeeper.settings import GatekeeperSettings
 from tests.apps.gated_app import create_app
-from tests.conftest import gate_settings, initialised, missing_server, wait_until
+from tests.conftest import gate_settings, wait_until
 from tests.processes import stopped
 
 
-@pytest.fixture
-def gate_server() -> Iterator[EmbeddedRedis]:
-    """A redis-server of its own, to be hung."""
+def _in_a_forked_child(work: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
+    """Whether a child forked now finished ``work`` within ``timeout_s``, and what it
+    returned (the child is killed either way)."""
+    ours, theirs = multiprocessing.Pipe()
+    child = multiprocessing.get_context("fork").Process(target=_answer, args=(work, theirs))
+    child.start()
     try:
-        server = EmbeddedRedis().start()
-    except EmbeddedRedisError as exc:
-        missing_server(str(exc))
-    initialised(redis.Redis.from_url(server.url))
-    try:
-        yield server
+        answered = ours.poll(timeout_s)
+        return answered, ours.recv() if answered else None
     finally:
-        server.stop()
+        child.kill()
+        child.join(5)
+
+
+def _answer(work: Callable[[], Any], pipe: Connection) -> None:
+    pipe.send(work())
+
+
+HUNG = "the child waited for a lock its parent's thread held at the fork"
 
 
 def _flags(settings: GatekeeperSettings) -> tuple[Callable[[], Any], threading.Lock]:
@@ -57,39 +63,20 @@ def _service(settings: GatekeeperSettings) -> tuple[Callable[[], Any], threading
     return lambda: learned.histogram("tests.embed", 30.0), learned._lock
 
 
-def _refresh_in_child(refresh: Callable[[], Any], pipe: Connection) -> None:
-    refresh()  # the server is still stopped: its own timeout, then stale or unread
-    pipe.send("refreshed")
-
-
 @pytest.mark.parametrize("make", [_flags, _service], ids=["flags", "learned_service"])
 def test_a_child_forked_mid_refresh_refreshes_on_its_own(
     gate_server: EmbeddedRedis, make: Callable[[GatekeeperSettings], Any]
 ) -> None:
     settings = gate_settings(gate_server.url, redis_timeout_s=2.0, flag_cache_s=0)
     refresh, lock = make(settings)
-    ours, theirs = multiprocessing.Pipe()
     with stopped(gate_server.process):
         reading = threading.Thread(target=refresh, daemon=True)
         reading.start()  # waits on the stopped server, inside the lock
         assert wait_until(lock.locked, timeout_s=5)
-        child = multiprocessing.get_context("fork").Process(
-            target=_refresh_in_child, args=(refresh, theirs)
-        )
-        child.start()
-        try:
-            refreshed = ours.poll(4 * settings.redis_timeout_s)
-        finally:
-            child.kill()
-            child.join(5)
+        # The server is still stopped in the child: its own timeout, then stale or unread.
+        refreshed, _ = _in_a_forked_child(lambda: refresh() and None, 4 * settings.redis_timeout_s)
         reading.join(10)
-    assert refreshed, "the child waited for a lock its parent's thread held at the fork"
-    assert ours.recv() == "refreshed"
-
-
-def _build_in_child(installed: Any, pipe: Connection) -> None:
-    installed.parts()
-    pipe.send("built")
+    assert refreshed, HUNG
 
 
 def test_a_child_forked_mid_build_of_the_install_builds_its_own(
@@ -106,21 +93,14 @@ def test_a_child_forked_mid_build_of_the_install_builds_its_own(
 
     threading.Thread(target=building, daemon=True).start()
     assert held.wait(5)
-    ours, theirs = multiprocessing.Pipe()
-    child = multiprocessing.get_context("fork").Process(
-        target=_build_in_child, args=(installed, theirs)
-    )
-    child.start()
     try:
-        built = ours.poll(15)
+        built, _ = _in_a_forked_child(lambda: installed.parts() and None, 15)
     finally:
         release.set()
-        child.kill()
-        child.join(5)
-    assert built, "the child waited for a lock its parent's thread held at the fork"
+    assert built, HUNG
 
 
-def _ping_in_child(client: Any, pipe: Connection) -> None:
+def _ping_twice(client: Any) -> list[str]:
     answers = []
 
     def ping() -> None:  # from a new thread too: its id may be the parent's connecting one
@@ -136,7 +116,7 @@ def _ping_in_child(client: Any, pipe: Connection) -> None:
     pinging = threading.Thread(target=ping)
     pinging.start()
     pinging.join(10)
-    pipe.send(answers)
+    return answers
 
 
 def test_a_child_forked_mid_connect_of_a_cluster_client_connects_on_its_own() -> None:
@@ -148,19 +128,10 @@ def test_a_child_forked_mid_connect_of_a_cluster_client_connects_on_its_own() ->
     connecting.start()
     assert wait_until(lambda: client.__dict__["_gk_state"] == "connecting", timeout_s=5)
     listener.close()  # the child's own connect is refused at once
-    ours, theirs = multiprocessing.Pipe()
-    child = multiprocessing.get_context("fork").Process(
-        target=_ping_in_child, args=(client, theirs)
-    )
-    child.start()
-    try:
-        answered = ours.poll(15)
-    finally:
-        child.kill()
-        child.join(5)
+    answered, answers = _in_a_forked_child(lambda: _ping_twice(client), 15)
     connecting.join(10)
-    assert answered, "the child waited for a lock its parent's thread held at the fork"
-    assert ours.recv() == ["refused", "refused"]
+    assert answered, HUNG
+    assert answers == ["refused", "refused"]
 
 
 def _quietly(call: Callable[[], Any]) -> None:

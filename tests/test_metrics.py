@@ -10,7 +10,6 @@ import re
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -205,20 +204,6 @@ def test_the_auto_freeze_is_counted_and_the_flags_in_force_are_gauges(
     assert value(samples, "gatekeeper_state_missing") == 1
     assert value(samples, "gatekeeper_free_path_enabled") == 0
     assert value(samples, "gatekeeper_state_initialised_timestamp_seconds") is None
-
-
-@pytest.fixture()
-def gate_server() -> Iterator[EmbeddedRedis]:
-    """A redis-server of its own, to be hung."""
-    try:
-        server = EmbeddedRedis().start()
-    except EmbeddedRedisError as exc:
-        missing_server(str(exc))
-    initialised(redis.Redis.from_url(server.url))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_a_hung_redis_answers_quickly_with_redis_up_0_and_nothing_else(
