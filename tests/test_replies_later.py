@@ -22,12 +22,14 @@ from gatekeeper.celery.hook import install
 from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.lines import flush as flush_lines
+from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis import owing, wire
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.owing import OWING, settle_all
 from gatekeeper.redis.store import GateStore
 from tests.apps.gated_app import create_app
 from tests.conftest import REPO_ROOT, gate_settings, queue_messages
+from tests.processes import stopped
 
 QUEUES = ("free", "defer", "reserved", "celery")
 
@@ -703,3 +705,45 @@ def test_a_message_held_at_exit_is_tried_even_with_the_breaker_open(
     (victim,) = done.stdout.split()
     assert copies(redis_client, [victim])[victim] == {"reserved": 1}, done.stderr
     assert "held_publish_lost" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("breaker_open_s", [2.0, 0.0])
+def test_an_exit_with_the_gates_redis_hung_gives_a_held_message_up_in_about_its_bound(
+    redis_url: str, gate_server: EmbeddedRedis, breaker_open_s: float
+) -> None:
+    """The README's bound: a held message is tried at exit for ``2 x redis_timeout_s`` more,
+    then given up with ``held_publish_lost``; the exit never waits longer than that and one
+    last try's timeout (a server that never answers again: SIGSTOPped)."""
+    timeout_s = 0.3
+    script = textwrap.dedent(f"""
+        import sys, time
+        from gatekeeper.redis import owing
+        from tests.test_replies_later import _break_the_windows, make_app
+        owing.SETTLE_AFTER_S = 0.005
+        url = {gate_server.url!r}
+        app = make_app(url, redis_timeout_s={timeout_s}, breaker_open_s={breaker_open_s})
+        _break_the_windows(url)
+        print(app.tasks["tests.embed"].delay("victim").id, flush=True)
+        sys.stdin.readline()  # the server is stopped now
+        time.sleep(1.0)  # the settler's fallback and tries again timed out: held
+        print("exiting", flush=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=REPO_ROOT, env=env)  # fmt: skip
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        victim = child.stdout.readline().strip()
+        with stopped(gate_server.process):
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "exiting"
+            exiting = time.monotonic()
+            _, err = child.communicate(timeout=30)
+            took = time.monotonic() - exiting
+    finally:
+        child.kill()
+    assert victim and child.returncode == 0, err
+    assert "held_publish_lost" in err and victim in err, err
+    assert took < 2 * timeout_s + timeout_s + 1.0, (took, err)  # the bound, a try, the rest
