@@ -10,12 +10,17 @@ Run on demand (this is not a test)::
 Each kind (``plain``, ``gated``: ``bench/publish.py``'s tasks, on one embedded
 ``redis-server`` that is broker and gate, fast publish and ``publish_replies`` as configured)
 is published in two processes side by side under ``valgrind --tool=callgrind``, ``--short``
-and ``--long`` publishes after the same warm-up; the difference of their instruction totals over
-``--long - --short`` is one publish's, the process's start-up and warm-up cancelled out. The
-lines' thread and the settler are counted too (every process's thread is), but their
-timers are set out of the way (``log_buffer_s = 5``; the settler's pass 1,000 s): each run
-ends with the lines' flush and every owed reply read, so nothing depends on how fast the
-instrumented process runs. ``PYTHONHASHSEED=0``. The Redis server is not counted.
+and ``--long`` publishes after the same warm-up, callgrind counting only from just before the
+publishes to just after the last one's reply is read and its line written (``callgrind_control
+--instr``): the difference of the two totals over ``--long - --short`` is one publish's, the
+instrumentation's switching cancelled out. The lines' thread and the settler are counted too
+(every thread of the process is), with their timers set out of the way (``log_buffer_s = 5``;
+the settler's pass 1,000 s): each run ends with the lines' flush and every owed reply read.
+``PYTHONHASHSEED=0``. The Redis server is not counted, nor the checks (they grow with the
+count), but ``bench/publish.py``'s probes are: the wrappers that record each routing
+(about 14,000 instructions of a plain publish and 18,000 of a gated one by a reviewer's
+count, 2026-12-07), alike in both versions of an A/B. The line ``gatekeeper measured:``
+names the package the counted processes imported (``PYTHONPATH`` picks another checkout).
 
 It checks each counted process before it prints a figure (as ``bench/publish.py`` checks its
 timed publishes): every gated publish decided ``admit_free/fits`` on the path the settings
@@ -62,7 +67,9 @@ def inner(kind: str, count: int) -> int:
 
     from gatekeeper.redis import owing
 
+    problems = [] if hasattr(owing, "SETTLE_AFTER_S") else ["this gatekeeper has no settler"]
     owing.PASS_S = owing.SETTLE_AFTER_S = 1000.0  # read by each next publish and at the end
+    lines: list[str] = []
     with publish.redis_urls(None, False) as (broker_url, gate_url, _):
         bench = publish.Bench(broker_url, gate_url, separate=False, fast="auto")
         try:
@@ -70,20 +77,31 @@ def inner(kind: str, count: int) -> int:
             bench.trim()
             bench.probes.clear()
             phases = {name: publish.Phase(name) for name in ("plain", "gated")}
+            _instructions("on")  # counted: the publishes, their replies read, their lines
             bench.publish(kind, count)
+            _instructions("off")  # not counted: the checks (which grow with the count)
             bench.probes.take(phases[kind])
             phases[kind].count = count
-            problems = publish.check(bench, phases)
+            problems += publish.check(bench, phases)
             lines = publish.checked_lines(bench, phases) if kind == "gated" else []
         finally:
             bench.close()
-    print(json.dumps({"problems": problems, "lines": lines}))
+    print(json.dumps({"problems": problems, "lines": lines,
+                      "gatekeeper": str(Path(gatekeeper.__file__).parent)}))  # fmt: skip
     return 0
 
 
-def counted(kind: str, count: int) -> tuple[int, list[str], list[str]]:
-    """(instructions, problems, checked lines) of one process under callgrind."""
-    command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+def _instructions(state: str) -> None:
+    """callgrind's instrumentation of this process on or off (its start-up runs without)."""
+    subprocess.run(["callgrind_control", f"--instr={state}", str(os.getpid())], check=True,
+                   capture_output=True, timeout=60)  # fmt: skip
+
+
+def counted(kind: str, count: int) -> tuple[int, list[str], list[str], str]:
+    """(instructions, problems, checked lines, the gatekeeper measured) of one process under
+    callgrind."""
+    command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+               "--callgrind-out-file=/dev/null",
                sys.executable, str(Path(__file__).resolve()), "--inner", kind,
                str(count)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=3600,
@@ -92,9 +110,10 @@ def counted(kind: str, count: int) -> tuple[int, list[str], list[str]]:
     reports = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or refs is None or len(reports) != 1:
         tail = (result.stdout + result.stderr).strip().splitlines()[-5:]
-        return 0, [f"{kind} x{count}: the counted process failed: {' | '.join(tail)}"], []
+        return 0, [f"{kind} x{count}: the counted process failed: {' | '.join(tail)}"], [], ""
     report = json.loads(reports[0])
-    return int(refs.group(1).replace(",", "")), report["problems"], report["lines"]
+    found = [f"{kind} x{count}: {problem}" for problem in report["problems"]]
+    return int(refs.group(1).replace(",", "")), found, report["lines"], report["gatekeeper"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return inner(args.inner[0], int(args.inner[1]))
     if not 0 < args.short < args.long:
         parser.error("--short must be positive and less than --long")
-    if shutil.which("valgrind") is None:
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("bench: valgrind is not installed (Debian: apt-get install valgrind)",
               file=sys.stderr)  # fmt: skip
         return 2
@@ -119,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     per_publish: dict[str, float] = {}
     problems: list[str] = []
     checked: list[str] = []
+    measured: set[str] = set()
     for kind in ("gated", "plain"):  # the gated runs first: a run that fails stops the bench
         with ThreadPoolExecutor(2) as pool:  # the two runs of a kind side by side
             short, long = pool.map(counted, (kind, kind), (args.short, args.long))
         problems += short[1] + long[1]
         checked = long[2] or checked
+        measured |= {short[3], long[3]} - {""}
         per_publish[kind] = (long[0] - short[0]) / (args.long - args.short)
         if problems:
             break
@@ -132,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench: {problem}", file=sys.stderr)
         return 1
     plain, gated = per_publish["plain"], per_publish["gated"]
+    print(f"gatekeeper measured: {', '.join(sorted(measured))}")
     for line in checked:
         print(line)
     print(f"plain: instructions_per_publish={plain:,.0f}")

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from tests.benches import run_bench
-from tests.conftest import missing_server
+from tests.conftest import REPO_ROOT, missing_server
 
 pytestmark = pytest.mark.redis
 
 
 @pytest.fixture(autouse=True)
 def _valgrind() -> None:
-    if not shutil.which("valgrind"):
+    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
         missing_server("valgrind is not installed (Debian: apt-get install valgrind)")
 
 
@@ -30,6 +30,7 @@ def test_a_checked_run_prints_instructions_per_publish_of_each_kind(tmp_path: Pa
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert "decisions: admit_free/fits=9" in lines
+    assert f"gatekeeper measured: {REPO_ROOT / 'gatekeeper'}" in lines  # the checkout's own
     assert any(line.startswith("fast_publish=auto path=fast taken for 9/9") for line in lines)
     figures = {line.split(":")[0]: line for line in lines if ": instructions_per_publish=" in line}
     assert set(figures) == {"plain", "gated"}
@@ -50,4 +51,8 @@ def test_publishes_not_decided_as_claimed_fail_the_bench_without_a_figure(tmp_pa
     assert result.returncode == 1, result.stdout + result.stderr
     assert "instructions_per_publish" not in result.stdout
     assert "ratio_ir" not in result.stdout
-    assert "were not admit_free/fits: reserved/free_path_disabled x4" in result.stderr
+    for count in (2, 4):  # each counted process is checked, the short one's too
+        assert (
+            f"bench: gated x{count}: {count} of {count} gated publishes were not "
+            f"admit_free/fits: reserved/free_path_disabled x{count}"
+        ) in result.stderr
