@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 from hypothesis import given
 from hypothesis import strategies as st
-from kombu import Producer
+from kombu import Producer, Queue
 
 from gatekeeper.celery.fastpath import possible, publish_observed, same_server
 from gatekeeper.celery.private import capture_message
@@ -164,6 +166,41 @@ def test_fast_publish_stands_aside_for_a_global_key_prefix(redis_url: str) -> No
     plain = Celery("plain", broker=redis_url)
     with plain.producer_or_acquire() as producer:
         assert possible(plain, producer, QUEUES)
+
+
+def test_fast_publish_stands_aside_for_a_queue_that_expires(redis_url: str) -> None:
+    """kombu renews the expiry of a Redis queue declared with one at each push, which the
+    script's one LPUSH would skip: declared so in the app (the three queues then no longer
+    alike), or on the channel alone."""
+    declared = Celery("declared", broker=redis_url)
+    declared.conf.task_queues = [Queue("free", expires=60), Queue("defer"), Queue("reserved")]
+    with declared.producer_or_acquire() as producer:
+        assert not possible(declared, producer, QUEUES)
+    on_the_channel = Celery("on_the_channel", broker=redis_url)
+    with on_the_channel.producer_or_acquire() as producer:
+        assert possible(on_the_channel, producer, QUEUES)
+        Queue("free", expires=60).bind(producer.channel).declare()
+        assert not possible(on_the_channel, producer, QUEUES)
+        Queue("free").bind(producer.channel).declare()  # declared again without: it fits
+        assert possible(on_the_channel, producer, QUEUES)
+
+
+@pytest.mark.skipif(not hasattr(Producer, "batch"), reason="kombu before 5.7 has no batches")
+def test_fast_publish_stands_aside_inside_a_producers_publish_batch(redis_url: str) -> None:
+    """kombu 5.7's batch keeps each publish until it flushes: there is no push to catch."""
+    app = Celery("batched", broker=redis_url)
+    with app.producer_or_acquire() as producer:
+        assert possible(app, producer, QUEUES)
+        with producer.batch():
+            assert not possible(app, producer, QUEUES)
+            seen_from = []  # the batch is the publishing thread's own
+            other = threading.Thread(
+                target=lambda: seen_from.append(possible(app, producer, QUEUES))
+            )
+            other.start()
+            other.join()
+            assert seen_from == [True]
+        assert possible(app, producer, QUEUES)
 
 
 def test_a_producer_subclass_that_overrides_publishing_counts_as_an_observer() -> None:
