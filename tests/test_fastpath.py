@@ -185,6 +185,20 @@ def test_fast_publish_stands_aside_for_a_queue_that_expires(redis_url: str) -> N
         assert possible(on_the_channel, producer, QUEUES)
 
 
+def test_fast_publish_sees_the_apps_queues_replaced_or_one_added_after_its_first_publish(
+    redis_url: str,
+) -> None:
+    app = Celery("later", broker=redis_url)
+    with app.producer_or_acquire() as producer:
+        assert possible(app, producer, QUEUES)  # remembered for this map of queues
+        app.amqp.queues.add(Queue("reserved", expires=60))  # the same map, one more entry
+        assert not possible(app, producer, QUEUES)
+        app.amqp.queues = [Queue("free"), Queue("defer"), Queue("reserved")]  # a new map
+        assert possible(app, producer, QUEUES)
+        app.amqp.queues = [Queue("free", expires=60), Queue("defer"), Queue("reserved")]
+        assert not possible(app, producer, QUEUES)
+
+
 @pytest.mark.skipif(not hasattr(Producer, "batch"), reason="kombu before 5.7 has no batches")
 def test_fast_publish_stands_aside_inside_a_producers_publish_batch(redis_url: str) -> None:
     """kombu 5.7's batch keeps each publish until it flushes: there is no push to catch."""

@@ -63,7 +63,7 @@ from gatekeeper.core.headers import H_DECISION, H_DWELL_S, H_FREE_ADMITTED, H_RE
 from gatekeeper.redis.cluster import is_cluster
 from gatekeeper.redis.push import Push, placeholders
 
-__all__ = ["FastRender", "possible", "publish_observed", "same_server", "sendable"]
+__all__ = ["FastRender", "cached", "possible", "publish_observed", "same_server", "sendable"]
 
 FILLED_HEADERS = {
     H_DECISION: "decision",
@@ -187,19 +187,32 @@ def queues_alike(app: Celery, queues: tuple[str, str, str]) -> bool:
     """Whether the three queues would get the same message from Celery, on a direct exchange
     and without expiry. Remembered per declared-queues map (by identity and size: declaring a
     queue changes the size, replacing the map its identity)."""
-    declared = app.amqp.queues
-    key = (id(declared), len(declared), queues)
+    declared = cached(cached(app, "amqp"), "queues")
     known = _ALIKE.get(id(app))
-    if known is not None and known[0] == key:
-        return known[1]
+    if known is not None and known[0] is declared and known[1:3] == (len(declared), queues):
+        return known[3]
     settings = {_queue_settings(declared.get(queue)) for queue in queues}
     kind, _, expires, _, _ = next(iter(settings))
     alike = len(settings) == 1 and kind == "direct" and not expires
-    _ALIKE[id(app)] = (key, alike)
+    _ALIKE[id(app)] = (declared, len(declared), queues, alike)
     return alike
 
 
-_ALIKE: dict[int, tuple[tuple[int, int, tuple[str, ...]], bool]] = {}
+_ALIKE: dict[int, tuple[Any, int, tuple[str, ...], bool]] = {}
+"""Per app: its declared-queues map (held: its id stays its own), that map's size, the queues
+asked of and the answer."""
+
+
+def cached(owner: Any, name: str) -> Any:
+    """``owner.name`` of a ``cached_property`` (Celery's and kombu's: ``functools``'), read
+    where it keeps its value, the instance's ``__dict__``, once computed (kombu's takes a
+    lock and two Python calls to read it otherwise, three times a gated publish); None when
+    ``owner`` has no such attribute."""
+    value = getattr(owner, "__dict__", _NOTHING).get(name)
+    return getattr(owner, name, None) if value is None else value
+
+
+_NOTHING: dict[str, Any] = {}
 
 
 class FastRender:

@@ -35,7 +35,14 @@ from kombu.exceptions import OperationalError
 from gatekeeper.celery.address import address
 from gatekeeper.celery.bootstep import add_to_worker
 from gatekeeper.celery.expiry import Expiry
-from gatekeeper.celery.fastpath import FastRender, possible, publish_observed, same_server, sendable
+from gatekeeper.celery.fastpath import (
+    FastRender,
+    cached,
+    possible,
+    publish_observed,
+    same_server,
+    sendable,
+)
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.heartbeat import Heartbeat
 from gatekeeper.celery.offfree import OffFree
@@ -276,7 +283,7 @@ class Installed:
             return False  # "auto": something would see this publish, so Celery's own way
         if not possible(self.app, producer, self.queues):
             return False
-        broker = getattr(getattr(producer, "channel", None), "client", None)
+        broker = cached(getattr(producer, "channel", None), "client")
         pool = getattr(broker, "connection_pool", None)
         if pool is None:
             return False

@@ -25,14 +25,23 @@ def channel_fits(producer: Any, queues: tuple[str, ...]) -> bool:
     producer's channel: a virtual Redis channel with the API fast publish catches, no
     ``global_keyprefix``, no queue expiry, and no publish batch under way."""
     channel = getattr(producer, "channel", None)
-    if channel is None or not all(hasattr(channel, name) for name in CHANNEL_API):
+    if channel is None:
         return False
+    if type(channel) not in _WITH_API:  # asked once per channel class
+        if not all(callable(getattr(type(channel), name, None)) for name in CHANNEL_API):
+            return False
+        _WITH_API.add(type(channel))
     if getattr(channel, "global_keyprefix", ""):
         return False
-    expires = getattr(channel, "_expires", None) or {}
-    if any(queue in expires for queue in queues):
+    expires = getattr(channel, "_expires", None)
+    if expires and any(queue in expires for queue in queues):
         return False
-    return getattr(getattr(producer, "_batch_local", None), "current", None) is None
+    batches = getattr(producer, "_batch_local", None)  # the thread's own: read, not raised
+    return batches is None or batches.__dict__.get("current") is None
+
+
+_WITH_API: set[type] = set()
+"""Channel classes found to have :data:`CHANNEL_API`."""
 
 
 def capture_message(
