@@ -49,7 +49,7 @@ detected; ``fast_publish = "off"`` if that matters.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from types import FunctionType
 from typing import Any
 
@@ -63,7 +63,8 @@ from gatekeeper.core.headers import H_DECISION, H_DWELL_S, H_FREE_ADMITTED, H_RE
 from gatekeeper.redis.cluster import is_cluster
 from gatekeeper.redis.push import Push, placeholders
 
-__all__ = ["FastRender", "cached", "possible", "publish_observed", "same_server", "sendable"]
+__all__ = ["FastRender", "cached", "one_server", "possible", "publish_observed", "same_server",
+           "sendable"]  # fmt: skip
 
 FILLED_HEADERS = {
     H_DECISION: "decision",
@@ -176,6 +177,22 @@ def _queue_settings(queue: Any) -> tuple[Any, ...]:
         getattr(queue, "message_ttl", None),
         getattr(queue, "max_priority", None),
     )
+
+
+def one_server(producer: Any, gate: redis.Redis, known: MutableMapping[Any, bool]) -> bool:
+    """Whether a producer's kombu Redis channel talks to the gate's server and database:
+    asked once per connection pool (``known``), again next time when a server could not be
+    asked."""
+    broker = cached(getattr(producer, "channel", None), "client")
+    pool = getattr(broker, "connection_pool", None)
+    if pool is None:
+        return False
+    same = known.get(pool)
+    if same is None:
+        same = same_server(broker, gate)
+        if same is not None:
+            known[pool] = same
+    return bool(same)
 
 
 def possible(app: Celery, producer: Any, queues: tuple[str, str, str]) -> bool:

@@ -35,14 +35,7 @@ from kombu.exceptions import OperationalError
 from gatekeeper.celery.address import address
 from gatekeeper.celery.bootstep import add_to_worker
 from gatekeeper.celery.expiry import Expiry
-from gatekeeper.celery.fastpath import (
-    FastRender,
-    cached,
-    possible,
-    publish_observed,
-    same_server,
-    sendable,
-)
+from gatekeeper.celery.fastpath import FastRender, one_server, possible, publish_observed, sendable
 from gatekeeper.celery.gating import spec_of
 from gatekeeper.celery.heartbeat import Heartbeat
 from gatekeeper.celery.offfree import OffFree
@@ -281,23 +274,14 @@ class Installed:
             publish_observed(type(producer)) or getattr(message, "sent_event", None) is not None
         ):
             return False  # "auto": something would see this publish, so Celery's own way
-        if not possible(self.app, producer, self.queues):
-            return False
-        broker = cached(getattr(producer, "channel", None), "client")
-        pool = getattr(broker, "connection_pool", None)
-        if pool is None:
-            return False
         breaker = self.store.breaker
         if breaker is not None and breaker.is_open:
             # The script would not be asked, and its fallback push refused: Celery's own
             # publish, which fails only if the broker does (Redis may answer again already).
             return False
-        same = self._same_server.get(pool)
-        if same is None:
-            same = same_server(broker, self.client)
-            if same is not None:  # unknown (a server unreachable): asked again next time
-                self._same_server[pool] = same
-        return bool(same)
+        if not possible(self.app, producer, self.queues):
+            return False
+        return one_server(producer, self.client, self._same_server)
 
     def _own_route(self, publish: Publish, options: dict[str, Any], routing: Routing) -> Routing:
         """A gated task left on its own route (the gate off, outside the canary, the flags
