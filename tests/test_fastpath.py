@@ -179,6 +179,8 @@ def test_fast_publish_stands_aside_for_a_queue_that_expires(redis_url: str) -> N
     on_the_channel = Celery("on_the_channel", broker=redis_url)
     with on_the_channel.producer_or_acquire() as producer:
         assert possible(on_the_channel, producer, QUEUES)
+        if not hasattr(producer.channel, "_expires"):
+            return  # kombu before 5.6: no expiry kept on the channel, none renewed at a push
         Queue("free", expires=60).bind(producer.channel).declare()
         assert not possible(on_the_channel, producer, QUEUES)
         Queue("free").bind(producer.channel).declare()  # declared again without: it fits
