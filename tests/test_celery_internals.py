@@ -20,6 +20,7 @@ from gatekeeper.celery.private import (
     SENDER_PARAMETERS,
     CelerySender,
     bound_for,
+    cached_value,
     check_celery_shape,
     checked_sender,
     outstanding,
@@ -113,6 +114,21 @@ def test_kombus_redis_channel_has_what_fast_publish_catches(redis_url: str) -> N
         assert params[:2] == ["queue", "message"]
         assert channel._q_for_pri("q", 0) == "q"
         assert channel._q_for_pri("q", 5) == "q\x06\x163"
+
+
+def test_kombus_cached_properties_keep_their_values_where_fast_publish_reads_them(
+    redis_url: str,
+) -> None:
+    app = Celery("g", broker=redis_url)
+    with app.producer_or_acquire() as producer:
+        channel = producer.channel
+        for owner, name in ((app, "amqp"), (app.amqp, "queues"), (channel, "client")):
+            value = getattr(owner, name)  # computed
+            assert owner.__dict__.get(name) is value, (owner, name)  # else: slower, not wrong
+            assert cached_value(owner, name) is value
+        app.amqp.queues = [Queue("free")]  # a setter's value is kept there too
+        assert cached_value(app.amqp, "queues") is app.amqp.queues
+    assert cached_value(object(), "client") is None
 
 
 @pytest.mark.parametrize(

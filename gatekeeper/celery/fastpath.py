@@ -58,12 +58,12 @@ from celery import Celery, signals
 from kombu.utils.json import dumps
 
 from gatekeeper.celery.address import REPLAYERS
-from gatekeeper.celery.private import capture_message, channel_fits
+from gatekeeper.celery.private import cached_value, capture_message, channel_fits
 from gatekeeper.core.headers import H_DECISION, H_DWELL_S, H_FREE_ADMITTED, H_REASON, H_WINDOW
 from gatekeeper.redis.cluster import is_cluster
 from gatekeeper.redis.push import Push, placeholders
 
-__all__ = ["FastRender", "cached", "one_server", "possible", "publish_observed", "same_server",
+__all__ = ["FastRender", "one_server", "possible", "publish_observed", "same_server",
            "sendable"]  # fmt: skip
 
 FILLED_HEADERS = {
@@ -183,7 +183,7 @@ def one_server(producer: Any, gate: redis.Redis, known: MutableMapping[Any, bool
     """Whether a producer's kombu Redis channel talks to the gate's server and database:
     asked once per connection pool (``known``), again next time when a server could not be
     asked."""
-    broker = cached(getattr(producer, "channel", None), "client")
+    broker = cached_value(getattr(producer, "channel", None), "client")
     pool = getattr(broker, "connection_pool", None)
     if pool is None:
         return False
@@ -204,7 +204,7 @@ def queues_alike(app: Celery, queues: tuple[str, str, str]) -> bool:
     """Whether the three queues would get the same message from Celery, on a direct exchange
     and without expiry. Remembered per declared-queues map (by identity and size: declaring a
     queue changes the size, replacing the map its identity)."""
-    declared = cached(cached(app, "amqp"), "queues")
+    declared = cached_value(cached_value(app, "amqp"), "queues")
     known = _ALIKE.get(id(app))
     if known is not None and known[0] is declared and known[1:3] == (len(declared), queues):
         return known[3]
@@ -218,18 +218,6 @@ def queues_alike(app: Celery, queues: tuple[str, str, str]) -> bool:
 _ALIKE: dict[int, tuple[Any, int, tuple[str, ...], bool]] = {}
 """Per app: its declared-queues map (held: its id stays its own), that map's size, the queues
 asked of and the answer."""
-
-
-def cached(owner: Any, name: str) -> Any:
-    """``owner.name`` of a ``cached_property`` (Celery's and kombu's: ``functools``'), read
-    where it keeps its value, the instance's ``__dict__``, once computed (kombu's takes a
-    lock and two Python calls to read it otherwise, three times a gated publish); None when
-    ``owner`` has no such attribute."""
-    value = getattr(owner, "__dict__", _NOTHING).get(name)
-    return getattr(owner, name, None) if value is None else value
-
-
-_NOTHING: dict[str, Any] = {}
 
 
 class FastRender:

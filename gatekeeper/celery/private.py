@@ -49,7 +49,12 @@ from celery import Celery
 from celery.app.amqp import AMQP
 from celery.local import PromiseProxy
 
-from gatekeeper.celery.private_kombu import CHANNEL_API, capture_message, channel_fits
+from gatekeeper.celery.private_kombu import (
+    CHANNEL_API,
+    cached_value,
+    capture_message,
+    channel_fits,
+)
 from gatekeeper.errors import CeleryShapeError
 
 __all__ = [
@@ -57,6 +62,7 @@ __all__ = [
     "SENDER_PARAMETERS",
     "CelerySender",
     "bound_for",
+    "cached_value",
     "capture_message",
     "channel_fits",
     "check_celery_shape",

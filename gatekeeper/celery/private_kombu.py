@@ -14,7 +14,7 @@ from typing import Any
 
 from gatekeeper.errors import CeleryShapeError
 
-__all__ = ["CHANNEL_API", "capture_message", "channel_fits"]
+__all__ = ["CHANNEL_API", "cached_value", "capture_message", "channel_fits"]
 
 CHANNEL_API = ("_put", "_q_for_pri", "_get_message_priority")
 """What fast publish uses of kombu's virtual Redis channel."""
@@ -42,6 +42,20 @@ def channel_fits(producer: Any, queues: tuple[str, ...]) -> bool:
 
 _WITH_API: set[type] = set()
 """Channel classes found to have :data:`CHANNEL_API`."""
+
+
+def cached_value(owner: Any, name: str) -> Any:
+    """``owner.name`` of kombu's ``cached_property`` (Celery's ``app.amqp``, ``amqp.queues``,
+    a Redis channel's ``client``), read where ``functools.cached_property`` keeps the value,
+    the instance's ``__dict__``, once computed: kombu's own read takes a lock and two Python
+    calls, three times a gated publish (bench/README.md). Should kombu keep it elsewhere,
+    the attribute is read as it is (slower, never stale); None when ``owner`` has no such
+    attribute. ``tests/test_celery_internals.py`` fails loudly if the storage moves."""
+    value = getattr(owner, "__dict__", _NOTHING).get(name)
+    return getattr(owner, name, None) if value is None else value
+
+
+_NOTHING: dict[str, Any] = {}
 
 
 def capture_message(
