@@ -201,6 +201,22 @@ def test_fast_publish_sees_the_apps_queues_replaced_or_one_added_after_its_first
         assert not possible(app, producer, QUEUES)
 
 
+def test_fast_publish_sees_one_of_its_queues_declared_again_under_the_same_name(
+    redis_url: str,
+) -> None:
+    """The map keeps its identity and its size: the queue itself is what changed."""
+    app = Celery("again", broker=redis_url)
+    app.conf.task_queues = [Queue("free"), Queue("defer"), Queue("reserved")]
+    with app.producer_or_acquire() as producer:
+        assert possible(app, producer, QUEUES)
+        size = len(app.amqp.queues)
+        app.amqp.queues.add(Queue("free", expires=60))
+        assert len(app.amqp.queues) == size
+        assert not possible(app, producer, QUEUES)
+        app.amqp.queues.add(Queue("free"))
+        assert possible(app, producer, QUEUES)
+
+
 @pytest.mark.skipif(not hasattr(Producer, "batch"), reason="kombu before 5.7 has no batches")
 def test_fast_publish_stands_aside_inside_a_producers_publish_batch(redis_url: str) -> None:
     """kombu 5.7's batch keeps each publish until it flushes: there is no push to catch."""

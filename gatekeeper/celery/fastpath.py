@@ -202,22 +202,26 @@ def possible(app: Celery, producer: Any, queues: tuple[str, str, str]) -> bool:
 
 def queues_alike(app: Celery, queues: tuple[str, str, str]) -> bool:
     """Whether the three queues would get the same message from Celery, on a direct exchange
-    and without expiry. Remembered per declared-queues map (by identity and size: declaring a
-    queue changes the size, replacing the map its identity)."""
+    and without expiry. Remembered per declared-queues map and the three queues declared in
+    it (by identity: replacing the map, or declaring one of them again, asks again; a
+    declared ``Queue`` changed in place is not seen)."""
     declared = cached_value(cached_value(app, "amqp"), "queues")
+    entries = (declared.get(queues[0]), declared.get(queues[1]), declared.get(queues[2]))
     known = _ALIKE.get(id(app))
-    if known is not None and known[0] is declared and known[1:3] == (len(declared), queues):
-        return known[3]
-    settings = {_queue_settings(declared.get(queue)) for queue in queues}
+    if known is not None and known[0] is declared and known[1] == queues:
+        held = known[2]
+        if held[0] is entries[0] and held[1] is entries[1] and held[2] is entries[2]:
+            return known[3]
+    settings = {_queue_settings(entry) for entry in entries}
     kind, _, expires, _, _ = next(iter(settings))
     alike = len(settings) == 1 and kind == "direct" and not expires
-    _ALIKE[id(app)] = (declared, len(declared), queues, alike)
+    _ALIKE[id(app)] = (declared, queues, entries, alike)
     return alike
 
 
-_ALIKE: dict[int, tuple[Any, int, tuple[str, ...], bool]] = {}
-"""Per app: its declared-queues map (held: its id stays its own), that map's size, the queues
-asked of and the answer."""
+_ALIKE: dict[int, tuple[Any, tuple[str, ...], tuple[Any, ...], bool]] = {}
+"""Per app: its declared-queues map (held: its id stays its own), the queues asked of, the
+three declared there then (held too) and the answer."""
 
 
 class FastRender:
