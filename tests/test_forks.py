@@ -1,8 +1,9 @@
 """A child forked while another thread of its parent waits on Redis inside one of gatekeeper's
 locks (the flags' or the learned service times' refresh, the install's first build, a cluster
-client's first connect) gets that lock fresh, and a connect under way is started over: a lock
-copied held would never be released in the child, whose first refresh would then wait for
-ever (a prefork pool forks new children at any time)."""
+client's first connect, the snapshots a pool child's end waits for) gets that lock fresh, and
+a connect under way is started over: a lock copied held would never be released in the
+child, whose first refresh would then wait for ever (a prefork pool forks new children at
+any time)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import redis
 
 import gatekeeper
 from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.redis import durable
 from gatekeeper.redis.cluster import cluster_client
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.keys import Keys
@@ -137,3 +139,11 @@ def test_a_child_forked_mid_connect_of_a_cluster_client_connects_on_its_own() ->
 def _quietly(call: Callable[[], Any]) -> None:
     with contextlib.suppress(Exception):
         call()
+
+
+def test_a_pool_childs_end_does_not_wait_for_the_snapshot_list_held_at_its_fork() -> None:
+    """``finish_pending`` (a pool child's ``worker_process_shutdown``) takes the list of
+    snapshots still to begin under a lock that a thread of the parent may hold at the fork."""
+    with durable._pending_lock:  # as a thread adding an auto-freeze's snapshot holds it
+        ended, _ = _in_a_forked_child(lambda: durable.finish_pending(timeout_s=1.0), 5.0)
+    assert ended, HUNG

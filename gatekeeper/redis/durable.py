@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import threading
 import time
 
@@ -26,6 +27,18 @@ __all__ = ["finish_pending", "on_disk", "replicated"]
 _pending: list[threading.Thread] = []
 """Snapshots this process still has to begin (``rdb_pending``): :func:`finish_pending`."""
 _pending_lock = threading.Lock()
+
+
+def _forked() -> None:
+    """In a new child: a fresh lock (another thread may have held it at the fork, and a pool
+    child's end waits on it), and none of the parent's snapshots to wait for."""
+    global _pending_lock
+    _pending_lock = threading.Lock()
+    _pending.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def replicated(client: redis.Redis, timeout_s: float) -> int | None:
