@@ -367,6 +367,30 @@ def test_a_rerun_after_a_final_failure_in_time_is_no_slack_miss_even_when_late(
     assert redis_client.hget(KEYS.totals, "slack_misses") is None
 
 
+def test_a_copy_of_an_attempt_that_retried_is_no_slack_miss_its_next_attempt_judges_the_job(
+    redis_client: redis.Redis,
+) -> None:
+    """The attempt's run asked for a retry (the job went on in attempt 2, judged there); a
+    copy of its message that ran later, past the deadline, ok or failed for good, is no miss:
+    ``kept`` ends in ``|on``. A run requeued within the attempt (the job goes on in it) is
+    still judged (the test of a redelivery after a killed row above)."""
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
+    _, rec = runs.record("job", 1) or (0, record())
+    retried = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200)
+    assert runs.finish(retried, 1, rec, T0_MS + 200, went_on=True).written
+    assert redis_client.hget(KEYS.run("job", 1), "kept").endswith(b"|on")  # type: ignore[union-attr]
+    for at_ms, outcome in ((T0_MS + 120_000, Outcome.KILLED), (T0_MS + 200_000, Outcome.OK)):
+        runs.start("job", 1, "nonce-job-1", {"task": "t"}, at_ms)  # a copy's start
+        run, rec = runs.record("job", 1) or (0, record())
+        row = runs.row_for("job", 1, rec, outcome, at_ms + 100)
+        done = runs.finish(row, run, rec, at_ms + 100, slack_miss=True, ends=True)
+        assert done.written and not done.slack_miss
+    assert redis_client.hget(KEYS.totals, "slack_misses") is None
+    assert int(window_hash(redis_client, T0_MS).get(b"slack_misses") or 0) == 0
+
+
 def test_a_finish_sent_again_with_its_token_is_told_its_row_its_capped_tax_and_its_miss(
     redis_client: redis.Redis,
 ) -> None:

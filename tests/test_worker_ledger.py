@@ -505,6 +505,35 @@ def test_a_late_free_attempt_that_retries_is_no_slack_miss_its_job_goes_on(
     assert redis_client.hget(KEYS.flags, "free_path_enabled") != b"false"
 
 
+def test_a_copy_of_an_attempt_that_retried_run_after_the_deadline_is_no_slack_miss(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A reviewer: attempt 1 asked for a retry and attempt 2 ended ok in time, the job's end.
+    A copy of attempt 1's message (a lost ack's redelivery, or a caller who saw it: its
+    nonce) that runs after the deadline is judged with the job, by the attempt that went on:
+    no slack miss and no freeze (it counted one, and froze the free path, before)."""
+    app = app_for(redis_url)
+    published = time.time()
+    app.tasks["tests.flaky"].apply_async(headers={"gatekeeper_deadline_s": 2.3})  # dwell 2 s
+    (raw,) = redis_client.lrange("free", 0, -1)  # attempt 1, as the gate sent it
+    copy = json.loads(raw)
+    log = tmp_path / "w.log"
+    with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="1"):
+        ended = wait_rows(redis_client, 2)
+        assert sorted((r["attempt"], r["outcome"]) for r in ended) == [(1, "killed"), (2, "ok")]
+        assert all(r["deadline_slack_ms"] > 0 for r in ended)
+        time.sleep(max(0.0, published + 2.6 - time.time()))  # the deadline passes
+        copy["headers"]["retries"] = 1  # this run of the body returns
+        copy["properties"]["delivery_tag"] = "copy"
+        redis_client.lpush("free", json.dumps(copy))
+        rerun = [r for r in wait_rows(redis_client, 3) if r not in ended]
+    assert [(r["attempt"], r["outcome"]) for r in rerun] == [(1, "ok")]
+    assert rerun[0]["deadline_slack_ms"] < 0  # late, judged with the job all the same
+    assert redis_client.hget(KEYS.totals, "slack_misses") is None
+    assert "slack_miss=true" not in log.read_text()
+    assert redis_client.hget(KEYS.flags, "free_path_enabled") != b"false"
+
+
 def test_a_row_whose_reply_was_lost_is_logged_once_with_its_slack_miss_and_freeze(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -171,8 +171,9 @@ class WorkerSide:
         elif record.path == "free":
             self.store.release(job_id, attempt, record.window)
 
-    def _finish_elsewhere(self, task: Any, job_id: str, reason: str, final: bool = False) -> None:
-        """End the latest run of an attempt from the main process, where no run is in memory."""
+    def _finish_elsewhere(self, task: Any, job_id: str, reason: str, **ends: bool) -> None:
+        """End the latest run of an attempt from the main process, where no run is in memory
+        (``ends``: :meth:`_end`'s ``final`` or ``went_on``)."""
         headers, ran_in = self._headers_of(job_id, getattr(task, "request", None))
         if not claims(headers):
             return
@@ -184,7 +185,7 @@ class WorkerSide:
         if "runs" not in fields or fields.get("nonce") != nonce_of(headers):
             return  # never started, or not the gate's message (a forged one: no row)
         run, record = int(fields["runs"]), RunRecord.from_fields(fields)
-        self._end(job_id, attempt, run, record, Outcome.KILLED, reason, True, final=final)
+        self._end(job_id, attempt, run, record, Outcome.KILLED, reason, True, **ends)
 
     def on_lost_after_success(self, request: Any) -> None:
         """A pool child lost after its task stored SUCCESS (killed in ``on_success``, a
@@ -257,10 +258,11 @@ class WorkerSide:
         self._guarded("start", job_id, read)
 
     def _end_running(
-        self, job_id: str | None, outcome: Outcome, reason: str, final: bool = False
-    ) -> bool:
+        self, job_id: str | None, outcome: Outcome, reason: str, final: bool = False,
+        went_on: bool = False,
+    ) -> bool:  # fmt: skip
         """End the run this process is executing; False when it is not one of ours. ``final``:
-        the job ends with it (``task_failure``: no retry, no copy requeued)."""
+        the job ends with it (no retry, no copy requeued); ``went_on``: it goes on (a retry)."""
         if job_id is not None:
             self._read_start(job_id)
         if job_id is None or job_id not in self._running:
@@ -275,7 +277,7 @@ class WorkerSide:
         else:
             self._guarded("finish", job_id, lambda: self._end(
                 job_id, running.attempt, running.run, running.record, outcome, reason, True,
-                tokens_in, tokens_out, final))  # fmt: skip
+                tokens_in, tokens_out, final, went_on))  # fmt: skip
         self.pending.send("run_end")  # (not at once after a row of its own just kept)
         return True
 
@@ -295,11 +297,10 @@ class WorkerSide:
         its child died, and Celery published the retry."""
         if self._ours(sender):
             job_id = getattr(request, "id", None) or sender.request.id
-            if not self._end_running(job_id, Outcome.KILLED, "retry"):
+            if not self._end_running(job_id, Outcome.KILLED, "retry", went_on=True):
                 why = type(getattr(kw.get("reason"), "exc", None) or kw.get("reason")).__name__
-                self._guarded(
-                    "failure", job_id, lambda: self._finish_elsewhere(sender, job_id, why)
-                )
+                self._guarded("failure", job_id, lambda: self._finish_elsewhere(
+                    sender, job_id, why, went_on=True))  # fmt: skip
 
     def on_postrun(
         self, sender: Any = None, task_id: Any = None, state: Any = None, retval: Any = None,
@@ -326,19 +327,18 @@ class WorkerSide:
         reason = type(exception).__name__ if exception is not None else "failure"
         final = not requeued_on_timeout(sender, exception)
         if not self._end_running(task_id, Outcome.KILLED, reason, final=final):
-            self._guarded(
-                "failure", task_id, lambda: self._finish_elsewhere(sender, task_id, reason, final)
-            )
+            self._guarded("failure", task_id, lambda: self._finish_elsewhere(
+                sender, task_id, reason, final=final))  # fmt: skip
 
     # -- both ---------------------------------------------------------------------------
 
     def _end(
         self, job_id: str, attempt: int, run: int, record: RunRecord, outcome: Outcome,
         reason: str, current: bool, tokens_in: int | None = None, tokens_out: int | None = None,
-        final: bool = False,
+        final: bool = False, went_on: bool = False,
     ) -> None:  # fmt: skip
         """Write the run's row. A slack miss: an attempt admitted to free whose job ends after
-        its deadline, ``ok`` or ``final`` (failed for good); a retry's job ends later."""
+        its deadline, ``ok`` or ``final`` (failed for good); not a retry's (``went_on``)."""
         now = self._now_ms()
         row = self.runs.row_for(job_id, attempt, record, outcome, now, tokens_in, tokens_out)
         ends = outcome is Outcome.OK or final
@@ -348,7 +348,7 @@ class WorkerSide:
 
         def write() -> bool:
             done = self.runs.finish(
-                row, run, record, now, slack_miss=miss, ends=ends, current=current,
+                row, run, record, now, slack_miss=miss, ends=ends, went_on=went_on, current=current,
                 service_s=(now - record.started_ms) / 1000 if learns else None,
                 lower_bound=outcome is not Outcome.OK, token=token,
             )  # fmt: skip

@@ -55,8 +55,9 @@
 -- ARGV[5] path          free | reserved
 -- ARGV[6] retry_tax     this row's tax (charged to tax_units on the free path only)
 -- ARGV[7] slack_miss    1 when a free-admitted job ended (ok, or failed for good) after its
---                       deadline; 'e' when the job ended here in time (failed for good); 0
---                       when it goes on (a retry, a requeued or vanished run) or is ok
+--                       deadline; 'e' when the job ended here in time (failed for good); 'r'
+--                       when it goes on in its next attempt (a retry); 0 when it goes on in
+--                       this one (a requeued or vanished run) or is ok
 -- ARGV[8] retention_s   TTL of the window's keys
 -- ARGV[9] current       1 when this run is the attempt's latest start (it leaves `started`)
 -- ARGV[10] row head     the row's JSON without its last field (retry_tax) and closing brace
@@ -120,10 +121,12 @@ if mark >= run and not late then
 end
 -- A rerun after the row that ended the attempt's job (`ok`, or failed for good: `kept` ends
 -- in '|ok' or '|end'; a lost ack, a redelivery): the job finished then, and its slack was
--- judged at that row. A late rerun is no miss of it. (A publish of the attempt after the cut
--- writes published_ms anew: its runs are judged.)
+-- judged at that row. A late rerun is no miss of it. Nor is one after a retry's row ('|on'):
+-- the job went on in its next attempt, which is judged. (A publish of the attempt after the
+-- cut writes published_ms anew: its runs are judged.)
 local function ended(kept)
-  return string.sub(kept, -3) == '|ok' or string.sub(kept, -4) == '|end'
+  local tail = string.sub(kept, -3)
+  return tail == '|ok' or tail == '|on' or string.sub(kept, -4) == '|end'
 end
 local rerun = rec[5] and not rec[6] and ended(rec[5])
 local missed = ARGV[7] == '1' and not rerun
@@ -177,8 +180,10 @@ end
 -- Written once the tax is known: the run has its row, and what this call replies (above).
 local reply = ARGV[16] .. '|' .. (missed and '1' or '0')
   .. (written_tax ~= ARGV[6] and '|' .. written_tax or '')
--- What `kept` ends with once the job's end has its row: '|ok', or '|end' (failed for good).
-local ending = ARGV[4] == 'ok' and '|ok' or (ARGV[7] ~= '0' and '|end' or '')
+-- What `kept` ends with once the job's end has its row: '|ok', or '|end' (failed for good);
+-- '|on' once the job went on in its next attempt (a retry).
+local ending = ARGV[4] == 'ok' and '|ok' or (ARGV[7] == 'r' and '|on')
+  or (ARGV[7] ~= '0' and '|end' or '')
 if late then  -- its entry ',<run>,' becomes ',<run>=<reply>,' (no ',' in a reply)
   redis.call('HSET', KEYS[1], 'owed', string.sub(owed, 1, late) .. ARGV[2] .. '=' .. reply
     .. string.sub(owed, late + 1 + #ARGV[2]))

@@ -243,6 +243,7 @@ class RunLedger:
         *,
         slack_miss: bool = False,
         ends: bool = False,
+        went_on: bool = False,
         current: bool = True,
         service_s: float | None = None,
         lower_bound: bool = False,
@@ -252,6 +253,8 @@ class RunLedger:
 
         ``ends``: the attempt's job ends with this row (``ok``, or failed for good), so a
         later run of it is a rerun whose late finish is no slack miss (finish.lua).
+        ``went_on``: the job goes on in its next attempt (a retry), which judges it: a later
+        run of this attempt (a copy of its message) is no slack miss either.
 
         ``service_s``: the run's time, counted in its task's learned service time (SPEC
         section 6) in the same step, only if the row is written (``lower_bound``: it was
@@ -275,7 +278,7 @@ class RunLedger:
             row.outcome.value,
             row.path.value,
             repr(row.retry_tax),
-            "1" if slack_miss else ("e" if ends else "0"),
+            "1" if slack_miss else ("e" if ends else ("r" if went_on else "0")),
             str(self.retention_s),
             "1" if current else "0",
             text[: text.rindex(', "retry_tax": ')],  # the head finish.lua re-prices a capped row
