@@ -391,6 +391,31 @@ def test_a_copy_of_an_attempt_that_retried_is_no_slack_miss_its_next_attempt_jud
     assert int(window_hash(redis_client, T0_MS).get(b"slack_misses") or 0) == 0
 
 
+@pytest.mark.parametrize("retry_first", [True, False], ids=["retry_row_first", "late_row_first"])
+def test_a_late_end_of_the_job_kept_past_a_copys_retry_is_one_slack_miss_whatever_the_order(
+    redis_client: redis.Redis, retry_first: bool
+) -> None:
+    """A reviewer: run 1 ended ok past the deadline (the job's end: a miss), its row kept
+    (Redis gave no answer); a copy, run 2, asked for a retry, and its row cut the record
+    ``|on``. Run 1's row, late (``owed``), is still the miss it would have been first."""
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
+    copy = runs.start("job", 1, "nonce-job-1", {"task": "t"}, T0_MS + 95_000)
+    assert copy.dead is not None
+    _, rec = runs.record("job", 1) or (0, record())
+    ok = runs.row_for("job", 1, copy.dead, Outcome.OK, T0_MS + 91_000)  # deadline: 90 s
+    retry = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 96_000)
+    late = {"current": False, "slack_miss": True, "ends": True}
+    rows = [
+        lambda: runs.finish(retry, 2, rec, T0_MS + 96_000, went_on=True),
+        lambda: runs.finish(ok, 1, copy.dead, T0_MS + 91_000, **late),
+    ]
+    for write in rows if retry_first else rows[::-1]:
+        assert write().written
+    assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
+
+
 def test_a_finish_sent_again_with_its_token_is_told_its_row_its_capped_tax_and_its_miss(
     redis_client: redis.Redis,
 ) -> None:

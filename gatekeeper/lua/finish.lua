@@ -122,13 +122,15 @@ end
 -- A rerun after the row that ended the attempt's job (`ok`, or failed for good: `kept` ends
 -- in '|ok' or '|end'; a lost ack, a redelivery): the job finished then, and its slack was
 -- judged at that row. A late rerun is no miss of it. Nor is one after a retry's row ('|on'):
--- the job went on in its next attempt, which is judged. (A publish of the attempt after the
--- cut writes published_ms anew: its runs are judged.)
-local function ended(kept)
+-- the job went on in its next attempt. But a late row (`owed`: a run that ended before the
+-- retry's row cut the record) is judged as it would have been had it come first: its job's
+-- end, when it is one, still counts. (A publish of the attempt after the cut writes
+-- published_ms anew: its runs are judged.)
+local function ended(kept, earlier)
   local tail = string.sub(kept, -3)
-  return tail == '|ok' or tail == '|on' or string.sub(kept, -4) == '|end'
+  return tail == '|ok' or (tail == '|on' and not earlier) or string.sub(kept, -4) == '|end'
 end
-local rerun = rec[5] and not rec[6] and ended(rec[5])
+local rerun = rec[5] and not rec[6] and ended(rec[5], late)
 local missed = ARGV[7] == '1' and not rerun
 -- The attempt's last run: no run of it is left without its row, so the record is cut below
 -- (what `charged` and `reserved` would say after this row, `kept` says: closed).
