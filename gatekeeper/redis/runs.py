@@ -235,20 +235,11 @@ class RunLedger:
         )
 
     def finish(
-        self,
-        row: LedgerRow,
-        run: int,
-        record: RunRecord,
-        now_ms: int,
-        *,
-        slack_miss: bool = False,
-        ends: bool = False,
-        went_on: bool = False,
-        current: bool = True,
-        service_s: float | None = None,
-        lower_bound: bool = False,
+        self, row: LedgerRow, run: int, record: RunRecord, now_ms: int, *,
+        slack_miss: bool = False, ends: bool = False, went_on: bool = False,
+        current: bool = True, service_s: float | None = None, lower_bound: bool = False,
         token: str | None = None,
-    ) -> Finished:
+    ) -> Finished:  # fmt: skip
         """Apply one run's row atomically; a second call for the same run writes nothing.
 
         ``ends``: the attempt's job ends with this row (``ok``, or failed for good), so a
