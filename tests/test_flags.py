@@ -79,6 +79,27 @@ def test_every_change_is_logged_with_reason_and_actor(redis_client: redis.Redis)
     assert newest.reason.startswith("clean hour (clean hour: windows")
 
 
+def test_a_rollback_never_expires_the_flags_keep_no_ttl(redis_client: redis.Redis) -> None:
+    """A stored ``free_path_enabled=false`` that expired would open the free path again by
+    itself: none of the writes (init, set, the auto-freeze's close, unset) gives the flags
+    hash or their log a TTL, and decisions that read them do not either."""
+    redis_client.delete(store(redis_client).keys.flags)  # as before `gatekeeper init`
+    flags = store(redis_client)
+    keys = flags.keys
+    steps = [
+        lambda: flags.initialise("deploy", "me", 1.0, open_path=True),
+        lambda: flags.set("free_path_enabled", "false", "rollback", "me", 2.0),
+        lambda: flags.set("canary_percent", "50", "widen", "me", 3.0),
+        lambda: flags.unset("canary_percent", "narrow", "me", 4.0),
+        lambda: flags.close("auto-freeze", "gatekeeper:auto-freeze", 5.0),
+        flags.current,
+    ]
+    for step in steps:
+        step()
+        assert redis_client.ttl(keys.flags) == -1 and redis_client.ttl(keys.flags_log) == -1
+    assert redis_client.hget(keys.flags, "free_path_enabled") == b"false"
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.keys import ATTEMPTS, Keys
 from gatekeeper.redis.store import GateStore
+from gatekeeper.redis.sweep import PURGE_GRACE_S, forget_purged
 from tests.apps.gated_app import create_app
 from tests.calls import gate_call
 from tests.conftest import REPO_ROOT, gate_settings, queue_messages, running_worker, wait_until
@@ -89,6 +90,24 @@ def test_a_prefetched_message_is_not_forgotten(
             lambda: redis_client.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 0, timeout_s=20
         )
     assert redis_client.hlen(KEYS.inflight) == 0
+
+
+def test_a_sweep_leaves_an_admission_whose_message_may_still_be_on_its_way_alone(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ordinary path decides before Celery publishes: for a moment the admission is in
+    the waiting set with no message in the broker. A sweep then (the replayer's, every
+    minute) must not take it for purged: it would give back its reservation and count the run
+    twice. Past the grace (5 s) it is forgotten."""
+    store = GateStore(redis_client, KEYS)
+    now = time.time()
+    store.score(gate_call(now_s=now, job_id="on-its-way", window_id=1, tokens_in=10))
+    assert redis_client.llen("free") == 0
+    assert "forgotten=0" in sweep(redis_url, monkeypatch)
+    assert redis_client.zscore(KEYS.free_waiting, "on-its-way:1") is not None
+    assert redis_client.hget(KEYS.inflight, "on-its-way:1") is not None
+    assert forget_purged(store, set(), round((now + PURGE_GRACE_S + 1) * 1000)) == 1
+    assert redis_client.hget(KEYS.inflight, "on-its-way:1") is None
 
 
 def test_admissions_past_the_horizon_are_dropped_by_the_gate_a_few_at_a_time(

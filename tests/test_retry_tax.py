@@ -67,3 +67,27 @@ def test_a_task_that_retries_forever_pays_no_retry_tax(
     # 2 retries left x 8 s for the counted task; nothing to count for the one that retries forever.
     assert taxes == {"forever.embed": "retry_tax_s=0.0", "counted.embed": "retry_tax_s=16.0"}
     assert len(queue_messages(redis_client, "free")) >= 4
+
+
+def test_each_retry_is_taxed_for_the_retries_it_still_has(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Attempt 2 of a task with ``max_retries=2`` has one retry left: half its first
+    attempt's tax; its last attempt none (as Celery's ``Task.retry`` publishes it, with the
+    ``retries`` it has had)."""
+    app = Celery("retried", broker=redis_url)
+
+    @gatekeeper.gated(expected_service_s=8, tokens_in=1200, deadline_s=90)
+    @app.task(bind=True, name="retried.embed", max_retries=2, shared=False)
+    def embed(self: Any, chunk: int) -> int:
+        return chunk
+
+    gatekeeper.install(app, gate_settings(redis_url, budget_units=1e9))
+    taxes = []
+    for retries in (0, 1, 2):
+        job_id = embed.apply_async((retries,), retries=retries).id
+        line = decision_line(capsys.readouterr().err, job_id)
+        assert f"attempt={retries + 1} " in line and "decision=admit_free" in line
+        taxes.append(next(f for f in line.split() if f.startswith("retry_tax_s=")))
+    assert taxes == ["retry_tax_s=16.0", "retry_tax_s=8.0", "retry_tax_s=0.0"]
+    assert len(queue_messages(redis_client, "free")) == 3

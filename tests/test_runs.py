@@ -20,7 +20,7 @@ from gatekeeper.redis.runs import Finished, RunLedger, RunRecord, Started
 from gatekeeper.redis.scripts import read_rows
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import sweep
-from tests.conftest import unused_port
+from tests.conftest import clear_of_a_window_edge, unused_port
 
 KEYS = Keys()
 T0_MS = 1_800_000_000_000
@@ -83,6 +83,20 @@ def test_the_worked_vector_through_the_run_ledger(redis_client: redis.Redis) -> 
     state = window_hash(redis_client, T0_MS)
     assert float(state[b"tax_units"]) == 1620 and float(state[b"exposure"]) == 0
     assert int(state[b"rows:killed"]) == 1
+
+
+def test_a_free_row_is_charged_the_wait_since_its_admission_not_its_time_parked_in_defer(
+    redis_client: redis.Redis,
+) -> None:
+    """Published at T0, parked in defer a minute, replayed and admitted to free at T0+60 s,
+    started 1 s later: its row records the whole wait, and is charged the second on free."""
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    replayed = record(admitted_ms=T0_MS + 60_000, deadline_ms=T0_MS + 190_000)
+    start_run(runs, redis_client, "job", 1, replayed, T0_MS + 61_000)
+    _, rec = runs.record("job", 1) or (0, record())
+    row = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 62_000)
+    assert (row.queue_wait_ms, row.tokens_in, row.retry_tax) == (61_000, 1200, 1400)
 
 
 def test_a_second_finish_of_the_same_run_writes_nothing(redis_client: redis.Redis) -> None:
@@ -205,6 +219,36 @@ def test_ledger_command_prints_the_summary_and_writes_the_rows(
     ]
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["job_id"], row["retry_tax"]) == ("job", 1620)
+
+
+def test_ledger_command_reads_the_current_window_by_default_and_the_previous_when_asked(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runbook's page attachment (``--window previous``): a killed row of the window
+    before this one, an ok row of this one; each command shows its own."""
+    clear_of_a_window_edge(900, 10)
+    now_ms = round(time.time() * 1000)
+    runs = ledger(redis_client)
+    for job, at_ms, outcome in (("before", now_ms - 900_000, Outcome.KILLED),
+                                ("now", now_ms, Outcome.OK)):  # fmt: skip
+        rec = record(published_ms=at_ms - 5000, admitted_ms=at_ms - 5000,
+                     window=window_id(at_ms / 1000, 900), deadline_ms=at_ms + 90_000)  # fmt: skip
+        start_run(runs, redis_client, job, 1, rec, at_ms - 2000)
+        _, rec = runs.record(job, 1) or (0, rec)
+        runs.finish(runs.row_for(job, 1, rec, outcome, at_ms), 1, rec, at_ms)
+    monkeypatch.setenv("GATEKEEPER_REDIS_URL", redis_url)
+    shown = {}
+    for args in ([], ["--window", "previous"], ["--window", "current"]):
+        out = tmp_path / f"ledger{len(shown)}.json"
+        result = CliRunner().invoke(main, ["ledger", *args, "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        rows = json.loads(out.read_text())["rows"]
+        shown[" ".join(args)] = (result.stdout.split()[:2], [row["job_id"] for row in rows])
+    assert shown == {
+        "": (["finished=1", "killed_rows=0"], ["now"]),
+        "--window previous": (["finished=0", "killed_rows=1"], ["before"]),
+        "--window current": (["finished=1", "killed_rows=0"], ["now"]),
+    }
 
 
 def test_ledger_command_names_a_bad_window(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
