@@ -9,12 +9,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from amqp.exceptions import NotFound
 from celery import Celery
 from kombu import Queue
 
@@ -208,6 +209,39 @@ def test_an_eager_app_with_no_redis_imports_and_runs_its_gated_tasks() -> None:
     assert embed.delay(21).get(timeout=5) == 42
 
 
+def test_on_rabbitmq_with_no_gate_redis_a_gated_publish_fails_closed_and_says_why(
+    capsys: pytest.CaptureFixture[str], rabbitmq_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RabbitMQ is never the gate's Redis: without ``gatekeeper_redis_url`` there is none.
+    ``install`` does not fail; the gated publish goes to reserved (``gate_unavailable``),
+    never to free, and an ``event=gate_unconfigured`` line says why."""
+    for name in [n for n in os.environ if n.startswith("GATEKEEPER_")]:
+        monkeypatch.delenv(name)
+    app = Celery("rabbit_only", broker=rabbitmq_url)
+    app.conf.gatekeeper_dwell_gate_enabled = True
+    app.conf.gatekeeper_canary_percent = 100
+    gatekeeper.install(app)
+
+    @gatekeeper.gated(expected_service_s=1, tokens_in=5, deadline_s=60)
+    @app.task(name="rabbit_only.embed", shared=False)
+    def embed(x: int) -> int:
+        return x
+
+    job = embed.delay(1).id  # published, not raised; the gate would admit it
+    with app.connection_for_read() as connection:
+        message = connection.SimpleQueue("reserved").get(timeout=5)
+        assert (message.headers["id"], message.headers["gatekeeper_reason"]) == (
+            job, "gate_unavailable")  # fmt: skip
+        message.ack()
+        for queue in ("free", "defer"):  # empty, or never declared at all
+            with connection.channel() as channel, suppress(NotFound):
+                assert not channel.queue_declare(queue, passive=True).message_count
+    err = capsys.readouterr().err
+    unconfigured = next(line for line in err.splitlines() if "event=gate_unconfigured" in line)
+    assert "no gate Redis" in unconfigured
+    assert "reason=gate_unavailable" in err
+
+
 @pytest.mark.parametrize("gate_redis", [False, True])
 def test_with_no_gate_redis_a_gated_publish_fails_closed_and_says_why(
     capsys: pytest.CaptureFixture[str], redis_url: str, redis_client: redis.Redis,
@@ -270,6 +304,29 @@ def test_celery_purge_leaves_the_gates_queues_unless_the_app_declares_them(
     assert purged(redis_url, redis_client, True) == dict.fromkeys(QUEUES, 0)
     assert purged(redis_url, redis_client, True, "-X", "free,defer,reserved") == {
         "celery": 0, "free": 1, "defer": 1, "reserved": 1}  # fmt: skip
+
+
+def test_an_app_that_declares_its_queues_without_one_of_gatekeepers_is_told_which(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """With ``task_create_missing_queues`` off, Celery would refuse a publish to an undeclared
+    queue only once the gate chose it (a deferral, say): the first gated publish says which
+    queue is missing instead, and nothing is sent."""
+    app = Celery("declared", broker=redis_url)
+    app.conf.task_create_missing_queues = False
+    app.conf.task_queues = (Queue("celery"), Queue("free"), Queue("reserved"))
+
+    @gatekeeper.gated(expected_service_s=1, tokens_in=10, deadline_s=60)
+    @app.task(name="declared.embed", shared=False)
+    def embed(chunk: int) -> int:
+        return chunk
+
+    gatekeeper.install(app)  # reads nothing yet
+    app.conf.gatekeeper_redis_url = redis_url
+    app.conf.gatekeeper_dwell_gate_enabled = True
+    with pytest.raises(ConfigError, match=r"task_create_missing_queues.*\['defer'\]"):
+        embed.delay(1)
+    assert {queue: redis_client.llen(queue) for queue in QUEUES} == dict.fromkeys(QUEUES, 0)
 
 
 def test_the_celery_command_replayer_ends_an_abandoned_task_in_the_backend_and_its_errback(

@@ -90,6 +90,31 @@ def test_reopening_succeeds_after_a_clean_hour(redis_client: redis.Redis) -> Non
     assert store.current().free_path_enabled
 
 
+@pytest.mark.parametrize("killed_after_init", [False, True], ids=["clean", "a_killed_row"])
+def test_after_an_init_the_free_path_reopens_once_an_hour_recorded_after_it_is_clean(
+    redis_client: redis.Redis, killed_after_init: bool
+) -> None:
+    """``gatekeeper init`` after a state loss closes the path (initialising is no re-open):
+    the windows before it may have been lost, so only an hour of windows all recorded after
+    it lets it open again, and only a clean one."""
+    redis_client.delete(KEYS.flags)  # the loss
+    store = FlagStore(redis_client, GatekeeperSettings(budget_units=1000))
+    store.initialise("page 88: state lost", "oncall", at(W))
+    assert not store.current().free_path_enabled
+    if killed_after_init:
+        redis_client.hset(KEYS.window(W + 1), "rows:killed", 1)
+    with pytest.raises(FreePathLocked, match="initialised at"):
+        store.set("free_path_enabled", "true", "too soon", "oncall", at(W + 3) + 899)
+    if killed_after_init:
+        with pytest.raises(FreePathLocked, match=f"window {W + 1} has 1 killed rows"):
+            store.set("free_path_enabled", "true", "an hour", "oncall", at(W + 4))
+        assert not store.current().free_path_enabled
+    else:
+        change = store.set("free_path_enabled", "true", "an hour", "oncall", at(W + 4))
+        assert f"windows {W}..{W + 4}" in change.reason
+        assert store.current().free_path_enabled
+
+
 class RolledBackDuringTheCheck(FlagStore):
     """A real store whose clean-hour check takes long enough for another operator (another
     client, another connection) to roll the free path back, or an auto-freeze to close it."""

@@ -88,6 +88,12 @@ def test_an_exception_is_one_killed_row_priced_as_the_worked_vector(
         row = the_killed_row(redis_client)
     assert (row["job_id"], row["queue_wait_ms"], row["retry_tax"]) == (job, 2100, 1620)
     assert "reason=ValueError" in (tmp_path / "w.log").read_text()
+    grep = subprocess.run(  # the README's runbook: the attempts that died
+        f"grep 'event=ledger_row' {tmp_path / 'w.log'} | grep 'outcome=killed'",
+        shell=True, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    (died,) = grep.stdout.splitlines()
+    assert f"job_id={job}" in died and "attempt=1" in died
 
 
 def test_a_task_that_raises_ignore_is_one_ok_row_and_leaves_nothing_started(
