@@ -64,6 +64,27 @@ def test_a_gated_replacement_is_decided_anew_and_each_run_has_its_verified_row(
     assert window_totals(redis_client, "exposure") == 0
 
 
+def test_a_run_replaced_by_an_ungated_task_is_one_ok_row_reason_ignored(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """The replacement is no attempt of the gate's: the replaced run ends at ``task_postrun``
+    (Celery's ``Ignore``), ``ok``, reason ``ignored``, its exposure given back; the
+    replacement runs on the app's own queue, with no row."""
+    log = tmp_path / "w.log"
+    with running_worker(redis_url, log, queues="free,reserved,celery"):
+        job = app_for(redis_url).tasks["tests.replaces"].delay(7, ungated=True).id
+        assert wait_until(lambda: len(runs(redis_client)) >= 2, 20), runs(redis_client)
+        assert wait_until(lambda: len(rows(redis_client)) >= 1, 20)
+        time.sleep(0.5)  # a second row or a late line, if any, would land now
+    ran = [(r["task"], r["id"], r["queue"]) for r in runs(redis_client)]
+    assert ran == [("tests.replaces", job, "free"), ("tests.plain", job, "celery")]
+    assert [(r["job_id"], r["outcome"]) for r in rows(redis_client)] == [(job, "ok")]
+    (ended,) = lines(log, "ledger_row")
+    assert f"job_id={job}" in ended and " reason=ignored " in ended
+    assert redis_client.zcard(KEYS.started) == 0 and redis_client.hlen(KEYS.inflight) == 0
+    assert window_totals(redis_client, "exposure") == 0
+
+
 def record_of(nonce: str) -> RunRecord:
     return RunRecord(task="tests.sleepy", path="free", decision="admit_free", published_ms=1,
                      admitted_ms=1, window=0, deadline_ms=10**13, tokens_in=1, tokens_out=0,

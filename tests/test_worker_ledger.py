@@ -383,6 +383,23 @@ def test_a_metering_task_called_directly_runs_and_keeps_nothing(
     assert rows(redis_client) == []
 
 
+def test_a_metering_task_called_directly_inside_another_keeps_nothing_for_it(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Inside a running gated task, a metering task called directly keeps nothing (the outer
+    attempt keeps its declared tokens, not the inner's 777); the outer meters its own attempt
+    with ``task_id=self.request.id``."""
+    calls = app_for(redis_url).tasks["tests.calls_metered"]
+    with running_worker(redis_url, tmp_path / "w.log"):
+        declared = calls.delay().id
+        (row,) = wait_rows(redis_client, 1)
+        assert (row["job_id"], row["outcome"], row["tokens_in"]) == (declared, "ok", 10)
+        own = calls.delay(own=50).id
+        (row,) = [r for r in wait_rows(redis_client, 2) if r["job_id"] == own]
+    assert (row["outcome"], row["tokens_in"]) == ("ok", 50)
+    assert not _metered
+
+
 def test_a_batch_with_injected_kills_has_one_row_per_attempt_and_releases_exposure(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

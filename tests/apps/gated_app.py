@@ -105,12 +105,16 @@ def create_app(
 
     @app.task(bind=True, name="tests.replaces", max_retries=0, shared=False, gatekeeper=kill_spec)
     def replaces(
-        self: Any, chunk: Any, sleep_s: float = 0.0, chained: bool = False, countdown: float = 0
-    ) -> Any:
+        self: Any, chunk: Any, sleep_s: float = 0.0, chained: bool = False, countdown: float = 0,
+        ungated: bool = False,
+    ) -> Any:  # fmt: skip
         """Replaced by ``tests.embed`` (gated too), which Celery publishes with this task's id
         while this run is still going (then raises ``Ignore``); ``chained``: by a chain of
-        two, whose last task takes this task's id (published once the first has run)."""
+        two, whose last task takes this task's id (published once the first has run);
+        ``ungated``: by ``tests.plain``."""
         record(self)
+        if ungated:
+            raise self.replace(plain.s())
         if chained:
             raise self.replace(embed.s(chunk, sleep_s) | embed.s())
         raise self.replace(embed.s(chunk, sleep_s).set(countdown=countdown or None))
@@ -211,6 +215,16 @@ def create_app(
         gatekeeper.meter(tokens_in=777, tokens_out=5)
         if fail:
             raise RuntimeError("after metering")
+
+    @gatekeeper.gated(expected_service_s=0.1, tokens_in=10, deadline_s=60)
+    @app.task(bind=True, name="tests.calls_metered", max_retries=0, shared=False)
+    def calls_metered(self: Any, own: int | None = None) -> None:
+        """Calls the metering task directly (its meter() keeps nothing); ``own``: then meters
+        its own attempt by id, as the README says to."""
+        record(self)
+        metered()
+        if own is not None:
+            gatekeeper.meter(tokens_in=own, task_id=self.request.id)
 
     @gatekeeper.gated(expected_service_s=0.1, tokens_in=10, deadline_s=60)
     @app.task(bind=True, name="tests.coinflip", max_retries=2, shared=False)
