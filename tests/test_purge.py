@@ -4,6 +4,7 @@ wait (prefetched by a worker); stale admissions are dropped by the gate itself, 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -108,6 +109,25 @@ def test_a_sweep_leaves_an_admission_whose_message_may_still_be_on_its_way_alone
     assert redis_client.hget(KEYS.inflight, "on-its-way:1") is not None
     assert forget_purged(store, set(), round((now + PURGE_GRACE_S + 1) * 1000)) == 1
     assert redis_client.hget(KEYS.inflight, "on-its-way:1") is None
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["unacked_key_given", "not_given"])
+def test_a_sweep_reads_delivered_messages_where_the_transport_options_keep_them(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, named: bool
+) -> None:
+    """kombu keeps the messages a worker holds (prefetched, waiting on an ETA) in the hash
+    ``unacked_key`` names: read elsewhere, the sweep would take a held message for purged and
+    give back its admission's reservation while it is still to run."""
+    store = GateStore(redis_client, KEYS)
+    store.score(gate_call(now_s=time.time() - 10, job_id="held", window_id=1, tokens_in=10))
+    message = {"headers": {"id": "held", "gatekeeper_attempt": 1}, "properties": {}}
+    redis_client.hset("held_by_workers", "tag", json.dumps([message, "", "free"]))
+    if named:
+        monkeypatch.setenv("GATEKEEPER_BROKER_TRANSPORT_OPTIONS",
+                           json.dumps({"unacked_key": "held_by_workers"}))  # fmt: skip
+    forgotten = "forgotten=0" if named else "forgotten=1"  # (not named: kombu's "unacked")
+    assert forgotten in sweep(redis_url, monkeypatch)
+    assert (redis_client.hget(KEYS.inflight, "held:1") is not None) is named
 
 
 def test_admissions_past_the_horizon_are_dropped_by_the_gate_a_few_at_a_time(
