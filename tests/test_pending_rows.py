@@ -10,8 +10,12 @@ after the worker is gone finds nothing to write ``killed``. Gated and unverified
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +155,52 @@ def test_a_resend_under_way_at_exit_is_waited_for_not_logged_lost() -> None:
         pending.at_exit()
         assert said.events == ["ledger_row_pending", "ledger_row_pending_written"]
         assert len(pending) == 0 and admin.get("row") == b"1"
+
+
+def test_a_row_still_unanswered_at_a_clean_exit_is_logged_lost_and_the_sweep_writes_it(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gate's Redis hung (SIGSTOP) from before the run's end until after the worker's
+    clean exit: the row kept is tried once more as the pool child exits, then logged
+    ``event=ledger_rows_lost`` with its job; once the worker's heartbeat is gone the sweep
+    writes the run ``killed``, its one row."""
+    with EmbeddedRedis() as gate:
+        gate_client = redis.Redis.from_url(gate.url)
+        initialised(gate_client)
+        app = create_app(gate_settings(gate.url), redis_url, recorder_url=redis_url)
+        log = tmp_path / "w.log"
+        worker = running_worker(redis_url, log, GATEKEEPER_REDIS_URL=gate.url,
+                                GATEKEEPER_TEST_RECORDER_URL=redis_url,
+                                GATEKEEPER_WORKER_HEARTBEAT_S="1")  # fmt: skip
+        with stopped_later(gate) as stop_gate, worker:
+            job = app.tasks["tests.sleepy"].delay(sleep_s=1.5).id
+            assert wait_until(lambda: gate_client.hget(KEYS.run(job, 1), "runs") == b"1")
+            stop_gate()  # the run ends while the gate answers nothing
+            assert wait_until(lambda: "event=ledger_row_pending " in log.read_text(), 15)
+        # the worker stopped (a warm shutdown) before the gate answered again
+        text = log.read_text()
+        (lost,) = [line for line in text.splitlines() if "event=ledger_rows_lost" in line]
+        assert all(f in lost.split() for f in (f"job_id={job}", "run=1", "reason=exit")), lost
+        assert rows(gate_client) == []
+        swept = swept_after_the_worker(gate.url, redis_url, monkeypatch)
+        assert "swept=1" in swept, swept
+        assert [(r["job_id"], r["outcome"]) for r in rows(gate_client)] == [(job, "killed")]
+        assert exposure(gate_client) == 0
+
+
+@contextlib.contextmanager
+def stopped_later(server: EmbeddedRedis) -> Iterator[Callable[[], None]]:
+    """``stop()`` SIGSTOPs the server; it is continued on leaving, if it was stopped."""
+    process = server.process
+    assert process is not None
+    done: list[bool] = []
+
+    def stop() -> None:
+        os.kill(process.pid, signal.SIGSTOP)
+        done.append(True)
+
+    try:
+        yield stop
+    finally:
+        if done:
+            os.kill(process.pid, signal.SIGCONT)

@@ -190,9 +190,9 @@ class PendingRows:
         finally:
             if held:
                 self._sending.release()
-        if lost:
-            self.log.error("ledger_rows_lost", reason="exit", rows=len(lost),
-                           job_ids=",".join(p.job_id for p in lost[:20]))  # fmt: skip
+        for pending in lost[:20]:  # a line each (the runbook greps job_id=), rows: all lost
+            self.log.error("ledger_rows_lost", reason="exit", job_id=pending.job_id,
+                           run=pending.run, rows=len(lost))  # fmt: skip
 
     def _retry(self) -> None:
         pid, interval = os.getpid(), FIRST_RETRY_S
