@@ -209,14 +209,13 @@ def test_an_eager_app_with_no_redis_imports_and_runs_its_gated_tasks() -> None:
     assert embed.delay(21).get(timeout=5) == 42
 
 
+@pytest.mark.servers
 def test_on_rabbitmq_with_no_gate_redis_a_gated_publish_fails_closed_and_says_why(
-    capsys: pytest.CaptureFixture[str], rabbitmq_url: str, monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], rabbitmq_url: str
 ) -> None:
     """RabbitMQ is never the gate's Redis: without ``gatekeeper_redis_url`` there is none.
     ``install`` does not fail; the gated publish goes to reserved (``gate_unavailable``),
     never to free, and an ``event=gate_unconfigured`` line says why."""
-    for name in [n for n in os.environ if n.startswith("GATEKEEPER_")]:
-        monkeypatch.delenv(name)
     app = Celery("rabbit_only", broker=rabbitmq_url)
     app.conf.gatekeeper_dwell_gate_enabled = True
     app.conf.gatekeeper_canary_percent = 100

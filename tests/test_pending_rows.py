@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +27,7 @@ from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, initialised, running_worker, unused_port, wait_until
+from tests.processes import stopped
 
 pytestmark = pytest.mark.celery
 KEYS = Keys()
@@ -172,10 +170,10 @@ def test_a_row_still_unanswered_at_a_clean_exit_is_logged_lost_and_the_sweep_wri
         worker = running_worker(redis_url, log, GATEKEEPER_REDIS_URL=gate.url,
                                 GATEKEEPER_TEST_RECORDER_URL=redis_url,
                                 GATEKEEPER_WORKER_HEARTBEAT_S="1")  # fmt: skip
-        with stopped_later(gate) as stop_gate, worker:
+        with contextlib.ExitStack() as silent, worker:  # the worker stops first, then the gate
             job = app.tasks["tests.sleepy"].delay(sleep_s=1.5).id
             assert wait_until(lambda: gate_client.hget(KEYS.run(job, 1), "runs") == b"1")
-            stop_gate()  # the run ends while the gate answers nothing
+            silent.enter_context(stopped(gate.process))  # the run ends in it, and the worker
             assert wait_until(lambda: "event=ledger_row_pending " in log.read_text(), 15)
         # the worker stopped (a warm shutdown) before the gate answered again
         text = log.read_text()
@@ -186,21 +184,3 @@ def test_a_row_still_unanswered_at_a_clean_exit_is_logged_lost_and_the_sweep_wri
         assert "swept=1" in swept, swept
         assert [(r["job_id"], r["outcome"]) for r in rows(gate_client)] == [(job, "killed")]
         assert exposure(gate_client) == 0
-
-
-@contextlib.contextmanager
-def stopped_later(server: EmbeddedRedis) -> Iterator[Callable[[], None]]:
-    """``stop()`` SIGSTOPs the server; it is continued on leaving, if it was stopped."""
-    process = server.process
-    assert process is not None
-    done: list[bool] = []
-
-    def stop() -> None:
-        os.kill(process.pid, signal.SIGSTOP)
-        done.append(True)
-
-    try:
-        yield stop
-    finally:
-        if done:
-            os.kill(process.pid, signal.SIGCONT)

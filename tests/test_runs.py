@@ -424,7 +424,7 @@ def test_a_copy_of_an_attempt_that_retried_is_no_slack_miss_its_next_attempt_jud
     _, rec = runs.record("job", 1) or (0, record())
     retried = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200)
     assert runs.finish(retried, 1, rec, T0_MS + 200, went_on=True).written
-    assert redis_client.hget(KEYS.run("job", 1), "kept").endswith(b"|on")  # type: ignore[union-attr]
+    assert redis_client.hget(KEYS.run("job", 1), "kept").endswith(b"|on1")  # type: ignore[union-attr]
     for at_ms, outcome in ((T0_MS + 120_000, Outcome.KILLED), (T0_MS + 200_000, Outcome.OK)):
         runs.start("job", 1, "nonce-job-1", {"task": "t"}, at_ms)  # a copy's start
         run, rec = runs.record("job", 1) or (0, record())
@@ -433,6 +433,33 @@ def test_a_copy_of_an_attempt_that_retried_is_no_slack_miss_its_next_attempt_jud
         assert done.written and not done.slack_miss
     assert redis_client.hget(KEYS.totals, "slack_misses") is None
     assert int(window_hash(redis_client, T0_MS).get(b"slack_misses") or 0) == 0
+
+
+def test_a_late_row_of_a_copy_started_after_the_retrys_row_is_no_slack_miss_either(
+    redis_client: redis.Redis,
+) -> None:
+    """A third reviewer: run 1 retried (``|on1``); copies ran as runs 2 and 3, both ok past
+    the deadline; run 3's row came first, run 2's late (kept while Redis was silent). Both
+    started after the retry's row: neither is a miss, in whichever order their rows come."""
+    runs = ledger(redis_client)
+    admit(redis_client, "job:1", 1200)
+    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
+    _, rec = runs.record("job", 1) or (0, record())
+    retry = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200)
+    assert runs.finish(retry, 1, rec, T0_MS + 200, went_on=True).written
+    copies = {}
+    for run, at_ms in ((2, T0_MS + 100_000), (3, T0_MS + 110_000)):
+        runs.start("job", 1, "nonce-job-1", {"task": "t"}, at_ms)
+        started, copies[run] = runs.record("job", 1) or (0, record())
+        assert started == run
+    late = {"slack_miss": True, "ends": True}
+    third = runs.finish(runs.row_for("job", 1, copies[3], Outcome.OK, T0_MS + 111_000), 3,
+                        copies[3], T0_MS + 111_000, **late)  # fmt: skip
+    second = runs.finish(runs.row_for("job", 1, copies[2], Outcome.OK, T0_MS + 105_000), 2,
+                         copies[2], T0_MS + 105_000, current=False, **late)  # fmt: skip
+    assert third.written and second.written
+    assert not third.slack_miss and not second.slack_miss
+    assert redis_client.hget(KEYS.totals, "slack_misses") is None
 
 
 @pytest.mark.parametrize("retry_first", [True, False], ids=["retry_row_first", "late_row_first"])

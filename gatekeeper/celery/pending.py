@@ -190,9 +190,9 @@ class PendingRows:
         finally:
             if held:
                 self._sending.release()
-        for pending in lost[:20]:  # a line each (the runbook greps job_id=), rows: all lost
+        for pending in lost:  # a line each, as the runbook greps (at most PENDING_ROWS_MAX)
             self.log.error("ledger_rows_lost", reason="exit", job_id=pending.job_id,
-                           run=pending.run, rows=len(lost))  # fmt: skip
+                           run=pending.run)  # fmt: skip
 
     def _retry(self) -> None:
         pid, interval = os.getpid(), FIRST_RETRY_S

@@ -121,14 +121,15 @@ if mark >= run and not late then
 end
 -- A rerun after the row that ended the attempt's job (`ok`, or failed for good: `kept` ends
 -- in '|ok' or '|end'; a lost ack, a redelivery): the job finished then, and its slack was
--- judged at that row. A late rerun is no miss of it. Nor is one after a retry's row ('|on'):
--- the job went on in its next attempt. But a late row (`owed`: a run that ended before the
--- retry's row cut the record) is judged as it would have been had it come first: its job's
--- end, when it is one, still counts. (A publish of the attempt after the cut writes
--- published_ms anew: its runs are judged.)
+-- judged at that row. A late rerun is no miss of it. Nor is a run after a retry's row
+-- ('|on<run>': the job went on in its next attempt). But a late row (`owed`) of a run started
+-- before the retry's is judged as it would have been had it come first: its job's end, when
+-- it is one, still counts. (A publish of the attempt after the cut writes published_ms
+-- anew: its runs are judged.)
 local function ended(kept, earlier)
-  local tail = string.sub(kept, -3)
-  return tail == '|ok' or (tail == '|on' and not earlier) or string.sub(kept, -4) == '|end'
+  local retried = string.match(kept, '|on(%d+)$')
+  if retried then return not earlier or run > tonumber(retried) end
+  return string.sub(kept, -3) == '|ok' or string.sub(kept, -4) == '|end'
 end
 local rerun = rec[5] and not rec[6] and ended(rec[5], late)
 local missed = ARGV[7] == '1' and not rerun
@@ -183,8 +184,8 @@ end
 local reply = ARGV[16] .. '|' .. (missed and '1' or '0')
   .. (written_tax ~= ARGV[6] and '|' .. written_tax or '')
 -- What `kept` ends with once the job's end has its row: '|ok', or '|end' (failed for good);
--- '|on' once the job went on in its next attempt (a retry).
-local ending = ARGV[4] == 'ok' and '|ok' or (ARGV[7] == 'r' and '|on')
+-- '|on<run>' once the job went on in its next attempt (this run's retry).
+local ending = ARGV[4] == 'ok' and '|ok' or (ARGV[7] == 'r' and '|on' .. ARGV[2])
   or (ARGV[7] ~= '0' and '|end' or '')
 if late then  -- its entry ',<run>,' becomes ',<run>=<reply>,' (no ',' in a reply)
   redis.call('HSET', KEYS[1], 'owed', string.sub(owed, 1, late) .. ARGV[2] .. '=' .. reply

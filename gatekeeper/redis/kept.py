@@ -26,8 +26,9 @@ bench/memory.py; about 110 of them are the key itself). What stays, and who read
   closed: a later run of the attempt is charged nothing (as ``reserved`` = ``charged`` said).
   A fifth part, ``ok`` when the row that cut it was ``ok``, ``end`` when it failed for good:
   the job finished then, so a rerun's late finish is no slack miss of it (finish.lua; older
-  readers ignore the part); ``on`` when it asked for a retry: the job went on in its next
-  attempt, which judges it, so no run of this one is a slack miss either.
+  readers ignore the part); ``on<run>`` when that run asked for a retry: the job went on in
+  its next attempt, which judges it, so no run of this one started after it is a slack miss
+  either.
 
 Dropped: ``admitted_ms`` and ``dwell_s`` (only the first run's tax and slack-miss line read
 them), ``label``, ``reserved``, ``charged``, ``expired_ms`` and every field a start writes,

@@ -64,7 +64,8 @@ namespace's slot):
     handoff in the record), the four numbers of a start that wrote them laid out
     and ``kept`` = ``<published_ms>|<deadline_ms>|<tokens_in>|<window>`` (what a redelivery's
     row needs; its presence closes the reservation; ``|ok`` or ``|end`` after it when that row
-    ended the job, ``ok`` or failed for good: a rerun's late finish is then no slack miss),
+    ended the job, ``ok`` or failed for good, ``|on<run>`` when that run asked for a retry: a
+    rerun's late finish is then no slack miss),
     about 310 bytes instead of about 620,
     for the rest of its TTL (gatekeeper/redis/kept.py).
     ``abandoned`` = ``1`` when the replayer rowed the attempt ``abandoned`` (``abandon.lua``):
