@@ -69,6 +69,12 @@ def window_hash(client: redis.Redis, at_ms: int) -> dict[bytes, bytes]:
     return client.hgetall(KEYS.window(window_id(at_ms / 1000, 900)))
 
 
+def no_slack_miss(client: redis.Redis) -> bool:
+    """No slack miss counted, in the lifetime totals nor in the admission's window."""
+    window = int(window_hash(client, T0_MS).get(b"slack_misses") or 0)
+    return client.hget(KEYS.totals, "slack_misses") is None and window == 0
+
+
 def test_the_worked_vector_through_the_run_ledger(redis_client: redis.Redis) -> None:
     runs = ledger(redis_client)
     admit(redis_client, "job:1", 1200)
@@ -287,14 +293,15 @@ def test_a_run_after_the_attempt_has_its_row_is_counted_as_a_rerun(
 
 
 def first_run(
-    runs: RunLedger, client: redis.Redis, outcome: Outcome, ends: bool = False
-) -> Finished:
+    runs: RunLedger, client: redis.Redis, outcome: Outcome, ends: bool = False,
+    went_on: bool = False,
+) -> Finished:  # fmt: skip
     """An admitted attempt's first run, ended at once (well before its deadline)."""
     admit(client, "job:1", 1200)
     start_run(runs, client, "job", 1, record(), T0_MS + 100)
     _, rec = runs.record("job", 1) or (0, record())
     row = runs.row_for("job", 1, rec, outcome, T0_MS + 200)
-    return runs.finish(row, 1, rec, T0_MS + 200, ends=ends)
+    return runs.finish(row, 1, rec, T0_MS + 200, ends=ends, went_on=went_on)
 
 
 def ok_late(runs: RunLedger, at_ms: int) -> Finished:
@@ -315,8 +322,7 @@ def test_a_rerun_after_the_attempts_ok_row_is_no_slack_miss_even_when_late(
     runs.start("job", 1, "nonce-job-1", {"task": "t"}, T0_MS + 120_000)  # a redelivery's start
     rerun = ok_late(runs, T0_MS + 120_000)
     assert rerun.written and not rerun.slack_miss
-    assert redis_client.hget(KEYS.totals, "slack_misses") is None
-    assert int(window_hash(redis_client, T0_MS).get(b"slack_misses") or 0) == 0
+    assert no_slack_miss(redis_client)
 
 
 def test_a_new_publish_of_the_attempt_after_its_ok_row_that_ends_late_is_a_slack_miss(
@@ -368,7 +374,7 @@ def test_a_late_ok_row_after_the_cut_ends_the_job_so_a_late_rerun_is_no_slack_mi
     runs.start("job", 1, "nonce-job-1", {"task": "t"}, T0_MS + 120_000)  # a third copy
     rerun = ok_late(runs, T0_MS + 120_000)
     assert rerun.written and not rerun.slack_miss
-    assert redis_client.hget(KEYS.totals, "slack_misses") is None
+    assert no_slack_miss(redis_client)
 
 
 def test_a_rerun_after_a_late_final_failure_counts_no_second_miss(
@@ -408,7 +414,14 @@ def test_a_rerun_after_a_final_failure_in_time_is_no_slack_miss_even_when_late(
     runs.start("job", 1, "nonce-job-1", {"task": "t"}, T0_MS + 120_000)  # a copy's start
     rerun = ok_late(runs, T0_MS + 120_000)
     assert rerun.written and not rerun.slack_miss
-    assert redis_client.hget(KEYS.totals, "slack_misses") is None
+    assert no_slack_miss(redis_client)
+
+
+def retried_first_run(client: redis.Redis) -> RunLedger:
+    """An admitted attempt whose first run asked for a retry (its row ``went_on``)."""
+    runs = ledger(client)
+    assert first_run(runs, client, Outcome.KILLED, went_on=True).written
+    return runs
 
 
 def test_a_copy_of_an_attempt_that_retried_is_no_slack_miss_its_next_attempt_judges_the_job(
@@ -416,14 +429,9 @@ def test_a_copy_of_an_attempt_that_retried_is_no_slack_miss_its_next_attempt_jud
 ) -> None:
     """The attempt's run asked for a retry (the job went on in attempt 2, judged there); a
     copy of its message that ran later, past the deadline, ok or failed for good, is no miss:
-    ``kept`` ends in ``|on``. A run requeued within the attempt (the job goes on in it) is
+    ``kept`` ends in ``|on1``. A run requeued within the attempt (the job goes on in it) is
     still judged (the test of a redelivery after a killed row above)."""
-    runs = ledger(redis_client)
-    admit(redis_client, "job:1", 1200)
-    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
-    _, rec = runs.record("job", 1) or (0, record())
-    retried = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200)
-    assert runs.finish(retried, 1, rec, T0_MS + 200, went_on=True).written
+    runs = retried_first_run(redis_client)
     assert redis_client.hget(KEYS.run("job", 1), "kept").endswith(b"|on1")  # type: ignore[union-attr]
     for at_ms, outcome in ((T0_MS + 120_000, Outcome.KILLED), (T0_MS + 200_000, Outcome.OK)):
         runs.start("job", 1, "nonce-job-1", {"task": "t"}, at_ms)  # a copy's start
@@ -431,8 +439,7 @@ def test_a_copy_of_an_attempt_that_retried_is_no_slack_miss_its_next_attempt_jud
         row = runs.row_for("job", 1, rec, outcome, at_ms + 100)
         done = runs.finish(row, run, rec, at_ms + 100, slack_miss=True, ends=True)
         assert done.written and not done.slack_miss
-    assert redis_client.hget(KEYS.totals, "slack_misses") is None
-    assert int(window_hash(redis_client, T0_MS).get(b"slack_misses") or 0) == 0
+    assert no_slack_miss(redis_client)
 
 
 def test_a_late_row_of_a_copy_started_after_the_retrys_row_is_no_slack_miss_either(
@@ -441,12 +448,7 @@ def test_a_late_row_of_a_copy_started_after_the_retrys_row_is_no_slack_miss_eith
     """A third reviewer: run 1 retried (``|on1``); copies ran as runs 2 and 3, both ok past
     the deadline; run 3's row came first, run 2's late (kept while Redis was silent). Both
     started after the retry's row: neither is a miss, in whichever order their rows come."""
-    runs = ledger(redis_client)
-    admit(redis_client, "job:1", 1200)
-    start_run(runs, redis_client, "job", 1, record(), T0_MS + 100)
-    _, rec = runs.record("job", 1) or (0, record())
-    retry = runs.row_for("job", 1, rec, Outcome.KILLED, T0_MS + 200)
-    assert runs.finish(retry, 1, rec, T0_MS + 200, went_on=True).written
+    runs = retried_first_run(redis_client)
     copies = {}
     for run, at_ms in ((2, T0_MS + 100_000), (3, T0_MS + 110_000)):
         runs.start("job", 1, "nonce-job-1", {"task": "t"}, at_ms)
@@ -459,7 +461,7 @@ def test_a_late_row_of_a_copy_started_after_the_retrys_row_is_no_slack_miss_eith
                          copies[2], T0_MS + 105_000, current=False, **late)  # fmt: skip
     assert third.written and second.written
     assert not third.slack_miss and not second.slack_miss
-    assert redis_client.hget(KEYS.totals, "slack_misses") is None
+    assert no_slack_miss(redis_client)
 
 
 @pytest.mark.parametrize("retry_first", [True, False], ids=["retry_row_first", "late_row_first"])
