@@ -445,7 +445,7 @@ def test_a_copy_of_an_attempt_that_retried_is_no_slack_miss_its_next_attempt_jud
 def test_a_late_row_of_a_copy_started_after_the_retrys_row_is_no_slack_miss_either(
     redis_client: redis.Redis,
 ) -> None:
-    """A third reviewer: run 1 retried (``|on1``); copies ran as runs 2 and 3, both ok past
+    """A reviewer: run 1 retried (``|on1``); copies ran as runs 2 and 3, both ok past
     the deadline; run 3's row came first, run 2's late (kept while Redis was silent). Both
     started after the retry's row: neither is a miss, in whichever order their rows come."""
     runs = retried_first_run(redis_client)
