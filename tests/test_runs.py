@@ -489,6 +489,27 @@ def test_a_late_end_of_the_job_kept_past_a_copys_retry_is_one_slack_miss_whateve
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
 
 
+def test_a_free_jobs_retry_that_went_to_reserved_and_ended_late_is_a_miss_of_the_rows_window(
+    redis_client: redis.Redis,
+) -> None:
+    """SPEC: a free-admitted job that finishes after its deadline is a slack miss, whichever
+    path its last attempt ran on (a reviewer: the retry's reserved row counted none). Its
+    attempt has no admission window: the miss counts in the row's, as an abandonment's."""
+    runs = retried_first_run(redis_client)  # attempt 1, admitted to free, asked for a retry
+    retry = record(path="reserved", decision="reserved", window=0, free_admitted=True)
+    late_ms = T0_MS + 3_600_000  # past the deadline, in a later window than the admission's
+    start_run(runs, redis_client, "job", 2, retry, late_ms)
+    run, rec = runs.record("job", 2) or (0, record())
+    assert rec.free_admitted and rec.window == 0
+    done = runs.finish(runs.row_for("job", 2, rec, Outcome.OK, late_ms + 100), run, rec,
+                       late_ms + 100, slack_miss=True, ends=True)  # fmt: skip
+    assert done.written and done.slack_miss
+    assert done.window == window_id(late_ms / 1000, 900) and done.slack_misses == 1
+    assert window_hash(redis_client, late_ms)[b"slack_misses"] == b"1"
+    assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
+    assert not redis_client.exists(KEYS.window(0))
+
+
 def test_a_finish_sent_again_with_its_token_is_told_its_row_its_capped_tax_and_its_miss(
     redis_client: redis.Redis,
 ) -> None:
@@ -505,7 +526,8 @@ def test_a_finish_sent_again_with_its_token_is_told_its_row_its_capped_tax_and_i
         for token in ("t1", "t1", "t2")
     )
     assert row.retry_tax == 1800  # more than the reservation: written capped
-    assert first == again == Finished(True, 1, 0, 1000.0, slack_miss=True)
+    window = window_id(T0_MS / 1000, 900)
+    assert first == again == Finished(True, 1, 0, 1000.0, slack_miss=True, window=window)
     assert not other.written
     assert len(read_rows(redis_client, KEYS, window_id(T0_MS / 1000, 900))) == 1
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"

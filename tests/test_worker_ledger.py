@@ -527,6 +527,31 @@ def test_a_late_free_attempt_that_retries_is_no_slack_miss_its_job_goes_on(
     assert redis_client.hget(KEYS.flags, "free_path_enabled") != b"false"
 
 
+def test_a_free_jobs_retry_sent_to_reserved_that_ends_late_is_a_slack_miss(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """SPEC: a free-admitted job that finishes after its deadline is a miss, whichever path
+    its last attempt took (a reviewer: a retry decided reserved counted none). The free path
+    is closed once attempt 1 is admitted, so its retry goes to reserved and ends late."""
+    app = app_for(redis_url)
+    log = tmp_path / "w.log"
+    late = {"headers": {"gatekeeper_deadline_s": 2.3}}  # admitted (dwell 2 s: one retry)
+    with running_worker(redis_url, log, "free,reserved", GATEKEEPER_MISS_MIN_ADMISSIONS="1"):
+        job = app.tasks["tests.flaky"].apply_async(kwargs={"then_s": 3}, **late).id
+        redis_client.hset(KEYS.flags, "free_path_enabled", "false")  # for the retry's publish
+        found = sorted(wait_rows(redis_client, 2), key=lambda row: row["attempt"])
+        assert wait_until(lambda: "event=slack_miss" in log.read_text(), 10), log.read_text()
+    assert [(row["job_id"], row["attempt"], row["path"], row["outcome"]) for row in found] == [
+        (job, 1, "free", "killed"), (job, 2, "reserved", "ok"),
+    ]  # fmt: skip
+    assert redis_client.hget(KEYS.run(job, 2), "reason") == b"free_path_disabled"
+    assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
+    assert window_totals(redis_client, "slack_misses") == 1
+    assert not redis_client.exists(KEYS.window(0))  # counted in the row's window
+    (alert,) = [line for line in log.read_text().splitlines() if "slack_miss=true" in line]
+    assert "decision=admit_free" in alert and f"job_id={job}" in alert and "attempt=2" in alert
+
+
 def test_a_copy_of_an_attempt_that_retried_run_after_the_deadline_is_no_slack_miss(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

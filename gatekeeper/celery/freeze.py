@@ -41,7 +41,7 @@ def row_written(
             deadline_slack_s=row.deadline_slack_ms / 1000, retries=record.retries,
         )  # fmt: skip
         try:  # the row is written: a check that gets no answer never sends it again (pending)
-            maybe_freeze(flags, alerts, record.window, done.slack_misses, done.admitted_free,
+            maybe_freeze(flags, alerts, done.window, done.slack_misses, done.admitted_free,
                          now)  # fmt: skip
         except (LedgerUnavailable, redis.RedisError) as exc:
             log.warning("freeze_check_failed", job_id=job_id, attempt=attempt, error=repr(exc))

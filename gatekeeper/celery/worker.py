@@ -337,12 +337,12 @@ class WorkerSide:
         reason: str, current: bool, tokens_in: int | None = None, tokens_out: int | None = None,
         final: bool = False, went_on: bool = False,
     ) -> None:  # fmt: skip
-        """Write the run's row. A slack miss: an attempt admitted to free whose job ends after
-        its deadline, ``ok`` or ``final`` (failed for good); not a retry's (``went_on``)."""
+        """Write the run's row. A slack miss: a job admitted to free (any attempt) that ends
+        after its deadline, ``ok`` or ``final`` (failed for good); not a retry (``went_on``)."""
         now = self._now_ms()
         row = self.runs.row_for(job_id, attempt, record, outcome, now, tokens_in, tokens_out)
         ends = outcome is Outcome.OK or final
-        miss = ends and record.decision == "admit_free" and now > record.deadline_ms
+        miss = ends and (record.free_admitted or record.path == "free") and now > record.deadline_ms
         learns = current and learns_from(self.app, record, outcome, reason)
         token = secrets.token_hex(4)  # the same if sent again (Redis gave no answer: pending.py)
 

@@ -109,6 +109,9 @@ class Finished:
     """The row's tax as written (``finish.lua`` caps a free row's by its reservation)."""
     slack_miss: bool = False
     """The row counted a slack miss (not a rerun's after the attempt's ``ok`` row)."""
+    window: int = 0
+    """The window whose counts these are (``slack_misses``, ``admitted_free``): the
+    attempt's admission window, or the row's for an attempt not admitted to free."""
 
 
 class RunLedger:
@@ -253,7 +256,10 @@ class RunLedger:
         given): the call that wrote the row, sent again, gets its reply again (finish.lua)."""
         member = f"{row.job_id}:{row.attempt}"
         row_window = window_id(now_ms / 1000, self.window_seconds)
-        admission_window = record.window
+        # A slack miss counts in the window that admitted the attempt; the retry of a
+        # free-admitted job that went to reserved has none, so its miss counts in the row's
+        # window, as an abandonment's does (abandon.lua).
+        admission_window = record.window or row_window
         keys = [  # finish.lua's KEYS, in order
             self.keys.run(row.job_id, row.attempt), self.keys.window(row_window),
             self.keys.window_rows(row_window), self.keys.inflight, self.keys.started,
@@ -290,7 +296,7 @@ class RunLedger:
                 reply = self.call(self._finish, keys, args)  # then its reply again (token)
             written, misses, admitted, tax, *missed = reply
             return Finished(bool(written), int(misses), int(admitted), float(text_of(tax)),
-                            missed == [1])  # fmt: skip
+                            missed == [1], admission_window)  # fmt: skip
         except (redis.RedisError, ValueError) as exc:  # ValueError: not finish.lua's reply
             raise LedgerUnavailable(f"cannot write the row of {member}: {exc}") from exc
 

@@ -84,11 +84,12 @@ def create_app(
 
     @gatekeeper.gated(expected_service_s=1, tokens_in=100, deadline_s=60)
     @app.task(bind=True, name="tests.flaky", max_retries=1, shared=False)
-    def flaky(self: Any, sleep_s: float = 0.0) -> str:
+    def flaky(self: Any, sleep_s: float = 0.0, then_s: float = 0.0) -> str:
         record(self)
         if self.request.retries == 0:
             time.sleep(sleep_s)
             raise self.retry(countdown=0)
+        time.sleep(then_s)
         return "ok"
 
     kill_spec = {"expected_service_s": 1, "tokens_in": 1200, "deadline_s": 60}
