@@ -409,3 +409,23 @@ def test_a_task_not_made_yet_is_gated_in_every_app_that_makes_it(
     assert [m["headers"]["gatekeeper_reason"] for m in queue_messages(redis_client, "free")] == [
         "fits", "fits", "fits"]  # fmt: skip
     assert not queue_messages(redis_client, "celery")
+
+
+def test_the_celery_command_shows_and_sets_flags_under_the_apps_namespace(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """README: ``celery -A proj gatekeeper flags``: the app's ``CELERY_GATEKEEPER_*`` settings
+    as the settings' source, and a flag set there is the one the app's publishes read."""
+    flags = ("celery", "-A", "tests.apps.conf_app", "gatekeeper", "flags")
+    shown = run(redis_url, *flags)
+    assert shown.returncode == 0, shown.stderr
+    assert "dwell_gate_enabled: effective=true settings=true redis=-" in shown.stdout  # the app's
+    assert "canary_percent: effective=100.0 settings=100.0 redis=-" in shown.stdout
+    frozen = run(redis_url, *flags, "set", "free_path_enabled", "false", "--reason", "page 1")
+    assert frozen.returncode == 0, frozen.stderr
+    assert redis_client.hget(KEYS.flags, "free_path_enabled") == b"false"
+    shown = run(redis_url, *flags)
+    assert "free_path_enabled: effective=false settings=true redis=false" in shown.stdout
+    create_app(redis_url).tasks["conf.embed"].delay(1)  # the app's own publish reads it
+    (message,) = queue_messages(redis_client, "reserved")
+    assert message["headers"]["gatekeeper_reason"] == "free_path_disabled"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -264,3 +265,39 @@ def test_on_rabbitmq_the_queue_lengths_are_a_passive_declares_as_in_status(
     }
     assert value(samples, "gatekeeper_broker_up") == 1
     assert value(samples, "gatekeeper_defer_claimed_messages") is None  # RabbitMQ holds them
+
+
+def test_by_default_the_exporter_serves_on_the_loopback_address_at_port_9808(
+    redis_url: str,
+) -> None:
+    """README: ``gatekeeper metrics`` serves at http://127.0.0.1:9808/metrics by default, on
+    that address alone (127.0.0.2 reaches this host too, but only a socket bound to every
+    address answers there)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (an earlier run's)
+        try:
+            probe.bind(("127.0.0.1", 9808))
+        except OSError as exc:
+            missing_server(f"port 9808 is taken, the default cannot be tried: {exc}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
+    env.update(GATEKEEPER_REDIS_URL=redis_url, PYTHONPATH=str(REPO_ROOT))
+    process = subprocess.Popen([sys.executable, "-m", "gatekeeper", "metrics"], env=env,
+                               cwd=REPO_ROOT, stdout=subprocess.DEVNULL)  # fmt: skip
+    url = "http://127.0.0.1:9808/metrics"
+    try:
+        assert wait_until(lambda: _answers(url) or process.poll() is not None, timeout_s=60)
+        assert process.poll() is None, f"the exporter exited with {process.returncode}"
+        assert value(scrape(url), "gatekeeper_redis_up") == 1
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.2", 9808), timeout=2).close()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=5).close()
+    except OSError:
+        return False
+    return True

@@ -226,3 +226,34 @@ def test_a_sentinel_url_carries_the_sentinels_password_the_masters_user_and_tls(
         options = f"ssl_ca_certs=/ca.pem&ssl_check_hostname={said}"  # kombu's reading of it
         pool = client_for(f"sentinel://{base}&{options}", 2.0, {}).connection_pool
         assert pool.connection_kwargs["ssl_check_hostname"] is checked, said
+
+
+def test_a_sentinel_broker_with_no_master_named_anywhere_fails_closed_and_says_where(
+    sentinel_url: tuple[str, redis.Redis, int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README: a Sentinel broker with no ``?master_name`` and no ``master_name`` in
+    ``broker_transport_options`` fails closed, its ``event=gate_unconfigured`` line naming
+    both places, and the commands stop with the same words. The Sentinel and its master are
+    up: nothing reaches ``free``."""
+    url, watcher, _ = sentinel_url
+    app = Celery("sentinel_unnamed", broker=url.partition("?")[0])  # no master anywhere
+    app.conf.update(gatekeeper_dwell_gate_enabled=True, gatekeeper_canary_percent=100)
+    gatekeeper.install(app)  # does not fail: the config is read at the first gated publish
+
+    @gatekeeper.gated(expected_service_s=0.2, tokens_in=10, deadline_s=120)
+    @app.task(name="sentinel.unnamed", shared=False)
+    def embed(chunk: int) -> int:
+        return chunk
+
+    with pytest.raises(ValueError, match="master_name"):  # kombu cannot publish it either
+        embed.delay(1)
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "event=gate_unconfigured" in line)
+    # (a quoted value's "=" is written \u003d: gatekeeper/logs.py _quoted)
+    assert "?master_name\\u003d<name>" in line and "broker_transport_options" in line, line
+    assert "reason=gate_unavailable" in err and "decision=reserved" in err, err
+    port = int(watcher.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "gate")[1])
+    assert not queue_messages(redis.Redis(host="127.0.0.1", port=port), "free")
+    flags = CliRunner().invoke(main, ["flags"], obj={"app": app})
+    assert flags.exit_code != 0, flags.output
+    assert "?master_name=<name>" in flags.output and "broker_transport_options" in flags.output
