@@ -83,7 +83,7 @@ def test_a_finish_whose_reply_is_lost_after_its_row_is_told_its_row_and_miss_whe
     row = runs.row_for("job", 1, record, Outcome.OK, 2000)
     done = runs.finish(row, 1, record, 2000, slack_miss=True)
     assert forgetful.lost == 1  # the first call's reply, after its row
-    assert done == Finished(True, 1, 0, row.retry_tax, slack_miss=True)
+    assert done == Finished(True, 1, 0, row.retry_tax, slack_miss=True, window=WINDOW)
     assert redis_client.llen(KEYS.window_rows(WINDOW)) == 1
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
     assert not runs.finish(row, 1, record, 2000, slack_miss=True).written
