@@ -58,10 +58,11 @@ H_DECISION = "gatekeeper_decision"
 H_REASON = "gatekeeper_reason"
 H_DWELL_S = "gatekeeper_dwell_s"
 H_NONCE = "gatekeeper_nonce"
+"""The random per-publish value of the gate's record of this attempt (``run:<job_id>:
+<attempt>``)."""
 H_COPY = "gatekeeper_copy"
 """A random value per copy the replayer (or a requeue, or the expiry) publishes: one decision
 handed on twice (a crash between publish and ack) is two copies, and a worker runs one."""
-"""The random per-publish value of the gate's record of this attempt (``rec:<job>:<attempt>``)."""
 
 ATTEMPTS = 10**9
 """Every attempt the gate writes is below this (1 to 999,999,999: retries 0 to 999,999,998);
