@@ -552,6 +552,26 @@ def test_a_free_jobs_retry_sent_to_reserved_that_ends_late_is_a_slack_miss(
     assert "decision=admit_free" in alert and f"job_id={job}" in alert and "attempt=2" in alert
 
 
+def test_a_job_that_ends_ok_late_beside_the_retry_it_published_is_one_slack_miss(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A reviewer: ``retry(throw=False)`` publishes attempt 2 (to reserved: the path closed
+    meanwhile) and attempt 1 returns; both end late. One admission, one miss (owner.py)."""
+    app = app_for(redis_url)
+    log = tmp_path / "w.log"
+    late = {"headers": {"gatekeeper_deadline_s": 2.3}}  # admitted (dwell 2 s: one retry)
+    with running_worker(redis_url, log, "free,reserved", GATEKEEPER_MISS_MIN_ADMISSIONS="1"):
+        job = app.tasks["tests.nothrow"].apply_async(kwargs={"then_s": 3}, **late).id
+        redis_client.hset(KEYS.flags, "free_path_enabled", "false")  # for the retry's publish
+        found = sorted(wait_rows(redis_client, 2, timeout_s=40), key=lambda row: row["attempt"])
+        time.sleep(1)  # a second miss, if any, would be counted by now
+    assert [(row["job_id"], row["attempt"], row["path"], row["outcome"]) for row in found] == [
+        (job, 1, "free", "ok"), (job, 2, "reserved", "ok"),
+    ]  # fmt: skip
+    assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
+    assert len([line for line in log.read_text().splitlines() if "slack_miss=true" in line]) == 1
+
+
 def test_a_copy_of_an_attempt_that_retried_run_after_the_deadline_is_no_slack_miss(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -39,7 +39,7 @@ from gatekeeper.core.headers import (
     H_REASON,
     H_REPLAY_AFTER,
 )
-from gatekeeper.core.ledger import Outcome, Path, deadline_slack_ms, make_row, window_id
+from gatekeeper.core.ledger import Outcome, Path, deadline_slack_ms, make_row
 from gatekeeper.errors import DeadlineAbandoned, GateUnreachable, LedgerUnavailable
 from gatekeeper.redis.breaker import not_answering
 from gatekeeper.redis.handoff import as_scored, scored_unsent
@@ -152,15 +152,14 @@ def abandon(
         except Exception as exc:
             stored = f"not_stored: {exc!r}"
     self.alerts.error("task_abandoned", reason="deadline_passed", result=stored, **fields)
-    if was_free:
+    if was_free and (done.slack_miss or not done.written):  # (not a second of its admission)
         self.alerts.error(
             "slack_miss", decision="admit_free", slack_miss=True,
             dwell_s=headers.get(H_DWELL_S), abandoned=True, **fields,
         )  # fmt: skip
-        if done.written:
-            window = window_id(now, self.settings.window_seconds)
+        if done.written:  # in the window that counted the miss: its admission's (owner.py)
             maybe_freeze(
-                self.pipeline.flags, self.alerts, window, done.slack_misses,
+                self.pipeline.flags, self.alerts, done.window, done.slack_misses,
                 done.admitted_free, now,
             )  # fmt: skip
     return "dead_lettered"

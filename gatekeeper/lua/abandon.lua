@@ -9,6 +9,10 @@
 --                                       entry `miss` = ARGV[4] (unless ARGV[5] is 0)
 -- KEYS[6] run:<job_id>:<attempt>        hash: the gate's record of the attempt
 -- KEYS[7] abandoned:<job_id>:<attempt>:<nonce>  string marker: this message's row is written
+-- KEYS[8] run:<job_id>:<admitting attempt>  the record of the free admission a miss belongs
+--                                       to (gatekeeper/redis/owner.py): `missed`, once
+-- KEYS[9] window:<id>                   hash: slack_misses, admitted_free of the admission's
+--                                       window, which counts the miss (KEYS[2] when unknown)
 --
 -- ARGV[1] row           JSON (built by the Python core: no tokens, no wait charge)
 -- ARGV[2] retention_s
@@ -17,7 +21,8 @@
 -- ARGV[5] record_cap    how many decision records to keep (about); '0': none
 -- ARGV[6] nonce         the abandoned message's (an older replayer sends none)
 --
--- Returns {written (0|1), slack_misses, admitted_free} of the window.
+-- Returns {written (0|1), slack_misses, admitted_free} of the window that counts a miss, and
+-- when written, missed (1 when this row counted the miss).
 
 local marker = KEYS[1]
 if ARGV[6] then
@@ -45,8 +50,13 @@ redis.call('RPUSH', KEYS[3], ARGV[1])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))
 redis.call('HINCRBY', KEYS[2], 'rows:abandoned', 1)
 redis.call('HINCRBY', KEYS[4], 'abandoned', 1)
-if ARGV[3] == '1' then
-  redis.call('HINCRBY', KEYS[2], 'slack_misses', 1)
+local counts = KEYS[9] or KEYS[2]
+-- One miss per free admission, as in finish.lua: not when its job's end counted it already.
+local missed = ARGV[3] == '1' and not (KEYS[8] and redis.call('EXISTS', KEYS[8]) == 1
+  and redis.call('HSETNX', KEYS[8], 'missed', ARGV[4]) == 0)
+if missed then
+  redis.call('HINCRBY', counts, 'slack_misses', 1)
+  redis.call('EXPIRE', counts, tonumber(ARGV[2]))
   redis.call('HINCRBY', KEYS[4], 'slack_misses', 1)
   if tonumber(ARGV[5]) > 0 then  -- best effort, as in gate.lua
     local kept = redis.pcall('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'miss', ARGV[4])
@@ -56,6 +66,6 @@ if ARGV[3] == '1' then
   end
 end
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
-local misses = tonumber(redis.call('HGET', KEYS[2], 'slack_misses') or '0')
-local admitted = tonumber(redis.call('HGET', KEYS[2], 'admitted_free') or '0')
-return {1, misses, admitted}
+local misses = tonumber(redis.call('HGET', counts, 'slack_misses') or '0')
+local admitted = tonumber(redis.call('HGET', counts, 'admitted_free') or '0')
+return {1, misses, admitted, missed and 1 or 0}

@@ -43,8 +43,10 @@ elseif waited < allowance then
 end
 local tax = math.min(math.max(waited, 0), allowance) * tonumber(ARGV[5]) / 1000
 if r[6] then tax = math.min(tax, math.max(0, tonumber(r[6]) - tonumber(r[7] or '0'))) end
+-- `free_window`: the admission's window, where a slack miss of its job is counted
+-- (gatekeeper/redis/owner.py), once `window` no longer says it.
 redis.call('HSET', KEYS[1], 'decision', 'reserved', 'reason', 'free_wait_expired',
-  'window', '', 'expired_ms', ARGV[3])
+  'window', '', 'expired_ms', ARGV[3], 'free_window', r[8])
 local charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
 redis.call('HSET', KEYS[1], 'reserved', charged)  -- closed: its runs on reserved charge nothing
 local retention = tonumber(ARGV[6])

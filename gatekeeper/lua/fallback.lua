@@ -41,10 +41,10 @@ if done[1] and done[1] ~= ARGV[6] and (runs == 0 or rowed < runs) and not done[7
   return false
 end
 if (done[4] or done[5]) and done[1] ~= ARGV[6] then  -- a reused id after its row: anew
-  redis.call('HDEL', KEYS[1], 'runs', 'rowed', 'owed', 'charged')  -- (as gate.lua does)
+  redis.call('HDEL', KEYS[1], 'runs', 'rowed', 'owed', 'charged', 'missed')  -- (as gate.lua does)
 end
 if done[7] then  -- an abandoned attempt live again (as gate.lua)
-  redis.call('HDEL', KEYS[1], 'abandoned')
+  redis.call('HDEL', KEYS[1], 'abandoned', 'missed')
 end
 local fields = {'nonce', ARGV[1], 'decision', ARGV[2], 'reason', ARGV[3]}
 for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end

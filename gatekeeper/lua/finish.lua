@@ -26,7 +26,7 @@
 -- After the row of the attempt's latest run (every run it has had now has its row) the record
 -- is cut to what a later run of the attempt and the one-row-per-attempt rule read
 -- (gatekeeper/redis/kept.py): nonce, decision, reason, runs, rowed, rowed_by, free_admitted
--- (when 1), the replayer's fields, and `kept` = '<published_ms>|<deadline_ms>|<tokens_in>|
+-- (when 1), missed and free_window, the replayer's fields, and `kept` = '<published_ms>|<deadline_ms>|<tokens_in>|
 -- <window>' for the row of a redelivery; the reservation is closed (`kept` present: nothing
 -- more to charge). The fields a redelivered run's start writes again are dropped (four of the
 -- worker's own numbers are one, `own`; a record an older worker started, or one whose `own`
@@ -40,13 +40,17 @@
 -- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>|..."
 -- KEYS[5] started                   sorted set: runs started without a row
 -- KEYS[6] window:<admission window> hash: exposure, admitted_free, slack_misses; and a free
---                                   row's tax_units, rows:<outcome>, killed_free
+--                                   row's tax_units, rows:<outcome>, killed_free. For an
+--                                   attempt not admitted itself, its job's admission's window
+--                                   (a miss: gatekeeper/redis/owner.py), else the row's
 -- KEYS[7] window:<admission window>:rows  list: a free row's
 -- KEYS[8] totals                    hash: lifetime killed_rows, slack_misses (never expire)
 -- KEYS[9] decisions                 stream: the decision records; a slack miss adds an entry
 --                                   `miss` = member (unless ARGV[11] is 0)
 -- KEYS[10] service:times:<task>     hash: b<bucket> -> runs, lower_bounds (no TTL)
 -- KEYS[11] service:names            set: the tasks that have a service:times hash (no TTL)
+-- KEYS[12] run:<job_id>:<admitting attempt>  the record of the free admission a miss of this
+--                                   run belongs to (KEYS[1] when none is known): `missed`
 --
 -- ARGV[1] member        <job_id>:<attempt>
 -- ARGV[2] run           the run this row belongs to
@@ -133,6 +137,13 @@ local function ended(kept, earlier)
 end
 local rerun = rec[5] and not rec[6] and ended(rec[5], late)
 local missed = ARGV[7] == '1' and not rerun
+-- One miss per free admission (gatekeeper/redis/owner.py): the admission's record (KEYS[12],
+-- this one or an earlier attempt's) keeps `missed`, the member that counted it, so another
+-- end of its job (a retry published with throw=False beside an ok end) counts none.
+if missed and redis.call('EXISTS', KEYS[12]) == 1
+    and redis.call('HSETNX', KEYS[12], 'missed', ARGV[1]) == 0 then
+  missed = false
+end
 -- The attempt's last run: no run of it is left without its row, so the record is cut below
 -- (what `charged` and `reserved` would say after this row, `kept` says: closed).
 local cut = rec[2] ~= false and tonumber(rec[2]) == run

@@ -220,12 +220,12 @@ local function decided(decision, reason, dwell, projected)
       -- A publish after the attempt's row (a reused task id, or a record Redis lost of which
       -- a late row left its marks) starts it again: its runs are counted anew, so that a
       -- publish while this one is live is a duplicate (above).
-      redis.call('HDEL', KEYS[6], 'runs', 'rowed', 'owed', 'charged')
+      redis.call('HDEL', KEYS[6], 'runs', 'rowed', 'owed', 'charged', 'missed')
     end
     if held[8] then
       -- An abandoned attempt's record written again (a dead-letter requeue, or a publish
       -- after the abandonment: abandon.lua): live again, so a publish beside it is a duplicate.
-      redis.call('HDEL', KEYS[6], 'abandoned')
+      redis.call('HDEL', KEYS[6], 'abandoned', 'missed')
     end
     redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
       'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],

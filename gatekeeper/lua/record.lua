@@ -70,10 +70,10 @@ if held[1] and held[1] ~= ARGV[7] and (runs == 0 or rowed < runs) and not held[4
   return 'unrecorded'
 end
 if (held[2] or held[3]) and held[1] ~= ARGV[7] then  -- a reused id after its row: anew
-  redis.call('HDEL', KEYS[2], 'runs', 'rowed', 'owed', 'charged')  -- (as gate.lua does)
+  redis.call('HDEL', KEYS[2], 'runs', 'rowed', 'owed', 'charged', 'missed')  -- (as gate.lua does)
 end
 if held[4] then  -- an abandoned attempt live again (as gate.lua)
-  redis.call('HDEL', KEYS[2], 'abandoned')
+  redis.call('HDEL', KEYS[2], 'abandoned', 'missed')
 end
 local free = '0'
 if KEYS[3] ~= KEYS[2] and redis.call('HGET', KEYS[3], 'free_admitted') == '1' then

@@ -18,6 +18,8 @@ bench/memory.py; about 110 of them are the key itself). What stays, and who read
   each, ``,<run>=<reply>,`` once it came late): each of those runs still gets its one row,
   once, and that call sent again its reply (finish.lua);
 - ``free_admitted`` (only when ``1``): the next attempt's decision carries it (gate.lua);
+- ``missed`` and ``free_window`` (when written): an admission's slack miss counted once, in
+  its window, whichever later attempt of the job ends late (gatekeeper/redis/owner.py);
 - ``prev_nonce`` (when not empty), ``dup:*``, ``taken:*`` and the replayer's handoff fields,
   untouched: a copy or a replay that comes back after the run finds what it found before;
 - ``kept``, ``<published_ms>|<deadline_ms>|<tokens_in>|<window>``: what the row of a

@@ -48,7 +48,9 @@ namespace's slot):
     name as the metrics count it: a registered gated task's, else ``other``; a replay of
     the attempt is counted under it again) and ``charged`` (what they
     were charged so far); ``expired_ms`` when its wait allowance ran out on free (its decision
-    is then ``reserved``, reason ``free_wait_expired``). Then the
+    is then ``reserved``, reason ``free_wait_expired``, and ``free_window`` the window that
+    admitted it); ``missed`` (the member whose end counted this admission's slack miss: one
+    per admission, gatekeeper/redis/owner.py; dropped when the attempt starts again). Then the
     worker's runs: ``runs`` (how many times a worker started it: more than one after a
     redelivery), ``rowed`` (the last run that has its row), ``rowed_by`` (what the finish that
     wrote that row replied, for that call sent again; ``owed`` for runs a later run's row
@@ -58,8 +60,8 @@ namespace's slot):
     (gatekeeper/redis/kept.py; an older worker, or values too long to pack, wrote them as
     fields).
     Once every run it has had has its row, ``finish.lua`` cuts it to ``nonce``, ``decision``,
-    ``reason``, ``runs``, ``rowed``, ``rowed_by``, ``free_admitted`` (when ``1``), the
-    replayer's fields
+    ``reason``, ``runs``, ``rowed``, ``rowed_by``, ``free_admitted`` (when ``1``),
+    ``missed`` and ``free_window`` (when written), the replayer's fields
     (``handoff_nonce``; an older replayer's ``handoff_from`` and ``handoff``, which kept the
     handoff in the record), the four numbers of a start that wrote them laid out
     and ``kept`` = ``<published_ms>|<deadline_ms>|<tokens_in>|<window>`` (what a redelivery's

@@ -25,6 +25,7 @@ from gatekeeper.defaults import DECISION_RECORD_CAP, FREE_WAIT_ALLOWANCE_S, WIND
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.kept import pack_own, too_long, unpack
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.owner import owner_of
 from gatekeeper.redis.queued import send_all
 from gatekeeper.redis.run_start import StartCall, Started
 from gatekeeper.redis.scripts import evalsha, load_lua, text_of
@@ -254,18 +255,17 @@ class RunLedger:
         section 6) in the same step, only if the row is written (``lower_bound``: it was
         cut off by its time limit). None: the run does not count. ``token`` (random unless
         given): the call that wrote the row, sent again, gets its reply again (finish.lua)."""
-        member = f"{row.job_id}:{row.attempt}"
+        member, mine = f"{row.job_id}:{row.attempt}", self.keys.run(row.job_id, row.attempt)
         row_window = window_id(now_ms / 1000, self.window_seconds)
-        # A slack miss counts in the window that admitted the attempt; the retry of a
-        # free-admitted job that went to reserved has none, so its miss counts in the row's
-        # window, as an abandonment's does (abandon.lua).
-        admission_window = record.window or row_window
+        # A miss is its job's free admission's, counted once in its window (owner.py).
+        owner = owner_of(self.client, self.keys, row.job_id, row.attempt) if slack_miss else None
+        admission_window = record.window or (owner and owner.window) or row_window
         keys = [  # finish.lua's KEYS, in order
-            self.keys.run(row.job_id, row.attempt), self.keys.window(row_window),
+            mine, self.keys.window(row_window),
             self.keys.window_rows(row_window), self.keys.inflight, self.keys.started,
             self.keys.window(admission_window), self.keys.window_rows(admission_window),
             self.keys.totals, self.keys.decisions, self.keys.service(record.task),
-            self.keys.service_tasks,
+            self.keys.service_tasks, owner.record if owner else mine,
         ]  # fmt: skip
         text = json.dumps(row.to_json())  # retry_tax is its last field (LedgerRow's order)
         args = [
@@ -306,25 +306,25 @@ class RunLedger:
         """Write an attempt's ``abandoned`` row once (a replayer crash cannot write two), and
         with ``nonce`` (the message's) only while the gate's record holds it, marking the
         record ended (``abandoned``): a publish of the task id after it starts it again."""
-        window = window_id(now_ms / 1000, self.window_seconds)
+        job_id, attempt = row.job_id, row.attempt
+        window, mine = window_id(now_ms / 1000, self.window_seconds), self.keys.run(job_id, attempt)
+        owner = owner_of(self.client, self.keys, job_id, attempt) if slack_miss else None
+        counted = (owner and owner.window) or window  # the miss's window (owner.py)
         keys = [
-            self.keys.abandoned(row.job_id, row.attempt),
-            self.keys.window(window),
-            self.keys.window_rows(window),
-            self.keys.totals,
-            self.keys.decisions,
-            self.keys.run(row.job_id, row.attempt),
-            self.keys.abandoned(row.job_id, row.attempt, nonce or ""),
-        ]
+            self.keys.abandoned(job_id, attempt), self.keys.window(window),
+            self.keys.window_rows(window), self.keys.totals, self.keys.decisions, mine,
+            self.keys.abandoned(job_id, attempt, nonce or ""), owner.record if owner else mine,
+            self.keys.window(counted),
+        ]  # fmt: skip
         args = [json.dumps(row.to_json()), str(self.retention_s), "1" if slack_miss else "0",
                 f"{row.job_id}:{row.attempt}", self.record_cap]  # fmt: skip
         if nonce is not None:
             args.append(nonce)
         try:
-            written, misses, admitted = evalsha(self.client, self._abandon, keys, args)
+            written, misses, admitted, *missed = evalsha(self.client, self._abandon, keys, args)
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot write the abandoned row: {exc}") from exc
-        return Finished(bool(written), int(misses), int(admitted))
+        return Finished(bool(written), int(misses), int(admitted), 0.0, missed == [1], counted)
 
     def abandoned_before(self, job_id: str, attempt: int, nonce: str) -> bool:
         """Whether the message carrying ``nonce`` has its ``abandoned`` row (abandon.lua): a

@@ -92,6 +92,16 @@ def create_app(
         time.sleep(then_s)
         return "ok"
 
+    @gatekeeper.gated(expected_service_s=1, tokens_in=100, deadline_s=60)
+    @app.task(bind=True, name="tests.nothrow", max_retries=1, shared=False)
+    def nothrow(self: Any, then_s: float = 0.0) -> str:
+        """Attempt 1 publishes its retry (``throw=False``) and goes on: both attempts end ok."""
+        record(self)
+        if self.request.retries == 0:
+            self.retry(countdown=0, throw=False)
+        time.sleep(then_s)
+        return "ok"
+
     kill_spec = {"expected_service_s": 1, "tokens_in": 1200, "deadline_s": 60}
 
     @app.task(bind=True, name="tests.boom", max_retries=0, shared=False, gatekeeper=kill_spec)
