@@ -246,6 +246,34 @@ def test_a_requeue_whose_handoff_is_not_kept_leaves_its_task_listed_and_the_next
     assert admitted_free(redis_client) == 1 and not queue_messages(redis_client, "dead_letter")
 
 
+def test_a_requeue_whose_handoff_to_free_was_kept_before_a_rollback_goes_to_reserved(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reviewer: a requeue admitted the task to free and kept its handoff, then got no
+    # answer; the operator rolled back; the next requeue handed it on to free as kept. Now
+    # its admission is withdrawn (an `expired` row, the reservation given back) and it goes to
+    # reserved, as the replayer withdraws a recalled handoff while the path is closed.
+    job, _ = admissible_dead_letter(redis_url, redis_client, monkeypatch)
+    restore = keeps_fail(monkeypatch, redis_client, "unanswered")
+    requeue = ["dead-letter", "requeue", job, "--deadline-s", "120"]
+    assert CliRunner().invoke(main, requeue).exit_code == 1
+    restore()
+    assert json.loads(redis_client.get(KEYS.handoff(job, 1)))["q"] == "free"  # kept for free
+    rollback = ["flags", "set", "free_path_enabled", "false", "--reason", "page 1"]
+    assert CliRunner().invoke(main, rollback).exit_code == 0
+    again = CliRunner().invoke(main, requeue)
+    assert again.exit_code == 0, again.output
+    assert " to reserved (reason free_wait_expired" in again.output, again.output
+    assert not queue_messages(redis_client, "free")
+    (moved,) = queue_messages(redis_client, "reserved")
+    said = moved["headers"]
+    assert (said["gatekeeper_decision"], said["gatekeeper_reason"], said["gatekeeper_window"]) == (
+        "reserved", "free_wait_expired", None)  # fmt: skip
+    assert record_of(redis_client, job)["reason"] == "free_wait_expired"
+    assert redis_client.hlen(KEYS.inflight) == 0  # the admission given back
+    assert sorted(row["outcome"] for row in rows_of(redis_client)) == ["abandoned", "expired"]
+
+
 @pytest.mark.parametrize("first", ["cut_short", "unsent", "out_of_memory"])
 def test_a_refused_requeue_leaves_the_attempt_abandoned_as_it_was(
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, first: str

@@ -150,24 +150,8 @@ class Expiry:
     ) -> str:  # fmt: skip
         """``expire.lua``'s answer for this free message (its row written when 'expired');
         ``withdraw``: now, within its allowance too, charged the wait so far."""
-        first = headers.get(H_ATTEMPT_PUBLISHED_AT)
-        first = first if isinstance(first, (int, float)) and first <= now else now
-        deadline = headers.get(H_DEADLINE_AT)
-        slack_ms = deadline_slack_ms(deadline, now) if isinstance(deadline, (int, float)) else 0
-        row = make_row(
-            job_id=job_id, attempt=attempt, path=Path.FREE, outcome=Outcome.EXPIRED,
-            queue_wait_ms=round((now - first) * 1000), tokens_in=0, tokens_out=0,
-            deadline_slack_ms=slack_ms,
-        ).to_json()  # fmt: skip
-        row.pop("retry_tax")
-        member = f"{job_id}:{attempt}"
-        keys = [self.keys.run(job_id, attempt), self.keys.inflight, self.keys.free_waiting,
-                self.keys.window(window), self.keys.window_rows(window)]  # fmt: skip
-        args = [member, nonce_of(headers), str(round(now * 1000)),
-                str(round(self.allowance_s * 1000)),
-                repr(self.settings.queue_wait_unit_per_second), str(WINDOW_RETENTION_S),
-                json.dumps(row)[:-1], str(window), "1" if withdraw else ""]  # fmt: skip
-        return str(text_of(evalsha(self._client, self._script, keys, args)))
+        return expire_call(self._client, self._script, self.settings, job_id, attempt, window,
+                           headers, now, withdraw)  # fmt: skip
 
     def _republish(self, message: Any, headers: dict[str, Any]) -> None:
         """The same message (body, properties), addressed to reserved, decided so."""
@@ -191,6 +175,33 @@ class Expiry:
                 delivery_mode=properties.get("delivery_mode"), retry=True,
                 declare=[declared],
             )  # fmt: skip
+
+
+def expire_call(
+    client: redis.Redis, script: Any, settings: GatekeeperSettings, job_id: str, attempt: int,
+    window: int, headers: dict[str, Any], now: float, withdraw: bool = False,
+) -> str:  # fmt: skip
+    """``expire.lua`` for a free message (:meth:`Expiry.expire`; also a dead-letter requeue's
+    withdrawal of a handoff to free it kept before the path closed)."""
+    keys = Keys(settings.key_prefix, settings.namespace)
+    first = headers.get(H_ATTEMPT_PUBLISHED_AT)
+    first = first if isinstance(first, (int, float)) and first <= now else now
+    deadline = headers.get(H_DEADLINE_AT)
+    slack_ms = deadline_slack_ms(deadline, now) if isinstance(deadline, (int, float)) else 0
+    row = make_row(
+        job_id=job_id, attempt=attempt, path=Path.FREE, outcome=Outcome.EXPIRED,
+        queue_wait_ms=round((now - first) * 1000), tokens_in=0, tokens_out=0,
+        deadline_slack_ms=slack_ms,
+    ).to_json()  # fmt: skip
+    row.pop("retry_tax")
+    member = f"{job_id}:{attempt}"
+    names = [keys.run(job_id, attempt), keys.inflight, keys.free_waiting, keys.window(window),
+             keys.window_rows(window)]  # fmt: skip
+    args = [member, nonce_of(headers), str(round(now * 1000)),
+            str(round(settings.free_wait_allowance_s * 1000)),
+            repr(settings.queue_wait_unit_per_second), str(WINDOW_RETENTION_S),
+            json.dumps(row)[:-1], str(window), "1" if withdraw else ""]  # fmt: skip
+    return str(text_of(evalsha(client, script, names, args)))
 
 
 def closed_recall(

@@ -9,7 +9,8 @@ pipeline as a publish, keeps how it hands it on (beside the record:
 step (``move.lua``), on RabbitMQ acked only once its new copy is confirmed. A requeue cut short
 between the keep and the move (or whose keep got no answer, and was kept) leaves the task
 listed; a second requeue of it hands it on exactly as the first did (its deadline too), and a
-worker runs one of the copies. A keep refused fails the command, saying so, and undoes the
+worker runs one of the copies; but not to free once the path is closed: its admission is then
+withdrawn, and it goes to reserved (:func:`_withdrawn`). A keep refused fails the command, saying so, and undoes the
 decision: the task is listed as it was. Cut short before the keep, the task is listed with
 that decision in the record and no copy: the next requeue undoes it and scores the task again
 (a second publish of a live attempt would be a ``duplicate_publish``). Requeues take turns
@@ -31,9 +32,17 @@ from redis.exceptions import LockError
 
 from gatekeeper.celery.broker import BROKER_ERRORS, Taken
 from gatekeeper.celery.deadletter import unanswered
-from gatekeeper.celery.expiry import unless_withdrawn
+from gatekeeper.celery.expiry import EXPIRED_REASON, expire_call, unless_withdrawn
 from gatekeeper.celery.message import nonce_of
-from gatekeeper.core.headers import H_ATTEMPT, H_COPY, H_DEADLINE_AT, H_DECISION, H_NONCE
+from gatekeeper.celery.taken import copy_message
+from gatekeeper.core.headers import (
+    H_ATTEMPT,
+    H_COPY,
+    H_DEADLINE_AT,
+    H_DECISION,
+    H_NONCE,
+    H_WINDOW,
+)
 from gatekeeper.errors import GateUnreachable, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import settings_of
@@ -51,6 +60,8 @@ from gatekeeper.redis.handoff import (
     remember,
 )
 from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.scripts import load_lua
+from gatekeeper.settings import GatekeeperSettings
 
 __all__ = ["REQUEUE_LOCK_S", "REQUEUE_WAIT_S", "dead_letter"]
 
@@ -191,6 +202,10 @@ def _requeue(ctx: click.Context, gate: redis.Redis, job_id: str, deadline_s: flo
     handoff = recalled(record, nonce, in_key)
     if handoff is not None:  # (withdrawn since by the replayer: to reserved, never free)
         handoff = unless_withdrawn(handoff, record, settings)
+    closed = False
+    if handoff is not None and handoff.queue == settings.free_queue and not _open(ctx, gate):
+        closed = True  # kept for free by a requeue cut short, and the path closed since
+        handoff = _withdrawn(gate, settings, handoff, message, (broker, taken))
     was = headers.get(H_DEADLINE_AT)
     moved_to: float | None = None
     if handoff is None:  # the first requeue of it: scored again, with its new deadline
@@ -220,6 +235,8 @@ def _requeue(ctx: click.Context, gate: redis.Redis, job_id: str, deadline_s: flo
             moved_to = given  # that requeue moved it: said now, as the move happens
         deadline_s = float(moved_to or was or 0) - time.time()
         why = "handed_on_again: a requeue of it kept its handoff and moved nothing"
+        if closed:
+            why = f"{EXPIRED_REASON}: a requeue of it kept a handoff to free, now closed"
     handoff.apply(headers)
     headers[H_COPY] = uuid.uuid4().hex  # a requeue cut short and redone: a worker runs one copy
     try:
@@ -237,3 +254,37 @@ def _requeue(ctx: click.Context, gate: redis.Redis, job_id: str, deadline_s: flo
         )  # fmt: skip
     click.echo(f"requeued {job_id} to {handoff.queue} (reason {why}, "
                f"deadline in {deadline_s:g} s)")  # fmt: skip
+
+
+def _open(ctx: click.Context, gate: redis.Redis) -> bool:
+    """Whether the free path is open, as the gate's flags say now (never read: closed)."""
+    flags = Pipeline.create(settings_of(ctx), gate, time.time).flags.current()
+    return flags.free_path_enabled and flags.unread is None and not flags.state_missing
+
+
+def _withdrawn(
+    gate: redis.Redis, settings: GatekeeperSettings, handoff: Handoff, message: dict[str, Any],
+    held: tuple[Any, Taken],
+) -> Handoff:  # fmt: skip
+    """A handoff to free that an earlier requeue kept before the free path closed (a rollback
+    after that requeue was cut short, a reviewer found): never to free now. Its admission is
+    withdrawn as the replayer withdraws one (:func:`~gatekeeper.celery.expiry.closed_recall`:
+    an ``expired`` row, charged the wait so far), and it goes to reserved. A copy of it that
+    started (its free message reached a worker) cannot be withdrawn: the task stays listed."""
+    headers = copy_message(message)["headers"]
+    handoff.apply(headers)
+    job_id, attempt, window = str(headers.get("id")), headers.get(H_ATTEMPT), headers.get(H_WINDOW)
+    answer = "no"
+    if type(attempt) is int and type(window) is int:
+        script = gate.register_script(load_lua("expire.lua"))
+        answer = expire_call(gate, script, settings, job_id, attempt, window, headers,
+                             time.time(), withdraw=True)  # fmt: skip
+    if answer == "no":
+        broker, taken = held
+        broker.leave(taken)
+        broker.close()
+        raise click.ClickException(
+            f"an earlier requeue handed {job_id} to {settings.free_queue}, which is closed now, "
+            f"and its admission cannot be withdrawn (a copy of it started): the task stays in "
+            f"the dead letters")  # fmt: skip
+    return unless_withdrawn(handoff, {"reason": EXPIRED_REASON}, settings)
