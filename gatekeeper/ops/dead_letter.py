@@ -11,11 +11,12 @@ between the keep and the move (or whose keep got no answer, and was kept) leaves
 listed; a second requeue of it hands it on exactly as the first did (its deadline too), and a
 worker runs one of the copies; but not to free once the path is closed: its admission is then
 withdrawn, and it goes to reserved (:func:`_withdrawn`). A keep refused fails the command,
-saying so, and undoes the decision: the task is listed as it was. Cut short before the keep, the task is listed with
-that decision in the record and no copy: the next requeue undoes it and scores the task again
-(a second publish of a live attempt would be a ``duplicate_publish``). Requeues take turns
-(``dead_letter:lock``); a keep is made only while the record still holds the requeue's decision
-(``keep.lua``: the replayer, handing on a twin of the task, may have undone it).
+saying so, and undoes the decision: the task is listed as it was. Cut short before the keep,
+the task is listed with that decision in the record and no copy: the next requeue undoes it and
+scores the task again (a second publish of a live attempt would be a ``duplicate_publish``).
+Requeues take turns (``dead_letter:lock``); a keep is made only while the record still holds
+the requeue's decision (``keep.lua``: the replayer, handing on a twin of the task, may have
+undone it).
 """
 
 from __future__ import annotations
