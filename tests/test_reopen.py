@@ -211,3 +211,22 @@ def test_cli_refuses_with_the_reason_and_accepts_force(
     assert "event=flag_change_refused" in refused.output
     forced = runner.invoke(main, ["flags", "set", "free_path_enabled", "true", "--force"])
     assert forced.exit_code == 0 and "forced" in forced.stdout
+
+
+def test_a_window_over_its_miss_budget_freezes_once_without_a_new_miss_then_not_again(
+    redis_client: redis.Redis,
+) -> None:
+    """A reviewer: misses counted while the window had fewer than ``miss_min_admissions``
+    admissions were never checked again as admissions came. A row with no miss of its own
+    (``once``) now freezes such a window, once: after an operator's forced re-open the
+    next such row does not freeze again; a new miss does."""
+    settings = GatekeeperSettings(budget_units=1000, miss_min_admissions=3)
+    store, alerts = FlagStore(redis_client, settings), make_logger(settings, "alert")
+    assert not maybe_freeze(store, alerts, W, 2, 2, at(W))  # the misses, before 3 admissions
+    assert maybe_freeze(store, alerts, W, 2, 5, at(W), once=True)  # an on-time row, later
+    assert redis_client.hget(KEYS.flags, "free_path_enabled") == b"false"
+    store.set("free_path_enabled", "true", "vendor fixed", "oncall", at(W), force=True)
+    assert not maybe_freeze(store, alerts, W, 2, 6, at(W), once=True)  # the re-open holds
+    assert store.current().free_path_enabled
+    assert maybe_freeze(store, alerts, W, 3, 7, at(W))  # a new miss in the window: frozen
+    assert redis_client.hget(KEYS.totals, "freezes") == b"2"

@@ -28,7 +28,7 @@ from gatekeeper.redis.kept import unpack
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import load_lua, text_of
 from tests.apps.gated_app import HELD_KEY, RUNS_KEY, create_app
-from tests.conftest import gate_settings, running_worker, wait_until
+from tests.conftest import clear_of_a_window_edge, gate_settings, running_worker, wait_until
 from tests.moved import BlackHole
 
 pytestmark = pytest.mark.celery
@@ -444,6 +444,29 @@ def test_slack_misses_alert_and_freeze_the_free_path(
     assert "event=free_path_frozen" in log.read_text()
     (change,) = [json.loads(raw) for raw in redis_client.lrange(KEYS.flags_log, 0, -1)]
     assert change["actor"] == "gatekeeper:auto-freeze" and "slack misses" in change["reason"]
+
+
+def test_misses_counted_before_the_minimum_admissions_freeze_once_the_window_has_them(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A reviewer: two misses while the window had 2 admissions (the minimum 3), then three
+    on time: 2 of 5 is far over the 1% budget, and nothing froze (the rule was checked at a
+    miss alone). A free row of a window with misses now checks it too."""
+    clear_of_a_window_edge(900, 60)
+    app = app_for(redis_url)
+    log = tmp_path / "w.log"
+    late = {"headers": {"gatekeeper_deadline_s": 1.3}}  # admitted (dwell 1 s), runs 1.5 s
+    with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="3"):
+        for _ in range(2):
+            app.tasks["tests.sleepy"].apply_async(kwargs={"sleep_s": 1.5}, **late)
+        wait_rows(redis_client, 2)
+        assert redis_client.hget(KEYS.flags, "free_path_enabled") is None  # 2 of 2: too few
+        for _ in range(3):  # on time
+            app.tasks["tests.sleepy"].apply_async(kwargs={"sleep_s": 0})
+        wait_rows(redis_client, 5)
+        assert wait_until(lambda: "event=free_path_frozen" in log.read_text(), 10)
+    assert redis_client.hget(KEYS.flags, "free_path_enabled") == b"false"
+    assert redis_client.hget(KEYS.totals, "freezes") == b"1"
 
 
 def test_free_attempts_that_fail_for_good_after_their_deadline_are_slack_misses_and_freeze(

@@ -13,7 +13,8 @@ from typing import Any
 import redis
 
 from gatekeeper.core.health import WindowHealth, should_freeze
-from gatekeeper.core.ledger import LedgerRow
+from gatekeeper.core.ledger import LedgerRow, Path
+from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.runs import Finished, RunRecord
@@ -40,23 +41,34 @@ def row_written(
             job_id=job_id, attempt=attempt, dwell_s=record.dwell_s,
             deadline_slack_s=row.deadline_slack_ms / 1000, retries=record.retries,
         )  # fmt: skip
+    # A free row of a window with misses checks it too (a reviewer: misses counted before
+    # `miss_min_admissions` admissions were never checked again), once per window.
+    if done.slack_miss or (row.path is Path.FREE and done.slack_misses):
         try:  # the row is written: a check that gets no answer never sends it again (pending)
             maybe_freeze(flags, alerts, done.window, done.slack_misses, done.admitted_free,
-                         now)  # fmt: skip
+                         now, once=not done.slack_miss)  # fmt: skip
         except (LedgerUnavailable, redis.RedisError) as exc:
             log.warning("freeze_check_failed", job_id=job_id, attempt=attempt, error=repr(exc))
 
 
 def maybe_freeze(
-    flags: FlagStore, alerts: Any, window: int, misses: int, admitted: int, now: float
-) -> bool:
-    """Freeze the free path when a window's misses exceed the error budget; True if frozen."""
+    flags: FlagStore, alerts: Any, window: int, misses: int, admitted: int, now: float,
+    once: bool = False,
+) -> bool:  # fmt: skip
+    """Freeze the free path when a window's misses exceed the error budget; True if frozen.
+    ``once`` (a check made without a new miss): only if this window never froze it (nor
+    found it closed), so that an operator's re-open holds until the window misses again."""
     settings = flags.settings
     health = WindowHealth(window_id=window, admitted_free=admitted, slack_misses=misses)
     budget = settings.miss_error_budget
     if not should_freeze(health, budget, settings.miss_min_admissions):
         return False
-    if flags.stored().get("free_path_enabled") == "false":
+    froze = flags.keys.window_froze(window)
+    if once and flags.client.exists(froze):
+        return False
+    closed = flags.stored().get("free_path_enabled") == "false"
+    flags.client.set(froze, "1", ex=WINDOW_RETENTION_S)
+    if closed:
         return False
     reason = (
         f"slack misses {misses}/{admitted} = {misses / admitted:.1%} of free admissions in "

@@ -310,6 +310,12 @@ class Keys:
     def window_rows(self, window_id: int) -> str:
         return f"{self.base}:window:{window_id}:rows"
 
+    def window_froze(self, window_id: int) -> str:
+        """String: the window's misses passed the error budget and froze (or found closed)
+        the free path once; a row without a miss of its own checks it no more
+        (gatekeeper/celery/freeze.py)."""
+        return f"{self.base}:window:{window_id}:froze"
+
     def service(self, task: str) -> str:
         return f"{self.base}:service:times:{task}"
 
