@@ -5,6 +5,7 @@ default) came back with the marker of its last snapshot and the flags as they we
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,11 +13,16 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from click.testing import CliRunner
 
-from gatekeeper.ops.embedded import EmbeddedRedis
+from gatekeeper.ops.cli import main
+from gatekeeper.ops.embedded import EmbeddedRedis, find_redis_server
 from gatekeeper.redis.flags import FlagStore
-from tests.conftest import REPO_ROOT, gate_settings, wait_until
+from gatekeeper.redis.keys import Keys
+from tests.conftest import REPO_ROOT, gate_settings, unused_port, wait_until
 from tests.test_state_loss import cli
+
+KEYS = Keys()
 
 
 @pytest.fixture()
@@ -147,3 +153,38 @@ def test_an_auto_freeze_made_while_a_snapshot_ran_is_on_disk_when_its_pool_child
         assert flag.startswith("flag free_path_enabled=false (redis)"), flag
     else:  # without the signal (a SIGKILLed child) nothing could: the write was lost
         assert flag.startswith("flag free_path_enabled=true"), flag
+
+
+def test_a_rollback_a_replica_has_not_acknowledged_is_said_and_exits_1(
+    gate_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reviewer: with the replica stalled, ``flags set free_path_enabled false`` exited 0
+    after WAIT's 0.5 s, silent; a failover to that replica then undid the rollback. It now
+    waits as long as for the disk, says ``replicated=0/1`` and what a failover would do, and
+    exits 1 (the rollback stands on the primary); with the replica back, ``replicated=1/1``.
+    (Under the CLI's 5 s socket timeout: a longer WAIT was cut off, and said nothing.)"""
+    replica = subprocess.Popen(
+        [find_redis_server(), "--port", str(unused_port()), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--replicaof", "127.0.0.1", str(gate_server.port)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    primary = redis.Redis.from_url(gate_server.url)
+    try:
+        assert wait_until(lambda: primary.info("replication")["connected_slaves"] == 1)
+        assert wait_until(lambda: primary.execute_command("WAIT", 1, 100) == 1)  # in sync
+        os.kill(replica.pid, signal.SIGSTOP)  # stalled: connected, acknowledging nothing
+        monkeypatch.setenv("GATEKEEPER_REDIS_URL", gate_server.url)
+        rollback = ["flags", "set", "free_path_enabled", "false", "--reason", "page 7"]
+        stalled = CliRunner().invoke(main, rollback)
+        assert stalled.exit_code == 1, stalled.output
+        said = "replicated=0/1: in force on the primary, but not every replica had it within 4 s"
+        assert said in stalled.output, stalled.output
+        assert "GATEKEEPER_FREE_PATH_ENABLED=false" in stalled.output
+        assert primary.hget(KEYS.flags, "free_path_enabled") == b"false"
+        os.kill(replica.pid, signal.SIGCONT)
+        again = CliRunner().invoke(main, ["flags", "set", "canary_percent", "50"])
+        assert again.exit_code == 0 and "replicated=1/1" in again.output, again.output
+    finally:
+        os.kill(replica.pid, signal.SIGCONT)
+        replica.kill()
+        replica.wait()

@@ -19,6 +19,7 @@ from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import settings_of
 from gatekeeper.ops.oncall import redis_client, show_value
+from gatekeeper.redis.durable import REPLICA_WAIT_S
 from gatekeeper.redis.flags import FLAG_NAMES, STATE_FIELD, STATE_MISSING, FlagStore, combine
 
 __all__ = ["flags", "init"]
@@ -47,8 +48,11 @@ def _said_unused(store: FlagStore) -> None:
                    "see `gatekeeper status`)", err=True)  # fmt: skip
 
 
-def _said_on_disk(store: FlagStore) -> None:
-    """How the change reached the server's disk, and what a restart of it would do."""
+def _said_on_disk(store: FlagStore) -> bool:
+    """How the change reached the server's disk and its replicas, and what a restart or a
+    failover would do; False when not every replica has it (the command then exits 1: the
+    change stands on the primary)."""
+    replicated = _said_replicated(store)
     how = store.persisted
     if how in ("aof", "rdb"):
         click.echo(f"on_disk={how}")
@@ -63,6 +67,22 @@ def _said_on_disk(store: FlagStore) -> None:
         click.echo(f"on_disk={how}: a restart of this Redis before its next snapshot may undo "
                    "this change; for a rollback that must hold, set it in the settings too "
                    "(GATEKEEPER_FREE_PATH_ENABLED=false)")  # fmt: skip
+    return replicated
+
+
+def _said_replicated(store: FlagStore) -> bool:
+    if not store.replicas:
+        return True
+    acked, connected = store.replicas.split("/")
+    if acked == connected:
+        click.echo(f"replicated={store.replicas}")
+        return True
+    click.echo(f"replicated={store.replicas}: in force on the primary, but not every replica "
+               f"had it within {REPLICA_WAIT_S:g} s; a failover to one that lacks it would "
+               "undo it: check `gatekeeper flags` once the replicas catch up, and for a "
+               "rollback that must hold set it in the settings too "
+               "(GATEKEEPER_FREE_PATH_ENABLED=false)", err=True)  # fmt: skip
+    return False
 
 
 def actor() -> str:
@@ -140,8 +160,10 @@ def flags_set(ctx: click.Context, name: str, value: str, reason: str, force: boo
     ):
         click.echo("warning: the settings here still say free_path_enabled=false: the free path "
                    "stays closed where they do (re-opening needs both)", err=True)  # fmt: skip
-    _said_on_disk(store)
+    replicated = _said_on_disk(store)
     _said_unused(store)
+    if not replicated:
+        ctx.exit(1)
 
 
 @flags.command(name="unset")
@@ -165,8 +187,10 @@ def flags_unset(ctx: click.Context, name: str, reason: str, force: bool) -> None
         on_disk=store.persisted,
     )  # fmt: skip
     click.echo(f"{name} unset (reason: {change.reason})")
-    _said_on_disk(store)
+    replicated = _said_on_disk(store)
     _said_unused(store)
+    if not replicated:
+        ctx.exit(1)
 
 
 @click.command()
@@ -201,7 +225,9 @@ def init(ctx: click.Context, reason: str, open_path: bool) -> None:
         "state_initialised", namespace=store.settings.namespace, reason=why, actor=change.actor
     )
     click.echo(f"state: initialised ({STATE_FIELD}={change.value}, reason: {why})")
-    _said_on_disk(store)
+    replicated = _said_on_disk(store)
     if not open_path:
         click.echo("free_path_enabled=false: re-open with `gatekeeper flags set "
                    "free_path_enabled true` after a clean hour (or --force)")  # fmt: skip
+    if not replicated:
+        ctx.exit(1)

@@ -22,7 +22,11 @@ import time
 
 import redis
 
-__all__ = ["finish_pending", "on_disk", "replicated"]
+__all__ = ["REPLICA_WAIT_S", "finish_pending", "on_disk", "replicated"]
+
+REPLICA_WAIT_S = 4.0
+"""How long ``gatekeeper flags`` waits for the replicas (``WAIT``): under the on-call
+commands' 5 s socket timeout (gatekeeper/ops/oncall.py), which would cut a longer one off."""
 
 _pending: list[threading.Thread] = []
 """Snapshots this process still has to begin (``rdb_pending``): :func:`finish_pending`."""
@@ -41,15 +45,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
 
-def replicated(client: redis.Redis, timeout_s: float) -> int | None:
+def replicated(client: redis.Redis, timeout_s: float) -> tuple[int, int] | None:
     """Wait (``WAIT``) until every connected replica has the writes made so far, so that a
-    failover cannot drop the last rollback; returns how many acknowledged (None: no
-    replicas, or the server cannot say). A replica that does not answer in ``timeout_s``
-    is left behind: the write stands on the primary, and the caller is not failed.
+    failover cannot drop the last rollback; returns how many acknowledged and how many are
+    connected (None: no replicas, or the server cannot say). A replica that does not answer
+    in ``timeout_s`` is left behind: the write stands on the primary, and the caller is not
+    failed (``gatekeeper flags`` says so, and exits 1).
 
     ``client`` is the server written to (on a Redis Cluster, :func:`~gatekeeper.redis.
     cluster.home`'s node client: ``WAIT`` counts that primary's replicas, for the writes of
     the connection it is sent on, the one the writes just gave back to the pool)."""
+    replicas = 0
     try:
         replicas = int(client.info("replication").get("connected_slaves", 0))
         if not replicas:
@@ -57,7 +63,9 @@ def replicated(client: redis.Redis, timeout_s: float) -> int | None:
         acked = client.execute_command(  # type: ignore[no-untyped-call]
             "WAIT", replicas, max(1, round(timeout_s * 1000))
         )
-        return int(acked)
+        return int(acked), replicas
+    except redis.TimeoutError:  # the client's own timeout cut the WAIT off: none it knows of
+        return (0, replicas) if replicas else None
     except (redis.RedisError, TypeError, ValueError, AttributeError):
         return None
 

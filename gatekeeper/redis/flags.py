@@ -31,7 +31,7 @@ from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
 from gatekeeper.forks import renew_in_children
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.cluster import home
-from gatekeeper.redis.durable import on_disk, replicated
+from gatekeeper.redis.durable import REPLICA_WAIT_S, on_disk, replicated
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import read_windows, text_of
 from gatekeeper.settings import GatekeeperSettings
@@ -126,6 +126,8 @@ class FlagStore:
         """How long a write waits for its snapshot (``gatekeeper flags``: 30 s; 0: not at all)."""
         self.persisted = ""
         """How the last write reached the disk (:func:`gatekeeper.redis.durable.on_disk`)."""
+        self.replicas = ""
+        """``<acknowledged>/<connected>`` replicas of the last write ('': none, or unknown)."""
 
     def stored(self) -> dict[str, str]:
         """The overrides in Redis, as text; :class:`LedgerUnavailable` at once while the
@@ -323,7 +325,9 @@ class FlagStore:
         except redis.RedisError as exc:
             raise LedgerUnavailable(f"cannot write flag {name}: {exc}") from exc
         self.invalidate()
-        replicated(server, self.settings.redis_timeout_s)
+        waits = min(self.disk_wait_s, REPLICA_WAIT_S)  # (a worker's: 0, the timeout)
+        shared = replicated(server, max(self.settings.redis_timeout_s, waits))
+        self.replicas = f"{shared[0]}/{shared[1]}" if shared else ""
         try:  # best effort: never fails a write that was made
             self.persisted = on_disk(server, self.disk_wait_s, wait=self.disk_wait_s > 0)
         except Exception as exc:  # a thread that cannot start, say
