@@ -4,6 +4,7 @@ the free queue: then it goes to reserved."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from kombu import Exchange, Queue
 
 import gatekeeper
 import gatekeeper.lines
+from gatekeeper.ops.embedded import EmbeddedRedis
 from gatekeeper.redis.flags import in_canary
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, unused_port
@@ -190,6 +192,29 @@ def test_with_the_flags_never_read_nothing_routed_to_free_goes_there(
         "celery": [],
         "reserved": ["celery.map", "pkg.embed", "tests.embed"],
     }
+
+
+@pytest.mark.parametrize("mode", ["gate_off", "outside_canary"])
+def test_a_rollback_the_publisher_cannot_read_again_sends_nothing_more_to_free(
+    redis_url: str, redis_client: redis.Redis, gate_server: EmbeddedRedis, mode: str
+) -> None:
+    # A reviewer: the flags read open, a rollback written, then the gate's Redis gone before
+    # the publisher read them again: the old read stayed in force for as long as Redis was
+    # away, and tasks whose own route is free (gate off, outside the canary, an ungated name)
+    # went to free. Flags that could not be read again are stale now: never to free on them.
+    off = {"dwell_gate_enabled": False} if mode == "gate_off" else {"canary_percent": 0}
+    app = create_app(gate_settings(gate_server.url, flag_cache_s=0.5, **off), redis_url)
+    app.conf.task_routes = {"pkg.*": {"queue": "free"}}
+    app.tasks["tests.embed"].apply_async((0,), queue="free")  # the flags read: open
+    assert tasks_in(redis_client)["free"] == ["tests.embed"]
+    redis_client.delete("free")
+    close_in_redis(redis.Redis.from_url(gate_server.url))
+    gate_server.kill()  # right after the rollback, before the publisher reads it
+    time.sleep(0.7)  # past flag_cache_s: the next publish tries to read them again
+    app.tasks["tests.embed"].apply_async((1,), queue="free")
+    app.send_task("pkg.embed", (2,))
+    assert tasks_in(redis_client) == {"free": [], "celery": [],
+                                      "reserved": ["pkg.embed", "tests.embed"]}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["topic", "fanout"])

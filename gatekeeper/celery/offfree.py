@@ -72,11 +72,12 @@ class OffFree:
         if not to_free:
             return
         flags = made.pipeline.flags.current()  # never raises: the last read, or unread
-        if flags.free_path_enabled and flags.unread is None:
+        if flags.free_open:
             return
         options.update(queue=settings.reserved_queue, exchange=None, routing_key=None)
         options.pop("exchange_type", None)
         made.pipeline.log.warning(
             "routed_off_free", task=name, queue=settings.reserved_queue,
-            reason="free_path_disabled" if flags.unread is None else "flags_unread",
+            reason="flags_unread" if flags.unread else "flags_stale" if flags.stale else
+            "free_path_disabled",
         )  # fmt: skip

@@ -317,7 +317,7 @@ class Replayer:
 
     def _open(self) -> bool:  # the free path, for a recalled handoff (never read: closed)
         flags = self.pipeline.flags.current()
-        return flags.free_path_enabled and flags.unread is None
+        return flags.free_open
 
     def _deferred_by_the_gate(self, record: dict[str, str], headers: dict[str, Any]) -> bool:
         """Whether the gate's record of this attempt deferred it, and the message carries

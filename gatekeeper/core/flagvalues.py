@@ -58,8 +58,17 @@ class Flags:
     unread: str | None = None
     """Why Redis could not be read, when no read has succeeded yet: these are the settings
     alone, and a value in Redis may override them (the gate cannot tell whether it is on)."""
+    stale: str | None = None
+    """Why the last read failed, when these are an earlier read's flags: they stay in force
+    (stale beats absent), but not to send a task to free (the path may have closed since)."""
     state_missing: bool = False
     """The state marker is missing: the free path is closed until ``gatekeeper init``."""
     eviction: str | None = None
     """The gate Redis's ``maxmemory-policy`` when it is not ``noeviction`` (or ``unknown``):
     the free path is closed while it is."""
+
+    @property
+    def free_open(self) -> bool:
+        """Whether a task may go to free on its own route (gate off, outside the canary, not
+        gated): the path open, as read from Redis just now (not unread, not stale)."""
+        return self.free_path_enabled and self.unread is None and self.stale is None

@@ -260,7 +260,7 @@ def _requeue(ctx: click.Context, gate: redis.Redis, job_id: str, deadline_s: flo
 def _open(ctx: click.Context, gate: redis.Redis) -> bool:
     """Whether the free path is open, as the gate's flags say now (never read: closed)."""
     flags = Pipeline.create(settings_of(ctx), gate, time.time).flags.current()
-    return flags.free_path_enabled and flags.unread is None and not flags.state_missing
+    return flags.free_open and not flags.state_missing
 
 
 def _withdrawn(

@@ -174,13 +174,13 @@ class FlagStore:
             try:
                 flags = combine(self.settings, self.stored(), self.eviction_policy())
             except LedgerUnavailable as exc:
-                flags = self._cached or replace(
-                    combine(self.settings, {STATE_FIELD: "unread"}), unread=str(exc)
-                )
-                # Retry after one cache interval, not on every publish; while never read,
-                # within UNREAD_RETRY_S, so that Redis back means the flags back.
+                cached, why = self._cached, str(exc)  # (stale: not read now; unread: never)
+                flags = replace(cached, stale=why) if cached else replace(
+                    combine(self.settings, {STATE_FIELD: "unread"}), unread=why)  # fmt: skip
+                # Retry after one cache interval, not on every publish; while never read or
+                # stale, within UNREAD_RETRY_S, so that Redis back means the flags back.
             read_at = now
-            if flags.unread is not None:
+            if flags.unread is not None or flags.stale is not None:
                 read_at -= max(0.0, self.settings.flag_cache_s - UNREAD_RETRY_S)
             self._cached, self._read_at = flags, read_at
             return flags
