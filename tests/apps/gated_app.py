@@ -331,12 +331,12 @@ def _freeze_check_unanswered_once() -> None:
 
     real, done = freeze.maybe_freeze, []
 
-    def maybe_freeze(*args: Any) -> bool:
+    def maybe_freeze(*args: Any, **kwargs: Any) -> bool:
         if not done:
             done.append(1)
             silent = redis.TimeoutError("Timeout reading from socket")
             raise LedgerUnavailable(f"cannot read flags: {silent}") from silent
-        return real(*args)
+        return real(*args, **kwargs)
 
     freeze.maybe_freeze = maybe_freeze  # type: ignore[assignment]
 
