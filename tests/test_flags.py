@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 from click.testing import CliRunner
 
-from gatekeeper.errors import ConfigError
+from gatekeeper.core.ledger import window_id
+from gatekeeper.errors import ConfigError, FreePathLocked
 from gatekeeper.ops.cli import main
-from gatekeeper.redis.flags import FlagStore, in_canary, parse_flag
+from gatekeeper.redis.flags import STATE_FIELD, FlagStore, combine, in_canary, parse_flag
+from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.store import GateStore
 from gatekeeper.settings import GatekeeperSettings
+from tests.calls import gate_call
+from tests.conftest import initialised
+
+KEYS = Keys()
 
 
 class Clock:
@@ -184,3 +193,26 @@ def test_a_reopen_while_the_settings_keep_the_path_closed_says_so(
     assert result.exit_code == 0, result.output
     assert "free_path_enabled=true" in result.stdout
     assert "warning: the settings here still say free_path_enabled=false" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("stored", "closed"),
+    [("false", True), ("0", True), (" OFF ", True), ("no", True), ("garbage", True),
+     ("true", False), ("1", False), ("Yes", False), (" on", False)],
+)  # fmt: skip
+def test_a_value_written_by_hand_closes_the_path_as_the_settings_would_read_it(
+    redis_client: redis.Redis, stored: str, closed: bool
+) -> None:
+    """A reviewer: gate.lua (every publisher's check, cache or not) took only ``false`` for
+    closed, the Python side any value but a true one (a corrupt one too); and ``flags
+    unset`` lifted a hand's ``0`` without a clean hour. Both read a value alike now."""
+    initialised(redis_client)
+    redis_client.hset(KEYS.flags, "free_path_enabled", stored)
+    scored = GateStore(redis_client, KEYS).score(gate_call(1_800_000_000.0, job_id=stored))
+    assert (scored.reason.value == "free_path_disabled") is closed
+    assert (combine(GatekeeperSettings(), {"free_path_enabled": stored, STATE_FIELD: "1"})
+            .free_path_enabled) is not closed  # fmt: skip
+    if closed:  # lifting it is a re-open: refused without a clean hour (a killed row here)
+        redis_client.hset(KEYS.window(window_id(time.time(), 900)), "rows:killed", 1)
+        with pytest.raises(FreePathLocked):
+            store(redis_client).unset("free_path_enabled", "x", "oncall", time.time())

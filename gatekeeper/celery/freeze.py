@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from gatekeeper.core.flagvalues import closed_by
 from gatekeeper.core.health import WindowHealth, should_freeze
 from gatekeeper.core.ledger import LedgerRow, Path
 from gatekeeper.defaults import WINDOW_RETENTION_S
@@ -66,7 +67,7 @@ def maybe_freeze(
     froze = flags.keys.window_froze(window)
     if once and flags.client.exists(froze):
         return False
-    closed = flags.stored().get("free_path_enabled") == "false"
+    closed = closed_by(flags.stored())
     flags.client.set(froze, "1", ex=WINDOW_RETENTION_S)
     if closed:
         return False

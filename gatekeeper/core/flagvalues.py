@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gatekeeper.errors import ConfigError
 
-__all__ = ["FALSE", "FLAG_NAMES", "TRUE", "Flags", "in_canary", "parse_flag"]
+__all__ = ["FALSE", "FLAG_NAMES", "TRUE", "Flags", "closed_by", "in_canary", "parse_flag"]
 
 FLAG_NAMES = ("dwell_gate_enabled", "free_path_enabled", "canary_percent")
 
@@ -36,6 +37,14 @@ def parse_flag(name: str, value: str) -> bool | float:
     if text in FALSE:
         return False
     raise ConfigError(f"{name}: expected true or false, got {value!r}")
+
+
+def closed_by(stored: Mapping[str, str]) -> bool:
+    """Whether the overrides stored in Redis close the free path: its value there and not one
+    that reads as true (a corrupt one closes it, as ``combine`` reads it; ``gate.lua`` too).
+    The commands write ``false``; a hand's ``HSET`` may write ``0`` or ``off``."""
+    text = stored.get("free_path_enabled")
+    return text is not None and text.strip().lower() not in TRUE
 
 
 def in_canary(job_id: str, percent: float) -> bool:

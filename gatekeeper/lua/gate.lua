@@ -294,8 +294,13 @@ local flags = redis.call('HMGET', KEYS[5], 'free_path_enabled', 'initialised_at'
 if not flags[2] then  -- the state marker is gone (lost, flushed) or was never written
   return decided('reserved', 'state_missing', nil, '0')
 end
-if flags[1] == 'false' then
-  return decided('reserved', 'free_path_disabled', nil, '0')
+if flags[1] and flags[1] ~= 'true' then
+  -- Closed unless it reads as true (gatekeeper/core/flagvalues.py closed_by: a corrupt value
+  -- closes it): the commands write 'false', a hand's HSET may write '0' or 'off'.
+  local text = string.lower(string.match(flags[1], '^%s*(.-)%s*$'))
+  if not (text == 'true' or text == '1' or text == 'yes' or text == 'on') then
+    return decided('reserved', 'free_path_disabled', nil, '0')
+  end
 end
 if not (finite(service) and finite(tax) and finite(slack) and finite(cap) and finite(delay)) then
   return decided('defer', 'non_finite_input', nil, '0')

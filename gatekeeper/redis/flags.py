@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from gatekeeper.core.flagvalues import FLAG_NAMES, Flags, in_canary, parse_flag
+from gatekeeper.core.flagvalues import FLAG_NAMES, Flags, closed_by, in_canary, parse_flag
 from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_windows
 from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
@@ -211,7 +211,7 @@ class FlagStore:
         that freeze at once write, log and count one freeze."""
 
         def unless_closed() -> str:
-            if self.stored().get("free_path_enabled") == "false":
+            if closed_by(self.stored()):
                 raise _Closed
             return reason
 
@@ -233,7 +233,7 @@ class FlagStore:
             return self._write(name, None, reason, actor, now)
 
         def checked() -> str:  # lifting a rollback or a freeze is a re-open
-            closed = self.stored().get(name) == "false"
+            closed = closed_by(self.stored())
             return self._reopen_reason(reason, now, force) if closed else reason
 
         return self._write(name, None, reason, actor, now, checked)
