@@ -20,10 +20,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from gatekeeper.core.ledger import window_id
+from gatekeeper.core.dwell import Decision
+from gatekeeper.core.ledger import BudgetMode, Outcome, window_id
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
-from tests.conftest import REPO_ROOT, running_worker, wait_until
+from gatekeeper.redis.store import GateStore
+from tests.calls import gate_call
+from tests.conftest import REPO_ROOT, initialised, running_worker, wait_until
 
 pytestmark = pytest.mark.celery
 KEYS = Keys()
@@ -164,3 +167,25 @@ def test_a_redelivered_attempt_keeps_its_reservation_until_its_last_run_ends(
     row = ledger.row_for("A", 1, third.record, Outcome.KILLED, round((now + 41) * 1000))
     ledger.finish(row, third.run, third.record, round((now + 41) * 1000))
     assert float(redis_client.hget(KEYS.window(window), "tax_units") or 0) == tax
+
+
+def test_in_optimistic_mode_a_free_row_is_priced_by_the_sources_formula_wait_included(
+    redis_client: redis.Redis,
+) -> None:
+    """A reviewer: optimistic mode's budget check leaves the wait allowance out of an
+    admission, and its record's cap (``reserved``) did too, so a killed free row was charged
+    its tokens alone (1200, not 1200 + 1 s x 200). The cap is tokens + allowance in both
+    modes; the check is still the source's."""
+    initialised(redis_client)
+    now = 1_800_000_000.0
+    call = gate_call(now, job_id="job", tokens_in=1200, budget_mode=BudgetMode.OPTIMISTIC,
+                     wait_allowance_s=10.0, queue_wait_unit_per_second=200.0)  # fmt: skip
+    assert GateStore(redis_client, KEYS).score(call).decision is Decision.ADMIT_FREE
+    runs = RunLedger(redis_client, KEYS, window_seconds=900, queue_wait_unit_per_second=200,
+                     wait_allowance_s=10)  # fmt: skip
+    started = runs.start("job", 1, call.nonce, {"task": "t"}, round((now + 1) * 1000))
+    assert started.record is not None
+    end_ms = round((now + 2) * 1000)
+    row = runs.row_for("job", 1, started.record, Outcome.KILLED, end_ms)
+    done = runs.finish(row, started.run, started.record, end_ms)
+    assert row.retry_tax == 1400 and done.retry_tax == 1400  # 1200 tokens, 1 s waited x 200

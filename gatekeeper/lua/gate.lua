@@ -66,8 +66,9 @@
 --                            the record, so that a replayer killed before it handed the
 --                            message on finds the message it scored still the gate's
 -- ARGV[25] allowance_units  the wait an admission reserves, in units (free_wait_allowance_s x
---                            queue_wait_unit_per_second; 0 in optimistic mode): with its
---                            tokens, the most the attempt can be charged (SPEC's ceiling)
+--                            queue_wait_unit_per_second; not in optimistic mode's budget
+--                            check): with its tokens, the most the attempt can be charged
+--                            (SPEC's ceiling; the record's `reserved`, in either mode)
 -- ARGV[26] task             the task's label for the totals (a registered gated task's
 --                            name, else 'other'), kept in the record for its replays
 -- ARGV[27] deferred_cap      how many members `deferred` keeps
@@ -176,6 +177,8 @@ if due then
 end
 
 local reserved = '0'  -- what an admission holds in exposure, as text (set before admitting)
+local capped = '0'  -- the most its rows may be charged, the record's `reserved` (the same, but
+-- in optimistic mode, whose budget check holds the tokens alone: the allowance's wait too)
 -- Past Redis's hash-max-ziplist-value (hash-max-listpack-value on Redis 7; 64 bytes by
 -- default) a hash leaves its compact encoding, which is searched field by field, for a hash
 -- table. WIDE ends every in-flight value and is the `hash_table` field of windows and totals
@@ -230,7 +233,7 @@ local function decided(decision, reason, dwell, projected)
     redis.call('HSET', KEYS[6], 'nonce', ARGV[18], 'decision', decision, 'reason', reason,
       'window', admitted and ARGV[17] or '', 'tokens_in', ARGV[7], 'admitted_ms', ARGV[22],
       'published_ms', ARGV[19], 'deadline_ms', ARGV[21], 'dwell_s', shown, 'free_admitted', free,
-      'reserved', admitted and reserved or '0', 'prev_nonce', ARGV[24], 'label', ARGV[26])
+      'reserved', admitted and capped or '0', 'prev_nonce', ARGV[24], 'label', ARGV[26])
     redis.call('EXPIRE', KEYS[6], ARGV[20])
   end
   -- An admission is counted in admitted_free alone (the review reads it as
@@ -339,6 +342,7 @@ end
 
 -- Idempotent per attempt: a replay re-scored after a crash does not hold its tokens twice.
 reserved = fmt(reserve)
+capped = ARGV[10] == 'exposure' and reserved or fmt(reserve + tonumber(ARGV[25]))
 local held_now = reserved .. '|' .. ARGV[17] .. '|' .. ARGV[22] .. '|' .. WIDE
 if redis.call('HSETNX', KEYS[4], ARGV[2], held_now) == 1 then
   -- A whole reservation takes HINCRBY (a fraction of HINCRBYFLOAT's cost); a fractional one,
