@@ -50,6 +50,20 @@ def run(runs: RunLedger, attempt: int, nonce: str, start_s: float, end_s: float,
                        went_on=went_on)  # fmt: skip
 
 
+def expire(client: redis.Redis, nonce: str, now: float) -> bytes:
+    """expire.lua on attempt 1 of "job", admitted in ``now``'s window, past its allowance."""
+    row = make_row(job_id="job", attempt=1, path=Path.FREE, outcome=Outcome.EXPIRED,
+                   queue_wait_ms=20_000, tokens_in=0, tokens_out=0,
+                   deadline_slack_ms=70_000).to_json()  # fmt: skip
+    row.pop("retry_tax")
+    window = window_id(now, W)
+    script = client.register_script(load_lua("expire.lua"))
+    return bytes(script(keys=[KEYS.run("job", 1), KEYS.inflight, KEYS.free_waiting,
+                              KEYS.window(window), KEYS.window_rows(window)],
+                        args=["job:1", nonce, str(round(now * 1000)), "10000", "200", "691200",
+                              json.dumps(row)[:-1], str(window), ""]))  # fmt: skip
+
+
 def misses(client: redis.Redis) -> tuple[bytes | None, bytes | None]:
     """The lifetime total and the admission window's count."""
     return (client.hget(KEYS.totals, "slack_misses"),
@@ -113,16 +127,7 @@ def test_an_expired_admissions_late_end_on_reserved_is_a_miss_of_its_admission_w
     its record's window: it keeps it as ``free_window``, where the late end's miss counts."""
     runs = ledger(redis_client)
     assert gate(redis_client, 1, T0, "n1", T0 + 90) == "admit_free"
-    row = make_row(job_id="job", attempt=1, path=Path.FREE, outcome=Outcome.EXPIRED,
-                   queue_wait_ms=20_000, tokens_in=0, tokens_out=0,
-                   deadline_slack_ms=70_000).to_json()  # fmt: skip
-    row.pop("retry_tax")
-    expire = redis_client.register_script(load_lua("expire.lua"))
-    moved = expire(keys=[KEYS.run("job", 1), KEYS.inflight, KEYS.free_waiting,
-                         KEYS.window(ADMITTED_IN), KEYS.window_rows(ADMITTED_IN)],
-                   args=["job:1", "n1", str(round((T0 + 20) * 1000)), "10000", "200", "691200",
-                         json.dumps(row)[:-1], str(ADMITTED_IN), ""])  # fmt: skip
-    assert moved == b"expired"
+    assert expire(redis_client, "n1", T0 + 20) == b"expired"
     done = run(runs, 1, "n1", T0 + 3600, T0 + 3601)  # an hour later, in another window
     assert done.slack_miss and done.window == ADMITTED_IN
     assert misses(redis_client) == (b"1", b"1")
@@ -140,3 +145,21 @@ def test_a_task_id_published_again_after_its_late_end_can_miss_again(
     assert redis_client.hget(KEYS.run("job", 1), "missed") is None
     assert run(runs, 1, "n2", T0 + 201, T0 + 300).slack_miss
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"2"
+
+
+def test_a_reused_task_id_expired_from_free_counts_its_miss_in_its_own_admissions_window(
+    redis_client: redis.Redis,
+) -> None:
+    """A reviewer: the id's first life ended in time (its record cut, ``kept`` naming its
+    window); published again two hours later, admitted, expired to reserved and late, its
+    miss was counted in the first life's window. The record's reason says which is this
+    life's: an expiry's ``free_window``."""
+    runs = ledger(redis_client)
+    assert gate(redis_client, 1, T0, "n1", T0 + 90) == "admit_free"
+    assert not run(runs, 1, "n1", T0 + 1, T0 + 2).slack_miss  # in time: cut, kept
+    later = T0 + 7200
+    assert gate(redis_client, 1, later, "n2", later + 90) == "admit_free"
+    assert expire(redis_client, "n2", later + 20) == b"expired"
+    done = run(runs, 1, "n2", later + 30, later + 200)
+    assert done.slack_miss and done.window == window_id(later, W)
+    assert redis_client.hget(KEYS.window(ADMITTED_IN), "slack_misses") is None

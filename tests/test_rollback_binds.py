@@ -14,10 +14,15 @@ from kombu import Exchange, Queue
 
 import gatekeeper
 import gatekeeper.lines
+from gatekeeper.core.ledger import window_id
+from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.ops.embedded import EmbeddedRedis
-from gatekeeper.redis.flags import in_canary
+from gatekeeper.redis.flags import FlagStore, in_canary
+from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import create_app
 from tests.conftest import gate_settings, queue_messages, unused_port
+
+KEYS = Keys()
 
 
 def make_app(redis_url: str, **overrides: Any) -> Celery:
@@ -215,6 +220,30 @@ def test_a_rollback_the_publisher_cannot_read_again_sends_nothing_more_to_free(
     app.send_task("pkg.embed", (2,))
     assert tasks_in(redis_client) == {"free": [], "celery": [],
                                       "reserved": ["pkg.embed", "tests.embed"]}  # fmt: skip
+
+
+def test_a_task_the_gate_leaves_alone_is_not_scored_while_its_flags_are_stale(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reviewer: one flags read failed (a timeout), Redis answering again; a gate-off task
+    # routed to free was then decided by gate.lua (a record, an admission counted in the
+    # window) until the flags were read again. It goes to reserved without the script.
+    app = make_app(redis_url, flag_cache_s=0.5, dwell_gate_enabled=False)
+    app.tasks["tests.embed"].apply_async((0,), queue="free", task_id="before")  # read: open
+    stored, failed = FlagStore.stored, []
+
+    def once(self: FlagStore) -> dict[str, str]:
+        if not failed:
+            failed.append(1)
+            raise LedgerUnavailable("cannot read flags: Timeout reading from socket")
+        return stored(self)
+
+    monkeypatch.setattr(FlagStore, "stored", once)
+    time.sleep(0.6)  # past flag_cache_s: the next publish reads them, and fails
+    app.tasks["tests.embed"].apply_async((1,), queue="free", task_id="during")
+    assert failed and tasks_in(redis_client)["reserved"] == ["tests.embed"]
+    assert not redis_client.exists("gatekeeper:{default}:run:during:1")
+    assert not redis_client.hget(KEYS.window(window_id(time.time(), 900)), "admitted_free")
 
 
 @pytest.mark.parametrize("kind", ["topic", "fanout"])

@@ -214,13 +214,9 @@ def closed_recall(
     again (a copy may be in free already). Held instead, its reservation was given back as
     lost (the sweep's purged admissions, the gate's horizon) and its run charged nothing.
     One ``expire.lua`` refuses (a copy of it started: this one is a spare) waits in defer."""
-    copy = copy_message(message)
+    answer, copy = withdrawn(self.expiry.expire, message, handoff, now)
     headers = copy["headers"]
-    handoff.apply(headers)
-    job_id, attempt, window = str(headers.get("id")), headers.get(H_ATTEMPT), headers.get(H_WINDOW)
-    answer = "no"
-    if type(attempt) is int and type(window) is int:
-        answer = self.expiry.expire(job_id, attempt, window, headers, now, withdraw=True)
+    job_id, attempt = str(headers.get("id")), headers.get(H_ATTEMPT)
     if answer != "no":  # expired now ('again', 'done': before; a spare copy is skipped)
         headers.update({H_DECISION: "reserved", H_REASON: EXPIRED_REASON, H_WINDOW: None})
         self.log.warning("free_wait_expired", job_id=job_id, attempt=attempt, decision="reserved",
@@ -232,6 +228,21 @@ def closed_recall(
     self.log.warning("replay_recall_held", job_id=job_id, attempt=attempt)
     self.broker.hold(taken, held, wait)
     return "held_free_path_closed"
+
+
+def withdrawn(
+    expire: Callable[..., str], message: dict[str, Any], handoff: Handoff, now: float
+) -> tuple[str, dict[str, Any]]:
+    """A kept handoff to free, recalled while the path is closed: ``expire.lua``'s withdrawal
+    of its admission (``expire``: :meth:`Expiry.expire` or :func:`expire_call` bound), and
+    the copy of the message with the handoff applied. 'no': not withdrawn (a copy started)."""
+    copy = copy_message(message)
+    headers = copy["headers"]
+    handoff.apply(headers)
+    job_id, attempt, window = str(headers.get("id")), headers.get(H_ATTEMPT), headers.get(H_WINDOW)
+    if type(attempt) is int and type(window) is int:
+        return expire(job_id, attempt, window, headers, now, withdraw=True), copy
+    return "no", copy
 
 
 def unless_withdrawn(handoff: Handoff, record: Any, settings: GatekeeperSettings) -> Handoff:

@@ -80,6 +80,6 @@ def maybe_freeze(
     alerts.error(
         "free_path_frozen", window=window, slack_misses=misses, admitted_free=admitted,
         miss_error_budget=budget, reason=reason, on_disk=flags.persisted,
-        replicated=flags.replicas or None,
+        **({"replicated": flags.replicas} if flags.replicas else {}),
     )  # fmt: skip
     return True

@@ -1,18 +1,18 @@
 """A publish the gate does not decide, bound for the free queue while the free path is closed,
 goes to reserved: a rollback binds whatever a route sends to free (SPEC section 4).
 
-Such a publish is of a task this app does not register as gated: a name sent with
-``send_task`` by a process that never imported the task's module, or Celery's ``celery.map``
-of a gated task (``.map()``: routed by the gated task's name). The gate cannot tell whether
-it is gated, so it is not decided, and runs as an ordinary task; but while the free path is
-closed (or its flags have never been read: :class:`~gatekeeper.redis.flags.Flags`'s
-``unread``) it is not sent to free. Where the route goes is worked out as for a gated task
-(:func:`gatekeeper.celery.private.bound_for`) once the app declares the free queue; before,
-only a route that names it (its queue, or its exchange: Celery's own for a queue it makes)
-goes there. The flags are read only for a publish bound for free.
+Such a publish is of a task this app does not register as gated: a name sent with ``send_task``
+by a process that never imported the task's module, or Celery's ``celery.map`` of a gated task
+(``.map()``: routed by the gated task's name). The gate cannot tell whether it is gated, so it
+is not decided, and runs as an ordinary task; but while the free path is closed (or its flags
+have never been read, or the last read failed: :class:`~gatekeeper.core.flagvalues.Flags`'s
+``unread``, ``stale``) it is not sent to free. Where the route goes is worked out as for a
+gated task (:func:`gatekeeper.celery.private.bound_for`) once the app declares the free queue;
+before, only a route that names it (its queue, or its exchange: Celery's own for a queue it
+makes) goes there. The flags are read only for a publish bound for free.
 
-The install's parts are made at the first such publish; when they cannot be (settings that
-do not validate), publishes go as they are from then on, without trying again.
+The install's parts are made at the first such publish; when they cannot be (settings that do
+not validate), publishes go as they are from then on, without trying again.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class OffFree:
             return
         if not to_free:
             return
-        flags = made.pipeline.flags.current()  # never raises: the last read, or unread
+        flags = made.pipeline.flags.current()  # never raises: the last read (stale), or unread
         if flags.free_open:
             return
         options.update(queue=settings.reserved_queue, exchange=None, routing_key=None)

@@ -25,6 +25,7 @@ import contextlib
 import math
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 import click
@@ -33,16 +34,14 @@ from redis.exceptions import LockError
 
 from gatekeeper.celery.broker import BROKER_ERRORS, Taken
 from gatekeeper.celery.deadletter import unanswered
-from gatekeeper.celery.expiry import EXPIRED_REASON, expire_call, unless_withdrawn
+from gatekeeper.celery.expiry import EXPIRED_REASON, expire_call, unless_withdrawn, withdrawn
 from gatekeeper.celery.message import nonce_of
-from gatekeeper.celery.taken import copy_message
 from gatekeeper.core.headers import (
     H_ATTEMPT,
     H_COPY,
     H_DEADLINE_AT,
     H_DECISION,
     H_NONCE,
-    H_WINDOW,
 )
 from gatekeeper.errors import GateUnreachable, LedgerUnavailable
 from gatekeeper.logs import make_logger
@@ -258,9 +257,8 @@ def _requeue(ctx: click.Context, gate: redis.Redis, job_id: str, deadline_s: flo
 
 
 def _open(ctx: click.Context, gate: redis.Redis) -> bool:
-    """Whether the free path is open, as the gate's flags say now (never read: closed)."""
-    flags = Pipeline.create(settings_of(ctx), gate, time.time).flags.current()
-    return flags.free_open and not flags.state_missing
+    """Whether the free path is open, as the gate's flags say now (unread or stale: closed)."""
+    return Pipeline.create(settings_of(ctx), gate, time.time).flags.current().free_open
 
 
 def _withdrawn(
@@ -272,15 +270,10 @@ def _withdrawn(
     withdrawn as the replayer withdraws one (:func:`~gatekeeper.celery.expiry.closed_recall`:
     an ``expired`` row, charged the wait so far), and it goes to reserved. A copy of it that
     started (its free message reached a worker) cannot be withdrawn: the task stays listed."""
-    headers = copy_message(message)["headers"]
-    handoff.apply(headers)
-    job_id, attempt, window = str(headers.get("id")), headers.get(H_ATTEMPT), headers.get(H_WINDOW)
-    answer = "no"
-    if type(attempt) is int and type(window) is int:
-        script = gate.register_script(load_lua("expire.lua"))
-        answer = expire_call(gate, script, settings, job_id, attempt, window, headers,
-                             time.time(), withdraw=True)  # fmt: skip
+    expire = partial(expire_call, gate, gate.register_script(load_lua("expire.lua")), settings)
+    answer, copy = withdrawn(expire, message, handoff, time.time())
     if answer == "no":
+        job_id = copy["headers"].get("id")
         broker, taken = held
         broker.leave(taken)
         broker.close()

@@ -73,8 +73,8 @@ def _said_on_disk(store: FlagStore) -> bool:
 def _said_replicated(store: FlagStore) -> bool:
     if not store.replicas:
         return True
-    acked, connected = store.replicas.split("/")
-    if acked == connected:
+    acked, connected = (int(part) for part in store.replicas.split("/"))
+    if acked >= connected:  # (a replica that connected after INFO may acknowledge too)
         click.echo(f"replicated={store.replicas}")
         return True
     click.echo(f"replicated={store.replicas}: in force on the primary, but not every replica "

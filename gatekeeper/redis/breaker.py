@@ -7,7 +7,8 @@ not answering (a timeout or a connection error; an error *reply* is an answer), 
 :class:`Breaker` opens: until a probe finds the server back, the gate store and the flag
 store raise :class:`~gatekeeper.errors.LedgerUnavailable` at once, without touching a socket,
 and the pipeline decides as it does with Redis unreachable (reserved, ``gate_unavailable``;
-the flags last read stay in force). Nothing goes to free.
+the flags last read stay in force, stale: not to send a task to free on its own route).
+Nothing goes to free.
 
 The probe is a daemon thread of its own, started when the breaker opens: every
 ``breaker_open_s`` it sends one ``PING`` through the client (its timeout, no retry; on a

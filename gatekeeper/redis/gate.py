@@ -6,14 +6,15 @@
    untouched (its normal route). Flags never read (the gate's Redis unreachable since the
    process started): Redis may override the settings, so where they say "untouched" the task
    keeps its own route (``flags_unread``). Either way, when that route is the free queue and
-   the free path is closed (or the flags unread), the hook asks again with ``off_free``: the
-   task is then decided as if the gate were on, so ``free_path_enabled=false`` binds every
-   gated task (SPEC section 4);
+   the free path is closed (or the flags unread, or stale), the hook asks again with
+   ``off_free``: the task is then decided as if the gate were on, so ``free_path_enabled=
+   false`` binds every gated task (SPEC section 4);
 2. :meth:`~Pipeline._resolved`: a declared input that cannot be scored -> reserved
    (``bad_input``, unverified: the gate writes no record for it; ``retries`` that make no
    attempt are counted under attempt 0, which none has);
-3. :meth:`~Pipeline._in_process`: the settings turn the gate on but the flags are unread ->
-   reserved (``gate_unavailable``); ``free_path_enabled`` off -> reserved; the dwell gate's
+3. :meth:`~Pipeline._in_process`: the settings turn the gate on but the flags are unread, or
+   a task ``off_free`` has only stale flags (the last read failed) -> reserved
+   (``gate_unavailable``); ``free_path_enabled`` off -> reserved; the dwell gate's
    guards (:func:`gatekeeper.core.dwell.decide`, no round trip) -> defer;
 4. :meth:`~Pipeline.gate_call`: in one Redis script (``gate.lua``), the age cap, dwell against
    slack and the budget, with the attempt's exposure reserved atomically (a batch's scripts
@@ -155,7 +156,7 @@ class Pipeline:
         attempt = self._resolved(publish)
         if isinstance(attempt, Routing):
             return attempt
-        return self._in_process(attempt, flags) or attempt
+        return self._in_process(attempt, flags, off_free) or attempt
 
     # -- the steps -----------------------------------------------------------------------
 
@@ -194,12 +195,16 @@ class Pipeline:
             routing.drop = tuple(bad_headers(publish.headers))
             return routing
 
-    def _in_process(self, attempt: Attempt, flags: Flags) -> Routing | None:
+    def _in_process(self, attempt: Attempt, flags: Flags, off_free: bool) -> Routing | None:
         """Step 3: decisions made without the gate script."""
-        if flags.unread is not None:  # the settings turn the gate on; Redis is unreachable
+        # The settings turn the gate on and Redis is unreachable; or a task the gate would
+        # leave alone on its route to free, whose flags could not be read again (a reviewer:
+        # scored while they were stale, it counted as an admission of the gate's).
+        why = flags.unread or (flags.stale if off_free else None)
+        if why is not None:
             return self._finish(Decision.RESERVED, Reason.GATE_UNAVAILABLE,
                                 unrecorded(attempt.headers), attempt.fields,
-                                error=flags.unread)  # fmt: skip
+                                error=why)  # fmt: skip
         if flags.state_missing:
             return self._recorded(attempt, Decision.RESERVED, Reason.STATE_MISSING)
         if flags.eviction is not None:

@@ -58,8 +58,10 @@ def owner_of(client: redis.Redis, keys: Keys, job_id: str, attempt: int) -> Owne
         raise LedgerUnavailable(f"cannot read the records of {job_id}: {exc}") from exc
     for number, values in zip(attempts, found, strict=True):
         decision, reason, window, kept, free, free_window = (_text(v) for v in values)
-        if decision == "admit_free" or reason == "free_wait_expired":
-            return Owner(keys.run(job_id, number), _window(window, kept, free_window))
+        if reason == "free_wait_expired":  # (its `kept`, if any, is an earlier life's)
+            return Owner(keys.run(job_id, number), _window(free_window))
+        if decision == "admit_free":  # (its `free_window`, if any, is an earlier life's)
+            return Owner(keys.run(job_id, number), _window(window, _kept_window(kept)))
         if free != "1":
             break
     return Owner(keys.run(job_id, attempt), None)
@@ -69,10 +71,16 @@ def _text(value: Any) -> str:
     return "" if value is None else text_of(value)
 
 
-def _window(window: str, kept: str, free_window: str) -> int | None:
-    """The admission's window: the record's own, or as its cut kept it (``kept``'s fourth
-    part), or as an expiry kept it."""
-    for text in (window, kept.split("|")[3] if kept.count("|") >= 3 else "", free_window):
+def _kept_window(kept: str) -> str:
+    """The window as the record's cut kept it: ``kept``'s fourth part."""
+    return kept.split("|")[3] if kept.count("|") >= 3 else ""
+
+
+def _window(*texts: str) -> int | None:
+    """The first that is a window id: the record's own, or as its cut or an expiry kept it.
+    A new life of the attempt writes ``window`` and ``kept`` anew (gate.lua, finish.lua), and
+    an expiry ``free_window``: which one is this life's, the record's reason says."""
+    for text in texts:
         if text.isdigit():
             return int(text)
     return None

@@ -111,8 +111,8 @@ class Finished:
     slack_miss: bool = False
     """The row counted a slack miss (not a rerun's after the attempt's ``ok`` row)."""
     window: int = 0
-    """The window whose counts these are (``slack_misses``, ``admitted_free``): the
-    attempt's admission window, or the row's for an attempt not admitted to free."""
+    """The window whose counts these are (``slack_misses``, ``admitted_free``): the one that
+    admitted the attempt, or for a miss its job's latest admission's (owner.py)."""
 
 
 class RunLedger:
