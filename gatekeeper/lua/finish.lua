@@ -26,11 +26,12 @@
 -- After the row of the attempt's latest run (every run it has had now has its row) the record
 -- is cut to what a later run of the attempt and the one-row-per-attempt rule read
 -- (gatekeeper/redis/kept.py): nonce, decision, reason, runs, rowed, rowed_by, free_admitted
--- (when 1), missed and free_window, the replayer's fields, and `kept` = '<published_ms>|<deadline_ms>|<tokens_in>|
--- <window>' for the row of a redelivery; the reservation is closed (`kept` present: nothing
--- more to charge). The fields a redelivered run's start writes again are dropped (four of the
--- worker's own numbers are one, `own`; a record an older worker started, or one whose `own`
--- would be too long for a compact hash, keeps those four laid out).
+-- (when 1), missed and free_window, the replayer's fields, and `kept` = '<published_ms>|
+-- <deadline_ms>|<tokens_in>|<window>' for the row of a redelivery; the reservation is closed
+-- (`kept` present: nothing more to charge). The fields a redelivered run's start writes again
+-- are dropped (four of the worker's own numbers are one, `own`; a record an older worker
+-- started, or one whose `own` would be too long for a compact hash, keeps those four laid
+-- out).
 --
 -- KEYS[1] run:<job_id>:<attempt>   hash: rowed = the last run that has its row; rowed_by =
 --                                  '<token>|<missed>[|<tax as written, when capped>]' of the
