@@ -416,15 +416,22 @@ def test_a_batch_with_injected_kills_has_one_row_per_attempt_and_releases_exposu
     assert redis_client.hlen(KEYS.inflight) == 0 and redis_client.zcard(KEYS.started) == 0
 
 
+def late_sleepers(app: Any, count: int) -> None:
+    """``count`` runs of ``tests.sleepy`` admitted to free (dwell 1 s, deadline 1.3 s) that
+    end late (1.5 s): each a slack miss."""
+    for _ in range(count):
+        app.tasks["tests.sleepy"].apply_async(
+            kwargs={"sleep_s": 1.5}, headers={"gatekeeper_deadline_s": 1.3}
+        )
+
+
 def test_slack_misses_alert_and_freeze_the_free_path(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     app = app_for(redis_url)
     log = tmp_path / "w.log"
-    late = {"headers": {"gatekeeper_deadline_s": 1.3}}  # admitted (dwell 1 s), runs 1.5 s
     with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="3"):
-        for _ in range(3):
-            app.tasks["tests.sleepy"].apply_async(kwargs={"sleep_s": 1.5}, **late)
+        late_sleepers(app, 3)
         wait_rows(redis_client, 3)
     assert redis_client.hget(KEYS.flags, "free_path_enabled") == b"false"
     time.sleep(0.3)  # the publisher's flag cache
@@ -455,10 +462,8 @@ def test_misses_counted_before_the_minimum_admissions_freeze_once_the_window_has
     clear_of_a_window_edge(900, 60)
     app = app_for(redis_url)
     log = tmp_path / "w.log"
-    late = {"headers": {"gatekeeper_deadline_s": 1.3}}  # admitted (dwell 1 s), runs 1.5 s
     with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="3"):
-        for _ in range(2):
-            app.tasks["tests.sleepy"].apply_async(kwargs={"sleep_s": 1.5}, **late)
+        late_sleepers(app, 2)
         wait_rows(redis_client, 2)
         assert redis_client.hget(KEYS.flags, "free_path_enabled") is None  # 2 of 2: too few
         for _ in range(3):  # on time
@@ -550,6 +555,15 @@ def test_a_late_free_attempt_that_retries_is_no_slack_miss_its_job_goes_on(
     assert redis_client.hget(KEYS.flags, "free_path_enabled") != b"false"
 
 
+def retried_late_on_reserved(app: Any, client: redis.Redis, task: str) -> str:
+    """``task`` (one retry; ``then_s=3``: its retry's run) published admitted to free (dwell
+    2 s, deadline 2.3 s), then the free path closed, so that its retry goes to reserved and
+    ends late; its id."""
+    job = app.tasks[task].apply_async(kwargs={"then_s": 3}, headers={"gatekeeper_deadline_s": 2.3})
+    client.hset(KEYS.flags, "free_path_enabled", "false")  # for the retry's publish
+    return str(job.id)
+
+
 def test_a_free_jobs_retry_sent_to_reserved_that_ends_late_is_a_slack_miss(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
@@ -558,10 +572,8 @@ def test_a_free_jobs_retry_sent_to_reserved_that_ends_late_is_a_slack_miss(
     is closed once attempt 1 is admitted, so its retry goes to reserved and ends late."""
     app = app_for(redis_url)
     log = tmp_path / "w.log"
-    late = {"headers": {"gatekeeper_deadline_s": 2.3}}  # admitted (dwell 2 s: one retry)
     with running_worker(redis_url, log, "free,reserved", GATEKEEPER_MISS_MIN_ADMISSIONS="1"):
-        job = app.tasks["tests.flaky"].apply_async(kwargs={"then_s": 3}, **late).id
-        redis_client.hset(KEYS.flags, "free_path_enabled", "false")  # for the retry's publish
+        job = retried_late_on_reserved(app, redis_client, "tests.flaky")
         found = sorted(wait_rows(redis_client, 2), key=lambda row: row["attempt"])
         assert wait_until(lambda: "event=slack_miss" in log.read_text(), 10), log.read_text()
     assert [(row["job_id"], row["attempt"], row["path"], row["outcome"]) for row in found] == [
@@ -570,7 +582,7 @@ def test_a_free_jobs_retry_sent_to_reserved_that_ends_late_is_a_slack_miss(
     assert redis_client.hget(KEYS.run(job, 2), "reason") == b"free_path_disabled"
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
     assert window_totals(redis_client, "slack_misses") == 1
-    assert not redis_client.exists(KEYS.window(0))  # counted in the row's window
+    assert not redis_client.exists(KEYS.window(0))  # counted in attempt 1's admission window
     (alert,) = [line for line in log.read_text().splitlines() if "slack_miss=true" in line]
     assert "decision=admit_free" in alert and f"job_id={job}" in alert and "attempt=2" in alert
 
@@ -582,10 +594,8 @@ def test_a_job_that_ends_ok_late_beside_the_retry_it_published_is_one_slack_miss
     meanwhile) and attempt 1 returns; both end late. One admission, one miss (owner.py)."""
     app = app_for(redis_url)
     log = tmp_path / "w.log"
-    late = {"headers": {"gatekeeper_deadline_s": 2.3}}  # admitted (dwell 2 s: one retry)
     with running_worker(redis_url, log, "free,reserved", GATEKEEPER_MISS_MIN_ADMISSIONS="1"):
-        job = app.tasks["tests.nothrow"].apply_async(kwargs={"then_s": 3}, **late).id
-        redis_client.hset(KEYS.flags, "free_path_enabled", "false")  # for the retry's publish
+        job = retried_late_on_reserved(app, redis_client, "tests.nothrow")
         found = sorted(wait_rows(redis_client, 2, timeout_s=40), key=lambda row: row["attempt"])
         time.sleep(1)  # a second miss, if any, would be counted by now
     assert [(row["job_id"], row["attempt"], row["path"], row["outcome"]) for row in found] == [
