@@ -229,7 +229,7 @@ class Installed:
                 and (
                     routing.reason is Reason.FLAGS_UNREAD
                     or (publish.retries and H_DECISION in headers)  # a retry: sent where it ran
-                    or not self.flags.current().free_open  # closed, or read long ago
+                    or not self.flags.current().free_open  # closed, unread or stale
                 )
             ):
                 routing = self._own_route(publish, options, routing)
