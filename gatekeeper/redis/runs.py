@@ -257,8 +257,8 @@ class RunLedger:
         given): the call that wrote the row, sent again, gets its reply again (finish.lua)."""
         member, mine = f"{row.job_id}:{row.attempt}", self.keys.run(row.job_id, row.attempt)
         row_window = window_id(now_ms / 1000, self.window_seconds)
-        # A miss is its job's free admission's, counted once in its window (owner.py).
-        owner = owner_of(self.client, self.keys, row.job_id, row.attempt) if slack_miss else None
+        looks = slack_miss and record.path != "free"  # (an admitted attempt's miss is its own)
+        owner = owner_of(self.client, self.keys, row.job_id, row.attempt) if looks else None
         admission_window = record.window or (owner and owner.window) or row_window
         keys = [  # finish.lua's KEYS, in order
             mine, self.keys.window(row_window),
