@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -11,7 +12,7 @@ from click.testing import CliRunner
 from gatekeeper.celery.freeze import maybe_freeze
 from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_windows, should_freeze
 from gatekeeper.core.ledger import window_id
-from gatekeeper.errors import FreePathLocked
+from gatekeeper.errors import FreePathLocked, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.flags import FlagStore
@@ -230,3 +231,25 @@ def test_a_window_over_its_miss_budget_freezes_once_without_a_new_miss_then_not_
     assert store.current().free_path_enabled
     assert maybe_freeze(store, alerts, W, 3, 7, at(W))  # a new miss in the window: frozen
     assert redis_client.hget(KEYS.totals, "freezes") == b"2"
+
+
+def test_a_freeze_whose_write_gets_no_answer_is_tried_again_by_the_next_row(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window is marked as having frozen once the flag is written, not before: a write
+    with no answer leaves the next on-time row of the window to freeze it."""
+    settings = GatekeeperSettings(budget_units=1000, miss_min_admissions=3)
+    store, alerts = FlagStore(redis_client, settings), make_logger(settings, "alert")
+    close, calls = FlagStore.close, []
+
+    def silent_once(self: FlagStore, *args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise LedgerUnavailable("cannot write flag free_path_enabled: Timeout")
+        return close(self, *args)
+
+    monkeypatch.setattr(FlagStore, "close", silent_once)
+    with pytest.raises(LedgerUnavailable):
+        maybe_freeze(store, alerts, W, 2, 5, at(W), once=True)
+    assert maybe_freeze(store, alerts, W, 2, 6, at(W), once=True)
+    assert redis_client.hget(KEYS.flags, "free_path_enabled") == b"false"

@@ -67,15 +67,16 @@ def maybe_freeze(
     froze = flags.keys.window_froze(window)
     if once and flags.client.exists(froze):
         return False
-    closed = closed_by(flags.stored())
-    flags.client.set(froze, "1", ex=WINDOW_RETENTION_S)
-    if closed:
+    if closed_by(flags.stored()):
+        flags.client.set(froze, "1", ex=WINDOW_RETENTION_S)  # found closed: this window's once
         return False
     reason = (
         f"slack misses {misses}/{admitted} = {misses / admitted:.1%} of free admissions in "
         f"window {window} exceed miss_error_budget {budget:.1%}"
     )
-    if flags.close(reason, "gatekeeper:auto-freeze", now) is None:
+    change = flags.close(reason, "gatekeeper:auto-freeze", now)  # (a failed write: no mark,
+    flags.client.set(froze, "1", ex=WINDOW_RETENTION_S)  # so the next row checks again)
+    if change is None:
         return False  # another worker froze it meanwhile: one freeze, one line
     alerts.error(
         "free_path_frozen", window=window, slack_misses=misses, admitted_free=admitted,
