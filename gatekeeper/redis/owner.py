@@ -11,8 +11,9 @@ the retry it published with ``retry(throw=False)`` ran on; the abandoned attempt
 ended late again). The miss is counted in the admission's window, the cohort the freeze rule
 divides by (``slack_misses`` over ``admitted_free``).
 
-Found here, before the script, only for a run that would be a miss (few): the records of the
-attempt and the ones before it, newest first, in one round trip. An attempt was admitted
+Found here, before the script, only for a run that would be a miss (few) of an attempt not
+admitted itself (an admitted one owns its miss): the records of the attempt and the ones
+before it, newest first, in one round trip. An attempt was admitted
 when its record says ``admit_free``, or ``free_wait_expired`` (admitted, then moved to
 reserved: ``expire.lua`` keeps its window as ``free_window``). A record that does not carry
 ``free_admitted`` ends the search: no admission before it.
