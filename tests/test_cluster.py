@@ -88,7 +88,7 @@ def test_every_gate_key_of_a_namespace_is_in_one_slot() -> None:
     names = [keys.flags, keys.flags_log, keys.free_waiting, keys.inflight, keys.stats,
              keys.started, keys.run("a:run:b", 2), keys.handoff("a:run:b", 2),
              keys.abandoned("j", 1), keys.worker("w@h"), keys.replayer_lock, keys.window(7),
-             keys.window_rows(7)]  # fmt: skip
+             keys.window_rows(7), keys.deployment]  # fmt: skip
     assert {key_slot(name.encode()) for name in names} == {key_slot(b"tenant-a")}
 
 
@@ -116,6 +116,7 @@ def test_gated_publishes_are_decided_on_the_cluster_and_the_worker_writes_rows_t
         admin.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 2
     )  # the gate's state is on the cluster
     assert admin.hlen(KEYS.run(reserved, 1)) > 0 and not redis_client.exists(KEYS.run(reserved, 1))
+    assert admin.hget(KEYS.deployment, "window_seconds") == b"900"  # what it decides with
 
     with running_worker(redis_url, tmp_path / "worker.log", GATEKEEPER_REDIS_URL=url,
                         GATEKEEPER_TEST_RECORDER_URL=redis_url):  # fmt: skip

@@ -155,7 +155,7 @@ def test_a_forged_attempt_the_gate_never_writes_is_counted_and_logged_once_as_fo
     forged_lines = [line for line in log.splitlines() if "event=ledger_unverified_message" in line]
     assert len(forged_lines) == ran + 1 and all("kind=forged" in line for line in forged_lines)
     assert not [key for key in redis_client.scan_iter(match=f"{KEYS.base}:*")
-                if key not in (KEYS.stats.encode(), KEYS.flags.encode())
+                if key not in (KEYS.stats.encode(), KEYS.flags.encode(), KEYS.deployment.encode())
                 and not key.startswith(KEYS.worker("").encode())]  # heartbeats expire  # fmt: skip
 
 

@@ -40,6 +40,7 @@ from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import app_of, settings_of
+from gatekeeper.redis.deployment import recorded
 from gatekeeper.redis.flags import STATE_FIELD, combine
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.snapshot import Snapshot, read_snapshot
@@ -163,16 +164,24 @@ class GateCollector:
 
     def _families(self) -> Iterator[Metric]:
         now = self.clock()
-        current = window_id(now, self.settings.window_seconds)
+        seconds, budget = self.settings.window_seconds, self.settings.budget_units
         try:
-            snap = read_snapshot(self.client, self.keys, current)
+            deployment = recorded(self.client, self.keys)  # the window and budget the gate uses
+        except (LedgerUnavailable, ConfigError) as exc:
+            deployment = None  # (unreadable: said, and this process's own are shown)
+            if isinstance(exc, ConfigError):
+                self.log.warning("metrics_deployment_unreadable", error=str(exc))
+        if deployment is not None:
+            seconds, budget = deployment.window_seconds, deployment.budget_units
+        try:
+            snap = read_snapshot(self.client, self.keys, window_id(now, seconds))
         except LedgerUnavailable as exc:
             self.log.warning("metrics_redis_unreadable", error=str(exc))
             yield _gauge("gatekeeper_redis_up", "1 when the exporter read the gate's Redis.", 0)
             return
         yield _gauge("gatekeeper_redis_up", "1 when the exporter read the gate's Redis.", 1)
         yield from self._counters(snap)
-        yield from self._window(snap, now)
+        yield from self._window(snap, now, seconds, budget)
         yield from self._flags(snap)
         yield from self._queues()
 
@@ -195,8 +204,7 @@ class GateCollector:
         for name, field, documentation in STATS:
             yield _counter(name, documentation, shown((field,), _number(snap.stats.get(field))))
 
-    def _window(self, snap: Snapshot, now: float) -> Iterable[Metric]:
-        budget = self.settings.budget_units
+    def _window(self, snap: Snapshot, now: float, seconds: int, budget: float) -> Iterable[Metric]:
         tax = _number(snap.window.get("tax_units"))
         yield _gauge("gatekeeper_window_tax_units",
                      "The current window's retry tax, in budget units.", tax)  # fmt: skip
@@ -206,8 +214,7 @@ class GateCollector:
         yield _gauge("gatekeeper_budget_units", "budget_units, the window's ceiling.", budget)
         yield _gauge("gatekeeper_budget_left_units",
                      "budget_units - tax for the current window.", budget - tax)  # fmt: skip
-        yield _gauge("gatekeeper_window_seconds", "window_seconds.",
-                     self.settings.window_seconds)  # fmt: skip
+        yield _gauge("gatekeeper_window_seconds", "window_seconds.", seconds)
         yield _gauge("gatekeeper_window_free_admissions",
                      "Free admissions of the current window (the freeze rule's denominator).",
                      _number(snap.window.get("admitted_free")))  # fmt: skip

@@ -33,14 +33,17 @@ from gatekeeper.ops.context import app_of, settings_of
 from gatekeeper.ops.metrics import DEFAULT_HOST, collector_for, listening
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
+from gatekeeper.redis.deployment import differs, recorded
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import read_rows
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import forget_purged
 from gatekeeper.redis.sweep import sweep as sweep_runs
+from gatekeeper.settings import GatekeeperSettings
 
 __all__ = [
+    "as_deployed",
     "broker_of",
     "ledger",
     "redis_client",
@@ -63,6 +66,27 @@ def redis_client(ctx: click.Context) -> redis.Redis:
         return client_for(url, 5.0, settings.transport_options_for(url), **no_retry())
     except ConfigError as exc:  # a sentinel URL without its master, say
         raise click.UsageError(str(exc), ctx=ctx) from exc
+
+
+def as_deployed(ctx: click.Context, client: redis.Redis) -> GatekeeperSettings:
+    """The settings with the deployment's ``window_seconds`` and ``budget_units``
+    (gatekeeper/redis/deployment.py), said on stderr where they are not this shell's; the
+    shell's own when none is recorded or what is recorded cannot be read (said too)."""
+    settings = settings_of(ctx)
+    try:
+        deployment = recorded(client, Keys(settings.key_prefix, settings.namespace))
+    except LedgerUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
+    except ConfigError as exc:
+        click.echo(f"warning: {exc}; this shell's window_seconds and budget_units are used",
+                   err=True)  # fmt: skip
+        return settings
+    why = differs(settings, deployment)
+    if deployment is None or not why:
+        return settings
+    click.echo(f"note: {why}: the deployment's are used", err=True)
+    return settings.model_copy(update={"window_seconds": deployment.window_seconds,
+                                       "budget_units": deployment.budget_units})  # fmt: skip
 
 
 def broker_of(ctx: click.Context) -> Broker:
@@ -111,11 +135,12 @@ def _window_option(value: str, now: float, window_seconds: int) -> int:
 @click.pass_context
 def ledger(ctx: click.Context, window: str, json_path: Path | None) -> None:  # fmt: skip
     """Print a window's summary line and write its rows as JSON."""
-    settings = settings_of(ctx)
+    client = redis_client(ctx)
+    settings = as_deployed(ctx, client)
     ident = _window_option(window, time.time(), settings.window_seconds)
     keys = Keys(settings.key_prefix, settings.namespace)
     try:
-        rows = read_rows(redis_client(ctx), keys, ident)
+        rows = read_rows(client, keys, ident)
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     try:

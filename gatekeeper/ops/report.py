@@ -17,8 +17,8 @@ from gatekeeper.core.ledger import window_id
 from gatekeeper.core.review import summarize_review
 from gatekeeper.defaults import WINDOW_RETENTION_S
 from gatekeeper.errors import LedgerUnavailable
-from gatekeeper.ops.context import duration_s, settings_of
-from gatekeeper.ops.oncall import redis_client
+from gatekeeper.ops.context import duration_s
+from gatekeeper.ops.oncall import as_deployed, redis_client
 from gatekeeper.ops.review_page import review_page
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import read_windows
@@ -40,8 +40,9 @@ __all__ = ["report"]
 @click.pass_context
 def report(ctx: click.Context, since: str, html_path: Path | None) -> None:  # fmt: skip
     """The review's three ratios over a fixed window, and decisions by kind and reason."""
-    settings = settings_of(ctx)
     seconds = duration_s(since)
+    client = redis_client(ctx)
+    settings = as_deployed(ctx, client)
     now = time.time()
     kept = min(seconds, WINDOW_RETENTION_S)  # older windows are gone: never read them (a
     first, last = (  # --since of centuries would pipeline a read per window)
@@ -50,7 +51,7 @@ def report(ctx: click.Context, since: str, html_path: Path | None) -> None:  # f
     )
     keys = Keys(settings.key_prefix, settings.namespace)
     try:
-        windows = read_windows(redis_client(ctx), keys, range(first, last + 1))
+        windows = read_windows(client, keys, range(first, last + 1))
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     try:  # the windows' figures, for the lines and the page

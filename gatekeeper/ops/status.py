@@ -14,8 +14,8 @@ import redis
 from gatekeeper.celery.broker import BROKER_ERRORS
 from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import ConfigError, LedgerUnavailable
-from gatekeeper.ops.context import app_of, settings_of
-from gatekeeper.ops.oncall import broker_of, redis_client, show_value
+from gatekeeper.ops.context import app_of
+from gatekeeper.ops.oncall import as_deployed, broker_of, redis_client, show_value
 from gatekeeper.ops.service_status import service_lines
 from gatekeeper.redis.cluster import home
 from gatekeeper.redis.decisions import stream_state
@@ -41,8 +41,8 @@ __all__ = ["status"]
 @click.pass_context
 def status(ctx: click.Context) -> None:
     """Flags (who changed them, when, why), queue age and lengths, this window's budget."""
-    settings = settings_of(ctx)
     gate, broker = redis_client(ctx), broker_of(ctx)
+    settings = as_deployed(ctx, gate)  # the deployment's window and budget, said if not ours
     keys = Keys(settings.key_prefix, settings.namespace)
     store = FlagStore(gate, settings, keys)
     now = time.time()

@@ -19,21 +19,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
 from typing import Any
 
 import redis
 
 from gatekeeper.core.flagvalues import FLAG_NAMES, Flags, closed_by, in_canary, parse_flag
-from gatekeeper.core.health import CleanHour, WindowHealth, clean_hour, hour_windows
-from gatekeeper.core.ledger import window_id
+from gatekeeper.core.health import CleanHour
 from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
 from gatekeeper.forks import renew_in_children
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.cluster import home
+from gatekeeper.redis.deployment import judge_hour
 from gatekeeper.redis.durable import REPLICA_WAIT_S, on_disk, replicated
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.scripts import read_windows, text_of
+from gatekeeper.redis.scripts import text_of
 from gatekeeper.settings import GatekeeperSettings
 
 __all__ = [
@@ -128,6 +127,11 @@ class FlagStore:
         """How the last write reached the disk (:func:`gatekeeper.redis.durable.on_disk`)."""
         self.replicas = ""
         """``<acknowledged>/<connected>`` replicas of the last write ('': none, or unknown)."""
+        self.announce: Callable[[], bool] | None = None
+        """A deciding process's :func:`gatekeeper.redis.deployment.announcer`: called after a
+        read succeeds until it returns True, and again at each read while the state marker
+        is missing (a Redis that lost its data lost that key too)."""
+        self._announced = False
 
     def stored(self) -> dict[str, str]:
         """The overrides in Redis, as text; :class:`LedgerUnavailable` at once while the
@@ -173,6 +177,8 @@ class FlagStore:
                 return self._cached
             try:
                 flags = combine(self.settings, self.stored(), self.eviction_policy())
+                if self.announce is not None and (not self._announced or flags.state_missing):
+                    self._announced = self.announce()
             except LedgerUnavailable as exc:
                 cached, why = self._cached, str(exc)  # (stale: not read now; unread: never)
                 flags = replace(cached, stale=why) if cached else replace(
@@ -239,27 +245,9 @@ class FlagStore:
         return self._write(name, None, reason, actor, now, checked)
 
     def clean_hour(self, now: float) -> CleanHour:
-        """Whether the last hour of ledger windows (ending in the one ``now`` is in) is clean.
-
-        Only windows recorded after the state was initialised count: a window from before
-        ``gatekeeper init`` may have been lost with the state, so an empty one proves nothing
-        (initialising is not a re-open)."""
-        current = window_id(now, self.settings.window_seconds)
-        ids = list(hour_windows(current, self.settings.window_seconds))
-        since = self.stored().get(STATE_FIELD)
-        if since is not None and _float(since) > ids[0] * self.settings.window_seconds:
-            when = datetime.fromtimestamp(_float(since), tz=timezone.utc)
-            return CleanHour(False, f"the state was initialised at "
-                                    f"{when.isoformat(timespec='seconds')}: the hour of windows "
-                                    "before now was not all recorded after it")  # fmt: skip
-        found = read_windows(self.client, self.keys, ids)
-        try:
-            windows = [WindowHealth.from_hash(ident, fields)
-                       for ident, fields in zip(ids, found, strict=True)]  # fmt: skip
-        except (ValueError, OverflowError) as exc:  # not gatekeeper's writing: not clean
-            return CleanHour(False, f"a window of the hour holds a field that is not a number "
-                                    f"({exc})")  # fmt: skip
-        return clean_hour(windows, self.settings.budget_units)
+        """Whether the last hour of ledger windows is clean, judged with the deployment's
+        ``window_seconds`` and ``budget_units`` (:func:`gatekeeper.redis.deployment.judge_hour`)."""
+        return judge_hour(self.client, self.keys, self.settings, self.stored(), STATE_FIELD, now)
 
     def _reopen_reason(self, reason: str, now: float, force: bool) -> str:
         verdict = self.clean_hour(now)
@@ -349,10 +337,3 @@ class FlagStore:
 
 class _Closed(Exception):  # the free path is closed in Redis already: no auto-freeze
     pass
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        return math.inf  # an unreadable marker: as if initialised just now (nothing counts)
