@@ -555,6 +555,26 @@ def test_a_late_free_attempt_that_retries_is_no_slack_miss_its_job_goes_on(
     assert redis_client.hget(KEYS.flags, "free_path_enabled") != b"false"
 
 
+def test_a_late_free_attempt_that_raises_retry_itself_ends_its_job_a_slack_miss(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A bare ``raise Retry()`` publishes nothing (``Task.retry`` publishes first): no attempt
+    goes on, so the job ends with that run, late, a miss (taken for a retry, it counted none)."""
+    app = app_for(redis_url)
+    log = tmp_path / "w.log"
+    late = {"headers": {"gatekeeper_deadline_s": 1.3}}  # admitted: dwell 1 s
+    with running_worker(redis_url, log, GATEKEEPER_MISS_MIN_ADMISSIONS="1"):
+        job = app.tasks["tests.bare_retry"].apply_async(kwargs={"sleep_s": 1.5}, **late).id
+        (row,) = wait_rows(redis_client, 1)
+        assert wait_until(lambda: "event=slack_miss" in log.read_text(), 10), log.read_text()
+    assert (row["job_id"], row["attempt"], row["path"], row["outcome"]) == (
+        job, 1, "free", "killed",
+    )  # fmt: skip
+    assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
+    assert redis_client.hget(KEYS.run(job, 1), "kept").endswith(b"|end")  # the job's end
+    assert not redis_client.exists(KEYS.run(job, 2))
+
+
 def retried_late_on_reserved(app: Any, client: redis.Redis, task: str) -> str:
     """``task`` (one retry; ``then_s=3``: its retry's run) published admitted to free (dwell
     2 s, deadline 2.3 s), then the free path closed, so that its retry goes to reserved and

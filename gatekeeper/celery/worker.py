@@ -15,7 +15,8 @@ how the run ended                      signal          process
 =====================================  ==============  ===================================
 returned                               task_success    pool child -> ``ok``
 raised (soft time limit included)      task_failure    pool child -> ``killed``
-asked for a retry                      task_retry      pool child -> ``killed``
+asked for a retry (a bare ``Retry``:    task_retry      pool child -> ``killed``
+none published, the job's end)
 raised ``Ignore``                     task_postrun    pool child -> ``ok`` (``ignored``)
 ``Task.replace`` by a gated task      its publish     pool child -> ``ok`` (``replaced``)
 raised ``Reject``, requeued or not     task_postrun    pool child -> ``killed``
@@ -42,9 +43,8 @@ again after its reply was lost too), so the row's line is logged once. Nothing h
 into Celery: a fault is logged and the task goes on.
 
 A run's start is sent before its body runs and its reply read when it ends
-(gatekeeper/redis/run_start.py), so the task waits for one round trip of the ledger's, not
-two; a redelivered message's start is read at once, so the row of the run that died before it
-is written before this run can die too.
+(gatekeeper/redis/run_start.py): the task waits for one round trip of the ledger's, not two; a
+redelivered message's start is read at once (the dead run's row is written first).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.exceptions import Retry
 
 from gatekeeper.celery import message
 from gatekeeper.celery.freeze import maybe_freeze, row_written
@@ -133,12 +134,8 @@ class WorkerSide:
         task = sender if self._ours(sender) else getattr(request, "task", None)
         if not self._ours(task) or request is None:
             return
-        if terminated:
-            self._guarded(
-                "revoked", request.id, lambda: self._finish_elsewhere(task, request.id, "revoked")
-            )
-            return
-        self._guarded("revoked", request.id, lambda: self._release(request))
+        self._guarded("revoked", request.id, lambda: self._finish_elsewhere(
+            task, request.id, "revoked") if terminated else self._release(request))  # fmt: skip
 
     def _headers_of(self, job_id: str, request: Any) -> tuple[dict[str, Any], RanIn]:
         """The headers of the request that just ended, and where it ran (:class:`Received`)."""
@@ -250,10 +247,8 @@ class WorkerSide:
             record = message.with_dwell(started.record, starting.headers)
             self._running[job_id] = Running(attempt, started.run, record, True)
             if started.dead is not None:
-                self._end(
-                    job_id, attempt, started.dead_run, started.dead, Outcome.KILLED,
-                    "worker_lost_redelivered", current=False,
-                )  # fmt: skip
+                self._end(job_id, attempt, started.dead_run, started.dead, Outcome.KILLED,
+                          "worker_lost_redelivered", current=False)  # fmt: skip
 
         self._guarded("start", job_id, read)
 
@@ -293,11 +288,13 @@ class WorkerSide:
             self._end_running(sender.request.id, Outcome.OK, "ok")
 
     def on_retry(self, sender: Any = None, request: Any = None, **kw: Any) -> None:
-        """In the child: a retry asked for. In the main process (5.7's ``retry_on_worker_lost``):
-        its child died, and Celery published the retry."""
+        """In the child: a retry asked for (``Task.retry`` published it first; a ``Retry`` the
+        task raised itself has no ``sig`` and published none: the job ends). In the main process
+        (5.7's ``retry_on_worker_lost``): its child died, and Celery published the retry."""
         if self._ours(sender):
             job_id = getattr(request, "id", None) or sender.request.id
-            if not self._end_running(job_id, Outcome.KILLED, "retry", went_on=True):
+            bare = isinstance(kw.get("reason"), Retry) and kw["reason"].sig is None
+            if not self._end_running(job_id, Outcome.KILLED, "retry", final=bare, went_on=not bare):
                 why = type(getattr(kw.get("reason"), "exc", None) or kw.get("reason")).__name__
                 self._guarded("failure", job_id, lambda: self._finish_elsewhere(
                     sender, job_id, why, went_on=True))  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, Retry
 
 import gatekeeper
 from gatekeeper.errors import LedgerUnavailable
@@ -198,6 +198,13 @@ def create_app(
         record(self)
         time.sleep(sleep_s)
         return "slept"
+
+    @app.task(bind=True, name="tests.bare_retry", max_retries=0, shared=False, gatekeeper=kill_spec)
+    def bare_retry(self: Any, sleep_s: float = 0.0) -> str:
+        """Raises ``Retry`` itself: Celery marks the run retried, but publishes nothing."""
+        record(self)
+        time.sleep(sleep_s)
+        raise Retry()
 
     @app.task(
         bind=True, name="tests.lost_late", max_retries=0, acks_late=True,
