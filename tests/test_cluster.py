@@ -116,7 +116,7 @@ def test_gated_publishes_are_decided_on_the_cluster_and_the_worker_writes_rows_t
         admin.zcount(KEYS.free_waiting, "-inf", ATTEMPTS) == 2
     )  # the gate's state is on the cluster
     assert admin.hlen(KEYS.run(reserved, 1)) > 0 and not redis_client.exists(KEYS.run(reserved, 1))
-    assert admin.hget(KEYS.deployment, "window_seconds") == b"900"  # what it decides with
+    assert list(admin.hgetall(KEYS.deployment)) == [b"900|12000.0"]  # what it decides with
 
     with running_worker(redis_url, tmp_path / "worker.log", GATEKEEPER_REDIS_URL=url,
                         GATEKEEPER_TEST_RECORDER_URL=redis_url):  # fmt: skip

@@ -1,6 +1,7 @@
 """The clean hour is judged with the deployment's ``window_seconds`` and ``budget_units``, not
 with the settings of the shell an operator runs ``gatekeeper flags`` in: every process that
-decides publishes writes the values it decides with (gatekeeper/redis/deployment.py)."""
+publishes through the app's gate keeps the pair it decides with in Redis, and the hour must be
+clean under every pair seen within it (gatekeeper/redis/deployment.py)."""
 
 from __future__ import annotations
 
@@ -8,30 +9,38 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 from click.testing import CliRunner
 
+import gatekeeper.redis.flags
 from gatekeeper.core.ledger import window_id
 from gatekeeper.ops.cli import main
 from gatekeeper.ops.metrics import collector_for
 from gatekeeper.redis.keys import Keys
 from tests.apps.gated_app import create_app
-from tests.conftest import clear_of_a_window_edge, gate_settings, initialised
+from tests.conftest import clear_of_a_window_edge, gate_settings
 from tests.scrape import scrape, serving, value
 
 KEYS = Keys()
 
 
-def deployed(redis_url: str, **overrides: object) -> None:
+def deployed(redis_url: str, **overrides: Any) -> Celery:
     """A process that decides with these settings publishes one gated task."""
     app = create_app(gate_settings(redis_url, **overrides), redis_url)
     app.tasks["tests.embed"].delay(1)
+    return app
 
 
 def stored(client: redis.Redis) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in client.hgetall(KEYS.deployment).items()}
+
+
+def killed_row_in(client: redis.Redis, window_seconds: int) -> None:
+    client.hset(KEYS.window(window_id(time.time(), window_seconds)), "rows:killed", 1)
 
 
 @pytest.fixture()
@@ -48,14 +57,14 @@ def reopen(shell: CliRunner, *extra: str) -> tuple[int, str]:
     return done.exit_code, done.output
 
 
-def test_a_process_that_decides_writes_the_values_it_decides_with(
+def test_a_process_that_decides_writes_the_pair_it_decides_with(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     deployed(redis_url, window_seconds=600, budget_units=100)
-    values = stored(redis_client)
-    assert (values["window_seconds"], float(values["budget_units"])) == ("600", 100.0)
-    assert abs(float(values["at"]) - time.time()) < 60
-    assert values["by"].endswith(f":{os.getpid()}")
+    ((pair, seen),) = stored(redis_client).items()
+    at, by = seen.split("|")
+    assert pair == "600|100.0" and abs(float(at) - time.time()) < 60
+    assert by.endswith(f":{os.getpid()}")
 
 
 def test_a_reopen_reads_the_deployments_windows_not_the_shells(
@@ -65,12 +74,12 @@ def test_a_reopen_reads_the_deployments_windows_not_the_shells(
     # never wrote, each empty and so clean, and re-open over a killed row.
     clear_of_a_window_edge(600, 5)
     deployed(redis_url, window_seconds=600)
-    redis_client.hset(KEYS.window(window_id(time.time(), 600)), "rows:killed", 1)
+    killed_row_in(redis_client, 600)
     code, output = reopen(shell)
     assert code == 1, output
     assert "killed rows" in output and "judged with the deployment's window_seconds=600" in output
     assert redis_client.hget(KEYS.flags, "free_path_enabled") == b"false"
-    assert stored(redis_client)["window_seconds"] == "600"  # the shell wrote nothing there
+    assert list(stored(redis_client)) == ["600|12000.0"]  # the shell wrote nothing there
 
 
 def test_a_reopen_holds_the_hour_to_the_deployments_budget(
@@ -81,7 +90,7 @@ def test_a_reopen_holds_the_hour_to_the_deployments_budget(
     redis_client.hset(KEYS.window(window_id(time.time(), 900)), "tax_units", 150)
     code, output = reopen(shell)  # the shell's budget is the default 12,000
     assert code == 1, output
-    assert "tax 150 is over the budget 100" in output and "budget_units=100" in output
+    assert "tax 150 is over the budget 100" in output and "budget_units=100.0" in output
 
 
 def test_the_deployments_clean_hour_reopens(
@@ -89,10 +98,45 @@ def test_the_deployments_clean_hour_reopens(
 ) -> None:
     clear_of_a_window_edge(600, 5)
     deployed(redis_url, window_seconds=600, budget_units=100)
-    redis_client.hset(KEYS.window(window_id(time.time(), 900)), "rows:killed", 1)  # not its
+    killed_row_in(redis_client, 900)  # not a window the deployment writes
     code, output = reopen(shell)
     assert code == 0, output
     assert "clean hour" in output and "judged with the deployment's window_seconds=600" in output
+
+
+def test_a_one_off_process_with_the_shells_settings_hides_no_window(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner
+) -> None:
+    """A reviewer: ``task.delay()`` from a shell with the default settings wrote its values
+    over the deployment's, and the re-open then passed over the deployment's killed row."""
+    clear_of_a_window_edge(600, 5)
+    deployed(redis_url, window_seconds=600)
+    killed_row_in(redis_client, 600)
+    deployed(redis_url)  # 900 s, the shell's
+    assert set(stored(redis_client)) == {"600|12000.0", "900|12000.0"}
+    code, output = reopen(shell)
+    assert code == 1 and "killed rows" in output, output
+
+
+def test_a_window_change_within_the_hour_hides_no_window(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner
+) -> None:
+    clear_of_a_window_edge(900, 5)
+    deployed(redis_url)  # 900 s, then restarted with 600 s
+    killed_row_in(redis_client, 900)
+    deployed(redis_url, window_seconds=600)
+    code, output = reopen(shell)
+    assert code == 1 and "killed rows" in output, output
+
+
+def test_a_pair_last_seen_before_the_hour_still_judges_when_no_other_was(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner
+) -> None:
+    clear_of_a_window_edge(600, 5)
+    redis_client.hset(KEYS.deployment, "600|12000.0", f"{time.time() - 7200!r}|old:1")
+    killed_row_in(redis_client, 600)
+    code, output = reopen(shell)
+    assert code == 1 and "judged with the deployment's window_seconds=600" in output, output
 
 
 def test_without_a_recorded_deployment_the_shells_values_judge_and_say_so(
@@ -100,37 +144,86 @@ def test_without_a_recorded_deployment_the_shells_values_judge_and_say_so(
 ) -> None:
     code, output = reopen(shell)
     assert code == 0, output
-    assert "judged with this shell's window_seconds=900 budget_units=12000" in output
+    assert "judged with this shell's window_seconds=900 budget_units=12000.0" in output
     assert "no deciding process has recorded its own" in output
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("window_seconds", "0"), ("window_seconds", "x"), ("budget_units", "-1")]
-)
-def test_an_unreadable_deployment_is_no_clean_hour_and_force_still_reopens(
-    redis_url: str, redis_client: redis.Redis, shell: CliRunner, field: str, value: str
-) -> None:
-    deployed(redis_url)
+    ("field", "value"),
+    [("0|1.0", "1.0|h:1"), ("x|1", "1.0|h:1"), ("600|-1", "1.0|h:1"), ("600|nan", "1|h:1"),
+     ("600|1.0", "soon|h:1"), (b"\xff", b"\xfe"), ("86401|1.0", "1.0|h:1")],
+)  # fmt: skip
+def test_an_unreadable_pair_is_no_clean_hour_and_force_still_reopens(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner, field: Any, value: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    app = deployed(redis_url)
     redis_client.hset(KEYS.deployment, field, value)
     code, output = reopen(shell)
     assert code == 1, output
-    assert f"deployment field {field}={value!r}" in output and "cannot be read" in output
+    assert "deployment field" in output and "cannot be read" in output
     code, output = reopen(shell, "--force")
     assert code == 0 and "forced" in output
-
-
-def test_a_process_deciding_with_other_values_than_the_last_says_so(
-    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
-) -> None:
-    deployed(redis_url, window_seconds=600)
     capsys.readouterr()
+    time.sleep(0.3)  # past flag_cache_s: the re-open is read
+    app.tasks["tests.embed"].delay(2)  # the gate decides as before
+    assert "reason=fits" in capsys.readouterr().err
+
+
+def test_a_key_of_another_type_is_no_clean_hour_and_breaks_no_publish(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    redis_client.set(KEYS.deployment, "oops")
+    code, output = reopen(shell)
+    assert code == 1 and "is not a hash of deployment pairs" in output, output
+    code, output = reopen(shell, "--force")
+    assert code == 0, output
+    status = shell.invoke(main, ["status"])
+    assert status.exit_code == 0 and "is not a hash of deployment pairs" in status.output
+    capsys.readouterr()
+    deployed(redis_url)
+    err = capsys.readouterr().err
+    assert "reason=fits" in err and "event=deployment_not_written" in err
+
+
+def test_a_process_deciding_with_other_values_than_another_says_so_once(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setattr(gatekeeper.redis.flags, "ANNOUNCE_EVERY_S", 0.0)
+    deployed(redis_url, window_seconds=600)
     deployed(redis_url, window_seconds=600)
     assert "deployment_settings_differ" not in capsys.readouterr().err
-    deployed(redis_url, window_seconds=1200)
+    app = deployed(redis_url, window_seconds=1200)
+    time.sleep(0.3)  # past flag_cache_s: it writes again, and says nothing again
+    app.tasks["tests.embed"].delay(2)
     (line,) = [ln for ln in capsys.readouterr().err.splitlines()
                if "event=deployment_settings_differ" in ln]  # fmt: skip
-    assert " window_seconds=1200 " in line and " previous_window_seconds=600 " in line
-    assert stored(redis_client)["window_seconds"] == "1200"  # the last one's
+    assert " window_seconds=1200 " in line and " other_window_seconds=600 " in line
+
+
+def test_a_lost_key_is_written_again_by_the_processes_that_decide(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reviewer: the key deleted (or lost with the data) while the state marker stayed was
+    never written again, and the next re-open was judged with the shell's values."""
+    monkeypatch.setattr(gatekeeper.redis.flags, "ANNOUNCE_EVERY_S", 0.5)
+    app = deployed(redis_url, window_seconds=600)
+    redis_client.delete(KEYS.deployment)
+    time.sleep(0.3)  # past flag_cache_s, not past the announce's period: not yet
+    app.tasks["tests.embed"].delay(2)
+    assert not redis_client.exists(KEYS.deployment)
+    time.sleep(0.3)
+    app.tasks["tests.embed"].delay(3)
+    assert list(stored(redis_client)) == ["600|12000.0"]
+
+
+def test_pairs_unseen_for_a_day_are_forgotten(redis_url: str, redis_client: redis.Redis) -> None:
+    redis_client.hset(KEYS.deployment, "300|1.0", f"{time.time() - 90_000!r}|old:1")
+    redis_client.hset(KEYS.deployment, "1800|1.0", f"{time.time() - 80_000!r}|old:2")
+    deployed(redis_url)
+    assert set(stored(redis_client)) == {"1800|1.0", "900|12000.0"}
 
 
 def test_ledger_and_status_read_the_deployments_window_and_say_so(
@@ -142,7 +235,7 @@ def test_ledger_and_status_read_the_deployments_window_and_say_so(
     redis_client.hset(KEYS.window(current), "tax_units", 40)
     ledger = shell.invoke(main, ["ledger", "--json", str(tmp_path / "rows.json")])
     assert ledger.exit_code == 0, ledger.output
-    assert "this shell's window_seconds=900 budget_units=12000 are not the deployment's" in (
+    assert "this shell's window_seconds=900 budget_units=12000.0 are not the deployment's" in (
         ledger.output)  # fmt: skip
     document = json.loads((tmp_path / "rows.json").read_text())
     assert (document["window_id"], document["window_seconds"]) == (current, 600)
@@ -165,24 +258,8 @@ def test_the_exporter_shows_the_deployments_window_and_budget(
     assert value(samples, "gatekeeper_budget_units") == 100
     assert value(samples, "gatekeeper_window_tax_units") == 40
     assert value(samples, "gatekeeper_budget_left_units") == 60
-    redis_client.hset(KEYS.deployment, "budget_units", "lots")  # unreadable: its own, said
+    redis_client.hset(KEYS.deployment, b"\xff", b"lots")  # unreadable: its own, said
     with serving(collector_for(gate_settings(redis_url))) as url:
         samples = scrape(url)
     assert value(samples, "gatekeeper_budget_units") == 12000
     assert value(samples, "gatekeeper_redis_up") == 1
-
-
-def test_a_redis_that_lost_its_data_has_the_values_again_before_the_state_is_initialised(
-    redis_url: str, redis_client: redis.Redis
-) -> None:
-    app = create_app(gate_settings(redis_url, window_seconds=600), redis_url)
-    app.tasks["tests.embed"].delay(1)
-    redis_client.flushdb()  # the state marker and the deployment's values gone together
-    time.sleep(0.3)  # past flag_cache_s: the next publish reads the flags again
-    app.tasks["tests.embed"].delay(2)
-    assert stored(redis_client)["window_seconds"] == "600"
-    initialised(redis_client)
-    time.sleep(0.3)
-    redis_client.delete(KEYS.deployment)
-    app.tasks["tests.embed"].delay(3)  # the state is back: written once per process, not again
-    assert not redis_client.exists(KEYS.deployment)

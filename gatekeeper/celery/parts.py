@@ -148,7 +148,7 @@ def build(
             make_logger(settings, "decision").warning("gate_unconfigured", reason=unconfigured)
     pipeline = Pipeline.create(settings, client, clock)
     pipeline.flags.announce = announcer(client, pipeline.store.keys, settings, pipeline.log,
-                                        clock)  # the values it decides with  # fmt: skip
+                                        clock, pipeline.flags.breaker)  # fmt: skip
     worker = WorkerSide(app, settings, client, pipeline.flags, clock)
     expiry = Expiry(app, settings, client, worker.log, clock, worker.on_lost_after_success)
     heartbeat = Heartbeat(app, client, pipeline.store.keys, settings.worker_heartbeat_s)

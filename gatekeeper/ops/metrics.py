@@ -40,7 +40,7 @@ from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import app_of, settings_of
-from gatekeeper.redis.deployment import recorded
+from gatekeeper.redis.deployment import latest, recorded
 from gatekeeper.redis.flags import STATE_FIELD, combine
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.snapshot import Snapshot, read_snapshot
@@ -165,14 +165,14 @@ class GateCollector:
     def _families(self) -> Iterator[Metric]:
         now = self.clock()
         seconds, budget = self.settings.window_seconds, self.settings.budget_units
-        try:
-            deployment = recorded(self.client, self.keys)  # the window and budget the gate uses
+        try:  # the window and budget the gate decides with, last seen (deployment.py)
+            judges = latest(recorded(self.client, self.keys), now)
         except (LedgerUnavailable, ConfigError) as exc:
-            deployment = None  # (unreadable: said, and this process's own are shown)
+            judges = []  # (unreadable: said, and this process's own are shown)
             if isinstance(exc, ConfigError):
                 self.log.warning("metrics_deployment_unreadable", error=str(exc))
-        if deployment is not None:
-            seconds, budget = deployment.window_seconds, deployment.budget_units
+        if judges:
+            seconds, budget = judges[0].window_seconds, judges[0].budget_units
         try:
             snap = read_snapshot(self.client, self.keys, window_id(now, seconds))
         except LedgerUnavailable as exc:

@@ -33,7 +33,7 @@ from gatekeeper.ops.context import app_of, settings_of
 from gatekeeper.ops.metrics import DEFAULT_HOST, collector_for, listening
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
-from gatekeeper.redis.deployment import differs, recorded
+from gatekeeper.redis.deployment import differs, latest, recorded
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import read_rows
@@ -69,24 +69,26 @@ def redis_client(ctx: click.Context) -> redis.Redis:
 
 
 def as_deployed(ctx: click.Context, client: redis.Redis) -> GatekeeperSettings:
-    """The settings with the deployment's ``window_seconds`` and ``budget_units``
-    (gatekeeper/redis/deployment.py), said on stderr where they are not this shell's; the
-    shell's own when none is recorded or what is recorded cannot be read (said too)."""
+    """The settings with the deployment's ``window_seconds`` and ``budget_units`` (the pair
+    last seen: gatekeeper/redis/deployment.py), said on stderr where they are not this
+    shell's; the shell's own when none is recorded or what is recorded cannot be read."""
     settings = settings_of(ctx)
     try:
-        deployment = recorded(client, Keys(settings.key_prefix, settings.namespace))
+        judges = latest(recorded(client, Keys(settings.key_prefix, settings.namespace)),
+                        time.time())  # fmt: skip
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     except ConfigError as exc:
         click.echo(f"warning: {exc}; this shell's window_seconds and budget_units are used",
                    err=True)  # fmt: skip
         return settings
-    why = differs(settings, deployment)
-    if deployment is None or not why:
+    why = differs(settings, judges)
+    if not why:
         return settings
-    click.echo(f"note: {why}: the deployment's are used", err=True)
-    return settings.model_copy(update={"window_seconds": deployment.window_seconds,
-                                       "budget_units": deployment.budget_units})  # fmt: skip
+    chosen = judges[0]
+    click.echo(f"note: {why}: {chosen.values()} are used", err=True)
+    return settings.model_copy(update={"window_seconds": chosen.window_seconds,
+                                       "budget_units": chosen.budget_units})  # fmt: skip
 
 
 def broker_of(ctx: click.Context) -> Broker:

@@ -29,7 +29,7 @@ from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
 from gatekeeper.forks import renew_in_children
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.cluster import home
-from gatekeeper.redis.deployment import judge_hour
+from gatekeeper.redis.deployment import ANNOUNCE_EVERY_S, judge_hour
 from gatekeeper.redis.durable import REPLICA_WAIT_S, on_disk, replicated
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import text_of
@@ -129,9 +129,8 @@ class FlagStore:
         """``<acknowledged>/<connected>`` replicas of the last write ('': none, or unknown)."""
         self.announce: Callable[[], bool] | None = None
         """A deciding process's :func:`gatekeeper.redis.deployment.announcer`: called after a
-        read succeeds until it returns True, and again at each read while the state marker
-        is missing (a Redis that lost its data lost that key too)."""
-        self._announced = False
+        read succeeds, then every ``ANNOUNCE_EVERY_S`` (5 s after one that failed)."""
+        self._announce_at = -math.inf
 
     def stored(self) -> dict[str, str]:
         """The overrides in Redis, as text; :class:`LedgerUnavailable` at once while the
@@ -177,8 +176,8 @@ class FlagStore:
                 return self._cached
             try:
                 flags = combine(self.settings, self.stored(), self.eviction_policy())
-                if self.announce is not None and (not self._announced or flags.state_missing):
-                    self._announced = self.announce()
+                if self.announce is not None and now >= self._announce_at:
+                    self._announce_at = now + (ANNOUNCE_EVERY_S if self.announce() else 5.0)
             except LedgerUnavailable as exc:
                 cached, why = self._cached, str(exc)  # (stale: not read now; unread: never)
                 flags = replace(cached, stale=why) if cached else replace(

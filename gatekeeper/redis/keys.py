@@ -14,11 +14,11 @@ namespace's slot):
     free. In the same key as the flags, so whatever loses one loses both.
 ``gatekeeper:{default}:flags:log`` - list, no TTL, newest first, capped at 1000 entries
     One JSON object per flag change: ``name``, ``value``, ``reason``, ``actor``, ``at``.
-``gatekeeper:{default}:deployment`` - hash, no TTL
-    ``window_seconds`` and ``budget_units`` as the last process that decides publishes runs
-    with them, ``at`` (Unix seconds) and ``by`` (``<host>:<pid>``): written at its first read
-    of the flags; the flag commands judge a clean hour with them
-    (gatekeeper/redis/deployment.py).
+``gatekeeper:{default}:deployment`` - hash, no TTL (a pair unseen for a day is deleted)
+    One field per pair of values the processes that decide publishes run with,
+    ``<window_seconds>|<budget_units>`` -> ``<last seen, Unix s>|<host>:<pid>``: written at a
+    process's first read of the flags and at most once a minute after; the flag commands judge
+    a clean hour under every pair seen within it (gatekeeper/redis/deployment.py).
 ``gatekeeper:{default}:free:waiting`` - sorted set, no TTL (members expire by score; the pad
     below stays)
     Gated attempts published to the free queue and not yet started: member
