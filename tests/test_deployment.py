@@ -16,14 +16,17 @@ import redis
 from celery import Celery
 from click.testing import CliRunner
 
+import gatekeeper
 import gatekeeper.redis.flags
 from gatekeeper.core.ledger import window_id
 from gatekeeper.ops.cli import main
 from gatekeeper.ops.metrics import collector_for
 from gatekeeper.redis.keys import Keys
+from gatekeeper.redis.runs import RunLedger
 from tests.apps.gated_app import create_app
 from tests.conftest import clear_of_a_window_edge, gate_settings
 from tests.scrape import scrape, serving, value
+from tests.test_runs import record, start_run
 
 KEYS = Keys()
 
@@ -139,6 +142,66 @@ def test_a_pair_last_seen_before_the_hour_still_judges_when_no_other_was(
     assert code == 1 and "judged with the deployment's window_seconds=600" in output, output
 
 
+def test_a_quiet_deployments_pair_still_judges_beside_a_one_off_publish(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner
+) -> None:
+    """A second reviewer: the deployment last published 75 minutes ago, its worker then wrote
+    a killed row (a worker's row goes in its own current window), and a one-off publish from
+    a shell with the default settings was the only pair seen within the hour."""
+    clear_of_a_window_edge(600, 5)
+    redis_client.hset(KEYS.deployment, "600|12000.0", f"{time.time() - 4500!r}|quiet:1")
+    killed_row_in(redis_client, 600)
+    deployed(redis_url)  # 900 s
+    code, output = reopen(shell)
+    assert code == 1 and "killed rows" in output, output
+
+
+def test_a_pairs_budget_holds_the_windows_it_decided_in_and_no_later_ones(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner
+) -> None:
+    """The budget raised 50 minutes ago: the old pair's 100 holds the windows it decided in,
+    not the ones after it (their tax is the new budget's)."""
+    clear_of_a_window_edge(600, 5)
+    redis_client.hset(KEYS.deployment, "600|100.0", f"{time.time() - 3000!r}|old:1")
+    deployed(redis_url, window_seconds=600, budget_units=1000)
+    current = window_id(time.time(), 600)
+    redis_client.hset(KEYS.window(current), "tax_units", 500)
+    code, output = reopen(shell)
+    assert code == 0, output
+    assert ("judged with the deployment's window_seconds=600 budget_units=1000.0 and "
+            "window_seconds=600 budget_units=100.0") in output  # fmt: skip
+    assert shell.invoke(main, ["flags", "set", "free_path_enabled", "false"]).exit_code == 0
+    redis_client.hset(KEYS.window(current - 5), "tax_units", 500)  # before the raise
+    code, output = reopen(shell)
+    assert code == 1 and "is over the budget 100" in output, output
+
+
+def test_a_sweep_from_a_shell_writes_its_killed_row_in_the_deployments_window(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second reviewer: the sweep wrote a vanished run's killed row in the shell's window,
+    one the re-open never read."""
+    clear_of_a_window_edge(600, 10)
+    monkeypatch.setenv("GATEKEEPER_BROKER_URL", redis_url)
+    deployed(redis_url, window_seconds=600)
+    now_ms = round(time.time() * 1000)
+    runs = RunLedger(redis_client, KEYS, window_seconds=600, queue_wait_unit_per_second=200)
+    begun = record(
+        path="reserved",
+        decision="reserved",
+        published_ms=now_ms - 120_000,
+        admitted_ms=now_ms - 120_000,
+        window=None,
+        deadline_ms=now_ms + 900_000,
+    )
+    start_run(runs, redis_client, "vanished", 1, begun, now_ms - 60_000)
+    swept = shell.invoke(main, ["sweep", "--older-than-s", "0"])
+    assert swept.exit_code == 0 and "swept=1" in swept.output, swept.output
+    assert redis_client.hget(KEYS.window(window_id(time.time(), 600)), "rows:killed") == b"1"
+    code, output = reopen(shell)
+    assert code == 1 and "killed rows" in output, output
+
+
 def test_without_a_recorded_deployment_the_shells_values_judge_and_say_so(
     redis_client: redis.Redis, shell: CliRunner
 ) -> None:
@@ -183,6 +246,27 @@ def test_a_key_of_another_type_is_no_clean_hour_and_breaks_no_publish(
     assert status.exit_code == 0 and "is not a hash of deployment pairs" in status.output
     capsys.readouterr()
     deployed(redis_url)
+    err = capsys.readouterr().err
+    assert "reason=fits" in err and "event=deployment_not_written" in err
+
+
+def test_a_client_that_decodes_replies_meets_bytes_that_are_not_utf8_and_still_decides(
+    redis_url: str, redis_client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second reviewer: the announce's reply, decoded by the app's own client, raised out
+    of the flag read, and every gated publish failed closed (``gate_error``)."""
+    redis_client.hset(KEYS.deployment, b"\xff", b"\xfe")
+    app = Celery("decoding", broker=redis_url)
+    decoding = redis.Redis.from_url(redis_url, decode_responses=True)
+    gatekeeper.install(app, gate_settings(redis_url), client=decoding)
+
+    @gatekeeper.gated(expected_service_s=1, tokens_in=100, deadline_s=60)
+    @app.task(name="tests.decoding", shared=False)  # type: ignore[untyped-decorator]
+    def decoded(x: int) -> int:
+        return x
+
+    capsys.readouterr()
+    decoded.delay(1)
     err = capsys.readouterr().err
     assert "reason=fits" in err and "event=deployment_not_written" in err
 
@@ -235,7 +319,7 @@ def test_ledger_and_status_read_the_deployments_window_and_say_so(
     redis_client.hset(KEYS.window(current), "tax_units", 40)
     ledger = shell.invoke(main, ["ledger", "--json", str(tmp_path / "rows.json")])
     assert ledger.exit_code == 0, ledger.output
-    assert "this shell's window_seconds=900 budget_units=12000.0 are not the deployment's" in (
+    assert "note: this shell's window_seconds=900 budget_units=12000.0 are not the " in (
         ledger.output)  # fmt: skip
     document = json.loads((tmp_path / "rows.json").read_text())
     assert (document["window_id"], document["window_seconds"]) == (current, 600)

@@ -45,7 +45,6 @@ from gatekeeper.errors import ConfigError
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
-from gatekeeper.redis.deployment import announcer
 from gatekeeper.redis.gate import Pipeline
 from gatekeeper.settings import GatekeeperSettings, load_settings
 
@@ -147,8 +146,6 @@ def build(
             client = unconfigured_client(unconfigured)
             make_logger(settings, "decision").warning("gate_unconfigured", reason=unconfigured)
     pipeline = Pipeline.create(settings, client, clock)
-    pipeline.flags.announce = announcer(client, pipeline.store.keys, settings, pipeline.log,
-                                        clock, pipeline.flags.breaker)  # fmt: skip
     worker = WorkerSide(app, settings, client, pipeline.flags, clock)
     expiry = Expiry(app, settings, client, worker.log, clock, worker.on_lost_after_success)
     heartbeat = Heartbeat(app, client, pipeline.store.keys, settings.worker_heartbeat_s)

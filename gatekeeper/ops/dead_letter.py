@@ -47,8 +47,9 @@ from gatekeeper.errors import GateUnreachable, LedgerUnavailable
 from gatekeeper.logs import make_logger
 from gatekeeper.ops.context import settings_of
 from gatekeeper.ops.flag_commands import actor
-from gatekeeper.ops.oncall import broker_of, redis_client
+from gatekeeper.ops.oncall import as_deployed, broker_of, redis_client
 from gatekeeper.redis.attempt import carried_publish
+from gatekeeper.redis.flags import FlagStore
 from gatekeeper.redis.gate import Pipeline
 from gatekeeper.redis.handoff import (
     Handoff,
@@ -184,7 +185,7 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
 
 
 def _requeue(ctx: click.Context, gate: redis.Redis, job_id: str, deadline_s: float) -> None:
-    settings = settings_of(ctx)
+    settings = as_deployed(ctx, gate)  # scored with the deployment's window and budget
     broker, found = _taken(ctx, settings.dead_letter_queue)
     match = [t for t in found if ((t.message or {}).get("headers") or {}).get("id") == job_id]
     _give_back(broker, [t for t in found if t is not (match[0] if match else None)])
@@ -258,7 +259,7 @@ def _requeue(ctx: click.Context, gate: redis.Redis, job_id: str, deadline_s: flo
 
 def _open(ctx: click.Context, gate: redis.Redis) -> bool:
     """Whether the free path is open, as the gate's flags say now (unread or stale: closed)."""
-    return Pipeline.create(settings_of(ctx), gate, time.time).flags.current().free_open
+    return FlagStore(gate, settings_of(ctx)).current().free_open  # (no pipeline: no pair)
 
 
 def _withdrawn(

@@ -33,7 +33,7 @@ from gatekeeper.ops.context import app_of, settings_of
 from gatekeeper.ops.metrics import DEFAULT_HOST, collector_for, listening
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
-from gatekeeper.redis.deployment import differs, latest, recorded
+from gatekeeper.redis.deployment import latest, recorded, shown
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from gatekeeper.redis.scripts import read_rows
@@ -71,7 +71,8 @@ def redis_client(ctx: click.Context) -> redis.Redis:
 def as_deployed(ctx: click.Context, client: redis.Redis) -> GatekeeperSettings:
     """The settings with the deployment's ``window_seconds`` and ``budget_units`` (the pair
     last seen: gatekeeper/redis/deployment.py), said on stderr where they are not this
-    shell's; the shell's own when none is recorded or what is recorded cannot be read."""
+    shell's or several were seen within the hour; the shell's own when none is recorded or
+    what is recorded cannot be read (said too)."""
     settings = settings_of(ctx)
     try:
         judges = latest(recorded(client, Keys(settings.key_prefix, settings.namespace)),
@@ -82,11 +83,11 @@ def as_deployed(ctx: click.Context, client: redis.Redis) -> GatekeeperSettings:
         click.echo(f"warning: {exc}; this shell's window_seconds and budget_units are used",
                    err=True)  # fmt: skip
         return settings
-    why = differs(settings, judges)
-    if not why:
+    chosen, note = shown(settings, judges)
+    if note:
+        click.echo(f"note: {note}", err=True)
+    if chosen is None:
         return settings
-    chosen = judges[0]
-    click.echo(f"note: {why}: {chosen.values()} are used", err=True)
     return settings.model_copy(update={"window_seconds": chosen.window_seconds,
                                        "budget_units": chosen.budget_units})  # fmt: skip
 
@@ -192,8 +193,9 @@ def _finite(value: float | None) -> float | None:
 def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
     """Record runs whose worker vanished without any signal as killed, and stop counting
     admissions whose message is gone from the broker (after ``celery purge -Q free``)."""
-    settings = settings_of(ctx)
-    store = RunLedger.from_settings(redis_client(ctx), settings)
+    client = redis_client(ctx)
+    settings = as_deployed(ctx, client)  # a killed row goes in the deployment's window
+    store = RunLedger.from_settings(client, settings)
     limit = settings.stale_attempt_s if older_than_s is None else older_than_s
     now_ms = round(time.time() * 1000)
     try:
@@ -267,7 +269,7 @@ def replay(ctx: click.Context, once: bool, metrics_port: int | None, metrics_hos
     move refused, or the broker's connection dropped; none is lost, the next pass hands them
     on). Without --once it runs until stopped (SIGINT, SIGTERM), and exits 0.
     """
-    settings = settings_of(ctx)
+    settings = settings_of(ctx)  # its own: a process of the deployment, whose pair it keeps
     replayer = Replayer(settings, broker_of(ctx), redis_client(ctx), app=app_of(ctx))
     if metrics_port is not None:
         collector = collector_for(settings, app_of(ctx))

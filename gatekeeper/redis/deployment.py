@@ -6,15 +6,17 @@ shell's own values reads other windows than the gate writes (and an empty window
 or holds them to another budget, so ``flags set free_path_enabled true`` could re-open the free
 path over an hour that is not clean.
 
-So every process that publishes through the app's gate keeps the pair it decides with in
+So every process that decides publishes (:meth:`gatekeeper.redis.gate.Pipeline.create`: the
+app's gate, the replayer, ``dead-letter requeue``) keeps the pair it decides with in
 ``gatekeeper:{ns}:deployment`` (:func:`announcer`): field ``<window_seconds>|<budget_units>``,
 value ``<last seen, Unix s>|<host>:<pid>``, written at its first read of the flags and again at
 most every :data:`ANNOUNCE_EVERY_S` (so a key deleted or lost is back within a minute of the
 next publish), warning ``deployment_settings_differ`` once per other pair seen within the hour.
-The clean hour is judged under every pair seen within it (:func:`judge_hour`): a one-off
-process with a shell's settings, or a ``window_seconds`` changed within the hour, adds a pair
-and hides none. With no pair seen within the hour the latest one judges, and with none at all
-the shell's values (an upgrade from a version that wrote none), each verdict saying which.
+The clean hour is judged under every pair kept (:func:`judge_hour`): a one-off process with a
+shell's settings, or a ``window_seconds`` changed within the hour, adds a pair and hides none.
+With none at all (an upgrade from a version that wrote none) the shell's values judge, and the
+verdict says so. The commands that read or write windows use the pair seen last
+(gatekeeper/ops/oncall.py ``as_deployed``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -35,13 +37,16 @@ from gatekeeper.core.ledger import window_id
 from gatekeeper.errors import ConfigError, LedgerUnavailable
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.scripts import read_windows
+from gatekeeper.redis.scripts import evalsha, load_lua, read_windows
 from gatekeeper.settings import GatekeeperSettings
 
-__all__ = ["ANNOUNCE_EVERY_S", "Seen", "announcer", "differs", "judge_hour", "latest", "recorded"]
+__all__ = ["ANNOUNCE_EVERY_S", "Seen", "announcer", "judge_hour", "latest", "recorded", "shown"]
 
 ANNOUNCE_EVERY_S = 60.0
 """How often a deciding process writes its pair again (at a read of the flags)."""
+SLACK_S = ANNOUNCE_EVERY_S + 60.0
+"""How long after its last write a pair may still have decided: its next write waits for a
+read of the flags, up to ``flag_cache_s`` (at most 60 s) after the period."""
 FORGET_AFTER_S = 86_400.0
 """A pair not seen for this long is deleted by the next process that writes its own."""
 HOUR_S = 3600.0
@@ -76,9 +81,9 @@ class Seen:
         return f"{self.values()} (last written by {self.by} at {when})"
 
     def seen_within_hour_of(self, now: float) -> bool:
-        """Its windows reach into the hour a clean hour reads (with a write's period of slack)."""
+        """It may have decided within the hour a clean hour reads (:data:`SLACK_S` after)."""
         first = hour_windows(window_id(now, self.window_seconds), self.window_seconds)[0]
-        return self.at >= first * self.window_seconds - ANNOUNCE_EVERY_S
+        return self.at + SLACK_S >= first * self.window_seconds
 
     @classmethod
     def mine(cls, settings: GatekeeperSettings, now: float) -> Seen:
@@ -118,18 +123,24 @@ def recorded(client: redis.Redis, keys: Keys) -> list[Seen]:
 
 
 def latest(seen: list[Seen], now: float) -> list[Seen]:
-    """The pairs that judge the hour ending ``now``: those seen within it, else the latest."""
+    """The pairs seen within the hour ending ``now``, else the latest one, the latest first."""
     within = [s for s in seen if s.seen_within_hour_of(now)]
     return within or seen[:1]
 
 
-def differs(settings: GatekeeperSettings, judges: list[Seen]) -> str:
-    """Why the shell's values are not the deployment's ('' when they are, or none is known)."""
+def shown(settings: GatekeeperSettings, judges: list[Seen]) -> tuple[Seen | None, str]:
+    """The pair a command shows (the latest of :func:`latest`'s; None: the shell's own), and
+    a note when it is not the shell's or when several were seen within the hour ('': none)."""
     mine = Seen.mine(settings, 0.0)
-    if not judges or all(s.field == mine.field for s in judges):
-        return ""
-    return (f"this shell's {mine.values()} are not the deployment's "
-            + " and ".join(s.said() for s in judges))  # fmt: skip
+    if not judges:
+        return None, ""
+    if len(judges) > 1:
+        pairs = "; ".join(s.said() for s in judges)
+        return judges[0], (f"the deployment decided with {len(judges)} pairs within the hour: "
+                           f"{pairs}: the latest is shown")  # fmt: skip
+    if judges[0].field == mine.field:
+        return None, ""
+    return judges[0], f"this shell's {mine.values()} are not the deployment's {judges[0].said()}"
 
 
 def announcer(
@@ -151,10 +162,10 @@ def announcer(
             pipe.hset(keys.deployment, mine.field, mine.value)
             pipe.hgetall(keys.deployment)
             stored = pipe.execute()[1]
-        except (redis.RedisError, RedisClusterException, LedgerUnavailable) as exc:
-            if breaker is not None:
+        except Exception as exc:  # never into a publish (a decoding client's bytes included)
+            if breaker is not None and isinstance(exc, redis.RedisError):
                 breaker.failed(exc)  # (only a server that did not answer opens it)
-            log.info("deployment_not_written", key=keys.deployment, error=str(exc))
+            log.info("deployment_not_written", key=keys.deployment, error=repr(exc))
             return False
         try:
             _looked_over(client, keys, mine, stored, warned, log)
@@ -184,8 +195,16 @@ def _looked_over(
                         budget_units=mine.budget_units, other_window_seconds=(
                             other.window_seconds), other_budget_units=other.budget_units,
                         other_by=other.by, other_at=other.at, key=keys.deployment)  # fmt: skip
-    if stale:
-        client.hdel(keys.deployment, *stale)
+    if stale:  # each only if no process wrote it meanwhile
+        forget_unchanged(client, keys.deployment, [(f, stored[f]) for f in stale])
+
+
+def forget_unchanged(
+    client: redis.Redis, key: str, pairs: list[tuple[bytes | str, bytes | str]]
+) -> None:
+    """Delete each field whose value is still the one given (``unpair.lua``)."""
+    script = client.register_script(load_lua("unpair.lua"))
+    evalsha(client, script, [key], [part for pair in pairs for part in pair])
 
 
 def judge_hour(
@@ -193,34 +212,36 @@ def judge_hour(
     state_field: str, now: float,
 ) -> CleanHour:  # fmt: skip
     """Whether the last hour of ledger windows (ending in the one ``now`` is in) is clean under
-    every pair the deployment decided with within it (:func:`latest`; the shell's values when
-    none is recorded); not clean when what is recorded cannot be read.
+    every pair recorded (the shell's values when none is): no killed rows in its windows, and
+    within its budget the tax of its windows that began before it was last seen (+
+    :data:`SLACK_S`: it decided none after). An extra pair costs a read of empty windows, so
+    none is left out: a worker writes a killed row into its own window whenever it ends, and a
+    one-off publish from a shell must not hide the deployment's pair. Not clean when what is
+    recorded cannot be read.
 
     Only windows recorded after the state was initialised (``stored[state_field]``, from the
     flags hash) count: a window from before ``gatekeeper init`` may have been lost with the
     state, so an empty one proves nothing (initialising is not a re-open)."""
     try:
-        judges = latest(recorded(client, keys), now)
+        pairs = recorded(client, keys)
     except ConfigError as exc:
         return CleanHour(False, f"the deployment's values cannot be read: {exc}")
-    if judges:
-        said = f" (judged with the deployment's {' and '.join(s.values() for s in judges)})"
-        pairs = [(s.window_seconds, s.budget_units) for s in judges]
+    if pairs:
+        said = f" (judged with the deployment's {' and '.join(s.values() for s in pairs)})"
     else:
-        said = (f" (judged with this shell's {Seen.mine(settings, now).values()}: no deciding "
-                "process has recorded its own)")  # fmt: skip
-        pairs = [(settings.window_seconds, settings.budget_units)]
+        pairs = [Seen.mine(settings, math.inf)]
+        said = (f" (judged with this shell's {pairs[0].values()}: no deciding process has "
+                "recorded its own)")  # fmt: skip
     verdict = CleanHour(True, "")
-    for seconds, budget in pairs:
-        verdict = _hour(client, keys, seconds, budget, stored.get(state_field), now)
+    for pair in pairs:
+        verdict = _hour(client, keys, pair, stored.get(state_field), now)
         if not verdict.clean:
             break
     return CleanHour(verdict.clean, verdict.reason + said)
 
 
-def _hour(
-    client: redis.Redis, keys: Keys, seconds: int, budget: float, since: str | None, now: float
-) -> CleanHour:
+def _hour(client: redis.Redis, keys: Keys, pair: Seen, since: str | None, now: float) -> CleanHour:
+    seconds = pair.window_seconds
     ids = list(hour_windows(window_id(now, seconds), seconds))
     try:
         initialised = float(since) if since is not None else None
@@ -241,7 +262,9 @@ def _hour(
     except (ValueError, OverflowError) as exc:  # not gatekeeper's writing: not clean
         return CleanHour(False, f"a window of the hour holds a field that is not a number "
                                 f"({exc})")  # fmt: skip
-    return clean_hour(windows, budget)
+    decided = [w if w.window_id * seconds <= pair.at + SLACK_S else replace(w, tax_units=0.0)
+               for w in windows]  # fmt: skip
+    return clean_hour(decided, pair.budget_units)
 
 
 def _text(value: bytes | str) -> str:

@@ -60,6 +60,7 @@ from gatekeeper.redis.attempt import (
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.cluster import probe_of
 from gatekeeper.redis.decisions import in_process_inputs
+from gatekeeper.redis.deployment import announcer
 from gatekeeper.redis.flags import Flags, FlagStore, in_canary
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.later import Later
@@ -109,16 +110,16 @@ class Pipeline:
     def create(
         cls, settings: GatekeeperSettings, client: redis.Redis, clock: Callable[[], float]
     ) -> Pipeline:
-        """A pipeline on one Redis client with gatekeeper's own decision logger; its gate
-        store and flag store share one breaker (none when ``breaker_open_s`` is 0)."""
+        """A pipeline on one Redis client with its own decision logger, one breaker (none when
+        ``breaker_open_s`` is 0), and its pair kept in Redis (gatekeeper/redis/deployment.py)."""
         keys = Keys(settings.key_prefix, settings.namespace)
         log = make_logger(settings, "decision")
-        breaker = None
-        if settings.breaker_open_s:
-            breaker = Breaker(client, settings.breaker_open_s, log, probe_of(client, keys.flags))
+        breaker = (Breaker(client, settings.breaker_open_s, log, probe_of(client, keys.flags))
+                   if settings.breaker_open_s else None)  # fmt: skip
         store = GateStore(client, keys, horizon_s=settings.queue_age_horizon_s, breaker=breaker,
                           decision_record_cap=settings.decision_record_cap)  # fmt: skip
         flags = FlagStore(client, settings, keys, breaker=breaker)
+        flags.announce = announcer(client, keys, settings, log, clock, breaker)
         return cls(settings, store, flags, log, clock)
 
     def route(
@@ -344,8 +345,7 @@ class Pipeline:
         shown = round(dwell, 6) if isinstance(dwell, float) and finite else None
         headers = {**headers, H_DECISION: decided, H_REASON: why, H_DWELL_S: shown,
                    H_FREE_ADMITTED: free, H_WINDOW: window}  # fmt: skip
-        line = dict(_LINE_DEFAULTS)
-        line.update(fields)
+        line = {**_LINE_DEFAULTS, **fields}
         tokens = fields.get("tokens")
         line["decision"], line["reason"], line["queue"] = decided, why, queue
         line["token_pressure"] = tokens * dwell if finite and tokens is not None else None

@@ -18,7 +18,7 @@ namespace's slot):
     One field per pair of values the processes that decide publishes run with,
     ``<window_seconds>|<budget_units>`` -> ``<last seen, Unix s>|<host>:<pid>``: written at a
     process's first read of the flags and at most once a minute after; the flag commands judge
-    a clean hour under every pair seen within it (gatekeeper/redis/deployment.py).
+    a clean hour under every pair kept (gatekeeper/redis/deployment.py).
 ``gatekeeper:{default}:free:waiting`` - sorted set, no TTL (members expire by score; the pad
     below stays)
     Gated attempts published to the free queue and not yet started: member
