@@ -24,7 +24,7 @@ from gatekeeper.ops.metrics import collector_for
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
 from tests.apps.gated_app import create_app
-from tests.conftest import clear_of_a_window_edge, gate_settings
+from tests.conftest import clear_of_a_window_edge, gate_settings, running_worker, wait_until
 from tests.scrape import scrape, serving, value
 from tests.test_runs import record, start_run
 
@@ -40,6 +40,11 @@ def deployed(redis_url: str, **overrides: Any) -> Celery:
 
 def stored(client: redis.Redis) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in client.hgetall(KEYS.deployment).items()}
+
+
+def seen(at: float, by: str, first: float | None = None) -> str:
+    """A pair's value as ``pair.lua`` writes it."""
+    return f"{at if first is None else first!r}|{at!r}|{by}"
 
 
 def killed_row_in(client: redis.Redis, window_seconds: int) -> None:
@@ -65,8 +70,8 @@ def test_a_process_that_decides_writes_the_pair_it_decides_with(
 ) -> None:
     deployed(redis_url, window_seconds=600, budget_units=100)
     ((pair, seen),) = stored(redis_client).items()
-    at, by = seen.split("|")
-    assert pair == "600|100.0" and abs(float(at) - time.time()) < 60
+    first, at, by = seen.split("|")
+    assert pair == "600|100.0" and abs(float(at) - time.time()) < 60 and first == at
     assert by.endswith(f":{os.getpid()}")
 
 
@@ -80,7 +85,10 @@ def test_a_reopen_reads_the_deployments_windows_not_the_shells(
     killed_row_in(redis_client, 600)
     code, output = reopen(shell)
     assert code == 1, output
-    assert "killed rows" in output and "judged with the deployment's window_seconds=600" in output
+    assert (
+        "killed rows" in output
+        and "judged with the deployment's pairs: window_seconds=600" in output
+    )
     assert redis_client.hget(KEYS.flags, "free_path_enabled") == b"false"
     assert list(stored(redis_client)) == ["600|12000.0"]  # the shell wrote nothing there
 
@@ -104,7 +112,10 @@ def test_the_deployments_clean_hour_reopens(
     killed_row_in(redis_client, 900)  # not a window the deployment writes
     code, output = reopen(shell)
     assert code == 0, output
-    assert "clean hour" in output and "judged with the deployment's window_seconds=600" in output
+    assert (
+        "clean hour" in output
+        and "judged with the deployment's pairs: window_seconds=600" in output
+    )
 
 
 def test_a_one_off_process_with_the_shells_settings_hides_no_window(
@@ -136,10 +147,10 @@ def test_a_pair_last_seen_before_the_hour_still_judges_when_no_other_was(
     redis_url: str, redis_client: redis.Redis, shell: CliRunner
 ) -> None:
     clear_of_a_window_edge(600, 5)
-    redis_client.hset(KEYS.deployment, "600|12000.0", f"{time.time() - 7200!r}|old:1")
+    redis_client.hset(KEYS.deployment, "600|12000.0", seen(time.time() - 7200, "old:1"))
     killed_row_in(redis_client, 600)
     code, output = reopen(shell)
-    assert code == 1 and "judged with the deployment's window_seconds=600" in output, output
+    assert code == 1 and "judged with the deployment's pairs: window_seconds=600" in output, output
 
 
 def test_a_quiet_deployments_pair_still_judges_beside_a_one_off_publish(
@@ -149,7 +160,7 @@ def test_a_quiet_deployments_pair_still_judges_beside_a_one_off_publish(
     a killed row (a worker's row goes in its own current window), and a one-off publish from
     a shell with the default settings was the only pair seen within the hour."""
     clear_of_a_window_edge(600, 5)
-    redis_client.hset(KEYS.deployment, "600|12000.0", f"{time.time() - 4500!r}|quiet:1")
+    redis_client.hset(KEYS.deployment, "600|12000.0", seen(time.time() - 4500, "quiet:1"))
     killed_row_in(redis_client, 600)
     deployed(redis_url)  # 900 s
     code, output = reopen(shell)
@@ -162,14 +173,14 @@ def test_a_pairs_budget_holds_the_windows_it_decided_in_and_no_later_ones(
     """The budget raised 50 minutes ago: the old pair's 100 holds the windows it decided in,
     not the ones after it (their tax is the new budget's)."""
     clear_of_a_window_edge(600, 5)
-    redis_client.hset(KEYS.deployment, "600|100.0", f"{time.time() - 3000!r}|old:1")
+    redis_client.hset(KEYS.deployment, "600|100.0", seen(time.time() - 3000, "old:1"))
     deployed(redis_url, window_seconds=600, budget_units=1000)
     current = window_id(time.time(), 600)
     redis_client.hset(KEYS.window(current), "tax_units", 500)
     code, output = reopen(shell)
     assert code == 0, output
-    assert ("judged with the deployment's window_seconds=600 budget_units=1000.0 and "
-            "window_seconds=600 budget_units=100.0") in output  # fmt: skip
+    assert "window_seconds=600 budget_units=1000.0 (" in output
+    assert "window_seconds=600 budget_units=100.0 (" in output  # both judged
     assert shell.invoke(main, ["flags", "set", "free_path_enabled", "false"]).exit_code == 0
     redis_client.hset(KEYS.window(current - 5), "tax_units", 500)  # before the raise
     code, output = reopen(shell)
@@ -213,8 +224,9 @@ def test_without_a_recorded_deployment_the_shells_values_judge_and_say_so(
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("0|1.0", "1.0|h:1"), ("x|1", "1.0|h:1"), ("600|-1", "1.0|h:1"), ("600|nan", "1|h:1"),
-     ("600|1.0", "soon|h:1"), (b"\xff", b"\xfe"), ("86401|1.0", "1.0|h:1")],
+    [("0|1.0", "1.0|1.0|h:1"), ("x|1", "1.0|1.0|h:1"), ("600|-1", "1.0|1.0|h:1"),
+     ("600|nan", "1|1|h:1"), ("600|1.0", "1.0|soon|h:1"), ("600|1.0", "1.0|h:1"),
+     ("600|1.0", "2.0|1.0|h:1"), (b"\xff", b"\xfe"), ("86401|1.0", "1.0|1.0|h:1")],
 )  # fmt: skip
 def test_an_unreadable_pair_is_no_clean_hour_and_force_still_reopens(
     redis_url: str, redis_client: redis.Redis, shell: CliRunner, field: Any, value: Any,
@@ -303,9 +315,57 @@ def test_a_lost_key_is_written_again_by_the_processes_that_decide(
     assert list(stored(redis_client)) == ["600|12000.0"]
 
 
+def test_a_one_off_pair_with_a_lower_budget_holds_only_the_windows_it_was_seen_in(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner
+) -> None:
+    """A third reviewer: a one-off publish with the shell's budget (12,000) held every window
+    of the hour to it, refusing a re-open over a tax the deployment's 50,000 allowed."""
+    clear_of_a_window_edge(900, 5)
+    deployed(redis_url, budget_units=50_000)
+    redis_client.hset(KEYS.window(window_id(time.time(), 900) - 2), "tax_units", 20_000)
+    deployed(redis_url)  # 900 s, 12,000: first seen now
+    code, output = reopen(shell)
+    assert code == 0, output
+    assert shell.invoke(main, ["flags", "set", "free_path_enabled", "false"]).exit_code == 0
+    redis_client.hset(KEYS.window(window_id(time.time(), 900)), "tax_units", 20_000)
+    code, output = reopen(shell)  # the window it was seen in: held to its budget too
+    assert code == 1 and "over the budget 12000" in output and "HDEL" in output, output
+
+
+def test_a_host_whose_clock_is_behind_moves_no_pair_back(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """A third reviewer: the same pair written from a host minutes behind set its last seen
+    back, and the tax of the windows after it went unjudged."""
+    deployed(redis_url, window_seconds=600)
+    ((_, at, _),) = [v.split("|") for v in stored(redis_client).values()]
+    behind = create_app(gate_settings(redis_url, window_seconds=600), redis_url,
+                        clock=lambda: time.time() - 600)  # fmt: skip
+    behind.tasks["tests.embed"].delay(1)
+    ((first2, at2, _),) = [v.split("|") for v in stored(redis_client).values()]
+    assert float(at2) >= float(at) and float(first2) <= float(at) - 590  # the earliest first
+
+
+def test_a_worker_that_never_publishes_keeps_its_pair(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A third reviewer: a worker writes killed rows in its own window, but only publishers
+    kept a pair; its heartbeat reads the flags, and keeps the worker's pair."""
+    with running_worker(redis_url, tmp_path / "w.log", GATEKEEPER_WINDOW_SECONDS="1200"):
+        assert wait_until(lambda: any(k.startswith("1200|") for k in stored(redis_client)))
+
+
+def test_a_day_windows_pair_is_kept_while_its_windows_can_be_read(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    redis_client.hset(KEYS.deployment, "86400|1.0", seen(time.time() - 90_000, "day:1"))
+    deployed(redis_url)
+    assert "86400|1.0" in stored(redis_client)
+
+
 def test_pairs_unseen_for_a_day_are_forgotten(redis_url: str, redis_client: redis.Redis) -> None:
-    redis_client.hset(KEYS.deployment, "300|1.0", f"{time.time() - 90_000!r}|old:1")
-    redis_client.hset(KEYS.deployment, "1800|1.0", f"{time.time() - 80_000!r}|old:2")
+    redis_client.hset(KEYS.deployment, "300|1.0", seen(time.time() - 90_000, "old:1"))
+    redis_client.hset(KEYS.deployment, "1800|1.0", seen(time.time() - 80_000, "old:2"))
     deployed(redis_url)
     assert set(stored(redis_client)) == {"1800|1.0", "900|12000.0"}
 

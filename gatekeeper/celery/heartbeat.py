@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -48,8 +49,14 @@ def _drawn() -> None:
 class Heartbeat:
     """One app's worker heartbeat (main process only)."""
 
-    def __init__(self, app: Celery, client: redis.Redis, keys: Keys, interval_s: float) -> None:
+    def __init__(
+        self, app: Celery, client: redis.Redis, keys: Keys, interval_s: float,
+        also: Callable[[], object] | None = None,
+    ) -> None:  # fmt: skip
+        """``also``: called at each beat (the flags' read, which keeps the worker's pair of
+        settings in Redis: a worker that never publishes writes rows in its own windows)."""
         self.app = app
+        self.also = also
         self.client = client
         self.keys = keys
         self.interval_s = interval_s
@@ -85,6 +92,9 @@ class Heartbeat:
     def _beat(self) -> None:
         if not self._keys:
             return
+        if self.also is not None:
+            with contextlib.suppress(Exception):  # (it never raises: the flags' read)
+                self.also()
         ttl = max(1, round(self.interval_s * 3000))
         with contextlib.suppress(redis.RedisError):  # missed beats only make a sweep wait
             pipe = self.client.pipeline(transaction=False)

@@ -148,6 +148,7 @@ def build(
     pipeline = Pipeline.create(settings, client, clock)
     worker = WorkerSide(app, settings, client, pipeline.flags, clock)
     expiry = Expiry(app, settings, client, worker.log, clock, worker.on_lost_after_success)
-    heartbeat = Heartbeat(app, client, pipeline.store.keys, settings.worker_heartbeat_s)
+    heartbeat = Heartbeat(app, client, pipeline.store.keys, settings.worker_heartbeat_s,
+                          also=pipeline.flags.current)  # fmt: skip
     queues = (settings.free_queue, settings.defer_queue, settings.reserved_queue)
     return Parts(settings, client, pipeline, worker, expiry, heartbeat, unconfigured, queues)

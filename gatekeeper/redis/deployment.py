@@ -59,15 +59,14 @@ class Seen:
     window_seconds: int
     budget_units: float
     at: float
+    """Last seen (Unix seconds)."""
     by: str = "?"
+    first: float = -math.inf
+    """First seen: the windows it may have decided in lie between ``first`` and ``at``."""
 
     @property
     def field(self) -> str:
         return f"{self.window_seconds}|{self.budget_units!r}"
-
-    @property
-    def value(self) -> str:
-        return f"{self.at!r}|{self.by}"
 
     def values(self) -> str:
         return f"window_seconds={self.window_seconds} budget_units={self.budget_units!r}"
@@ -78,7 +77,7 @@ class Seen:
             when = datetime.fromtimestamp(self.at, tz=timezone.utc).isoformat(timespec="seconds")
         except (ValueError, OverflowError, OSError):
             when = "an unknown time"
-        return f"{self.values()} (last written by {self.by} at {when})"
+        return f"{self.values()} (last seen from {self.by} at {when})"
 
     def seen_within_hour_of(self, now: float) -> bool:
         """It may have decided within the hour a clean hour reads (:data:`SLACK_S` after)."""
@@ -95,18 +94,32 @@ class Seen:
         """One field of the hash; :class:`ConfigError` names what is not usable."""
         name, text = _text(field), _text(value)
         seconds_text, _, budget_text = name.partition("|")
-        at_text, _, by = text.partition("|")
+        first_text, _, rest = text.partition("|")
+        at_text, _, by = rest.partition("|")
         try:
-            seconds, budget, at = int(seconds_text), float(budget_text), float(at_text)
+            seconds, budget = int(seconds_text), float(budget_text)
+            first, at = float(first_text), float(at_text)
         except ValueError:
-            seconds, budget, at = 0, math.nan, math.nan
-        if not (1 <= seconds <= 86_400 and 0 <= budget < math.inf and math.isfinite(at)):
+            seconds, budget, first, at = 0, math.nan, math.nan, math.nan
+        if not (1 <= seconds <= 86_400 and 0 <= budget < math.inf and math.isfinite(at)
+                and math.isfinite(first) and first <= at):  # fmt: skip
             raise ConfigError(
                 f"deployment field {name!r} = {text!r}: expected '<window_seconds 1..86400>|"
-                "<budget_units >= 0>' = '<unix seconds>|<host:pid>' (written by a deciding "
-                "process; HDEL the field and the processes write theirs again within a minute)"
+                "<budget_units >= 0>' = '<first seen>|<last seen>|<host:pid>' (written by a "
+                "deciding process; HDEL the field and the processes write theirs again within "
+                "a minute)"
             )
-        return cls(seconds, budget, at, by or "?")
+        return cls(seconds, budget, at, by or "?", first)
+
+    def forgotten_by(self, now: float) -> bool:
+        """Unseen long enough to be forgotten: a day, and never while a window it may have
+        decided in can still be read by a clean hour (two windows of up to a day)."""
+        return self.at < now - max(FORGET_AFTER_S, 2 * self.window_seconds + HOUR_S + SLACK_S)
+
+    def decided_in(self, window_start: float) -> bool:
+        """Whether a window starting then may hold its decisions (:data:`SLACK_S` each side)."""
+        return self.first - SLACK_S < window_start + self.window_seconds and (
+            window_start <= self.at + SLACK_S)  # fmt: skip
 
 
 def recorded(client: redis.Redis, keys: Keys) -> list[Seen]:
@@ -123,21 +136,22 @@ def recorded(client: redis.Redis, keys: Keys) -> list[Seen]:
 
 
 def latest(seen: list[Seen], now: float) -> list[Seen]:
-    """The pairs seen within the hour ending ``now``, else the latest one, the latest first."""
-    within = [s for s in seen if s.seen_within_hour_of(now)]
+    """The pairs seen within the hour ending ``now``, the longest seen first; else the latest."""
+    within = sorted((s for s in seen if s.seen_within_hour_of(now)), key=lambda s: s.first)
     return within or seen[:1]
 
 
 def shown(settings: GatekeeperSettings, judges: list[Seen]) -> tuple[Seen | None, str]:
-    """The pair a command shows (the latest of :func:`latest`'s; None: the shell's own), and
-    a note when it is not the shell's or when several were seen within the hour ('': none)."""
+    """The pair a command shows (the first of :func:`latest`'s: the longest seen, so that a
+    one-off process's does not displace the deployment's; None: the shell's own), and a note
+    when it is not the shell's or when several were seen within the hour ('': none)."""
     mine = Seen.mine(settings, 0.0)
     if not judges:
         return None, ""
     if len(judges) > 1:
         pairs = "; ".join(s.said() for s in judges)
         return judges[0], (f"the deployment decided with {len(judges)} pairs within the hour: "
-                           f"{pairs}: the latest is shown")  # fmt: skip
+                           f"{pairs}: the first, seen longest, is shown")  # fmt: skip
     if judges[0].field == mine.field:
         return None, ""
     return judges[0], f"this shell's {mine.values()} are not the deployment's {judges[0].said()}"
@@ -152,23 +166,23 @@ def announcer(
     within the hour. True once written; False when it was not (never raises: a publish reads
     the flags)."""
     warned: set[str] = set()
+    script = client.register_script(load_lua("pair.lua"))
 
     def announce() -> bool:
         try:
             mine = Seen.mine(settings, clock())
             if breaker is not None:
                 breaker.check("cannot write the deployment's values")
-            pipe = client.pipeline(transaction=False)
-            pipe.hset(keys.deployment, mine.field, mine.value)
-            pipe.hgetall(keys.deployment)
-            stored = pipe.execute()[1]
+            stored = evalsha(client, script, [keys.deployment], [mine.field, repr(mine.at),
+                                                                  mine.by])  # fmt: skip
         except Exception as exc:  # never into a publish (a decoding client's bytes included)
             if breaker is not None and isinstance(exc, redis.RedisError):
                 breaker.failed(exc)  # (only a server that did not answer opens it)
             log.info("deployment_not_written", key=keys.deployment, error=repr(exc))
             return False
         try:
-            _looked_over(client, keys, mine, stored, warned, log)
+            pairs = dict(zip(stored[::2], stored[1::2], strict=True))
+            _looked_over(client, keys, mine, pairs, warned, log)
         except Exception as exc:  # a key not gatekeeper's writing: the judge says so, not this
             log.info("deployment_not_read", key=keys.deployment, error=repr(exc))
         return True
@@ -186,7 +200,7 @@ def _looked_over(
             other = Seen.parse(field, value)
         except ConfigError:
             continue  # the clean hour refuses it, naming it
-        if other.at < mine.at - FORGET_AFTER_S:
+        if other.forgotten_by(mine.at):
             stale.append(field)
         elif other.field != mine.field and other.field not in warned and (
                 other.at >= mine.at - HOUR_S):  # fmt: skip
@@ -227,7 +241,9 @@ def judge_hour(
     except ConfigError as exc:
         return CleanHour(False, f"the deployment's values cannot be read: {exc}")
     if pairs:
-        said = f" (judged with the deployment's {' and '.join(s.values() for s in pairs)})"
+        said = (f" (judged with the deployment's pairs: {'; '.join(s.said() for s in pairs)}; "
+                f"one no process of it runs with: HDEL {keys.deployment} '<window_seconds>|"
+                "<budget_units>')")  # fmt: skip
     else:
         pairs = [Seen.mine(settings, math.inf)]
         said = (f" (judged with this shell's {pairs[0].values()}: no deciding process has "
@@ -262,7 +278,7 @@ def _hour(client: redis.Redis, keys: Keys, pair: Seen, since: str | None, now: f
     except (ValueError, OverflowError) as exc:  # not gatekeeper's writing: not clean
         return CleanHour(False, f"a window of the hour holds a field that is not a number "
                                 f"({exc})")  # fmt: skip
-    decided = [w if w.window_id * seconds <= pair.at + SLACK_S else replace(w, tax_units=0.0)
+    decided = [w if pair.decided_in(w.window_id * seconds) else replace(w, tax_units=0.0)
                for w in windows]  # fmt: skip
     return clean_hour(decided, pair.budget_units)
 

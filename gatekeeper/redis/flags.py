@@ -129,7 +129,7 @@ class FlagStore:
         """``<acknowledged>/<connected>`` replicas of the last write ('': none, or unknown)."""
         self.announce: Callable[[], bool] | None = None
         """A deciding process's :func:`gatekeeper.redis.deployment.announcer`: called after a
-        read succeeds, then every ``ANNOUNCE_EVERY_S`` (5 s after one that failed)."""
+        read succeeds, then every ``ANNOUNCE_EVERY_S``."""
         self._announce_at = -math.inf
 
     def stored(self) -> dict[str, str]:
@@ -177,7 +177,8 @@ class FlagStore:
             try:
                 flags = combine(self.settings, self.stored(), self.eviction_policy())
                 if self.announce is not None and now >= self._announce_at:
-                    self._announce_at = now + (ANNOUNCE_EVERY_S if self.announce() else 5.0)
+                    self._announce_at = now + ANNOUNCE_EVERY_S  # (failed too: said once a minute)
+                    self.announce()
             except LedgerUnavailable as exc:
                 cached, why = self._cached, str(exc)  # (stale: not read now; unread: never)
                 flags = replace(cached, stale=why) if cached else replace(

@@ -15,10 +15,11 @@ namespace's slot):
 ``gatekeeper:{default}:flags:log`` - list, no TTL, newest first, capped at 1000 entries
     One JSON object per flag change: ``name``, ``value``, ``reason``, ``actor``, ``at``.
 ``gatekeeper:{default}:deployment`` - hash, no TTL (a pair unseen for a day is deleted)
-    One field per pair of values the processes that decide publishes run with,
-    ``<window_seconds>|<budget_units>`` -> ``<last seen, Unix s>|<host>:<pid>``: written at a
-    process's first read of the flags and at most once a minute after; the flag commands judge
-    a clean hour under every pair kept (gatekeeper/redis/deployment.py).
+    One field per pair of values the processes that decide publishes or write rows run with,
+    ``<window_seconds>|<budget_units>`` -> ``<first seen>|<last seen>|<host>:<pid>`` (Unix
+    seconds; ``pair.lua``): written at a process's first read of the flags and at most once a
+    minute after; the flag commands judge a clean hour under every pair kept
+    (gatekeeper/redis/deployment.py).
 ``gatekeeper:{default}:free:waiting`` - sorted set, no TTL (members expire by score; the pad
     below stays)
     Gated attempts published to the free queue and not yet started: member
