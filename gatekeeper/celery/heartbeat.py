@@ -53,8 +53,8 @@ class Heartbeat:
         self, app: Celery, client: redis.Redis, keys: Keys, interval_s: float,
         also: Callable[[], object] | None = None,
     ) -> None:  # fmt: skip
-        """``also``: called at each beat (the flags' read, which keeps the worker's pair of
-        settings in Redis: a worker that never publishes writes rows in its own windows)."""
+        """``also``: called at each beat (the worker's window kept in Redis, at most once a
+        minute: it writes rows in its own windows, gatekeeper/redis/deployment.py)."""
         self.app = app
         self.also = also
         self.client = client
@@ -93,7 +93,7 @@ class Heartbeat:
         if not self._keys:
             return
         if self.also is not None:
-            with contextlib.suppress(Exception):  # (it never raises: the flags' read)
+            with contextlib.suppress(Exception):  # (it never raises)
                 self.also()
         ttl = max(1, round(self.interval_s * 3000))
         with contextlib.suppress(redis.RedisError):  # missed beats only make a sweep wait

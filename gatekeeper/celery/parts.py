@@ -45,6 +45,7 @@ from gatekeeper.errors import ConfigError
 from gatekeeper.logs import make_logger
 from gatekeeper.redis.breaker import no_retry
 from gatekeeper.redis.connect import client_for
+from gatekeeper.redis.deployment import announcer
 from gatekeeper.redis.gate import Pipeline
 from gatekeeper.settings import GatekeeperSettings, load_settings
 
@@ -149,6 +150,7 @@ def build(
     worker = WorkerSide(app, settings, client, pipeline.flags, clock)
     expiry = Expiry(app, settings, client, worker.log, clock, worker.on_lost_after_success)
     heartbeat = Heartbeat(app, client, pipeline.store.keys, settings.worker_heartbeat_s,
-                          also=pipeline.flags.current)  # fmt: skip
+                          also=announcer(client, pipeline.store.keys, settings, pipeline.log,
+                                         pipeline.flags.breaker, rows=True))  # fmt: skip
     queues = (settings.free_queue, settings.defer_queue, settings.reserved_queue)
     return Parts(settings, client, pipeline, worker, expiry, heartbeat, unconfigured, queues)

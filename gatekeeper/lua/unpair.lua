@@ -1,7 +1,8 @@
--- unpair.lua: forget deployment pairs unseen for a day (gatekeeper/redis/deployment.py), each
+-- unpair.lua: forget deployment pairs unseen long enough (gatekeeper/redis/deployment.py), each
 -- only if its value is still the one read: a process that wrote it again since keeps it.
 --
--- KEYS[1] deployment  hash: <window_seconds>|<budget_units> -> <last seen>|<host>:<pid>
+-- KEYS[1] deployment  hash: <window_seconds>|<budget_units, or rows> ->
+--                     <last seen, Unix s>|<host>:<pid>
 --
 -- ARGV    field, value, field, value, ...: the pairs to forget, as they were read
 --

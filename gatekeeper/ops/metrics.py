@@ -165,14 +165,14 @@ class GateCollector:
     def _families(self) -> Iterator[Metric]:
         now = self.clock()
         seconds, budget = self.settings.window_seconds, self.settings.budget_units
-        try:  # the window and budget the gate decides with, last seen (deployment.py)
+        try:  # the deployment's window and budget, as the clean hour reads them (deployment.py)
             judges = latest(recorded(self.client, self.keys), now)
         except (LedgerUnavailable, ConfigError) as exc:
             judges = []  # (unreadable: said, and this process's own are shown)
             if isinstance(exc, ConfigError):
                 self.log.warning("metrics_deployment_unreadable", error=str(exc))
-        if judges:
-            seconds, budget = judges[0].window_seconds, judges[0].budget_units
+        if judges and (lowest := judges[0].budget_units) is not None:
+            seconds, budget = judges[0].window_seconds, lowest
         try:
             snap = read_snapshot(self.client, self.keys, window_id(now, seconds))
         except LedgerUnavailable as exc:

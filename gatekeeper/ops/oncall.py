@@ -70,9 +70,9 @@ def redis_client(ctx: click.Context) -> redis.Redis:
 
 def as_deployed(ctx: click.Context, client: redis.Redis) -> GatekeeperSettings:
     """The settings with the deployment's ``window_seconds`` and ``budget_units`` (the pair
-    last seen: gatekeeper/redis/deployment.py), said on stderr where they are not this
-    shell's or several were seen within the hour; the shell's own when none is recorded or
-    what is recorded cannot be read (said too)."""
+    with the lowest budget seen within the hour: gatekeeper/redis/deployment.py), said on
+    stderr where they are not this shell's or several were seen; the shell's own when none is
+    recorded or what is recorded cannot be read (said too)."""
     settings = settings_of(ctx)
     try:
         judges = latest(recorded(client, Keys(settings.key_prefix, settings.namespace)),
@@ -86,7 +86,7 @@ def as_deployed(ctx: click.Context, client: redis.Redis) -> GatekeeperSettings:
     chosen, note = shown(settings, judges)
     if note:
         click.echo(f"note: {note}", err=True)
-    if chosen is None:
+    if chosen is None or chosen.budget_units is None:
         return settings
     return settings.model_copy(update={"window_seconds": chosen.window_seconds,
                                        "budget_units": chosen.budget_units})  # fmt: skip

@@ -29,7 +29,7 @@ from gatekeeper.errors import ConfigError, FreePathLocked, LedgerUnavailable
 from gatekeeper.forks import renew_in_children
 from gatekeeper.redis.breaker import Breaker
 from gatekeeper.redis.cluster import home
-from gatekeeper.redis.deployment import ANNOUNCE_EVERY_S, judge_hour
+from gatekeeper.redis.deployment import judge_hour
 from gatekeeper.redis.durable import REPLICA_WAIT_S, on_disk, replicated
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.scripts import text_of
@@ -128,9 +128,8 @@ class FlagStore:
         self.replicas = ""
         """``<acknowledged>/<connected>`` replicas of the last write ('': none, or unknown)."""
         self.announce: Callable[[], bool] | None = None
-        """A deciding process's :func:`gatekeeper.redis.deployment.announcer`: called after a
-        read succeeds, then every ``ANNOUNCE_EVERY_S``."""
-        self._announce_at = -math.inf
+        """A deciding process's :func:`gatekeeper.redis.deployment.announcer`, called after
+        each read that succeeds (it writes at most once a minute)."""
 
     def stored(self) -> dict[str, str]:
         """The overrides in Redis, as text; :class:`LedgerUnavailable` at once while the
@@ -176,9 +175,8 @@ class FlagStore:
                 return self._cached
             try:
                 flags = combine(self.settings, self.stored(), self.eviction_policy())
-                if self.announce is not None and now >= self._announce_at:
-                    self._announce_at = now + ANNOUNCE_EVERY_S  # (failed too: said once a minute)
-                    self.announce()
+                if self.announce is not None:
+                    self.announce()  # (once a minute: deployment.py)
             except LedgerUnavailable as exc:
                 cached, why = self._cached, str(exc)  # (stale: not read now; unread: never)
                 flags = replace(cached, stale=why) if cached else replace(

@@ -119,7 +119,7 @@ class Pipeline:
         store = GateStore(client, keys, horizon_s=settings.queue_age_horizon_s, breaker=breaker,
                           decision_record_cap=settings.decision_record_cap)  # fmt: skip
         flags = FlagStore(client, settings, keys, breaker=breaker)
-        flags.announce = announcer(client, keys, settings, log, clock, breaker)
+        flags.announce = announcer(client, keys, settings, log, breaker)
         return cls(settings, store, flags, log, clock)
 
     def route(

@@ -14,12 +14,13 @@ namespace's slot):
     free. In the same key as the flags, so whatever loses one loses both.
 ``gatekeeper:{default}:flags:log`` - list, no TTL, newest first, capped at 1000 entries
     One JSON object per flag change: ``name``, ``value``, ``reason``, ``actor``, ``at``.
-``gatekeeper:{default}:deployment`` - hash, no TTL (a pair unseen for a day is deleted)
-    One field per pair of values the processes that decide publishes or write rows run with,
-    ``<window_seconds>|<budget_units>`` -> ``<first seen>|<last seen>|<host>:<pid>`` (Unix
-    seconds; ``pair.lua``): written at a process's first read of the flags and at most once a
-    minute after; the flag commands judge a clean hour under every pair kept
-    (gatekeeper/redis/deployment.py).
+``gatekeeper:{default}:deployment`` - hash, no TTL (a pair unseen for a day and two windows
+is deleted)
+    One field per pair of values the processes run with: ``<window_seconds>|<budget_units>``
+    (a process that decides publishes) or ``<window_seconds>|rows`` (a worker's window) ->
+    ``<last seen, the server's Unix s>|<host>:<pid>`` (``pair.lua``), written at a process's
+    first read of the flags (or beat) and at most once a minute after; the flag commands
+    judge a clean hour under every pair kept (gatekeeper/redis/deployment.py).
 ``gatekeeper:{default}:free:waiting`` - sorted set, no TTL (members expire by score; the pad
     below stays)
     Gated attempts published to the free queue and not yet started: member
