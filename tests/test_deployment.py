@@ -1,7 +1,7 @@
 """The clean hour is judged with the deployment's ``window_seconds`` and ``budget_units``, not
-with the settings of the shell an operator runs ``gatekeeper flags`` in: every process that
-publishes through the app's gate keeps the pair it decides with in Redis, and the hour must be
-clean under every pair seen within it (gatekeeper/redis/deployment.py)."""
+with the settings of the shell an operator runs ``gatekeeper flags`` in: the processes keep the
+values they run with in Redis, and the hour must be clean in the windows of every size kept,
+each window's tax within the lowest budget kept (gatekeeper/redis/deployment.py)."""
 
 from __future__ import annotations
 
@@ -345,6 +345,44 @@ def test_a_lost_key_is_written_again_by_the_processes_that_decide(
     assert list(stored(redis_client)) == ["600|12000.0"]
 
 
+def test_a_window_size_only_workers_keep_is_held_to_the_lowest_budget(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner
+) -> None:
+    """A fifth reviewer: new workers (600 s) beside old publishers (no pair): the workers'
+    windows were held to no budget, and a re-open passed over a tax four times the budget."""
+    clear_of_a_window_edge(600, 5)
+    redis_client.hset(KEYS.deployment, "600|rows", seen(time.time(), "worker:1"))
+    redis_client.hset(KEYS.window(window_id(time.time(), 600)), "tax_units", 50_000)
+    code, output = reopen(shell)  # the shell's 900 s, 12,000
+    assert code == 1 and "over the budget 12000" in output, output
+
+
+def test_the_commands_use_the_workers_window_not_a_one_off_processs(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner
+) -> None:
+    """A fifth reviewer: a one-off pair of another size (and a lower budget) took over what
+    status, the exporter, the sweep and the requeue read and decided with."""
+    clear_of_a_window_edge(600, 5)
+    deployed(redis_url, window_seconds=600, budget_units=50_000)
+    redis_client.hset(KEYS.deployment, "600|rows", seen(time.time(), "worker:1"))
+    deployed(redis_url)  # 900 s, 12,000
+    current = window_id(time.time(), 600)
+    redis_client.hset(KEYS.window(current), "tax_units", 40)
+    status = shell.invoke(main, ["status"])
+    assert status.exit_code == 0 and f"window={current} tax_units=40.0" in status.output
+    assert "budget_units=50000" in status.output and "2 pairs within the hour" in status.output
+
+
+def test_a_sweep_refuses_while_the_pairs_cannot_be_read(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner
+) -> None:
+    """A fifth reviewer: a sweep in the shell's window while the key was unreadable wrote a
+    killed row that nobody read once the bad field was deleted."""
+    redis_client.hset(KEYS.deployment, "600|x", "1|h:1")
+    swept = shell.invoke(main, ["sweep", "--older-than-s", "0"])
+    assert swept.exit_code == 1 and "nothing was done" in swept.output, swept.output
+
+
 def test_a_one_off_pair_with_a_lower_budget_refuses_and_says_how_to_forget_it(
     redis_url: str, redis_client: redis.Redis, shell: CliRunner
 ) -> None:
@@ -379,7 +417,7 @@ def test_a_worker_that_never_publishes_keeps_its_pair(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     """A third reviewer: a worker writes killed rows in its own window, but only publishers
-    kept a pair; its heartbeat reads the flags, and keeps the worker's pair."""
+    kept a pair; its heartbeat keeps the worker's window."""
     with running_worker(redis_url, tmp_path / "w.log", GATEKEEPER_WINDOW_SECONDS="1200"):
         assert wait_until(lambda: "1200|rows" in stored(redis_client))
 

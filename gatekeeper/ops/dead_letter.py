@@ -185,7 +185,7 @@ def requeue(ctx: click.Context, job_id: str, deadline_s: float) -> None:
 
 
 def _requeue(ctx: click.Context, gate: redis.Redis, job_id: str, deadline_s: float) -> None:
-    settings = as_deployed(ctx, gate)  # scored with the deployment's window and budget
+    settings = as_deployed(ctx, gate, writes=True)  # the deployment's window and budget
     broker, found = _taken(ctx, settings.dead_letter_queue)
     match = [t for t in found if ((t.message or {}).get("headers") or {}).get("id") == job_id]
     _give_back(broker, [t for t in found if t is not (match[0] if match else None)])

@@ -68,11 +68,14 @@ def redis_client(ctx: click.Context) -> redis.Redis:
         raise click.UsageError(str(exc), ctx=ctx) from exc
 
 
-def as_deployed(ctx: click.Context, client: redis.Redis) -> GatekeeperSettings:
+def as_deployed(
+    ctx: click.Context, client: redis.Redis, writes: bool = False
+) -> GatekeeperSettings:
     """The settings with the deployment's ``window_seconds`` and ``budget_units`` (the pair
-    with the lowest budget seen within the hour: gatekeeper/redis/deployment.py), said on
-    stderr where they are not this shell's or several were seen; the shell's own when none is
-    recorded or what is recorded cannot be read (said too)."""
+    :func:`gatekeeper.redis.deployment.latest` puts first: of the workers' window size, with
+    the lowest budget), said on stderr where they are not this shell's or several were seen;
+    the shell's own when none is recorded or what is recorded cannot be read (said too;
+    ``writes``: refused instead)."""
     settings = settings_of(ctx)
     try:
         judges = latest(recorded(client, Keys(settings.key_prefix, settings.namespace)),
@@ -80,6 +83,8 @@ def as_deployed(ctx: click.Context, client: redis.Redis) -> GatekeeperSettings:
     except LedgerUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     except ConfigError as exc:
+        if writes:  # rows or a decision in the shell's window could be read by nobody
+            raise click.ClickException(f"{exc}; nothing was done") from exc
         click.echo(f"warning: {exc}; this shell's window_seconds and budget_units are used",
                    err=True)  # fmt: skip
         return settings
@@ -194,7 +199,7 @@ def sweep(ctx: click.Context, older_than_s: float | None) -> None:  # fmt: skip
     """Record runs whose worker vanished without any signal as killed, and stop counting
     admissions whose message is gone from the broker (after ``celery purge -Q free``)."""
     client = redis_client(ctx)
-    settings = as_deployed(ctx, client)  # a killed row goes in the deployment's window
+    settings = as_deployed(ctx, client, writes=True)  # a killed row: the deployment's window
     store = RunLedger.from_settings(client, settings)
     limit = settings.stale_attempt_s if older_than_s is None else older_than_s
     now_ms = round(time.time() * 1000)

@@ -22,9 +22,10 @@ empty windows or asks for less, so a one-off ``task.delay()`` from a shell, a
 ``window_seconds`` changed within the hour, or processes of an older version beside newer
 ones hide nothing; a budget raised within the day, or a one-off pair's lower budget, refuses
 until that pair is forgotten or deleted (the refusal names it, and how). With no pair that
-decides, the shell's values judge, and the verdict says so. The commands that read or write
-windows use the lowest-budget pair seen within the hour (gatekeeper/ops/oncall.py
-``as_deployed``).
+decides, the shell's values judge, and the verdict says so; a size only workers keep is held
+to the lowest budget there is. The commands that read or write windows use a deciding pair
+seen within the hour, of the workers' size first, then the lowest budget (:func:`latest`,
+gatekeeper/ops/oncall.py ``as_deployed``).
 """
 
 from __future__ import annotations
@@ -141,11 +142,15 @@ def recorded(client: redis.Redis, keys: Keys) -> list[Seen]:
 
 
 def latest(seen: list[Seen], now: float) -> list[Seen]:
-    """The deciding pairs seen within the hour ending ``now``, the lowest budget first (the
-    one a clean hour holds its windows to); else the latest deciding pair."""
+    """The deciding pairs seen within the hour ending ``now`` (else the latest deciding pair),
+    the one a command uses first: of a window size the workers keep (a one-off process's size
+    is nobody's), then with the lowest budget (the one a clean hour holds the window to)."""
     deciding = [s for s in seen if s.budget_units is not None]
     within = [s for s in deciding if s.seen_within_hour_of(now)]
-    return sorted(within, key=lambda s: (s.budget_units, -s.at)) or deciding[:1]
+    workers = {s.window_seconds for s in seen if s.budget_units is None
+               and s.seen_within_hour_of(now)}  # fmt: skip
+    return sorted(within, key=lambda s: (s.window_seconds not in workers, s.budget_units,
+                                         -s.at)) or deciding[:1]  # fmt: skip
 
 
 def shown(settings: GatekeeperSettings, judges: list[Seen]) -> tuple[Seen | None, str]:
@@ -157,7 +162,7 @@ def shown(settings: GatekeeperSettings, judges: list[Seen]) -> tuple[Seen | None
     if len(judges) > 1:
         pairs = "; ".join(s.said() for s in judges)
         return judges[0], (f"the deployment decided with {len(judges)} pairs within the hour: "
-                           f"{pairs}: the first, with the lowest budget, is used")  # fmt: skip
+                           f"{pairs}: the first is used")  # fmt: skip
     if judges[0].field == mine.field:
         return None, ""
     return judges[0], f"this shell's {mine.values()} are not the deployment's {judges[0].said()}"
@@ -251,17 +256,20 @@ def judge_hour(
         pairs = [*pairs, Seen.mine(settings, now)]
         said = (f" (judged with this shell's {pairs[-1].values()}: no process that decides "
                 "has recorded its own)")  # fmt: skip
-    budgets: dict[int, float] = {}
+    # Each size's lowest deciding budget; a size only workers keep (their tax is real: a row
+    # is charged in its writer's window) gets the lowest of all.
+    lowest = min(s.budget_units for s in pairs if s.budget_units is not None)
+    budgets = {s.window_seconds: lowest for s in pairs}
     for pair in pairs:
-        lowest = budgets.get(pair.window_seconds, math.inf)
-        budgets[pair.window_seconds] = min(lowest, math.inf if pair.budget_units is None
-                                           else pair.budget_units)  # fmt: skip
-    verdict = CleanHour(True, "")
+        if pair.budget_units is not None and pair.budget_units < budgets[pair.window_seconds]:
+            budgets[pair.window_seconds] = pair.budget_units
+    clean = []
     for seconds, budget in sorted(budgets.items()):
         verdict = _hour(client, keys, seconds, budget, stored.get(state_field), now)
         if not verdict.clean:
-            break
-    return CleanHour(verdict.clean, verdict.reason + said)
+            return CleanHour(False, verdict.reason + said)
+        clean.append(f"({seconds} s) {verdict.reason.removeprefix('clean hour: ')}")
+    return CleanHour(True, "clean hour: " + "; ".join(clean) + said)
 
 
 def _hour(
