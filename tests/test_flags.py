@@ -85,7 +85,7 @@ def test_every_change_is_logged_with_reason_and_actor(redis_client: redis.Redis)
         10.0,
     )
     assert newest.value is None
-    assert newest.reason.startswith("clean hour (clean hour: windows")
+    assert newest.reason.startswith("clean hour (clean hour: (900 s) windows")
 
 
 def test_a_rollback_never_expires_the_flags_keep_no_ttl(redis_client: redis.Redis) -> None:
