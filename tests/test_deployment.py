@@ -119,27 +119,23 @@ def test_the_deployments_clean_hour_reopens(
     )
 
 
-def test_a_one_off_process_with_the_shells_settings_hides_no_window(
-    redis_url: str, redis_client: redis.Redis, shell: CliRunner
-) -> None:
-    """A reviewer: ``task.delay()`` from a shell with the default settings wrote its values
-    over the deployment's, and the re-open then passed over the deployment's killed row."""
-    clear_of_a_window_edge(600, 5)
-    deployed(redis_url, window_seconds=600)
-    killed_row_in(redis_client, 600)
-    deployed(redis_url)  # 900 s, the shell's
-    assert set(stored(redis_client)) == {"600|12000.0", "900|12000.0"}
-    code, output = reopen(shell)
-    assert code == 1 and "killed rows" in output, output
-
-
-def test_a_window_change_within_the_hour_hides_no_window(
-    redis_url: str, redis_client: redis.Redis, shell: CliRunner
-) -> None:
-    clear_of_a_window_edge(900, 5)
-    deployed(redis_url)  # 900 s, then restarted with 600 s
-    killed_row_in(redis_client, 900)
-    deployed(redis_url, window_seconds=600)
+@pytest.mark.parametrize(
+    ("first", "then", "killed_in"),
+    [(600, 900, 600), (900, 600, 900)],
+    ids=["a_one_off_process_with_the_shells_settings", "a_window_change_within_the_hour"],
+)
+def test_another_pair_beside_the_deployments_hides_no_window(
+    redis_url: str, redis_client: redis.Redis, shell: CliRunner, first: int, then: int,
+    killed_in: int,
+) -> None:  # fmt: skip
+    """A reviewer: ``task.delay()`` from a shell with the default settings (900 s) wrote its
+    values over the deployment's (600 s), and the re-open then passed over the deployment's
+    killed row; a deployment restarted with another ``window_seconds`` hid the old windows."""
+    clear_of_a_window_edge(killed_in, 5)
+    deployed(redis_url, window_seconds=first)
+    killed_row_in(redis_client, killed_in)
+    deployed(redis_url, window_seconds=then)
+    assert set(stored(redis_client)) == {f"{first}|12000.0", f"{then}|12000.0"}
     code, output = reopen(shell)
     assert code == 1 and "killed rows" in output, output
 

@@ -58,6 +58,9 @@ ANNOUNCE_EVERY_S = 60.0
 FORGET_AFTER_S = 86_400.0
 """A pair not seen for this long (and for two of its windows) is deleted by the next write."""
 HOUR_S = 3600.0
+SLACK_S = ANNOUNCE_EVERY_S + 60.0
+"""How long after its last write a pair may still be deciding: its next write waits for a
+read of the flags, up to ``flag_cache_s`` (at most 60 s) after the period."""
 ROWS = "rows"
 """The budget part of a worker's field: its window alone."""
 _NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?")
@@ -92,7 +95,7 @@ class Seen:
 
     def seen_within_hour_of(self, now: float) -> bool:
         first = hour_windows(window_id(now, self.window_seconds), self.window_seconds)[0]
-        return self.at + ANNOUNCE_EVERY_S + 60.0 >= first * self.window_seconds
+        return self.at + SLACK_S >= first * self.window_seconds
 
     def forgotten_by(self, now: float) -> bool:
         """Unseen long enough to be forgotten: a day, and never while a window it may have
@@ -110,13 +113,12 @@ class Seen:
         name, text = _text(field), _text(value)
         seconds_text, _, budget_text = name.partition("|")
         at_text, _, by = text.partition("|")
+        rows = budget_text == ROWS
         seconds, budget, at = 0, math.nan, math.nan
         if seconds_text.isdecimal() and seconds_text.isascii() and _NUMBER.fullmatch(at_text):
             seconds, at = int(seconds_text), float(at_text)
-            if budget_text == ROWS:
-                budget = -0.0
-            elif _NUMBER.fullmatch(budget_text):
-                budget = float(budget_text)
+            if rows or _NUMBER.fullmatch(budget_text):
+                budget = 0.0 if rows else float(budget_text)
         if not (1 <= seconds <= 86_400 and 0 <= budget < math.inf and math.isfinite(at)):
             raise ConfigError(
                 f"deployment field {name!r} = {text!r}: expected '<window_seconds 1..86400>|"
@@ -124,7 +126,6 @@ class Seen:
                 "deployment's processes; HDEL the field and they write theirs again within a "
                 "minute)"
             )
-        rows = budget_text == ROWS
         return cls(seconds, None if rows else budget, at, by or "?")
 
 
@@ -171,19 +172,18 @@ def shown(settings: GatekeeperSettings, judges: list[Seen]) -> tuple[Seen | None
 def announcer(
     client: redis.Redis, keys: Keys, settings: GatekeeperSettings, log: Any,
     breaker: Breaker | None = None, rows: bool = False,
-) -> Callable[[], bool]:  # fmt: skip
+) -> Callable[[], None]:  # fmt: skip
     """A process's hook (a flag read, a worker's beat): at most every :data:`ANNOUNCE_EVERY_S`
     write its pair (``rows``: a worker's window alone) with ``pair.lua`` (one round trip),
-    forget pairs unseen long enough, and warn once per other pair seen within the hour. False
-    when it wrote nothing (too soon, or it failed: said once a minute); it never raises, since
-    a publish reads the flags."""
+    forget pairs unseen long enough, and warn once per other pair seen within the hour. A
+    failure is said once a minute; it never raises, since a publish reads the flags."""
     warned: set[str] = set()
     script = client.register_script(load_lua("pair.lua"))
     due = [-math.inf]
 
-    def announce() -> bool:
+    def announce() -> None:
         if time.monotonic() < due[0]:
-            return False
+            return
         due[0] = time.monotonic() + ANNOUNCE_EVERY_S
         try:
             mine = Seen.mine(settings, 0.0, rows)
@@ -194,14 +194,13 @@ def announcer(
             if breaker is not None and isinstance(exc, redis.RedisError):
                 breaker.failed(exc)  # (only a server that did not answer opens it)
             log.info("deployment_not_written", key=keys.deployment, error=repr(exc))
-            return False
+            return
         try:
             now, pairs = float(_text(reply[0])), dict(zip(reply[1::2], reply[2::2], strict=True))
             _looked_over(client, keys, Seen(mine.window_seconds, mine.budget_units, now),
                          pairs, warned, log)  # fmt: skip
         except Exception as exc:  # a key not gatekeeper's writing: the judge says so, not this
             log.info("deployment_not_read", key=keys.deployment, error=repr(exc))
-        return True
 
     return announce
 

@@ -127,7 +127,7 @@ class FlagStore:
         """How the last write reached the disk (:func:`gatekeeper.redis.durable.on_disk`)."""
         self.replicas = ""
         """``<acknowledged>/<connected>`` replicas of the last write ('': none, or unknown)."""
-        self.announce: Callable[[], bool] | None = None
+        self.announce: Callable[[], None] | None = None
         """A deciding process's :func:`gatekeeper.redis.deployment.announcer`, called after
         each read that succeeds (it writes at most once a minute)."""
 
