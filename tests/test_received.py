@@ -10,6 +10,7 @@ import pytest
 import redis
 from celery.worker import state
 
+from gatekeeper.celery import received as received_module
 from gatekeeper.celery.received import NOWHERE, PRUNE_EVERY, Received
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import RunLedger
@@ -172,3 +173,33 @@ def test_a_request_waiting_to_run_outlives_another_requests_end_of_its_id(
     assert received.ended("J") == (other, (0, "w@host"))  # the revoked one, alone: not waiting
     waiting.time_start = 2.0  # its turn came; it ran, and its child was SIGKILLed
     assert received.ended("J") == (headers(1), (41, "w@host"))
+
+
+def test_a_full_cache_forgets_requests_let_go_before_a_live_one(
+    held: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Requests that never start and that Celery lets go (a broker reconnect drops them) stay
+    # until the cache is full; then they go first: the oldest id, a run still going, keeps
+    # its headers for its end (a fourth reviewer: it was forgotten, and its end had no row).
+    monkeypatch.setattr(received_module, "RECEIVED_CACHE_SIZE", 5)
+    received = Received()
+    live = Request("LIVE", pid=31)
+    received.add(live, headers(1))
+    live.time_start = 1.0
+    state.active_requests.add(live)
+    held.append(live)
+    for n in range(12):
+        received.add(Request(f"dropped-{n}"), headers(1))  # never started, held by no set
+    assert len(received._by_id) == 5
+    state.active_requests.discard(live)  # it ended: Celery lets go, then signals
+    assert received.ended("LIVE") == (headers(1), (31, "w@host"))
+    # Every id held: the cache stays bounded all the same (the oldest goes).
+    received = Received()
+    for n in range(8):
+        request = Request(f"running-{n}")
+        request.time_start = 1.0
+        state.active_requests.add(request)
+        held.append(request)
+        received.add(request, headers(1))
+    assert len(received._by_id) == 5
+    assert "running-7" in received._by_id and "running-0" not in received._by_id

@@ -25,9 +25,13 @@ RanIn = tuple[int, str]
 NOWHERE: RanIn = (0, "")
 
 RECEIVED_CACHE_SIZE = 10_000
-"""Task ids kept at most (the oldest are forgotten first)."""
+"""Task ids kept at most (past it, the oldest of which the worker holds no request goes
+first: :meth:`Received._forget_one`)."""
 PRUNE_EVERY = 100
 """Ended requests are forgotten every this many arrivals (a pass over what is kept)."""
+FORGET_SCAN = 8
+"""Ids looked at, at most, for one the worker no longer holds when the cache is full (a few:
+each arrival pays for them while every id kept is held)."""
 
 
 class Received:
@@ -49,7 +53,7 @@ class Received:
                 held[:] = [entry for entry in held if not _ran_out(entry[0])]
         held.append((request, headers))
         while len(self._by_id) > RECEIVED_CACHE_SIZE:
-            self._by_id.popitem(last=False)
+            self._forget_one()
 
     def ended(self, job_id: str, runs: Any = None) -> tuple[dict[str, Any] | None, RanIn]:
         """The gatekeeper headers of the request with this id that just ended (a request
@@ -79,6 +83,24 @@ class Received:
         if len({nonce_of(h) for h in headers}) != 1 or not all(claims(h) for h in headers):
             return _recorded(job_id, ended, runs)
         return headers[0], ran_in
+
+    def _forget_one(self) -> None:
+        """Make room: forget the oldest id of which the worker holds no request (one that
+        never started and was let go, as a broker reconnect drops them), so that a live
+        request's end still finds its headers. Ids found held go to the newest end, so that
+        the next look starts past them; when the :data:`FORGET_SCAN` ids looked at are all
+        held (or with a changed Celery), the id then first in line is forgotten, held or not.
+
+        A request that waits unheld (on a rate limit; on its ETA under Celery 5.5) looks like
+        one let go, and is forgotten before held ones too."""
+        with suppress(Exception):
+            for _ in range(min(FORGET_SCAN, len(self._by_id))):
+                job_id, held = next(iter(self._by_id.items()))
+                if not any(outstanding(request) for request, _ in held):
+                    del self._by_id[job_id]
+                    return
+                self._by_id.move_to_end(job_id)
+        self._by_id.popitem(last=False)
 
     def _prune(self) -> None:
         """Forget the requests the worker no longer holds."""
