@@ -162,3 +162,23 @@ def test_a_task_id_holding_run_does_not_keep_what_stale_admissions_reserved(
     store.score(gate_call(now_s=now, job_id="a:run:b", window_id=2, tokens_in=10))
     assert redis_client.hget(KEYS.run("old", 1), "reserved") == b"0"
     assert float(redis_client.hget(KEYS.window(1), "exposure") or 0) == 0
+
+
+def test_an_older_versions_in_flight_entry_is_dropped_by_the_gate_and_the_sweep(
+    redis_client: redis.Redis,
+) -> None:
+    """An in-flight entry written before entries named their window (``<reserved>`` alone): the
+    gate's horizon and the sweep's purge check drop it like any other (a reviewer: the gate
+    failed the decision closed, with the entry already gone; the sweep raised)."""
+    store = GateStore(redis_client, KEYS, horizon_s=60)
+    now = time.time()
+    for job in ("by-gate", "by-sweep"):
+        redis_client.zadd(KEYS.free_waiting, {f"{job}:1": (now - 120) * 1000})
+        redis_client.hset(KEYS.inflight, f"{job}:1", "5")
+    scored = store.score(gate_call(now_s=now, job_id="new", window_id=2, tokens_in=10))
+    assert scored.decision.value == "admit_free"
+    assert redis_client.hget(KEYS.inflight, "by-gate:1") is None
+    redis_client.zadd(KEYS.free_waiting, {"by-sweep:1": (now - 30) * 1000})  # not yet stale
+    redis_client.hset(KEYS.inflight, "by-sweep:1", "5")
+    assert forget_purged(store, {"new:1"}, round(now * 1000)) == 1
+    assert redis_client.hget(KEYS.inflight, "by-sweep:1") is None

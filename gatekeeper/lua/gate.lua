@@ -159,9 +159,10 @@ if due and due < now - tonumber(ARGV[11]) then
     local stale = redis.call('HGET', KEYS[4], member)
     if stale then
       redis.call('HDEL', KEYS[4], member)
-      local amount, win = string.match(stale, '^([^|]+)|([^|]*)')
+      -- (An entry of an older version may name no window: there is none to give back to.)
+      local amount, win = string.match(stale, '^([^|]+)|?([^|]*)')
       local window = base .. ':window:' .. win
-      if redis.call('EXISTS', window) == 1 then
+      if win ~= '' and redis.call('EXISTS', window) == 1 then
         redis.call('HINCRBYFLOAT', window, 'exposure', -tonumber(amount))
       end
       local record = base .. ':run:' .. member
@@ -340,21 +341,23 @@ if not (finite(total) and finite(budget)) or total > budget then
   return decided('reserved', 'retry_tax_budget', dwell, fmt(projected))
 end
 
+-- The reservation as text that reads back as the double the exposure grows by, so that
+-- giving it back (release.lua, finish.lua, ...) leaves no residue: under 1e14 a whole
+-- number's 14-digit text is its integer text (tostring, cheap: most reservations); else 17
+-- digits (an integer's own digits up to 1e17).
+local whole = reserve == math.floor(reserve) and reserve < 2 ^ 53 and reserve > -2 ^ 53
+if whole and reserve < 1e14 and reserve > -1e14 then
+  reserved = fmt(reserve)
+else
+  reserved = string.format('%.17g', reserve)
+end
+capped = ARGV[10] == 'exposure' and reserved or string.format('%.17g', reserve + tonumber(ARGV[25]))
 -- Idempotent per attempt: a replay re-scored after a crash does not hold its tokens twice.
-reserved = fmt(reserve)
-capped = ARGV[10] == 'exposure' and reserved or fmt(reserve + tonumber(ARGV[25]))
 local held_now = reserved .. '|' .. ARGV[17] .. '|' .. ARGV[22] .. '|' .. WIDE
 if redis.call('HSETNX', KEYS[4], ARGV[2], held_now) == 1 then
   -- A whole reservation takes HINCRBY (a fraction of HINCRBYFLOAT's cost); a fractional one,
-  -- or a value some other writer left fractional, the float path. Under 1e14 a whole
-  -- number's 14-digit text is its integer text, written once above (but for -0).
-  local whole = reserve == math.floor(reserve) and reserve < 2 ^ 53
-  local amount = reserved
-  if reserve == 0 then
-    amount = '0'
-  elseif whole and not (reserve < 1e14 and reserve > -1e14) then
-    amount = string.format('%d', reserve)
-  end
+  -- or a value some other writer left fractional, the float path.
+  local amount = reserve == 0 and '0' or reserved  -- (not '-0')
   if not whole or type(redis.pcall('HINCRBY', KEYS[2], 'exposure', amount)) == 'table' then
     redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', reserve)
   end

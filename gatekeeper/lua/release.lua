@@ -6,7 +6,11 @@
 --
 -- KEYS[1] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>|..."
 -- KEYS[2] free:waiting              sorted set: admitted free attempts not yet started
--- KEYS[3] window:<admission window> hash: exposure, admitted_free
+-- KEYS[3] window:<admission window> hash: exposure, admitted_free; the caller's view of the
+--                                   window: the `inflight` entry's own window is the one
+--                                   released (its key built from KEYS[1]'s prefix, up to the
+--                                   hash tag, as gate.lua builds it: one cluster slot), KEYS[3]
+--                                   only for an entry that names none (an older version's)
 -- KEYS[4] run:<job_id>:<attempt>    the gate's record: its `reserved` closes (= `charged`): a
 --                                   run that starts after all (a message taken for purged
 --                                   that was not) is charged nothing it no longer reserves
@@ -27,9 +31,18 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then  -- closed: nothing more to charge
   redis.call('HSET', KEYS[4], 'reserved', redis.call('HGET', KEYS[4], 'charged') or '0')
 end
-local tokens = tonumber(string.match(held, '^[^|]+'))
-redis.call('HINCRBYFLOAT', KEYS[3], 'exposure', -tokens)
-if ARGV[2] == '1' then
-  redis.call('HINCRBY', KEYS[3], 'admitted_free', -1)
+local amount, win = string.match(held, '^([^|]+)|?([^|]*)')
+local tokens = tonumber(amount)
+local window = KEYS[3]
+if win and string.match(win, '^%d+$') then
+  window = string.match(KEYS[1], '^[^{]*{[^}]*}') .. ':window:' .. win
+end
+-- A window past its retention is gone with its exposure: never written again (a hash made
+-- here would have no TTL).
+if redis.call('EXISTS', window) == 1 then
+  redis.call('HINCRBYFLOAT', window, 'exposure', -tokens)
+  if ARGV[2] == '1' then
+    redis.call('HINCRBY', window, 'admitted_free', -1)
+  end
 end
 return tokens

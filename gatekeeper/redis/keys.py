@@ -37,9 +37,10 @@ is deleted)
 ``gatekeeper:{default}:inflight`` - hash, no TTL (fields removed when the attempt ends)
     Free attempts admitted and not yet finished: field ``<job_id>:<attempt>``, value
     ``<reserved>|<window id>|<admitted ms>|<65 zeros>``: the exposure it holds (its tokens and
-    its wait allowance), and where and since when. The zeros (``gate.lua``'s ``WIDE``) keep the
-    hash a hash table: past 64 bytes a value leaves Redis's compact encoding, which is
-    searched field by field (readers take the first three fields).
+    its wait allowance, as text that reads back as the double the window's exposure grew by),
+    and where (the window ``release.lua`` gives it back to) and since when. The zeros
+    (``gate.lua``'s ``WIDE``) keep the hash a hash table: past 64 bytes a value leaves Redis's
+    compact encoding, which is searched field by field (readers take the first three fields).
 ``gatekeeper:{default}:started`` - sorted set, no TTL (members removed when the run ends)
     Runs of gated attempts that started and have no row yet: member ``<job_id>:<attempt>``,
     score = start time in ms. ``gatekeeper sweep`` records the stale ones as killed.

@@ -303,6 +303,8 @@ class GateStore:
     ) -> int:
         """Give back an admitted attempt's exposure (it will not run); returns the tokens.
 
+        To the window its in-flight entry names (``window_id`` only for an entry that names
+        none, an older version's); a window gone past its retention is not written again.
         ``unpublished``: the message never reached the broker, so the admission is taken back
         from the window's ``admitted_free`` too. Raises :class:`LedgerUnavailable` when it
         failed, and at once while the breaker is open.

@@ -102,7 +102,7 @@ def forget_purged(
             continue
         job_id, _, number = text.rpartition(":")
         held = client.hget(keys.inflight, text)
-        window = int(text_of(held).split("|")[1]) if held else 0
-        store.release(job_id, int(number), window)
+        named = [*text_of(held).split("|"), ""][1] if held else ""
+        store.release(job_id, int(number), int(named) if named.isdigit() else 0)
         forgotten += 1
     return forgotten
