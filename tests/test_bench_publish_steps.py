@@ -1,0 +1,98 @@
+"""``bench/publish_steps.py`` checks itself: it prints its steps only when every timed gated
+publish was decided ``admit_free/fits`` on the path the run claims, each step it names once a
+publish called once, and fails loudly otherwise. The real bench, tiny, as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.redis
+
+BENCH = REPO_ROOT / "bench" / "publish_steps.py"
+N = 40
+OBSERVED = f"""
+import runpy, sys
+from celery import signals
+signals.before_task_publish.connect(lambda **kwargs: None, weak=False)
+sys.argv[0] = {str(BENCH)!r}
+sys.path.insert(0, {str(BENCH.parent)!r})
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+"""A receiver of Celery's publish signal: ``auto`` fast publish stands aside."""
+
+
+@pytest.fixture()
+def scratch_url(redis_url: str, redis_client: redis.Redis) -> Iterator[str]:
+    try:
+        yield redis_url
+    finally:
+        redis_client.flushdb()
+
+
+def run_steps(
+    url: str, cwd: Path, *args: str, code: str | None = None, **env_vars: str
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
+    env.update(PYTHONPATH=str(REPO_ROOT), **env_vars)
+    start = [sys.executable, str(BENCH)] if code is None else [sys.executable, "-c", code]
+    return subprocess.run(
+        [*start, "--redis-url", url, "-n", str(N), "--warmup", "20", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def step(stdout: str, name: str) -> str:
+    found = [text for text in stdout.splitlines() if text.endswith(f"({name})")]
+    assert len(found) == 1, stdout
+    return found[0]
+
+
+@pytest.mark.parametrize(
+    ("mode", "path", "once"),
+    [
+        ("auto", "fast", ["FastRender.__call__", "send", "Channel.send", "Owed.settle"]),
+        ("off", "ordinary", ["GateStore.score", "Channel.send", "Channel.read"]),
+    ],
+)
+def test_the_steps_of_the_path_taken_are_printed(
+    scratch_url: str, tmp_path: Path, mode: str, path: str, once: list[str]
+) -> None:
+    result = run_steps(scratch_url, tmp_path, "--fast-publish", mode)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"gated ({path} path; every publish admit_free/fits" in result.stdout
+    for name in ["Pipeline.unscripted", "GateStore.gate_call", *once]:
+        assert " us x1.00  (" in step(result.stdout, name)
+    assert " x1.00  (AbstractConnection.read_response)" in result.stdout.split("plain:")[1]
+    assert "gated_minus_plain_us=" in result.stdout
+    assert "bench:" not in result.stderr
+
+
+def test_publishes_not_admitted_print_no_steps(scratch_url: str, tmp_path: Path) -> None:
+    result = run_steps(scratch_url, tmp_path, GATEKEEPER_FREE_PATH_ENABLED="false")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert " us " not in result.stdout
+    problems = result.stderr.splitlines()
+    assert (
+        f"bench: {N} routings for {N} gated publishes, not admit_free/fits: "
+        f"{{'reserved/free_path_disabled': {N}}}"
+    ) in problems, result.stderr
+    assert f"bench: 0 of {N} gated publishes had their reply read later (fast)" in problems
+
+
+def test_a_path_not_taken_prints_no_steps(scratch_url: str, tmp_path: Path) -> None:
+    # Something observes publishes: admitted, on the ordinary path, not the fast one claimed.
+    result = run_steps(scratch_url, tmp_path, code=OBSERVED)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert " us " not in result.stdout
+    problems = result.stderr.splitlines()
+    assert f"bench: 0 of {N} gated publishes had their reply read later (fast)" in problems
+    assert f"bench: send called 0 times for {N} gated publishes" in problems
