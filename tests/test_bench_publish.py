@@ -66,14 +66,17 @@ def scratch_url(redis_url: str, redis_client: redis.Redis) -> Iterator[str]:
 
 
 def run_bench(
-    url: str, cwd: Path, *args: str, code: str | None = None, **env_vars: str
-) -> subprocess.CompletedProcess[str]:
+    url: str, cwd: Path, *args: str, code: str | None = None, script: Path = BENCH,
+    sizes: tuple[str, ...] = tuple(SMALL), **env_vars: str,
+) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """``script`` (this bench, or another with its options) run on ``url``, GATEKEEPER_*
+    settings of the suite left out; ``code``: that Python instead (it runs the script)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
     env.update(PYTHONPATH=str(REPO_ROOT), **env_vars)
-    start = [sys.executable, str(BENCH)] if code is None else [sys.executable, "-c", code]
+    start = [sys.executable, str(script)] if code is None else [sys.executable, "-c", code]
     gc.collect()  # the suite's unreachable clients close now, not while the bench counts
     return subprocess.run(
-        [*start, "--redis-url", url, *SMALL, *args],
+        [*start, "--redis-url", url, *sizes, *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 

@@ -4,18 +4,15 @@ publish called once, and fails loudly otherwise. The real bench, tiny, as a subp
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from tests.conftest import REPO_ROOT
+from tests.test_bench_publish import run_bench, scratch_url  # noqa: F401 (its fixture)
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("scratch_url")]  # flushed after
 
 BENCH = REPO_ROOT / "bench" / "publish_steps.py"
 N = 40
@@ -30,24 +27,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """A receiver of Celery's publish signal: ``auto`` fast publish stands aside."""
 
 
-@pytest.fixture()
-def scratch_url(redis_url: str, redis_client: redis.Redis) -> Iterator[str]:
-    try:
-        yield redis_url
-    finally:
-        redis_client.flushdb()
-
-
 def run_steps(
     url: str, cwd: Path, *args: str, code: str | None = None, **env_vars: str
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEKEEPER_")}
-    env.update(PYTHONPATH=str(REPO_ROOT), **env_vars)
-    start = [sys.executable, str(BENCH)] if code is None else [sys.executable, "-c", code]
-    return subprocess.run(
-        [*start, "--redis-url", url, "-n", str(N), "--warmup", "20", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    sizes = ("-n", str(N), "--warmup", "20")
+    return run_bench(url, cwd, *args, code=code, script=BENCH, sizes=sizes, **env_vars)
 
 
 def step(stdout: str, name: str) -> str:
@@ -64,9 +48,9 @@ def step(stdout: str, name: str) -> str:
     ],
 )
 def test_the_steps_of_the_path_taken_are_printed(
-    scratch_url: str, tmp_path: Path, mode: str, path: str, once: list[str]
+    redis_url: str, tmp_path: Path, mode: str, path: str, once: list[str]
 ) -> None:
-    result = run_steps(scratch_url, tmp_path, "--fast-publish", mode)
+    result = run_steps(redis_url, tmp_path, "--fast-publish", mode)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"gated ({path} path; every publish admit_free/fits" in result.stdout
     for name in ["Pipeline.unscripted", "GateStore.gate_call", *once]:
@@ -76,8 +60,8 @@ def test_the_steps_of_the_path_taken_are_printed(
     assert "bench:" not in result.stderr
 
 
-def test_publishes_not_admitted_print_no_steps(scratch_url: str, tmp_path: Path) -> None:
-    result = run_steps(scratch_url, tmp_path, GATEKEEPER_FREE_PATH_ENABLED="false")
+def test_publishes_not_admitted_print_no_steps(redis_url: str, tmp_path: Path) -> None:
+    result = run_steps(redis_url, tmp_path, GATEKEEPER_FREE_PATH_ENABLED="false")
     assert result.returncode == 1, result.stdout + result.stderr
     assert " us " not in result.stdout
     problems = result.stderr.splitlines()
@@ -88,9 +72,9 @@ def test_publishes_not_admitted_print_no_steps(scratch_url: str, tmp_path: Path)
     assert f"bench: 0 of {N} gated publishes had their reply read later (fast)" in problems
 
 
-def test_a_path_not_taken_prints_no_steps(scratch_url: str, tmp_path: Path) -> None:
+def test_a_path_not_taken_prints_no_steps(redis_url: str, tmp_path: Path) -> None:
     # Something observes publishes: admitted, on the ordinary path, not the fast one claimed.
-    result = run_steps(scratch_url, tmp_path, code=OBSERVED)
+    result = run_steps(redis_url, tmp_path, code=OBSERVED)
     assert result.returncode == 1, result.stdout + result.stderr
     assert " us " not in result.stdout
     problems = result.stderr.splitlines()
