@@ -35,7 +35,9 @@ def run_steps(
 
 
 def step(stdout: str, name: str) -> str:
-    found = [text for text in stdout.splitlines() if text.endswith(f"({name})")]
+    """The gated block's line of a step."""
+    gated = stdout.split("plain:")[0]
+    found = [text for text in gated.splitlines() if text.endswith(f"({name})")]
     assert len(found) == 1, stdout
     return found[0]
 
@@ -43,8 +45,8 @@ def step(stdout: str, name: str) -> str:
 @pytest.mark.parametrize(
     ("mode", "path", "once"),
     [
-        ("auto", "fast", ["FastRender.__call__", "send", "Channel.send", "Owed.settle"]),
-        ("off", "ordinary", ["GateStore.score", "Channel.send", "Channel.read"]),
+        ("auto", "fast", ["Installed._fits", "send", "Channel.send", "Owed.settle"]),
+        ("off", "ordinary", ["GateStore.score", "Channel.send", "Channel.read", "Channel._put"]),
     ],
 )
 def test_the_steps_of_the_path_taken_are_printed(
@@ -53,9 +55,12 @@ def test_the_steps_of_the_path_taken_are_printed(
     result = run_steps(redis_url, tmp_path, "--fast-publish", mode)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"gated ({path} path; every publish admit_free/fits" in result.stdout
-    for name in ["Pipeline.unscripted", "GateStore.gate_call", *once]:
+    for name in ["hook less Celery's", "Celery's sender", "Pipeline.unscripted",
+                 "GateStore.gate_call", *once]:  # fmt: skip
         assert " us x1.00  (" in step(result.stdout, name)
-    assert " x1.00  (AbstractConnection.read_response)" in result.stdout.split("plain:")[1]
+    plain = result.stdout.split("plain:")[1]
+    assert " x1.00  (Channel._put)" in plain
+    assert " x1.00  (AbstractConnection.read_response)" in plain
     assert "gated_minus_plain_us=" in result.stdout
     assert "bench:" not in result.stderr
 
@@ -80,3 +85,17 @@ def test_a_path_not_taken_prints_no_steps(redis_url: str, tmp_path: Path) -> Non
     problems = result.stderr.splitlines()
     assert f"bench: 0 of {N} gated publishes had their reply read later (fast)" in problems
     assert f"bench: send called 0 times for {N} gated publishes" in problems
+
+
+def test_without_hiredis_it_refuses(redis_url: str, tmp_path: Path) -> None:
+    # The gate's line would go through redis-py, whose timers stand for Celery's publish.
+    code = OBSERVED.replace(
+        "from celery import signals\nsignals.before_task_publish.connect(lambda **kwargs: None, "
+        "weak=False)",
+        "from gatekeeper.redis import wire\nwire.RAW = False",
+    )
+    assert "wire.RAW = False" in code
+    result = run_steps(redis_url, tmp_path, code=code)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert " us " not in result.stdout
+    assert result.stderr.startswith("bench: needs hiredis")
