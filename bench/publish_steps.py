@@ -52,6 +52,7 @@ from gatekeeper.redis.owing import settle_all
 
 Step = tuple[str, str, str]
 """(module, ``Class.attribute`` or function name, what it is, indented by its nesting)."""
+DRAIN = "decision lines rendered, written (the lines' thread, and the last flush)"
 PROBED = "probed"
 """A step timed by ``publish.py``'s probes, not by a wrapper of this bench."""
 HOOK = "hook less Celery's"
@@ -71,7 +72,7 @@ FAST: tuple[Step, ...] = (
     ("gatekeeper.redis.later", "Owed.settle", "    that reply settled: routing, line queued"),
     ("gatekeeper.redis.gate", "Pipeline._finish", "      the decision's headers and line queued"),
     (PROBED, CELERY, "Celery's own sender, to kombu's channel (caught, serialized there)"),
-    ("gatekeeper.lines", "Lines._drain", "decision lines rendered, written (the lines' thread)"),
+    ("gatekeeper.lines", "Lines._drain", DRAIN),
 )  # fmt: skip
 ORDINARY: tuple[Step, ...] = (
     (PROBED, HOOK, "gatekeeper's hook, less Celery's sender inside it"),
@@ -86,7 +87,7 @@ ORDINARY: tuple[Step, ...] = (
     ("redis.connection", "AbstractConnection.send_packed_command",
      "    redis-py sends kombu's LPUSH"),
     ("redis.connection", "AbstractConnection.read_response", "    its reply waited for, read"),
-    ("gatekeeper.lines", "Lines._drain", "decision lines rendered, written (the lines' thread)"),
+    ("gatekeeper.lines", "Lines._drain", DRAIN),
 )  # fmt: skip
 PLAIN: tuple[Step, ...] = (
     (PROBED, HOOK, "gatekeeper's hook, passing it on"),
