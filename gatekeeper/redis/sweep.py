@@ -101,8 +101,8 @@ def forget_purged(
         if text in present:
             continue
         job_id, _, number = text.rpartition(":")
-        held = client.hget(keys.inflight, text)
-        named = [*text_of(held).split("|"), ""][1] if held else ""
-        store.release(job_id, int(number), int(named) if named.isdigit() else 0)
+        # release.lua gives back to the window the in-flight entry names; 0 is only for an
+        # entry that names none (an older version's), whose window is unknown: none written.
+        store.release(job_id, int(number), 0)
         forgotten += 1
     return forgotten
