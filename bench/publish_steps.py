@@ -60,6 +60,13 @@ HOOK = "hook less Celery's"
 CELERY = "Celery's sender"
 """``Probes.sender_ns``: Celery's own ``send_task_message`` under the hook."""
 
+LPUSH: tuple[Step, ...] = (
+    ("redis.connection", "AbstractConnection.send_packed_command",
+     "    redis-py sends kombu's LPUSH"),
+    ("redis.connection", "AbstractConnection.read_response", "    its reply waited for, read"),
+)  # fmt: skip
+"""Inside kombu's put: what a publish through it waits for."""
+
 FAST: tuple[Step, ...] = (
     (PROBED, HOOK, "gatekeeper's hook, less Celery's sender inside it"),
     ("gatekeeper.redis.gate", "Pipeline.unscripted", "  flags, inputs, headers (steps 1-3)"),
@@ -84,9 +91,7 @@ ORDINARY: tuple[Step, ...] = (
     ("gatekeeper.redis.gate", "Pipeline._finish", "  the decision's headers and line queued"),
     (PROBED, CELERY, "Celery's own sender (its publish)"),
     ("kombu.transport.redis", "Channel._put", "  kombu's Redis channel puts the message"),
-    ("redis.connection", "AbstractConnection.send_packed_command",
-     "    redis-py sends kombu's LPUSH"),
-    ("redis.connection", "AbstractConnection.read_response", "    its reply waited for, read"),
+    *LPUSH,
     ("gatekeeper.lines", "Lines._drain", DRAIN),
 )  # fmt: skip
 PLAIN: tuple[Step, ...] = (
@@ -94,9 +99,7 @@ PLAIN: tuple[Step, ...] = (
     (PROBED, CELERY, "Celery's own sender (its publish)"),
     ("kombu.transport.redis", "Channel._put", "  kombu's Redis channel puts the message (fast "
      "publish does not)"),
-    ("redis.connection", "AbstractConnection.send_packed_command",
-     "    redis-py sends kombu's LPUSH"),
-    ("redis.connection", "AbstractConnection.read_response", "    its reply waited for, read"),
+    *LPUSH,
 )  # fmt: skip
 ONCE_A_PUBLISH = {
     "fast": (HOOK, "Installed._fits", CELERY, "Push.cut", "Pipeline.unscripted",
