@@ -99,3 +99,35 @@ def test_without_hiredis_it_refuses(redis_url: str, tmp_path: Path) -> None:
     assert result.returncode == 2, result.stdout + result.stderr
     assert " us " not in result.stdout
     assert result.stderr.startswith("bench: needs hiredis")
+
+
+def test_a_step_called_more_than_once_a_publish_prints_no_steps(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Every publish admitted on the fast path, but one step named x1.00 runs twice a publish
+    # (through the class, so the bench's own timer counts both): its figure would be two
+    # calls' time shown as one's.
+    doubled = """
+from gatekeeper.celery.hook import Installed
+real, inner = Installed._fits, []
+def twice(self, *args, **kwargs):
+    if not inner:
+        inner.append(1)
+        try:
+            Installed._fits(self, *args, **kwargs)
+        finally:
+            inner.clear()
+    return real(self, *args, **kwargs)
+Installed._fits = twice
+"""
+    code = OBSERVED.replace(
+        "from celery import signals\nsignals.before_task_publish.connect(lambda **kwargs: None, "
+        "weak=False)",
+        doubled,
+    )
+    assert "Installed._fits = twice" in code
+    result = run_steps(redis_url, tmp_path, code=code)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert " us " not in result.stdout
+    problems = result.stderr.splitlines()
+    assert problems == [f"bench: Installed._fits called {2 * N} times for {N} gated publishes"]
