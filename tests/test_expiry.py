@@ -129,6 +129,22 @@ def test_expire_sent_twice_writes_one_row_and_says_again(
     assert window_totals(redis_client, "tax_units") == pytest.approx(0.1 * 200)
 
 
+def test_an_expiry_in_a_window_gone_past_its_retention_gives_it_no_exposure_back(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # The expired row makes the window again, under the row's TTL; the exposure it held went
+    # with it (expire.lua gave it back after the row: a negative exposure).
+    gate, job, message = waited_past_allowance(redis_url, redis_client)
+    headers = message["headers"]
+    window = headers["gatekeeper_window"]
+    redis_client.delete(KEYS.window(window))
+    assert gate.expiry.expire(job, 1, window, dict(headers), time.time()) == "expired"
+    again = redis_client.hgetall(KEYS.window(window))
+    assert again[b"rows:expired"] == b"1" and b"exposure" not in again
+    assert redis_client.ttl(KEYS.window(window)) > 0
+    assert not redis_client.hexists(KEYS.inflight, f"{job}:1")
+
+
 def _expired_copy_ran(redis_url: str, redis_client: redis.Redis) -> tuple[Any, str, dict[str, Any]]:
     """An admission expired (its copy on reserved is then run by the test)."""
     gate, job, message = waited_past_allowance(redis_url, redis_client)

@@ -15,7 +15,7 @@ from gatekeeper.core.ledger import BudgetMode, Outcome, Path, admit, make_row
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis import wire
 from gatekeeper.redis.keys import ATTEMPTS, WAITING_PAD, Keys
-from gatekeeper.redis.scripts import read_rows
+from gatekeeper.redis.scripts import load_lua, read_rows
 from gatekeeper.redis.store import GateStore
 from tests.calls import gate_call
 from tests.conftest import initialised, unused_port
@@ -374,6 +374,30 @@ def test_release_gives_back_to_the_window_its_in_flight_entry_names(
     redis_client.hset(KEYS.inflight, "old:1", "3")
     assert store.release("old", 1, WINDOW) == 3
     assert float(redis_client.hget(KEYS.window(WINDOW), "exposure")) == 0.0
+
+
+def test_an_undone_admission_gives_back_only_to_a_window_that_still_exists(
+    redis_client: redis.Redis,
+) -> None:
+    # unscore.lua (the replayer's decision undone) gives the exposure back as release.lua
+    # does: to the window the entry names, never making one gone past its retention again
+    # (with no TTL), nor taking admitted_free from it.
+    redis_client.delete(KEYS.inflight, KEYS.window(WINDOW), KEYS.free_waiting)
+    store = GateStore(redis_client, KEYS, horizon_s=1e9, retention_s=1000)
+    unscore = redis_client.register_script(load_lua("unscore.lua"))
+    for job in ("kept", "gone"):
+        assert store.score(gate_call(**_inputs(job))).decision is Decision.ADMIT_FREE
+    for job in ("kept", "gone"):
+        if job == "gone":
+            redis_client.delete(KEYS.window(WINDOW))
+        nonce = redis_client.hget(KEYS.run(job, 1), "nonce")
+        keys = [KEYS.run(job, 1), KEYS.inflight, KEYS.free_waiting, KEYS.window(WINDOW)]
+        assert unscore(keys=keys, args=[nonce, "msg", "", f"{job}:1", "1", "0"]) == 1
+        assert not redis_client.hexists(KEYS.inflight, f"{job}:1")
+        if job == "kept":  # (the other job's admission still held)
+            window = redis_client.hgetall(KEYS.window(WINDOW))
+            assert (float(window[b"exposure"]), window[b"admitted_free"]) == (5.0, b"1")
+    assert not redis_client.exists(KEYS.window(WINDOW))
 
 
 def test_the_window_keeps_the_oldest_free_queue_age_its_decisions_saw(

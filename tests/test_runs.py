@@ -173,6 +173,52 @@ def test_reserved_rows_are_recorded_but_not_charged(redis_client: redis.Redis) -
     assert b"tax_units" not in window_hash(redis_client, T0_MS)
 
 
+@pytest.mark.parametrize("path", ["free", "reserved"])
+def test_a_rows_exposure_goes_back_to_the_window_its_entry_names_only_while_it_exists(
+    redis_client: redis.Redis, path: str
+) -> None:
+    """The in-flight entry gate.lua writes names the window that holds the reservation: a
+    run's row gives the exposure back there, free row or reserved (an entry still held for a
+    run decided reserved), and never to a window gone past its retention (finish.lua made
+    it again with the exposure negative, and a reserved row's with no TTL: a known gap
+    until 2026-12-08)."""
+    runs = ledger(redis_client)
+    admitted = window_id(T0_MS / 1000, 900)
+    later_ms = T0_MS + 1_000_000  # the row in a later window than the admission's
+    for job in ("kept", "gone"):
+        redis_client.hset(KEYS.inflight, f"{job}:1", f"1200|{admitted}|{T0_MS}|pad")
+        redis_client.hincrbyfloat(KEYS.window(admitted), "exposure", 1200)
+        decided = record(path=path, decision="admit_free" if path == "free" else "reserved")
+        start_run(runs, redis_client, job, 1, decided, T0_MS + 100)
+        redis_client.hset(KEYS.run(job, 1), "window", admitted)
+    for job in ("kept", "gone"):
+        if job == "gone":
+            redis_client.delete(KEYS.window(admitted))  # past its retention
+        run, rec = runs.record(job, 1) or (0, record())
+        row = runs.row_for(job, 1, rec, Outcome.KILLED, later_ms)
+        assert runs.finish(row, run, rec, later_ms).written
+        assert not redis_client.hexists(KEYS.inflight, f"{job}:1")
+        if job == "kept":  # (the other job's reservation still held)
+            assert float(redis_client.hget(KEYS.window(admitted), "exposure")) == 1200
+    if path == "free":  # the free row's window, made again by the row, under its TTL
+        assert b"exposure" not in window_hash(redis_client, T0_MS)
+        assert redis_client.ttl(KEYS.window(admitted)) > 0
+    else:
+        assert not redis_client.exists(KEYS.window(admitted))
+    assert b"exposure" not in window_hash(redis_client, later_ms)
+    # An entry that names another window than the record's: that one gets it back.
+    elsewhere = admitted + 5
+    redis_client.hset(KEYS.window(elsewhere), "exposure", 700)
+    redis_client.hset(KEYS.inflight, "moved:1", f"700|{elsewhere}|{T0_MS}|pad")
+    start_run(runs, redis_client, "moved", 1, decided, T0_MS + 100)
+    redis_client.hset(KEYS.run("moved", 1), "window", admitted)
+    run, rec = runs.record("moved", 1) or (0, record())
+    assert runs.finish(runs.row_for("moved", 1, rec, Outcome.OK, later_ms), run, rec,
+                       later_ms).written  # fmt: skip
+    assert float(redis_client.hget(KEYS.window(elsewhere), "exposure")) == 0
+    assert b"exposure" not in redis_client.hgetall(KEYS.window(admitted))
+
+
 def test_sweep_records_only_stale_runs(redis_client: redis.Redis) -> None:
     runs = ledger(redis_client)
     start_run(runs, redis_client, "old", 1, record(), T0_MS)

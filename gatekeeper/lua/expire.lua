@@ -50,6 +50,9 @@ redis.call('HSET', KEYS[1], 'decision', 'reserved', 'reason', 'free_wait_expired
 local charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
 redis.call('HSET', KEYS[1], 'reserved', charged)  -- closed: its runs on reserved charge nothing
 local retention = tonumber(ARGV[6])
+-- Asked before the row is written to it: a window gone past its retention took the exposure
+-- along, and gets none back (the row makes it again, under the row's TTL).
+local exposed = redis.call('HEXISTS', KEYS[4], 'exposure') == 1
 redis.call('HINCRBYFLOAT', KEYS[4], 'tax_units', tax)
 redis.call('HINCRBY', KEYS[4], 'rows:expired', 1)
 redis.call('EXPIRE', KEYS[4], retention)
@@ -58,7 +61,9 @@ redis.call('EXPIRE', KEYS[5], retention)
 local held = redis.call('HGET', KEYS[2], ARGV[1])
 if held then
   redis.call('HDEL', KEYS[2], ARGV[1])
-  redis.call('HINCRBYFLOAT', KEYS[4], 'exposure', -tonumber(string.match(held, '^[^|]+')))
+  if exposed then
+    redis.call('HINCRBYFLOAT', KEYS[4], 'exposure', -tonumber(string.match(held, '^[^|]+')))
+  end
 end
 redis.call('ZREM', KEYS[3], ARGV[1])
 return 'expired'

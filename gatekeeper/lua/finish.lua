@@ -40,10 +40,14 @@
 -- KEYS[3] window:<row window>:rows  list: ledger rows (JSON): a reserved row's
 -- KEYS[4] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>|..."
 -- KEYS[5] started                   sorted set: runs started without a row
--- KEYS[6] window:<admission window> hash: exposure, admitted_free, slack_misses; and a free
---                                   row's tax_units, rows:<outcome>, killed_free. For an
---                                   attempt not admitted itself, its job's admission's window
---                                   (a miss: gatekeeper/redis/owner.py), else the row's
+-- KEYS[6] window:<admission window> hash: admitted_free, slack_misses; and a free row's
+--                                   tax_units, rows:<outcome>, killed_free. For an attempt
+--                                   not admitted itself, its job's admission's window (a
+--                                   miss: gatekeeper/redis/owner.py), else the row's. The
+--                                   exposure goes back to the window the `inflight` entry
+--                                   names (its key built from KEYS[4]'s prefix, up to the
+--                                   hash tag: one cluster slot), KEYS[6] for an entry that
+--                                   names none, and only while that window holds one
 -- KEYS[7] window:<admission window>:rows  list: a free row's
 -- KEYS[8] totals                    hash: lifetime killed_rows, slack_misses (never expire)
 -- KEYS[9] decisions                 stream: the decision records; a slack miss adds an entry
@@ -149,6 +153,25 @@ end
 -- (what `charged` and `reserved` would say after this row, `kept` says: closed).
 local cut = rec[2] ~= false and tonumber(rec[2]) == run
 local free = ARGV[5] == 'free'
+-- The admission window's counts read before this row writes to it (the reply's, below, with
+-- this row's miss added), and the attempt's in-flight entry (what its admission holds), read
+-- once. Its exposure goes back to the window the entry names (KEYS[6] for an older entry that
+-- names none; another's key built as release.lua builds it) only while that window still
+-- holds an exposure: one gone past its retention took it along, and gets none back (a free
+-- row makes it again, with the row's TTL; a reserved row's give-back would make it with none).
+local counts = redis.call('HMGET', KEYS[6], 'slack_misses', 'admitted_free', 'exposure')
+local entry = redis.call('HGET', KEYS[4], ARGV[1])
+local exposed = false
+if entry then
+  local win = string.match(entry, '^[^|]+|(%d+)')
+  local named = win and ':window:' .. win
+  if not named or string.sub(KEYS[6], -#named) == named then
+    exposed = counts[3] and KEYS[6]
+  else
+    exposed = string.match(KEYS[4], '^[^{]*{[^}]*}') .. named
+    if redis.call('HEXISTS', exposed, 'exposure') == 0 then exposed = false end
+  end
+end
 local window, rows, row = KEYS[2], KEYS[3], ARGV[3]
 local written_tax = ARGV[6]
 if free then
@@ -175,7 +198,6 @@ if free then
   if not current and held[1] then
     -- A dead run's row, written when the redelivered copy starts: only its tax leaves the
     -- exposure; the rest stays reserved for the run that is going on.
-    local entry = redis.call('HGET', KEYS[4], ARGV[1])
     if entry then
       local amount, rest = string.match(entry, '^([^|]+)(.*)$')
       local left = tonumber(amount) - tax
@@ -184,7 +206,9 @@ if free then
       else
         redis.call('HDEL', KEYS[4], ARGV[1])
       end
-      redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -math.min(tax, tonumber(amount)))
+      if exposed then
+        redis.call('HINCRBYFLOAT', exposed, 'exposure', -math.min(tax, tonumber(amount)))
+      end
     end
   elseif held[1] and not cut then
     -- The attempt's latest run has its row: the reservation closes (what was not charged
@@ -222,10 +246,12 @@ end
 if redis.call('TTL', KEYS[1]) == -1 then  -- a record that expired mid-run, written anew
   redis.call('EXPIRE', KEYS[1], ARGV[8])
 end
-local held = redis.call('HGET', KEYS[4], ARGV[1])
-if held and (current or (ARGV[5] ~= 'free' and not late)) then
+-- (The entry as read above: only a dead run's free row, never this branch, changes it.)
+if entry and (current or (ARGV[5] ~= 'free' and not late)) then
   redis.call('HDEL', KEYS[4], ARGV[1])
-  redis.call('HINCRBYFLOAT', KEYS[6], 'exposure', -tonumber(string.match(held, '^[^|]+')))
+  if exposed then
+    redis.call('HINCRBYFLOAT', exposed, 'exposure', -tonumber(string.match(entry, '^[^|]+')))
+  end
 end
 if missed then
   redis.call('HINCRBY', KEYS[6], 'slack_misses', '1')
@@ -286,6 +312,5 @@ if cut then
     end
   end
 end
-local counts = redis.call('HMGET', KEYS[6], 'slack_misses', 'admitted_free')
-return {1, tonumber(counts[1] or '0'), tonumber(counts[2] or '0'), written_tax,
-  missed and 1 or 0}
+return {1, tonumber(counts[1] or '0') + (missed and 1 or 0), tonumber(counts[2] or '0'),
+  written_tax, missed and 1 or 0}
