@@ -400,6 +400,34 @@ def test_an_undone_admission_gives_back_only_to_a_window_that_still_exists(
     assert not redis_client.exists(KEYS.window(WINDOW))
 
 
+def test_an_expiry_gives_back_to_the_window_its_in_flight_entry_names(
+    redis_client: redis.Redis,
+) -> None:
+    # A reviewer: a replay scored again in the next window keeps its first entry (HSETNX),
+    # which names the window holding the reservation; the record and the message name the
+    # second. expire.lua gave the reservation back to the second: it under-counted another
+    # admission's there, and the first kept it.
+    initialised(redis_client, KEYS)
+    redis_client.delete(KEYS.inflight, KEYS.window(WINDOW), KEYS.window(WINDOW + 1),
+                        KEYS.free_waiting)  # fmt: skip
+    store = GateStore(redis_client, KEYS, horizon_s=1e9, retention_s=100_000)
+    first = gate_call(**_inputs("j"))
+    assert store.score(first).decision is Decision.ADMIT_FREE
+    later = {"now_s": NOW_S + 1, "window_id": WINDOW + 1, "max_queue_age_s": 1e5}
+    again = gate_call(**{**_inputs("j"), **later}, prev_nonce=first.nonce)  # the replay
+    assert store.score(again).decision is Decision.ADMIT_FREE
+    assert store.score(gate_call(**{**_inputs("other"), **later})).decision is Decision.ADMIT_FREE
+    expire = redis_client.register_script(load_lua("expire.lua"))
+    keys = [KEYS.run("j", 1), KEYS.inflight, KEYS.free_waiting, KEYS.window(WINDOW + 1),
+            KEYS.window_rows(WINDOW + 1)]  # fmt: skip
+    head = '{"job_id": "j", "attempt": 1, "path": "free", "outcome": "expired"'
+    args = ["j:1", again.nonce, str(int((NOW_S + 2000) * 1000)), "100", "0", "100000", head,
+            str(WINDOW + 1), ""]  # fmt: skip
+    assert expire(keys=keys, args=args) == b"expired"
+    exposures = [float(redis_client.hget(KEYS.window(w), "exposure")) for w in (WINDOW, WINDOW + 1)]
+    assert exposures == [0.0, 5.0]  # (other's 5 still held in the second)
+
+
 def test_the_window_keeps_the_oldest_free_queue_age_its_decisions_saw(
     redis_client: redis.Redis,
 ) -> None:

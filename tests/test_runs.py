@@ -17,7 +17,7 @@ from gatekeeper.core.service import bucket_of
 from gatekeeper.ops.cli import main
 from gatekeeper.redis.keys import Keys
 from gatekeeper.redis.runs import Finished, RunLedger, RunRecord, Started
-from gatekeeper.redis.scripts import read_rows
+from gatekeeper.redis.scripts import load_lua, read_rows
 from gatekeeper.redis.store import GateStore
 from gatekeeper.redis.sweep import sweep
 from tests.conftest import clear_of_a_window_edge, unused_port
@@ -533,6 +533,38 @@ def test_a_late_end_of_the_job_kept_past_a_copys_retry_is_one_slack_miss_whateve
     for write in rows if retry_first else rows[::-1]:
         assert write().written
     assert redis_client.hget(KEYS.totals, "slack_misses") == b"1"
+
+
+def test_a_window_made_again_by_a_late_row_gets_no_exposure_back_from_anything(
+    redis_client: redis.Redis,
+) -> None:
+    """A reviewer: a window gone past its retention, made again by one attempt's free row
+    (its tax and rows, no exposure), exists: release.lua and unscore.lua, asking whether it
+    existed, gave exposure back to it (negative), and a later row then found it held. Every
+    script asks whether it still holds an exposure."""
+    runs = ledger(redis_client)
+    admitted = window_id(T0_MS / 1000, 900)
+    for job, amount in (("a", 1200), ("b", 300), ("c", 400), ("d", 500)):
+        redis_client.hset(KEYS.inflight, f"{job}:1", f"{amount}|{admitted}|{T0_MS}|pad")
+        redis_client.hincrbyfloat(KEYS.window(admitted), "exposure", amount)
+    redis_client.hincrby(KEYS.window(admitted), "admitted_free", 4)
+    for job in ("a", "d"):
+        start_run(runs, redis_client, job, 1, record(), T0_MS + 100)
+    redis_client.delete(KEYS.window(admitted))  # past its retention, all four held
+    run, rec = runs.record("a", 1) or (0, record())
+    assert runs.finish(runs.row_for("a", 1, rec, Outcome.OK, T0_MS + 200), run, rec,
+                       T0_MS + 200).written  # fmt: skip
+    redis_client.hset(KEYS.run("b", 1), mapping={"nonce": "n-b", "charged": "0"})
+    unscore = redis_client.register_script(load_lua("unscore.lua"))
+    keys = [KEYS.run("b", 1), KEYS.inflight, KEYS.free_waiting, KEYS.window(admitted)]
+    assert unscore(keys=keys, args=["n-b", "msg", "", "b:1", "1", "0"]) == 1
+    assert GateStore(redis_client, KEYS).release("c", 1, admitted, unpublished=True) == 400
+    run, rec = runs.record("d", 1) or (0, record())
+    assert runs.finish(runs.row_for("d", 1, rec, Outcome.OK, T0_MS + 300), run, rec,
+                       T0_MS + 300).written  # fmt: skip
+    again = window_hash(redis_client, T0_MS)
+    assert b"exposure" not in again and b"admitted_free" not in again
+    assert again[b"rows:ok"] == b"2" and not redis_client.hgetall(KEYS.inflight)
 
 
 def test_a_free_jobs_retry_that_went_to_reserved_and_ended_late_is_a_miss_of_its_admission(

@@ -13,7 +13,7 @@
 --                                   window, reserved, charged, runs)
 -- KEYS[2] inflight                  hash: <job_id>:<attempt> -> "<reserved>|<window>|<ms>|..."
 -- KEYS[3] free:waiting              sorted set: admitted free attempts not yet started
--- KEYS[4] window:<admission window> hash: exposure, tax_units, rows:expired
+-- KEYS[4] window:<admission window> hash: tax_units, rows:expired; exposure (or the entry's)
 -- KEYS[5] window:<admission window>:rows  list: ledger rows
 --
 -- ARGV[1] member <job_id>:<attempt>   ARGV[2] nonce (the message's)   ARGV[3] now_ms
@@ -37,7 +37,7 @@ if r[2] ~= 'admit_free' or r[5] or r[8] ~= ARGV[8] then return 'no' end
 local waited = tonumber(ARGV[3]) - tonumber(r[4] or ARGV[3])
 local allowance = tonumber(ARGV[4])
 if ARGV[9] == '1' then  -- withdrawn: not once a free copy was taken by a worker (take.lua)
-  if redis.call('HEXISTS', KEYS[1], 'taken:admit_free') == 1 then return 'no' end
+  if redis.call('HGET', KEYS[1], 'taken:admit_free') then return 'no' end
 elseif waited < allowance then
   return 'no'
 end
@@ -50,19 +50,27 @@ redis.call('HSET', KEYS[1], 'decision', 'reserved', 'reason', 'free_wait_expired
 local charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
 redis.call('HSET', KEYS[1], 'reserved', charged)  -- closed: its runs on reserved charge nothing
 local retention = tonumber(ARGV[6])
--- Asked before the row is written to it: a window gone past its retention took the exposure
--- along, and gets none back (the row makes it again, under the row's TTL).
-local exposed = redis.call('HEXISTS', KEYS[4], 'exposure') == 1
+-- The reservation goes back to the window the in-flight entry names (KEYS[4] for an older
+-- entry that names none; another's key built as release.lua builds it: an admission scored
+-- again in a later window keeps its first entry), only while that window still holds it,
+-- asked before the row is written to KEYS[4]: one gone past its retention took it along
+-- (the row makes it again, under the row's TTL, with no exposure).
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+local exposed = false
+if held then
+  local win = string.match(held, '^[^|]+|(%d+)')
+  exposed = win and string.match(KEYS[2], '^[^{]*{[^}]*}') .. ':window:' .. win or KEYS[4]
+  exposed = redis.call('HGET', exposed, 'exposure') and exposed
+end
 redis.call('HINCRBYFLOAT', KEYS[4], 'tax_units', tax)
 redis.call('HINCRBY', KEYS[4], 'rows:expired', 1)
 redis.call('EXPIRE', KEYS[4], retention)
 redis.call('RPUSH', KEYS[5], ARGV[7] .. ', "retry_tax": ' .. string.format('%.17g', tax) .. '}')
 redis.call('EXPIRE', KEYS[5], retention)
-local held = redis.call('HGET', KEYS[2], ARGV[1])
 if held then
   redis.call('HDEL', KEYS[2], ARGV[1])
   if exposed then
-    redis.call('HINCRBYFLOAT', KEYS[4], 'exposure', -tonumber(string.match(held, '^[^|]+')))
+    redis.call('HINCRBYFLOAT', exposed, 'exposure', -tonumber(string.match(held, '^[^|]+')))
   end
 end
 redis.call('ZREM', KEYS[3], ARGV[1])

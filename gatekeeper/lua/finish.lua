@@ -169,7 +169,7 @@ if entry then
     exposed = counts[3] and KEYS[6]
   else
     exposed = string.match(KEYS[4], '^[^{]*{[^}]*}') .. named
-    if redis.call('HEXISTS', exposed, 'exposure') == 0 then exposed = false end
+    exposed = redis.call('HGET', exposed, 'exposure') and exposed
   end
 end
 local window, rows, row = KEYS[2], KEYS[3], ARGV[3]

@@ -162,7 +162,7 @@ if due and due < now - tonumber(ARGV[11]) then
       -- (An entry of an older version may name no window: there is none to give back to.)
       local amount, win = string.match(stale, '^([^|]+)|?([^|]*)')
       local window = base .. ':window:' .. win
-      if win ~= '' and redis.call('EXISTS', window) == 1 then
+      if win ~= '' and redis.call('HGET', window, 'exposure') then  -- (as release.lua)
         redis.call('HINCRBYFLOAT', window, 'exposure', -tonumber(amount))
       end
       local record = base .. ':run:' .. member

@@ -37,9 +37,10 @@ local window = KEYS[3]
 if win and string.match(win, '^%d+$') then
   window = string.match(KEYS[1], '^[^{]*{[^}]*}') .. ':window:' .. win
 end
--- A window past its retention is gone with its exposure: never written again (a hash made
--- here would have no TTL).
-if redis.call('EXISTS', window) == 1 then
+-- A window gone past its retention took its exposure along: only one that still holds it
+-- (`exposure`, which gate.lua writes with every admission; a window made again by a late
+-- row has none) gets it back. Never written otherwise (a hash made here would have no TTL).
+if redis.call('HGET', window, 'exposure') then
   redis.call('HINCRBYFLOAT', window, 'exposure', -tokens)
   if ARGV[2] == '1' then
     redis.call('HINCRBY', window, 'admitted_free', -1)

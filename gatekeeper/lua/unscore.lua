@@ -38,17 +38,17 @@ if ARGV[5] == '1' then  -- as release.lua, unpublished
     redis.call('HDEL', KEYS[2], ARGV[4])
     redis.call('HSET', KEYS[1], 'reserved', redis.call('HGET', KEYS[1], 'charged') or '0')
     -- Given back to the window the entry names (as release.lua builds its key; KEYS[4] for
-    -- an older entry that names none), only while it exists: one gone past its retention
-    -- took its exposure with it, and is never made again here (with no TTL).
+    -- an older entry that names none), only while it still holds it (release.lua): one gone
+    -- past its retention is never made again here (with no TTL).
     local win = string.match(entry, '^[^|]+|(%d+)')
     local window = win and string.match(KEYS[2], '^[^{]*{[^}]*}') .. ':window:' .. win or KEYS[4]
-    if redis.call('EXISTS', window) == 1 then
+    if redis.call('HGET', window, 'exposure') then
       redis.call('HINCRBYFLOAT', window, 'exposure', -tonumber(string.match(entry, '^[^|]+')))
     end
   end
   -- Taken back from admitted_free also when the entry went before (the sweep's purge check
   -- or gate.lua's horizon gave back the exposure as published): no message was published.
-  if redis.call('EXISTS', KEYS[4]) == 1 then
+  if redis.call('HGET', KEYS[4], 'admitted_free') then  -- (not in a window made again)
     redis.call('HINCRBY', KEYS[4], 'admitted_free', -1)
   end
 end
