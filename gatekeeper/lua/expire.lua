@@ -43,18 +43,12 @@ elseif waited < allowance then
 end
 local tax = math.min(math.max(waited, 0), allowance) * tonumber(ARGV[5]) / 1000
 if r[6] then tax = math.min(tax, math.max(0, tonumber(r[6]) - tonumber(r[7] or '0'))) end
--- `free_window`: the admission's window, where a slack miss of its job is counted
--- (gatekeeper/redis/owner.py), once `window` no longer says it.
-redis.call('HSET', KEYS[1], 'decision', 'reserved', 'reason', 'free_wait_expired',
-  'window', '', 'expired_ms', ARGV[3], 'free_window', r[8])
-local charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
-redis.call('HSET', KEYS[1], 'reserved', charged)  -- closed: its runs on reserved charge nothing
-local retention = tonumber(ARGV[6])
 -- The reservation goes back to the window the in-flight entry names (KEYS[4] for an older
 -- entry that names none; another's key built as release.lua builds it: an admission scored
 -- again in a later window keeps its first entry), only while that window still holds it,
--- asked before the row is written to KEYS[4]: one gone past its retention took it along
--- (the row makes it again, under the row's TTL, with no exposure).
+-- asked before anything is written (a key not in KEYS, which a cluster moving the slot may
+-- refuse; and the row makes KEYS[4] again): one gone past its retention took it along (the
+-- row makes it again, under the row's TTL, with no exposure).
 local held = redis.call('HGET', KEYS[2], ARGV[1])
 local exposed = false
 if held then
@@ -62,6 +56,13 @@ if held then
   exposed = win and string.match(KEYS[2], '^[^{]*{[^}]*}') .. ':window:' .. win or KEYS[4]
   exposed = redis.call('HGET', exposed, 'exposure') and exposed
 end
+-- `free_window`: the admission's window, where a slack miss of its job is counted
+-- (gatekeeper/redis/owner.py), once `window` no longer says it.
+redis.call('HSET', KEYS[1], 'decision', 'reserved', 'reason', 'free_wait_expired',
+  'window', '', 'expired_ms', ARGV[3], 'free_window', r[8])
+local charged = redis.call('HINCRBYFLOAT', KEYS[1], 'charged', tax)
+redis.call('HSET', KEYS[1], 'reserved', charged)  -- closed: its runs on reserved charge nothing
+local retention = tonumber(ARGV[6])
 redis.call('HINCRBYFLOAT', KEYS[4], 'tax_units', tax)
 redis.call('HINCRBY', KEYS[4], 'rows:expired', 1)
 redis.call('EXPIRE', KEYS[4], retention)

@@ -128,6 +128,26 @@ if mark >= run and not late then
   return {1, tonumber(counts[1] or '0'), tonumber(counts[2] or '0'),
     tax ~= '' and tax or ARGV[6], tonumber(missed)}
 end
+-- Read before this call's first write: the admission window's counts (the reply's, below,
+-- with this row's miss added), the attempt's in-flight entry (what its admission holds),
+-- read once, and whether the window the entry names still holds an exposure (KEYS[6] for an
+-- older entry that names none; another's key built as release.lua builds it: not in KEYS, so
+-- a cluster moving the slot may refuse it, and nothing is written before it is asked). Only
+-- then is the exposure given back there: a window gone past its retention took it along (a
+-- free row makes it again, with the row's TTL; a reserved row's give-back, with none).
+local counts = redis.call('HMGET', KEYS[6], 'slack_misses', 'admitted_free', 'exposure')
+local entry = redis.call('HGET', KEYS[4], ARGV[1])
+local exposed = false
+if entry then
+  local win = string.match(entry, '^[^|]+|(%d+)')
+  local named = win and ':window:' .. win
+  if not named or string.sub(KEYS[6], -#named) == named then
+    exposed = counts[3] and KEYS[6]
+  else
+    exposed = string.match(KEYS[4], '^[^{]*{[^}]*}') .. named
+    exposed = redis.call('HGET', exposed, 'exposure') and exposed
+  end
+end
 -- A rerun after the row that ended the attempt's job (`ok`, or failed for good: `kept` ends
 -- in '|ok' or '|end'; a lost ack, a redelivery): the job finished then, and its slack was
 -- judged at that row. A late rerun is no miss of it. Nor is a run after a retry's row
@@ -153,25 +173,6 @@ end
 -- (what `charged` and `reserved` would say after this row, `kept` says: closed).
 local cut = rec[2] ~= false and tonumber(rec[2]) == run
 local free = ARGV[5] == 'free'
--- The admission window's counts read before this row writes to it (the reply's, below, with
--- this row's miss added), and the attempt's in-flight entry (what its admission holds), read
--- once. Its exposure goes back to the window the entry names (KEYS[6] for an older entry that
--- names none; another's key built as release.lua builds it) only while that window still
--- holds an exposure: one gone past its retention took it along, and gets none back (a free
--- row makes it again, with the row's TTL; a reserved row's give-back would make it with none).
-local counts = redis.call('HMGET', KEYS[6], 'slack_misses', 'admitted_free', 'exposure')
-local entry = redis.call('HGET', KEYS[4], ARGV[1])
-local exposed = false
-if entry then
-  local win = string.match(entry, '^[^|]+|(%d+)')
-  local named = win and ':window:' .. win
-  if not named or string.sub(KEYS[6], -#named) == named then
-    exposed = counts[3] and KEYS[6]
-  else
-    exposed = string.match(KEYS[4], '^[^{]*{[^}]*}') .. named
-    exposed = redis.call('HGET', exposed, 'exposure') and exposed
-  end
-end
 local window, rows, row = KEYS[2], KEYS[3], ARGV[3]
 local written_tax = ARGV[6]
 if free then

@@ -22,14 +22,10 @@
 --
 -- Returns what was released (0 when the attempt held nothing).
 
-redis.call('ZREM', KEYS[2], ARGV[1])
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then
+  redis.call('ZREM', KEYS[2], ARGV[1])
   return 0
-end
-redis.call('HDEL', KEYS[1], ARGV[1])
-if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then  -- closed: nothing more to charge
-  redis.call('HSET', KEYS[4], 'reserved', redis.call('HGET', KEYS[4], 'charged') or '0')
 end
 local amount, win = string.match(held, '^([^|]+)|?([^|]*)')
 local tokens = tonumber(amount)
@@ -40,7 +36,15 @@ end
 -- A window gone past its retention took its exposure along: only one that still holds it
 -- (`exposure`, which gate.lua writes with every admission; a window made again by a late
 -- row has none) gets it back. Never written otherwise (a hash made here would have no TTL).
-if redis.call('HGET', window, 'exposure') then
+-- Asked before the first write: the key is not in KEYS, which a cluster moving the slot may
+-- refuse, and then nothing is written.
+local holds = redis.call('HGET', window, 'exposure')
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[1], ARGV[1])
+if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then  -- closed: nothing more to charge
+  redis.call('HSET', KEYS[4], 'reserved', redis.call('HGET', KEYS[4], 'charged') or '0')
+end
+if holds then
   redis.call('HINCRBYFLOAT', window, 'exposure', -tokens)
   if ARGV[2] == '1' then
     redis.call('HINCRBY', window, 'admitted_free', -1)

@@ -28,21 +28,27 @@ local held = redis.call('HMGET', KEYS[1], 'nonce', 'handoff_nonce')
 if held[1] ~= ARGV[1] or held[2] == ARGV[2] then
   return 0
 end
+-- What the decision admitted (as release.lua, unpublished), read before the first write: its
+-- in-flight entry, and the window the entry names (as release.lua builds its key; KEYS[4]
+-- for an older entry that names none), which gets it back only while it still holds it
+-- (one gone past its retention is never made again here, with no TTL). That key is not in
+-- KEYS: a cluster moving the slot may refuse it, and nothing is written before it is asked.
+local entry = ARGV[5] == '1' and redis.call('HGET', KEYS[2], ARGV[4])
+local window = false
+if entry then
+  local win = string.match(entry, '^[^|]+|(%d+)')
+  window = win and string.match(KEYS[2], '^[^{]*{[^}]*}') .. ':window:' .. win or KEYS[4]
+  window = redis.call('HGET', window, 'exposure') and window
+end
 -- A first write that frees memory (prev_nonce is written '' below): a Redis out of memory
 -- lets a script go on once it has written, and refuses only a first write that may grow it.
 redis.call('HDEL', KEYS[1], 'prev_nonce')
-if ARGV[5] == '1' then  -- as release.lua, unpublished
+if ARGV[5] == '1' then
   redis.call('ZREM', KEYS[3], ARGV[4])
-  local entry = redis.call('HGET', KEYS[2], ARGV[4])
   if entry then
     redis.call('HDEL', KEYS[2], ARGV[4])
     redis.call('HSET', KEYS[1], 'reserved', redis.call('HGET', KEYS[1], 'charged') or '0')
-    -- Given back to the window the entry names (as release.lua builds its key; KEYS[4] for
-    -- an older entry that names none), only while it still holds it (release.lua): one gone
-    -- past its retention is never made again here (with no TTL).
-    local win = string.match(entry, '^[^|]+|(%d+)')
-    local window = win and string.match(KEYS[2], '^[^{]*{[^}]*}') .. ':window:' .. win or KEYS[4]
-    if redis.call('HGET', window, 'exposure') then
+    if window then
       redis.call('HINCRBYFLOAT', window, 'exposure', -tonumber(string.match(entry, '^[^|]+')))
     end
   end

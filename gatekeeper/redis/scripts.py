@@ -2,7 +2,11 @@
 
 Each script under ``gatekeeper/lua/`` opens with a header listing its KEYS, ARGV and reply;
 every key it touches is passed in KEYS (one hash tag per namespace, so Redis Cluster can run
-it) and ``now`` always comes in ARGV.
+it) and ``now`` always comes in ARGV, but for keys named by what it reads (the window an
+in-flight entry names, the attempts ``gate.lua``'s horizon drops): those are built from a
+passed key's prefix up to its hash tag (the same slot) and read before the script's first
+write, so that a cluster moving the slot refuses the call whole rather than halfway (but for
+``gate.lua``'s horizon, whose give-backs are each a step of their own).
 """
 
 from __future__ import annotations
