@@ -150,3 +150,33 @@ def test_a_give_back_refused_mid_reshard_writes_nothing_and_is_done_once_sent_ag
     if call is _finish:  # its slack miss, counted once
         assert owner.hget(KEYS.window(W + 1), "slack_misses") == b"1"
         assert owner.hget(KEYS.totals, "slack_misses") == b"1"
+
+
+def test_a_row_while_the_slot_starts_moving_is_written_whole_its_record_left_as_it_is(
+    nodes: tuple[redis.Redis, redis.Redis],
+) -> None:
+    # A reviewer: a record past a compact hash's values (here its task's name) is written
+    # again by its row's cut (DEL, then HSET); a node moving the slot away refuses the HSET
+    # of a key it no longer holds, so the script failed after the row's writes, and sent
+    # again wrote the row twice. The cut now leaves the record as it is on such a node.
+    owner, other = nodes
+    long_name = "t" * 70
+    _admitted(owner, "e")
+    owner.hset(KEYS.service(long_name), "b1", 0)
+    runs = RunLedger(owner, KEYS, window_seconds=900, queue_wait_unit_per_second=200)
+    start_run(runs, owner, "e", 1, record(window=W + 1, task=long_name), T0_MS + 100)
+    _, rec = runs.record("e", 1) or (0, record())
+    late_ms = T0_MS + 1_000_000
+    row = runs.row_for("e", 1, rec, Outcome.OK, late_ms)
+    ids = [node.execute_command("CLUSTER", "MYID") for node in (owner, other)]
+    other.execute_command("CLUSTER", "SETSLOT", SLOT, "IMPORTING", ids[0])
+    owner.execute_command("CLUSTER", "SETSLOT", SLOT, "MIGRATING", ids[1])  # nothing moved
+    assert runs.finish(row, 1, rec, late_ms, slack_miss=True, ends=True, token="t").written
+    assert owner.llen(KEYS.window_rows(W + 1)) == 2  # ("{}" and the row)
+    assert owner.hget(KEYS.totals, "slack_misses") == b"1"
+    assert owner.hget(KEYS.run("e", 1), "kept") is not None  # cut, in place
+    assert owner.object("encoding", KEYS.run("e", 1)) == b"hashtable"
+    _settled(owner, other)  # the same row sent again: told it was written
+    assert runs.finish(row, 1, rec, late_ms, slack_miss=True, ends=True, token="t").written
+    assert owner.llen(KEYS.window_rows(W + 1)) == 2
+    assert owner.hget(KEYS.totals, "slack_misses") == b"1"
