@@ -180,3 +180,21 @@ def test_a_row_while_the_slot_starts_moving_is_written_whole_its_record_left_as_
     assert runs.finish(row, 1, rec, late_ms, slack_miss=True, ends=True, token="t").written
     assert owner.llen(KEYS.window_rows(W + 1)) == 2
     assert owner.hget(KEYS.totals, "slack_misses") == b"1"
+
+
+def test_on_a_settled_slot_the_cut_still_writes_a_long_record_again_compact(
+    nodes: tuple[redis.Redis, redis.Redis],
+) -> None:
+    # The check above (a key of the slot that never exists) must not stop the cut where the
+    # slot is not moving: there the record is written again in a compact hash, as on one
+    # server (bench/memory.py --hostname).
+    owner, _ = nodes
+    long_name = "t" * 70
+    _admitted(owner, "e")
+    runs = RunLedger(owner, KEYS, window_seconds=900, queue_wait_unit_per_second=200)
+    start_run(runs, owner, "e", 1, record(window=W + 1, task=long_name), T0_MS + 100)
+    assert owner.object("encoding", KEYS.run("e", 1)) == b"hashtable"
+    _, rec = runs.record("e", 1) or (0, record())
+    row = runs.row_for("e", 1, rec, Outcome.OK, T0_MS + 1_000_000)
+    assert runs.finish(row, 1, rec, T0_MS + 1_000_000).written
+    assert owner.object("encoding", KEYS.run("e", 1)) in (b"ziplist", b"listpack")

@@ -53,9 +53,7 @@ local held = redis.call('HGET', KEYS[2], ARGV[1])
 local exposed = false
 if held then
   local win = string.match(held, '^[^|]+|(%d+)')
-  local named = win and ':window:' .. win  -- (KEYS[4] itself, passed, when it is that one)
-  exposed = named and string.sub(KEYS[4], -#named) ~= named
-    and string.match(KEYS[2], '^[^{]*{[^}]*}') .. named or KEYS[4]
+  exposed = win and string.match(KEYS[2], '^[^{]*{[^}]*}') .. ':window:' .. win or KEYS[4]
   exposed = redis.call('HGET', exposed, 'exposure') and exposed
 end
 -- `free_window`: the admission's window, where a slack miss of its job is counted

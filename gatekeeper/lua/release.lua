@@ -31,10 +31,7 @@ local amount, win = string.match(held, '^([^|]+)|?([^|]*)')
 local tokens = tonumber(amount)
 local window = KEYS[3]
 if win and string.match(win, '^%d+$') then
-  local named = ':window:' .. win  -- (KEYS[3] itself, passed, when it is that one)
-  if string.sub(KEYS[3], -#named) ~= named then
-    window = string.match(KEYS[1], '^[^{]*{[^}]*}') .. named
-  end
+  window = string.match(KEYS[1], '^[^{]*{[^}]*}') .. ':window:' .. win
 end
 -- A window gone past its retention took its exposure along: only one that still holds it
 -- (`exposure`, which gate.lua writes with every admission; a window made again by a late

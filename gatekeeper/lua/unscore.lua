@@ -37,9 +37,7 @@ local entry = ARGV[5] == '1' and redis.call('HGET', KEYS[2], ARGV[4])
 local window = false
 if entry then
   local win = string.match(entry, '^[^|]+|(%d+)')
-  local named = win and ':window:' .. win  -- (KEYS[4] itself, passed, when it is that one)
-  window = named and string.sub(KEYS[4], -#named) ~= named
-    and string.match(KEYS[2], '^[^{]*{[^}]*}') .. named or KEYS[4]
+  window = win and string.match(KEYS[2], '^[^{]*{[^}]*}') .. ':window:' .. win or KEYS[4]
   window = redis.call('HGET', window, 'exposure') and window
 end
 -- A first write that frees memory (prev_nonce is written '' below): a Redis out of memory
