@@ -16,7 +16,7 @@ from redis.crc import key_slot
 from gatekeeper.core.ledger import Outcome, window_id
 from gatekeeper.errors import LedgerUnavailable
 from gatekeeper.redis.keys import Keys
-from gatekeeper.redis.runs import RunLedger
+from gatekeeper.redis.runs import Finished, RunLedger
 from gatekeeper.redis.scripts import load_lua
 from gatekeeper.redis.store import GateStore
 from tests.local_cluster import LocalCluster
@@ -28,6 +28,8 @@ KEYS = Keys()
 W = window_id(T0_MS / 1000, 900)
 """The window the in-flight entry names (moved away first); the caller names W + 1."""
 SLOT = key_slot(KEYS.inflight.encode())
+LONG = "t" * 70
+"""A task name past a compact hash's values: its run's cut writes the record again."""
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +64,14 @@ def _serves(node: redis.Redis) -> bool:
                for start, end, primary, *_ in node.execute_command("CLUSTER", "SLOTS"))  # fmt: skip
 
 
-def _moving(owner: redis.Redis, other: redis.Redis) -> None:
-    """The slot on its way from ``owner`` to ``other``, the entry's window moved already."""
+def _moving(owner: redis.Redis, other: redis.Redis, window: bool = True) -> None:
+    """The slot on its way from ``owner`` to ``other``, the entry's window moved already
+    (``window``; else nothing moved yet)."""
     ids = [node.execute_command("CLUSTER", "MYID") for node in (owner, other)]
     other.execute_command("CLUSTER", "SETSLOT", SLOT, "IMPORTING", ids[0])
     owner.execute_command("CLUSTER", "SETSLOT", SLOT, "MIGRATING", ids[1])
+    if not window:
+        return
     port = other.connection_pool.connection_kwargs["port"]
     owner.execute_command("MIGRATE", "127.0.0.1", port, KEYS.window(W), 0, 5000)
 
@@ -107,9 +112,11 @@ def _expire(owner: redis.Redis) -> Callable[[], object]:
     return lambda: script(keys=keys, args=args)
 
 
-def _finish(owner: redis.Redis) -> Callable[[], object]:
+def _finish(owner: redis.Redis, task: str = "t") -> Callable[[], Finished]:
+    """A run of the admission started; its late ``ok`` row, to send (``task``: its name)."""
+    owner.hset(KEYS.service(task), "b1", 0)
     runs = RunLedger(owner, KEYS, window_seconds=900, queue_wait_unit_per_second=200)
-    start_run(runs, owner, "e", 1, record(window=W + 1), T0_MS + 100)
+    start_run(runs, owner, "e", 1, record(window=W + 1, task=task), T0_MS + 100)
     _, rec = runs.record("e", 1) or (0, record())
     late_ms = T0_MS + 1_000_000  # in W + 1, past its deadline: a slack miss
     row = runs.row_for("e", 1, rec, Outcome.OK, late_ms)
@@ -160,24 +167,16 @@ def test_a_row_while_the_slot_starts_moving_is_written_whole_its_record_left_as_
     # of a key it no longer holds, so the script failed after the row's writes, and sent
     # again wrote the row twice. The cut now leaves the record as it is on such a node.
     owner, other = nodes
-    long_name = "t" * 70
     _admitted(owner, "e")
-    owner.hset(KEYS.service(long_name), "b1", 0)
-    runs = RunLedger(owner, KEYS, window_seconds=900, queue_wait_unit_per_second=200)
-    start_run(runs, owner, "e", 1, record(window=W + 1, task=long_name), T0_MS + 100)
-    _, rec = runs.record("e", 1) or (0, record())
-    late_ms = T0_MS + 1_000_000
-    row = runs.row_for("e", 1, rec, Outcome.OK, late_ms)
-    ids = [node.execute_command("CLUSTER", "MYID") for node in (owner, other)]
-    other.execute_command("CLUSTER", "SETSLOT", SLOT, "IMPORTING", ids[0])
-    owner.execute_command("CLUSTER", "SETSLOT", SLOT, "MIGRATING", ids[1])  # nothing moved
-    assert runs.finish(row, 1, rec, late_ms, slack_miss=True, ends=True, token="t").written
+    send = _finish(owner, LONG)
+    _moving(owner, other, window=False)
+    assert send().written
     assert owner.llen(KEYS.window_rows(W + 1)) == 2  # ("{}" and the row)
     assert owner.hget(KEYS.totals, "slack_misses") == b"1"
     assert owner.hget(KEYS.run("e", 1), "kept") is not None  # cut, in place
     assert owner.object("encoding", KEYS.run("e", 1)) == b"hashtable"
     _settled(owner, other)  # the same row sent again: told it was written
-    assert runs.finish(row, 1, rec, late_ms, slack_miss=True, ends=True, token="t").written
+    assert send().written
     assert owner.llen(KEYS.window_rows(W + 1)) == 2
     assert owner.hget(KEYS.totals, "slack_misses") == b"1"
 
@@ -189,12 +188,8 @@ def test_on_a_settled_slot_the_cut_still_writes_a_long_record_again_compact(
     # slot is not moving: there the record is written again in a compact hash, as on one
     # server (bench/memory.py --hostname).
     owner, _ = nodes
-    long_name = "t" * 70
     _admitted(owner, "e")
-    runs = RunLedger(owner, KEYS, window_seconds=900, queue_wait_unit_per_second=200)
-    start_run(runs, owner, "e", 1, record(window=W + 1, task=long_name), T0_MS + 100)
+    send = _finish(owner, LONG)
     assert owner.object("encoding", KEYS.run("e", 1)) == b"hashtable"
-    _, rec = runs.record("e", 1) or (0, record())
-    row = runs.row_for("e", 1, rec, Outcome.OK, T0_MS + 1_000_000)
-    assert runs.finish(row, 1, rec, T0_MS + 1_000_000).written
+    assert send().written
     assert owner.object("encoding", KEYS.run("e", 1)) in (b"ziplist", b"listpack")
